@@ -1,0 +1,250 @@
+//! The engine and pruning, on `f64` scalars.
+
+use std::sync::Arc;
+
+use crate::*;
+
+/// A recorded scalar op: value plus node.
+struct V {
+    x: f64,
+    node: Option<NodeHandle<f64>>,
+}
+
+/// A rule that saves `bytes` bytes and scales the gradient by `local[i]` per input.
+struct Scale {
+    local: Vec<f64>,
+    bytes: usize,
+}
+
+impl Backward<f64> for Scale {
+    fn backward(&self, grad: &f64, wanted: &[bool]) -> Result<InputGrads<f64>, BoxError> {
+        Ok(self
+            .local
+            .iter()
+            .zip(wanted)
+            .map(|(d, w)| w.then(|| grad * d))
+            .collect())
+    }
+
+    fn saved_bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+fn leaf(g: &Graph<f64>, x: f64) -> (V, GradSlot<f64>) {
+    let slot = GradSlot::default();
+    let node = g.leaf(NodeMeta::scalar("leaf"), slot.clone());
+    (V { x, node: Some(node) }, slot)
+}
+
+fn constant(x: f64) -> V {
+    V { x, node: None }
+}
+
+fn mul(g: &Graph<f64>, a: &V, b: &V) -> V {
+    let rule = Scale {
+        local: vec![b.x, a.x], // d(ab)/da = b, d(ab)/db = a
+        bytes: 16,
+    };
+    let node = g.record(NodeMeta::scalar("mul"), Arc::new(rule), &[a.node.as_ref(), b.node.as_ref()]);
+    V { x: a.x * b.x, node: Some(node) }
+}
+
+fn grad(slot: &GradSlot<f64>) -> Option<f64> {
+    *slot.lock()
+}
+
+fn run(v: &V) -> Result<BackwardReport, GraphError> {
+    v.node.as_ref().unwrap().backward(1.0, BackwardOptions::default())
+}
+
+#[test]
+fn leaf_used_twice_accumulates() {
+    let g = Graph::new();
+    let (x, dx) = leaf(&g, 3.0);
+    let y = mul(&g, &x, &x); // d(x²)/dx = 2x
+    run(&y).unwrap();
+    assert_eq!(grad(&dx), Some(6.0));
+}
+
+#[test]
+fn diamond_collects_every_path_before_passing_on() {
+    let g = Graph::new();
+    let (a, da) = leaf(&g, 2.0);
+    let b = mul(&g, &a, &constant(3.0));
+    let c = mul(&g, &a, &constant(5.0));
+    let d = mul(&g, &b, &c); // d = 15a², dd/da = 30a
+    let report = run(&d).unwrap();
+    assert_eq!(grad(&da), Some(60.0));
+    assert_eq!(report.visited, 4);
+    assert_eq!(report.leaves_reached, 1);
+}
+
+#[test]
+fn inputs_without_grad_get_no_edge_and_no_gradient() {
+    let g = Graph::new();
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let seen_in_rule = Arc::clone(&seen);
+    let rule = move |grad: &f64, wanted: &[bool]| -> Result<InputGrads<f64>, BoxError> {
+        seen_in_rule.lock().extend_from_slice(wanted);
+        Ok(wanted.iter().map(|w| w.then_some(*grad)).collect())
+    };
+    let (a, da) = leaf(&g, 1.0);
+    let out = g.record(NodeMeta::scalar("add"), Arc::new(rule), &[None, a.node.as_ref()]);
+    out.backward(2.0, BackwardOptions::default()).unwrap();
+    assert_eq!(*seen.lock(), vec![false, true]);
+    assert_eq!(grad(&da), Some(2.0));
+}
+
+#[test]
+fn second_backward_without_retain_graph_is_an_error_that_names_the_fix() {
+    let g = Graph::new();
+    let (x, _) = leaf(&g, 3.0);
+    let y = mul(&g, &x, &x);
+    run(&y).unwrap();
+    assert_eq!(g.saved_bytes(), 0, "backward frees what the graph saved");
+    let err = run(&y).unwrap_err();
+    assert!(matches!(err, GraphError::BuffersFreed { op: "mul" }));
+    assert!(err.to_string().contains("retain_graph: true"), "{err}");
+}
+
+#[test]
+fn retain_graph_allows_a_second_backward_that_accumulates() {
+    let g = Graph::new();
+    let (x, dx) = leaf(&g, 3.0);
+    let y = mul(&g, &x, &x);
+    let keep = BackwardOptions {
+        retain_graph: true,
+        ..Default::default()
+    };
+    y.node.as_ref().unwrap().backward(1.0, keep).unwrap();
+    assert_eq!(g.saved_bytes(), 16);
+    run(&y).unwrap();
+    assert_eq!(grad(&dx), Some(12.0));
+}
+
+#[test]
+fn dropping_the_last_tensor_prunes_the_chain_and_its_saved_bytes() {
+    let g = Graph::new();
+    let (x, _) = leaf(&g, 1.5);
+    let baseline = (g.live_nodes(), g.saved_bytes());
+    let mut y = mul(&g, &x, &constant(2.0));
+    for _ in 0..10 {
+        y = mul(&g, &y, &constant(1.1));
+    }
+    assert_eq!(g.live_nodes(), baseline.0 + 11);
+    assert_eq!(g.saved_bytes(), baseline.1 + 11 * 16);
+    drop(y);
+    assert_eq!((g.live_nodes(), g.saved_bytes()), baseline);
+    drop(x);
+    assert_eq!(g.live_nodes(), 0);
+}
+
+#[test]
+fn a_node_held_by_a_downstream_node_survives_its_tensor() {
+    let g = Graph::new();
+    let (x, dx) = leaf(&g, 2.0);
+    let y = mul(&g, &x, &x);
+    let z = mul(&g, &y, &constant(3.0));
+    drop(y); // z's node still needs y's node
+    assert_eq!(g.live_nodes(), 3);
+    run(&z).unwrap(); // dz/dx = 6x
+    assert_eq!(grad(&dx), Some(12.0));
+}
+
+#[test]
+fn cloned_handles_keep_the_node_alive() {
+    let g = Graph::new();
+    let (x, _) = leaf(&g, 2.0);
+    let y = mul(&g, &x, &x);
+    let alias = y.node.clone().unwrap();
+    drop(y);
+    assert_eq!(g.live_nodes(), 2);
+    drop(alias);
+    assert_eq!(g.live_nodes(), 1);
+}
+
+#[test]
+fn failing_rules_and_wrong_arity_are_errors() {
+    let g = Graph::new();
+    let (x, _) = leaf(&g, 2.0);
+    let fails = |_: &f64, _: &[bool]| -> Result<InputGrads<f64>, BoxError> { Err("device lost".into()) };
+    let node = g.record(NodeMeta::scalar("boom"), Arc::new(fails), &[x.node.as_ref()]);
+    let err = node.backward(1.0, BackwardOptions::default()).unwrap_err();
+    assert_eq!(err.to_string(), "backward of `boom` failed: device lost");
+
+    let short = |_: &f64, _: &[bool]| -> Result<InputGrads<f64>, BoxError> { Ok(InputGrads::new()) };
+    let node = g.record(NodeMeta::scalar("short"), Arc::new(short), &[x.node.as_ref()]);
+    let err = node.backward(1.0, BackwardOptions::default()).unwrap_err();
+    assert!(matches!(err, GraphError::GradientArity { expected: 1, got: 0, .. }), "{err}");
+}
+
+#[test]
+fn trace_lists_each_node_in_order_with_what_it_received_and_passed() {
+    let g = Graph::new();
+    let (a, _) = leaf(&g, 2.0);
+    let b = mul(&g, &a, &constant(3.0));
+    let options = BackwardOptions {
+        trace: true,
+        ..Default::default()
+    };
+    let report = b.node.as_ref().unwrap().backward(1.0, options).unwrap();
+    let ops: Vec<_> = report.trace.iter().map(|s| s.meta.op).collect();
+    assert_eq!(ops, ["mul", "leaf"]);
+    assert_eq!(report.trace[0].passed, vec![(0, "3.000000".to_string())]);
+    assert_eq!(report.trace[1].received, "3.000000");
+}
+
+#[test]
+fn dot_snapshot() {
+    let g = Graph::new();
+    let (a, _) = leaf(&g, 2.0);
+    let b = mul(&g, &a, &a);
+    let mut meta = NodeMeta::op("to_device", &[2, 3], "f32", "cpu");
+    meta.kind = NodeKind::Transfer {
+        from: "cuda:0".into(),
+        to: "cpu".into(),
+    };
+    let rule = Scale { local: vec![1.0], bytes: 0 };
+    let moved = g.record(meta, Arc::new(rule), &[b.node.as_ref()]);
+    let cut = DetachCut {
+        label: "b.detach()".into(),
+        node: b.node.as_ref().unwrap().index(),
+    };
+    let dot = g.dot_from(&[&moved], &[cut]);
+    let expected = r##"digraph autograd {
+  rankdir=BT;
+  node [fontname="monospace", fontsize=10];
+  n0 [label="to_device\n[2, 3] f32 cpu\ncuda:0 -> cpu", shape=box, style="filled,bold", fillcolor="orange"];
+  n1 [label="mul\n[] f64 cpu\nsaved 16 B", shape=box];
+  n2 [label="leaf\n[] f64 cpu", shape=ellipse, style=filled, fillcolor="lightblue"];
+  n0 -> n1 [color="darkorange", penwidth=2, style=bold];
+  n1 -> n2 [label="0"];
+  n1 -> n2 [label="1"];
+  cut0 [label="b.detach()", shape=note, style=filled, fillcolor="#eeeeee"];
+  cut0 -> n1 [style=dashed, color=red, arrowhead=tee, label="detach"];
+}
+"##;
+    assert_eq!(dot, expected);
+    assert_eq!(g.to_dot().matches(" -> n").count(), 3);
+}
+
+#[test]
+fn the_graph_is_usable_from_several_threads() {
+    let g = Graph::new();
+    let (x, dx) = leaf(&g, 1.0);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..100 {
+                    let y = mul(&g, &x, &constant(2.0));
+                    drop(y);
+                }
+            });
+        }
+    });
+    assert_eq!(g.live_nodes(), 1);
+    let y = mul(&g, &x, &constant(2.0));
+    run(&y).unwrap();
+    assert_eq!(grad(&dx), Some(2.0));
+}
