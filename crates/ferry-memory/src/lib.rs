@@ -1,1 +1,23 @@
-//! placeholder
+//! Devices, dtypes and memory for ferry: host buffers, CUDA discovery, and (on CUDA machines)
+//! device memory, caching allocators, streams, events and kernel loading.
+//!
+//! This crate owns every raw pointer in ferry and every `unsafe` block that touches memory or
+//! the driver; the crates above it see safe types only. It knows nothing of tensors or autograd.
+//!
+//! Key decision: CUDA support is always compiled (cudarc loads the driver dynamically), and
+//! whether a GPU is there is decided at run time. Nothing touches cudarc before
+//! [`cuda::driver_present`] says the driver library loads, so a machine without one gets
+//! [`MemoryError::NoDriver`] as a value, never a panic.
+#![warn(missing_docs)]
+
+pub mod cuda;
+mod device;
+mod dtype;
+mod error;
+mod host;
+
+pub use device::Device;
+pub use dtype::{DType, Element};
+pub use error::MemoryError;
+pub use half::{bf16, f16};
+pub use host::HostBuffer;
