@@ -1,0 +1,79 @@
+//! Copies that rearrange elements: strided to contiguous, and concatenation.
+
+use ferry_memory::{DType, HostBuffer};
+
+use crate::{Result, Tensor};
+
+/// Runs `$body` with `$T` an unsigned integer as wide as `dtype`'s elements: copies move bits.
+macro_rules! bits_dispatch {
+    ($dtype:expr, |$T:ident| $body:expr) => {
+        match $dtype.size() {
+            1 => {
+                type $T = u8;
+                $body
+            }
+            2 => {
+                type $T = u16;
+                $body
+            }
+            4 => {
+                type $T = u32;
+                $body
+            }
+            _ => {
+                type $T = u64;
+                $body
+            }
+        }
+    };
+}
+
+/// Raw-bit view of a storage, whatever its dtype.
+fn bits<T: bytemuck::Pod>(t: &Tensor) -> Result<parking_lot::MappedRwLockReadGuard<'_, [T]>> {
+    let guard = t.storage().read();
+    parking_lot::RwLockReadGuard::try_map(guard, |b| match b {
+        crate::storage::Buffer::Host(h) => Some(bytemuck::cast_slice::<u8, T>(h.as_bytes())),
+    })
+    .map_err(|_| crate::TensorError::NotOnHost { op: "copy", device: t.device() })
+}
+
+/// A contiguous copy of `x`.
+pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
+    bits_dispatch!(x.dtype(), |B| {
+        let src = bits::<B>(x)?;
+        let out = build_bits::<B>(x.dtype(), x.shape(), |out| {
+            out.iter_mut().zip(x.layout().offsets()).for_each(|(o, i)| *o = src[i])
+        })?;
+        Ok(out)
+    })
+}
+
+/// Concatenates contiguous copies of `parts` along `axis`.
+pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tensor> {
+    let parts: Vec<Tensor> = parts.iter().map(Tensor::contiguous).collect::<Result<_>>()?;
+    let dtype = parts[0].dtype();
+    let outer: usize = shape[..axis].iter().product();
+    let inner: usize = shape[axis + 1..].iter().product();
+    let row = shape[axis] * inner;
+    bits_dispatch!(dtype, |B| {
+        let guards: Vec<_> = parts.iter().map(bits::<B>).collect::<Result<_>>()?;
+        build_bits::<B>(dtype, shape, |out| {
+            let mut start = 0;
+            for (part, src) in parts.iter().zip(&guards) {
+                let width = part.shape()[axis] * inner;
+                let src = &src[part.layout().offset()..part.layout().offset() + part.numel()];
+                for o in 0..outer {
+                    out[o * row + start..o * row + start + width].copy_from_slice(&src[o * width..(o + 1) * width]);
+                }
+                start += width;
+            }
+        })
+    })
+}
+
+fn build_bits<B: bytemuck::Pod>(dtype: DType, shape: &[usize], fill: impl FnOnce(&mut [B])) -> Result<Tensor> {
+    let numel: usize = shape.iter().product();
+    let mut buffer = HostBuffer::zeroed(numel * dtype.size())?;
+    fill(bytemuck::cast_slice_mut(buffer.as_bytes_mut()));
+    Tensor::from_host_buffer(buffer, dtype, shape)
+}

@@ -1,0 +1,83 @@
+//! Reductions along one axis of a contiguous tensor, seen as `[outer, len, inner]`.
+
+use ferry_memory::Element;
+use num_traits::Float;
+use rayon::prelude::*;
+
+use super::{build, float_dispatch, PARALLEL_THRESHOLD};
+use crate::ops::ReduceOp;
+use crate::{Result, Tensor};
+
+/// Reduces axis `axis` of `x` away (the caller restores it for keepdim).
+pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let shape = x.shape();
+    let outer: usize = shape[..axis].iter().product();
+    let len = shape[axis];
+    let inner: usize = shape[axis + 1..].iter().product();
+    let mut out_shape = shape.to_vec();
+    out_shape.remove(axis);
+    let name = match op {
+        ReduceOp::Sum => "sum",
+        ReduceOp::Max => "max",
+        ReduceOp::ArgMax => "argmax",
+    };
+    float_dispatch!(x.dtype(), name, |T| {
+        let off = x.layout().offset();
+        let src = x.storage().host::<T>(name)?;
+        let src = &src[off..off + x.numel()];
+        let at = |o: usize, j: usize, i: usize| src[(o * len + j) * inner + i];
+        match op {
+            ReduceOp::Sum => build::<T>(&out_shape, |out| {
+                fill(out, outer * len * inner, |k| {
+                    let (o, i) = (k / inner.max(1), k % inner.max(1));
+                    // Accumulate in f64: long f32 rows lose digits otherwise.
+                    T::from_f64((0..len).map(|j| at(o, j, i).to_f64()).sum())
+                })
+            }),
+            ReduceOp::Max => build::<T>(&out_shape, |out| {
+                fill(out, outer * len * inner, |k| {
+                    let (o, i) = (k / inner.max(1), k % inner.max(1));
+                    (0..len).map(|j| at(o, j, i)).fold(T::neg_infinity(), |m, v| if v > m || v.is_nan() { v } else { m })
+                })
+            }),
+            ReduceOp::ArgMax => build::<i64>(&out_shape, |out| {
+                fill(out, outer * len * inner, |k| {
+                    let (o, i) = (k / inner.max(1), k % inner.max(1));
+                    let mut best = 0;
+                    for j in 1..len {
+                        if at(o, j, i) > at(o, best, i) {
+                            best = j;
+                        }
+                    }
+                    best as i64
+                })
+            }),
+        }
+    })
+}
+
+/// `out[k] = f(k)`, in parallel when the work behind `out` is large.
+fn fill<U: Element>(out: &mut [U], work: usize, f: impl Fn(usize) -> U + Sync) {
+    if work >= PARALLEL_THRESHOLD && out.len() > 1 {
+        out.par_iter_mut().enumerate().for_each(|(k, o)| *o = f(k));
+    } else {
+        out.iter_mut().enumerate().for_each(|(k, o)| *o = f(k));
+    }
+}
+
+/// Sum of every element, accumulated in f64 in parallel chunks.
+pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    float_dispatch!(x.dtype(), "sum", |T| {
+        let off = x.layout().offset();
+        let src = x.storage().host::<T>("sum")?;
+        let src = &src[off..off + x.numel()];
+        let total: f64 = if src.len() >= PARALLEL_THRESHOLD {
+            src.par_chunks(super::CHUNK).map(|c| c.iter().map(|v| v.to_f64()).sum::<f64>()).sum()
+        } else {
+            src.iter().map(|v| v.to_f64()).sum()
+        };
+        build::<T>(&[], |out| out[0] = T::from_f64(total))
+    })
+}

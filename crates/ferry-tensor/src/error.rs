@@ -1,0 +1,162 @@
+use ferry_memory::{DType, Device, MemoryError};
+use ferry_graph::GraphError;
+use thiserror::Error;
+
+use crate::layout::Shape;
+
+/// Result of tensor operations.
+pub type Result<T, E = TensorError> = std::result::Result<T, E>;
+
+/// Everything a tensor operation can reject; each message says how to fix the call.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum TensorError {
+    /// Two shapes that must agree do not.
+    #[error("{op}: shapes {lhs:?} and {rhs:?} do not match: {hint}")]
+    ShapeMismatch {
+        /// The op.
+        op: &'static str,
+        /// First shape.
+        lhs: Shape,
+        /// Second shape.
+        rhs: Shape,
+        /// What the op needs.
+        hint: &'static str,
+    },
+    /// Two dtypes that must agree do not.
+    #[error("{op}: dtypes {lhs} and {rhs} differ: cast one first, e.g. `.to_dtype(DType::{rhs_upper})`")]
+    DTypeMismatch {
+        /// The op.
+        op: &'static str,
+        /// First dtype.
+        lhs: DType,
+        /// Second dtype.
+        rhs: DType,
+        /// `rhs` in upper case, for the hint.
+        rhs_upper: String,
+    },
+    /// Tensors on different devices met in one op.
+    #[error("{op}: tensors are on {lhs} and {rhs}: move one with `.to(Device::...)` (ferry never moves data implicitly)")]
+    DeviceMismatch {
+        /// The op.
+        op: &'static str,
+        /// First device.
+        lhs: Device,
+        /// Second device.
+        rhs: Device,
+    },
+    /// The op does not exist for this dtype.
+    #[error("{op} is not defined for {dtype}: {hint}")]
+    UnsupportedDType {
+        /// The op.
+        op: &'static str,
+        /// The dtype given.
+        dtype: DType,
+        /// What to do instead.
+        hint: &'static str,
+    },
+    /// The op is not available on this device.
+    #[error("{op} is not available on {device} yet: move the tensor with `.to(Device::Cpu)` first")]
+    UnsupportedDevice {
+        /// The op.
+        op: &'static str,
+        /// The device.
+        device: Device,
+    },
+    /// An axis beyond the tensor's dimensions.
+    #[error("{op}: axis {axis} is out of range for a tensor with {ndim} dimension(s); use 0..{ndim} or -1 for the last")]
+    AxisOutOfRange {
+        /// The op.
+        op: &'static str,
+        /// The axis asked for.
+        axis: isize,
+        /// The tensor's number of dimensions.
+        ndim: usize,
+    },
+    /// A range beyond an axis' length.
+    #[error("{op}: range {start}..{end} is out of bounds for axis {axis} of length {len}")]
+    RangeOutOfBounds {
+        /// The op.
+        op: &'static str,
+        /// The axis.
+        axis: usize,
+        /// Start of the range.
+        start: usize,
+        /// End of the range.
+        end: usize,
+        /// Length of the axis.
+        len: usize,
+    },
+    /// A reshape to a different number of elements.
+    #[error("reshape: cannot view {from:?} ({from_numel} elements) as {to:?} ({to_numel} elements); the element counts must match")]
+    BadReshape {
+        /// Current shape.
+        from: Shape,
+        /// Elements in it.
+        from_numel: usize,
+        /// Requested shape.
+        to: Shape,
+        /// Elements in that.
+        to_numel: usize,
+    },
+    /// Data whose length does not fit the shape.
+    #[error("{op}: {len} values cannot fill shape {shape:?} ({numel} elements)")]
+    LengthMismatch {
+        /// The op.
+        op: &'static str,
+        /// Values given.
+        len: usize,
+        /// The shape.
+        shape: Shape,
+        /// Elements the shape holds.
+        numel: usize,
+    },
+    /// An argument out of its domain (a chunk count of zero, a negative class index, ...).
+    #[error("{op}: {message}")]
+    InvalidArgument {
+        /// The op.
+        op: &'static str,
+        /// What was wrong and what is allowed.
+        message: String,
+    },
+    /// Backward from a tensor that is not a scalar, without an explicit gradient.
+    #[error("backward: the output has shape {shape:?}; call it on a scalar (e.g. `.sum()?` or `.mean()?` first) or use `backward_with(grad)`")]
+    NonScalarBackward {
+        /// The output's shape.
+        shape: Shape,
+    },
+    /// Backward from a tensor that has no gradient history.
+    #[error("backward: this tensor does not require grad and has no graph node; mark a leaf with `.with_grad()?` before computing it, outside `no_grad`")]
+    NoGraph,
+    /// Gradients asked of a dtype that cannot carry them.
+    #[error("requires_grad: {dtype} tensors cannot require grad; only float tensors can (cast with `.to_dtype(DType::F32)`)")]
+    NotDifferentiable {
+        /// The dtype.
+        dtype: DType,
+    },
+    /// Reading host data out of a device tensor.
+    #[error("{op}: the tensor is on {device}; move it first with `.to(Device::Cpu)`")]
+    NotOnHost {
+        /// The op.
+        op: &'static str,
+        /// Where the tensor is.
+        device: Device,
+    },
+    /// A memory or device error.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// A backward error.
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+}
+
+impl TensorError {
+    pub(crate) fn dtype_mismatch(op: &'static str, lhs: DType, rhs: DType) -> Self {
+        TensorError::DTypeMismatch {
+            op,
+            lhs,
+            rhs,
+            rhs_upper: rhs.name().to_uppercase(),
+        }
+    }
+}

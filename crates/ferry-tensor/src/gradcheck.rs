@@ -1,0 +1,89 @@
+//! Numerical gradient checking: central differences in f64 against what backward computes.
+
+use ferry_memory::DType;
+
+use crate::{Result, Tensor, TensorError};
+
+/// Step and tolerances for [`gradcheck`].
+#[derive(Debug, Clone, Copy)]
+pub struct GradcheckOptions {
+    /// Perturbation for central differences.
+    pub eps: f64,
+    /// Absolute tolerance.
+    pub atol: f64,
+    /// Relative tolerance.
+    pub rtol: f64,
+}
+
+impl Default for GradcheckOptions {
+    fn default() -> Self {
+        Self {
+            eps: 1e-6,
+            atol: 1e-5,
+            rtol: 1e-4,
+        }
+    }
+}
+
+/// Where an analytical gradient disagreed with the numerical one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GradMismatch {
+    /// Which input.
+    pub input: usize,
+    /// Which element of it (row-major).
+    pub element: usize,
+    /// From backward.
+    pub analytical: f64,
+    /// From central differences.
+    pub numerical: f64,
+}
+
+/// Checks `f`'s gradients at `inputs` (f64 tensors): backward of `Σ f(x) · v` for a fixed
+/// random `v` against central differences, element by element. Returns every mismatch (empty
+/// when all agree).
+pub fn gradcheck(
+    f: impl Fn(&[Tensor]) -> Result<Tensor>,
+    inputs: &[Tensor],
+    options: GradcheckOptions,
+) -> Result<Vec<GradMismatch>> {
+    if let Some(bad) = inputs.iter().find(|t| t.dtype() != DType::F64) {
+        return Err(TensorError::UnsupportedDType {
+            op: "gradcheck",
+            dtype: bad.dtype(),
+            hint: "gradcheck needs f64 inputs for accurate differences; cast with `.to_dtype(DType::F64)`",
+        });
+    }
+    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().with_grad()).collect::<Result<_>>()?;
+    let probe = {
+        let out = crate::with_no_grad(|| f(&leaves))?;
+        Tensor::rand(out.shape(), DType::F64, out.device())?.add_scalar(0.5)?
+    };
+    let objective = |xs: &[Tensor]| -> Result<Tensor> { f(xs)?.mul(&probe)?.sum() };
+    objective(&leaves)?.backward()?;
+
+    let mut mismatches = Vec::new();
+    for (i, leaf) in leaves.iter().enumerate() {
+        let analytical = match leaf.grad() {
+            Some(g) => g.to_vec::<f64>()?,
+            None => vec![0.0; leaf.numel()],
+        };
+        let base = leaf.detach().contiguous()?;
+        for (e, &analytical) in analytical.iter().enumerate() {
+            let at = |delta: f64| -> Result<f64> {
+                let bump = Tensor::arange(0.0, base.numel() as f64, DType::F64, base.device())?
+                    .eq(&Tensor::full(&[], e as f64, DType::F64, base.device())?)?
+                    .to_dtype(DType::F64)?
+                    .mul_scalar(delta)?
+                    .reshape(base.shape())?;
+                let mut xs: Vec<Tensor> = leaves.iter().map(Tensor::detach).collect();
+                xs[i] = base.add(&bump)?;
+                crate::with_no_grad(|| objective(&xs))?.item()
+            };
+            let numerical = (at(options.eps)? - at(-options.eps)?) / (2.0 * options.eps);
+            if !approx::relative_eq!(analytical, numerical, epsilon = options.atol, max_relative = options.rtol) {
+                mismatches.push(GradMismatch { input: i, element: e, analytical, numerical });
+            }
+        }
+    }
+    Ok(mismatches)
+}

@@ -1,0 +1,231 @@
+//! Shapes, strides and offsets: how a tensor's elements sit in its storage.
+
+use smallvec::SmallVec;
+
+use crate::{Result, TensorError};
+
+/// Dimensions of a tensor.
+pub type Shape = SmallVec<[usize; 4]>;
+
+/// Where each element of a tensor is: `storage[offset + Σ index[i] * strides[i]]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    shape: Shape,
+    strides: Shape,
+    offset: usize,
+}
+
+impl Layout {
+    /// A contiguous row-major layout of `shape`.
+    pub fn contiguous(shape: &[usize]) -> Self {
+        Self {
+            shape: shape.into(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+        }
+    }
+
+    /// A layout from its parts.
+    pub fn new(shape: Shape, strides: Shape, offset: usize) -> Self {
+        debug_assert_eq!(shape.len(), strides.len());
+        Self { shape, strides, offset }
+    }
+
+    /// The dimensions.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Elements to step per index of each dimension.
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+
+    /// Index of the first element in storage.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Number of dimensions.
+    pub fn ndim(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether the elements are row-major and gap-free (offset may be non-zero).
+    pub fn is_contiguous(&self) -> bool {
+        let mut expected = 1;
+        for (&dim, &stride) in self.shape.iter().zip(&self.strides).rev() {
+            if dim != 1 && stride != expected {
+                return false;
+            }
+            expected *= dim;
+        }
+        true
+    }
+
+    /// Storage span `[offset, end)` this layout can touch; `None` when it has no elements.
+    pub fn span(&self) -> Option<(usize, usize)> {
+        if self.numel() == 0 {
+            return None;
+        }
+        let last: usize = self.shape.iter().zip(&self.strides).map(|(d, s)| (d - 1) * s).sum();
+        Some((self.offset, self.offset + last + 1))
+    }
+
+    /// Swaps two dimensions (a view).
+    pub fn transpose(&self, a: usize, b: usize) -> Self {
+        let mut out = self.clone();
+        out.shape.swap(a, b);
+        out.strides.swap(a, b);
+        out
+    }
+
+    /// Keeps `len` indices of `axis` starting at `start` (a view).
+    pub fn narrow(&self, axis: usize, start: usize, len: usize) -> Self {
+        let mut out = self.clone();
+        out.offset += start * self.strides[axis];
+        out.shape[axis] = len;
+        out
+    }
+
+    /// Repeats size-1 dimensions (and adds leading ones) to reach `shape`, by zero strides.
+    pub fn broadcast_to(&self, shape: &[usize]) -> Option<Self> {
+        if shape.len() < self.ndim() {
+            return None;
+        }
+        let lead = shape.len() - self.ndim();
+        let mut strides: Shape = SmallVec::from_elem(0, shape.len());
+        for (i, (&dim, &stride)) in self.shape.iter().zip(&self.strides).enumerate() {
+            match (dim, shape[lead + i]) {
+                (d, t) if d == t => strides[lead + i] = stride,
+                (1, _) => strides[lead + i] = 0,
+                _ => return None,
+            }
+        }
+        Some(Self::new(shape.into(), strides, self.offset))
+    }
+
+    /// The same elements with a new shape, without copying, when the strides allow it.
+    pub fn reshape_view(&self, shape: &[usize]) -> Option<Self> {
+        self.is_contiguous().then(|| Self {
+            shape: shape.into(),
+            strides: contiguous_strides(shape),
+            offset: self.offset,
+        })
+    }
+
+    /// Storage index of every element, in row-major order.
+    pub fn offsets(&self) -> StridedOffsets<'_> {
+        StridedOffsets::new(self)
+    }
+}
+
+/// Row-major strides of a contiguous tensor of `shape`.
+pub fn contiguous_strides(shape: &[usize]) -> Shape {
+    let mut strides: Shape = SmallVec::from_elem(1, shape.len());
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+/// The shape both operands broadcast to, numpy-style.
+pub fn broadcast_shapes(op: &'static str, lhs: &[usize], rhs: &[usize]) -> Result<Shape> {
+    let ndim = lhs.len().max(rhs.len());
+    let dim = |s: &[usize], i: usize| if i < ndim - s.len() { 1 } else { s[i - (ndim - s.len())] };
+    (0..ndim)
+        .map(|i| match (dim(lhs, i), dim(rhs, i)) {
+            (a, b) if a == b => Ok(a),
+            (1, b) => Ok(b),
+            (a, 1) => Ok(a),
+            _ => Err(TensorError::ShapeMismatch {
+                op,
+                lhs: lhs.into(),
+                rhs: rhs.into(),
+                hint: "shapes must be equal or 1 in each trailing dimension to broadcast",
+            }),
+        })
+        .collect()
+}
+
+/// Iterates storage offsets of a strided layout in row-major order.
+pub struct StridedOffsets<'a> {
+    layout: &'a Layout,
+    index: Shape,
+    next: Option<usize>,
+}
+
+impl<'a> StridedOffsets<'a> {
+    fn new(layout: &'a Layout) -> Self {
+        Self {
+            layout,
+            index: SmallVec::from_elem(0, layout.ndim()),
+            next: (layout.numel() > 0).then_some(layout.offset),
+        }
+    }
+}
+
+impl Iterator for StridedOffsets<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        let current = self.next?;
+        let (shape, strides) = (&self.layout.shape, &self.layout.strides);
+        let mut offset = current;
+        let mut axis = shape.len();
+        loop {
+            if axis == 0 {
+                self.next = None;
+                break;
+            }
+            axis -= 1;
+            self.index[axis] += 1;
+            offset += strides[axis];
+            if self.index[axis] < shape[axis] {
+                self.next = Some(offset);
+                break;
+            }
+            offset -= strides[axis] * shape[axis];
+            self.index[axis] = 0;
+        }
+        Some(current)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transposed_offsets_walk_columns() {
+        let t = Layout::contiguous(&[2, 3]).transpose(0, 1);
+        assert!(!t.is_contiguous());
+        assert_eq!(t.offsets().collect::<Vec<_>>(), [0, 3, 1, 4, 2, 5]);
+    }
+
+    #[test]
+    fn broadcast_repeats_by_zero_strides() {
+        let b = Layout::contiguous(&[3, 1]).broadcast_to(&[2, 3, 2]).unwrap();
+        assert_eq!(b.strides(), &[0, 1, 0]);
+        assert_eq!(b.offsets().collect::<Vec<_>>(), [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]);
+        assert!(Layout::contiguous(&[3]).broadcast_to(&[2]).is_none());
+        assert_eq!(broadcast_shapes("add", &[4, 1, 3], &[2, 1]).unwrap().as_slice(), &[4, 2, 3]);
+        assert!(broadcast_shapes("add", &[3], &[4]).is_err());
+    }
+
+    #[test]
+    fn narrow_moves_the_offset_and_size_one_dims_do_not_break_contiguity() {
+        let n = Layout::contiguous(&[4, 3]).narrow(0, 1, 2);
+        assert_eq!(n.offset(), 3);
+        assert!(n.is_contiguous());
+        assert_eq!(n.span(), Some((3, 9)));
+        assert!(Layout::contiguous(&[4, 3]).narrow(0, 2, 1).is_contiguous());
+        assert!(!Layout::contiguous(&[4, 3]).narrow(1, 1, 1).is_contiguous());
+        assert!(!Layout::contiguous(&[4, 3]).narrow(1, 1, 2).is_contiguous());
+    }
+}

@@ -1,0 +1,89 @@
+//! Creating tensors directly on their device, and the seedable generator behind rand/randn.
+
+use std::cell::RefCell;
+
+use ferry_memory::{DType, Device, Element};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::StandardNormal;
+
+use crate::cpu::{any_dispatch, build, float_dispatch};
+use crate::{backend, Result, Tensor, TensorError};
+
+thread_local! {
+    static RNG: RefCell<StdRng> = RefCell::new(StdRng::from_os_rng());
+}
+
+/// Seeds this thread's generator: the rand/randn calls that follow repeat exactly.
+pub fn manual_seed(seed: u64) {
+    RNG.with(|r| *r.borrow_mut() = StdRng::seed_from_u64(seed));
+}
+
+impl Tensor {
+    /// Every element `value`, created on `device`.
+    pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        backend::full(shape, dtype, device, value)
+    }
+
+    /// All zeros.
+    pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Self::full(shape, 0.0, dtype, device)
+    }
+
+    /// All ones.
+    pub fn ones(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Self::full(shape, 1.0, dtype, device)
+    }
+
+    /// Zeros with this tensor's shape, dtype and device.
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Self::zeros(self.shape(), self.dtype(), self.device())
+    }
+
+    /// Ones with this tensor's shape, dtype and device.
+    pub fn ones_like(&self) -> Result<Tensor> {
+        Self::ones(self.shape(), self.dtype(), self.device())
+    }
+
+    /// `start, start + 1, ..` below `end`, as a 1-D tensor.
+    pub fn arange(start: f64, end: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        if end < start || !(end - start).is_finite() {
+            return Err(TensorError::InvalidArgument {
+                op: "arange",
+                message: format!("needs start <= end, got {start}..{end}"),
+            });
+        }
+        let len = (end - start).ceil() as usize;
+        let host = any_dispatch!(dtype, |T| build::<T>(&[len], |out| {
+            out.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(start + i as f64))
+        }))?;
+        on_device(host, device, "arange")
+    }
+
+    /// Uniform samples in `[0, 1)` from this thread's generator.
+    pub fn rand(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        sample(shape, dtype, device, "rand", |rng| rng.random::<f64>())
+    }
+
+    /// Standard normal samples from this thread's generator.
+    pub fn randn(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        sample(shape, dtype, device, "randn", |rng| rng.sample::<f64, _>(StandardNormal))
+    }
+}
+
+fn sample(shape: &[usize], dtype: DType, device: Device, op: &'static str, draw: impl Fn(&mut StdRng) -> f64) -> Result<Tensor> {
+    let host = float_dispatch!(dtype, op, |T| RNG.with(|rng| {
+        let mut rng = rng.borrow_mut();
+        build::<T>(shape, |out| out.iter_mut().for_each(|o| *o = T::from_f64(draw(&mut rng))))
+    }))?;
+    on_device(host, device, op)
+}
+
+/// Host-made values are only valid on the host; other devices generate their own.
+fn on_device(host: Tensor, device: Device, op: &'static str) -> Result<Tensor> {
+    match device {
+        Device::Cpu => Ok(host),
+        device => Err(TensorError::UnsupportedDevice { op, device }),
+    }
+}
+

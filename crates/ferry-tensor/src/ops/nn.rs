@@ -1,0 +1,47 @@
+//! Softmax, log-softmax and cross-entropy, composed from primitives so their gradients need no
+//! rules of their own.
+
+use ferry_memory::DType;
+
+use crate::{Result, Tensor, TensorError};
+
+impl Tensor {
+    /// `exp(x) / Σ exp(x)` along `axis`, shifted by the maximum for stability.
+    pub fn softmax(&self, axis: isize) -> Result<Tensor> {
+        let shifted = self.sub(&self.max_axis(axis, true)?.detach())?;
+        let e = shifted.exp()?;
+        e.div(&e.sum_axis(axis, true)?)
+    }
+
+    /// `x - log Σ exp(x)` along `axis`, computed stably.
+    pub fn log_softmax(&self, axis: isize) -> Result<Tensor> {
+        let shifted = self.sub(&self.max_axis(axis, true)?.detach())?;
+        shifted.sub(&shifted.exp()?.sum_axis(axis, true)?.log()?)
+    }
+
+    /// Mean cross-entropy of `[n, classes]` logits against `[n]` class indices (`i64`).
+    pub fn cross_entropy(&self, targets: &Tensor) -> Result<Tensor> {
+        if self.ndim() != 2 || targets.shape() != [self.shape()[0]] {
+            return Err(TensorError::ShapeMismatch {
+                op: "cross_entropy",
+                lhs: self.dims(),
+                rhs: targets.dims(),
+                hint: "logits must be [n, classes] and targets [n]",
+            });
+        }
+        if targets.dtype() != DType::I64 {
+            return Err(TensorError::dtype_mismatch("cross_entropy targets", targets.dtype(), DType::I64));
+        }
+        let classes = self.shape()[1];
+        let one_hot = Tensor::one_hot(targets, classes, self.dtype())?;
+        let picked = self.log_softmax(1)?.mul(&one_hot)?.sum()?;
+        picked.div_scalar(-(self.shape()[0] as f64))
+    }
+
+    /// `[n]` class indices to `[n, classes]` rows of 0 and 1 in `dtype`. Indices outside
+    /// `0..classes` give rows of zeros.
+    pub fn one_hot(indices: &Tensor, classes: usize, dtype: DType) -> Result<Tensor> {
+        let classes_row = Tensor::arange(0.0, classes as f64, indices.dtype(), indices.device())?;
+        indices.unsqueeze(-1)?.eq(&classes_row.unsqueeze(0)?)?.to_dtype(dtype)
+    }
+}

@@ -1,0 +1,163 @@
+//! Views and rearrangements: transpose, reshape, narrow, chunk, cat, broadcast, squeeze.
+
+use crate::autograd::record;
+use crate::layout::Shape;
+use crate::{backend, rules, Result, Tensor, TensorError};
+
+impl Tensor {
+    /// Swaps two dimensions, as a view.
+    pub fn transpose(&self, a: isize, b: isize) -> Result<Tensor> {
+        let (a, b) = (self.axis("transpose", a)?, self.axis("transpose", b)?);
+        let out = self.with_layout(self.layout().transpose(a, b));
+        Ok(record(out, "transpose", &[self], || rules::transpose(a, b)))
+    }
+
+    /// The transpose of a matrix (the last two dimensions swapped).
+    pub fn t(&self) -> Result<Tensor> {
+        if self.ndim() < 2 {
+            return Err(TensorError::InvalidArgument {
+                op: "t",
+                message: format!("needs at least 2 dimensions, got shape {:?}; reshape first", self.shape()),
+            });
+        }
+        self.transpose(-2, -1)
+    }
+
+    /// The same elements in a new shape: a view when the data is contiguous, else a copy.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        if numel != self.numel() {
+            return Err(TensorError::BadReshape {
+                from: self.dims(),
+                from_numel: self.numel(),
+                to: shape.into(),
+                to_numel: numel,
+            });
+        }
+        let out = match self.layout().reshape_view(shape) {
+            Some(layout) => self.with_layout(layout),
+            None => backend::contiguous(self)?.with_layout(crate::layout::Layout::contiguous(shape)),
+        };
+        Ok(record(out, "reshape", &[self], || rules::reshape(self)))
+    }
+
+    /// A contiguous tensor with these elements (`self` itself when already contiguous).
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        let out = backend::contiguous(self)?;
+        Ok(record(out, "contiguous", &[self], rules::identity))
+    }
+
+    /// `len` indices of `axis` from `start`, as a view.
+    pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Result<Tensor> {
+        let axis = self.axis("narrow", axis)?;
+        let size = self.shape()[axis];
+        if start + len > size {
+            return Err(TensorError::RangeOutOfBounds {
+                op: "narrow",
+                axis,
+                start,
+                end: start + len,
+                len: size,
+            });
+        }
+        let out = self.with_layout(self.layout().narrow(axis, start, len));
+        Ok(record(out, "narrow", &[self], || rules::narrow(self, axis, start)))
+    }
+
+    /// Splits `axis` into `chunks` views of equal size (the last may be smaller), like PyTorch.
+    pub fn chunk(&self, chunks: usize, axis: isize) -> Result<Vec<Tensor>> {
+        if chunks == 0 {
+            return Err(TensorError::InvalidArgument {
+                op: "chunk",
+                message: "the number of chunks must be at least 1".into(),
+            });
+        }
+        let size = self.dim(axis)?;
+        let step = size.div_ceil(chunks).max(1);
+        (0..size)
+            .step_by(step)
+            .map(|start| self.narrow(axis, start, step.min(size - start)))
+            .collect()
+    }
+
+    /// Joins tensors along `axis`; all other dimensions must match.
+    pub fn cat(parts: &[&Tensor], axis: isize) -> Result<Tensor> {
+        let first = parts.first().ok_or_else(|| TensorError::InvalidArgument {
+            op: "cat",
+            message: "needs at least one tensor".into(),
+        })?;
+        let axis = first.axis("cat", axis)?;
+        let mut shape: Shape = first.dims();
+        for part in &parts[1..] {
+            first.same_kind("cat", part)?;
+            let same_rank = part.ndim() == first.ndim();
+            let others_match = same_rank && (0..shape.len()).all(|d| d == axis || part.shape()[d] == shape[d]);
+            if !others_match {
+                return Err(TensorError::ShapeMismatch {
+                    op: "cat",
+                    lhs: first.dims(),
+                    rhs: part.dims(),
+                    hint: "every dimension but the joined one must match",
+                });
+            }
+            shape[axis] += part.shape()[axis];
+        }
+        let owned: Vec<Tensor> = parts.iter().map(|t| (*t).clone()).collect();
+        let out = backend::cat(&owned, axis, &shape)?;
+        Ok(record(out, "cat", parts, || rules::cat(parts, axis)))
+    }
+
+    /// Repeats size-1 dimensions (and adds leading ones) to reach `shape`, as a view.
+    pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
+        let layout = self.layout().broadcast_to(shape).ok_or_else(|| TensorError::ShapeMismatch {
+            op: "broadcast_to",
+            lhs: self.dims(),
+            rhs: shape.into(),
+            hint: "each dimension must equal the target or be 1",
+        })?;
+        let out = self.with_layout(layout);
+        Ok(record(out, "broadcast_to", &[self], || rules::broadcast(self)))
+    }
+
+    /// Inserts a dimension of size 1 at `axis` (which may equal `ndim`).
+    pub fn unsqueeze(&self, axis: isize) -> Result<Tensor> {
+        let ndim = self.ndim() as isize;
+        let resolved = if axis < 0 { axis + ndim + 1 } else { axis };
+        if !(0..=ndim).contains(&resolved) {
+            return Err(TensorError::AxisOutOfRange { op: "unsqueeze", axis, ndim: self.ndim() + 1 });
+        }
+        let mut shape = self.shape().to_vec();
+        shape.insert(resolved as usize, 1);
+        self.view_as(&shape)
+    }
+
+    /// Removes dimension `axis`, which must have size 1.
+    pub fn squeeze(&self, axis: isize) -> Result<Tensor> {
+        let axis = self.axis("squeeze", axis)?;
+        if self.shape()[axis] != 1 {
+            return Err(TensorError::InvalidArgument {
+                op: "squeeze",
+                message: format!("axis {axis} has size {}, not 1", self.shape()[axis]),
+            });
+        }
+        let mut shape = self.shape().to_vec();
+        shape.remove(axis);
+        self.view_as(&shape)
+    }
+
+    /// A view in a shape that differs only by size-1 dimensions, keeping strides (no copy even
+    /// when the tensor is not contiguous).
+    fn view_as(&self, shape: &[usize]) -> Result<Tensor> {
+        let mut strides = Vec::with_capacity(shape.len());
+        let mut src = self.shape().iter().zip(self.layout().strides()).filter(|(d, _)| **d != 1);
+        for &d in shape {
+            strides.push(if d == 1 { 0 } else { *src.next().expect("same non-1 dims").1 });
+        }
+        let layout = crate::layout::Layout::new(shape.into(), strides.into(), self.layout().offset());
+        let out = self.with_layout(layout);
+        Ok(record(out, "reshape", &[self], || rules::reshape(self)))
+    }
+}

@@ -1,0 +1,203 @@
+//! The tensor type: shared storage, a strided layout, and autograd metadata.
+
+use std::fmt;
+use std::sync::Arc;
+
+use ferry_graph::{GradSlot, NodeHandle};
+use ferry_memory::{DType, Device, Element, HostBuffer};
+
+use crate::layout::{Layout, Shape};
+use crate::storage::{Buffer, Storage};
+use crate::{Result, TensorError};
+
+/// An n-dimensional array on a device, with optional gradient tracking.
+///
+/// Cloning is cheap and yields the *same* tensor (like a second Python reference): both see
+/// the same gradient. [`Tensor::detach`] gives a tensor over the same data without history.
+#[derive(Clone)]
+pub struct Tensor(pub(crate) Arc<Inner>);
+
+pub(crate) struct Inner {
+    pub(crate) storage: Arc<Storage>,
+    pub(crate) layout: Layout,
+    pub(crate) autograd: Option<Autograd>,
+}
+
+/// A tensor's place in the graph: its node, and for leaves where its gradient lands.
+pub(crate) struct Autograd {
+    pub(crate) node: NodeHandle<Tensor>,
+    pub(crate) grad: Option<GradSlot<Tensor>>,
+}
+
+impl Tensor {
+    /// A tensor over `storage` seen through `layout`, with no gradient history.
+    pub fn from_storage(storage: Arc<Storage>, layout: Layout) -> Self {
+        Tensor(Arc::new(Inner {
+            storage,
+            layout,
+            autograd: None,
+        }))
+    }
+
+    /// A contiguous host tensor owning `buffer`.
+    pub fn from_host_buffer(buffer: HostBuffer, dtype: DType, shape: &[usize]) -> Result<Self> {
+        let numel: usize = shape.iter().product();
+        if buffer.len() != numel * dtype.size() {
+            return Err(TensorError::LengthMismatch {
+                op: "from_host_buffer",
+                len: buffer.len() / dtype.size(),
+                shape: shape.into(),
+                numel,
+            });
+        }
+        let storage = Storage::new(Buffer::Host(buffer), dtype, Device::Cpu);
+        Ok(Self::from_storage(Arc::new(storage), Layout::contiguous(shape)))
+    }
+
+    /// A host tensor holding `data` in row-major order.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Self> {
+        Self::from_slice(&data, shape)
+    }
+
+    /// A host tensor holding a copy of `data` in row-major order.
+    pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Self> {
+        let numel: usize = shape.iter().product();
+        if data.len() != numel {
+            return Err(TensorError::LengthMismatch {
+                op: "from_slice",
+                len: data.len(),
+                shape: shape.into(),
+                numel,
+            });
+        }
+        Self::from_host_buffer(HostBuffer::from_slice(data)?, T::DTYPE, shape)
+    }
+
+    /// A 0-dimensional host tensor.
+    pub fn scalar<T: Element>(value: T) -> Self {
+        Self::from_slice(&[value], &[]).expect("one value fills a scalar")
+    }
+
+    /// The dimensions.
+    pub fn shape(&self) -> &[usize] {
+        self.0.layout.shape()
+    }
+
+    /// Size of dimension `axis` (negative counts from the end).
+    pub fn dim(&self, axis: isize) -> Result<usize> {
+        Ok(self.shape()[self.axis("dim", axis)?])
+    }
+
+    /// Number of dimensions.
+    pub fn ndim(&self) -> usize {
+        self.0.layout.ndim()
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.0.storage.dtype()
+    }
+
+    /// Where the data lives.
+    pub fn device(&self) -> Device {
+        self.0.storage.device()
+    }
+
+    /// Shape, strides and offset.
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+
+    /// The shared storage (for crates that move bytes, like ferry-transfer).
+    pub fn storage(&self) -> &Arc<Storage> {
+        &self.0.storage
+    }
+
+    /// Bytes the elements take (not the storage, which views may share).
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype().size()
+    }
+
+    /// Whether the elements are row-major without gaps.
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+
+    /// Whether two tensors share storage.
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+
+    /// Resolves a possibly negative axis.
+    pub(crate) fn axis(&self, op: &'static str, axis: isize) -> Result<usize> {
+        let ndim = self.ndim();
+        let resolved = if axis < 0 { axis + ndim as isize } else { axis };
+        if resolved < 0 || resolved as usize >= ndim {
+            return Err(TensorError::AxisOutOfRange { op, axis, ndim });
+        }
+        Ok(resolved as usize)
+    }
+
+    /// The elements in row-major order. Works on any device: reading values out is not a move.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        let contiguous = self.contiguous()?;
+        let data = crate::backend::read_elements::<T>(&contiguous)?;
+        Ok(data)
+    }
+
+    /// The elements converted to `f64`, whatever the dtype.
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        let t = if self.dtype() == DType::F64 { self.clone() } else { self.to_dtype(DType::F64)? };
+        t.to_vec::<f64>()
+    }
+
+    /// The single value of a one-element tensor, as `f64`.
+    pub fn item(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            return Err(TensorError::InvalidArgument {
+                op: "item",
+                message: format!("the tensor has {} elements; item() needs exactly one (reduce with .sum() first)", self.numel()),
+            });
+        }
+        Ok(self.to_vec_f64()?[0])
+    }
+
+    /// A tensor over the same data with no gradient history: records nothing, and when this was
+    /// the last reference to its node, that node and what only it kept alive are pruned.
+    pub fn detach(&self) -> Tensor {
+        Tensor::from_storage(Arc::clone(&self.0.storage), self.0.layout.clone())
+    }
+
+    /// The same tensor viewed through another layout, keeping no history.
+    pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
+        Tensor::from_storage(Arc::clone(&self.0.storage), layout)
+    }
+
+    pub(crate) fn from_shape(storage: Storage, shape: &[usize]) -> Tensor {
+        Tensor::from_storage(Arc::new(storage), Layout::contiguous(shape))
+    }
+
+    pub(crate) fn dims(&self) -> Shape {
+        self.shape().into()
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor[{:?}, {}, {}", self.shape(), self.dtype(), self.device())?;
+        if self.requires_grad() {
+            write!(f, ", requires_grad")?;
+        }
+        if self.device() == Device::Cpu && self.numel() <= 16 {
+            if let Ok(values) = self.to_vec_f64() {
+                write!(f, ", {values:?}")?;
+            }
+        }
+        write!(f, "]")
+    }
+}
