@@ -40,7 +40,12 @@ impl<G: GradValue> Graph<G> {
                 continue;
             }
             nodes.push(node);
-            stack.extend(edges_by_slot(&state, node).into_iter().rev().map(|(_, target)| target));
+            stack.extend(
+                edges_by_slot(&state, node)
+                    .into_iter()
+                    .rev()
+                    .map(|(_, target)| target),
+            );
         }
         render(&state, &nodes, cuts)
     }
@@ -55,7 +60,9 @@ impl<G: GradValue> NodeHandle<G> {
 
 fn render<G>(state: &GraphState<G>, nodes: &[NodeIndex], cuts: &[DetachCut]) -> String {
     let ids: HashMap<NodeIndex, usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
-    let mut out = String::from("digraph autograd {\n  rankdir=BT;\n  node [fontname=\"monospace\", fontsize=10];\n");
+    let mut out = String::from(
+        "digraph autograd {\n  rankdir=BT;\n  node [fontname=\"monospace\", fontsize=10];\n",
+    );
     for (id, &node) in nodes.iter().enumerate() {
         let data = &state.graph[node];
         let _ = writeln!(out, "  n{id} [{}];", node_attrs(data));
@@ -63,7 +70,9 @@ fn render<G>(state: &GraphState<G>, nodes: &[NodeIndex], cuts: &[DetachCut]) -> 
     for &node in nodes {
         let data = &state.graph[node];
         for (slot, target) in edges_by_slot(state, node) {
-            let Some(target) = ids.get(&target) else { continue };
+            let Some(target) = ids.get(&target) else {
+                continue;
+            };
             let mut attrs = Vec::new();
             if data.inputs > 1 {
                 attrs.push(format!("label=\"{slot}\""));
@@ -72,11 +81,18 @@ fn render<G>(state: &GraphState<G>, nodes: &[NodeIndex], cuts: &[DetachCut]) -> 
                 attrs.push("color=\"darkorange\", penwidth=2, style=bold".to_string());
             }
             // Edges point the way gradients flow: from an op to its inputs.
-            let _ = writeln!(out, "  n{} -> n{target} [{}];", ids[&node], attrs.join(", "));
+            let _ = writeln!(
+                out,
+                "  n{} -> n{target} [{}];",
+                ids[&node],
+                attrs.join(", ")
+            );
         }
     }
     for (i, cut) in cuts.iter().enumerate() {
-        let Some(target) = ids.get(&cut.node) else { continue };
+        let Some(target) = ids.get(&cut.node) else {
+            continue;
+        };
         let _ = writeln!(
             out,
             "  cut{i} [label=\"{}\", shape=note, style=filled, fillcolor=\"#eeeeee\"];\n  cut{i} -> n{target} [style=dashed, color=red, arrowhead=tee, label=\"detach\"];",
@@ -89,14 +105,23 @@ fn render<G>(state: &GraphState<G>, nodes: &[NodeIndex], cuts: &[DetachCut]) -> 
 
 /// A node's gradient edges as `(slot, input node)`, in slot order.
 fn edges_by_slot<G>(state: &GraphState<G>, node: NodeIndex) -> Vec<(usize, NodeIndex)> {
-    let mut edges: Vec<_> = state.graph.edges(node).map(|e| (e.weight().slot, e.target())).collect();
+    let mut edges: Vec<_> = state
+        .graph
+        .edges(node)
+        .map(|e| (e.weight().slot, e.target()))
+        .collect();
     edges.sort_unstable();
     edges
 }
 
 fn node_attrs<G>(data: &NodeData<G>) -> String {
     let meta = &data.meta;
-    let shape = meta.shape.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+    let shape = meta
+        .shape
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
     let mut label = format!("{}\\n[{shape}] {} {}", meta.op, meta.dtype, meta.device);
     if data.saved_bytes > 0 {
         let _ = write!(label, "\\nsaved {} B", data.saved_bytes);

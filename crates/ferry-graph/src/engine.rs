@@ -9,10 +9,10 @@ use petgraph::stable_graph::NodeIndex;
 use petgraph::visit::EdgeRef;
 use smallvec::SmallVec;
 
+use crate::GraphError;
 use crate::graph::{GradSlot, GraphState, NodeHandle};
 use crate::mode::no_grad;
 use crate::node::{Backward, GradValue, NodeMeta};
-use crate::GraphError;
 
 /// How to run backward.
 #[derive(Debug, Clone, Copy, Default)]
@@ -56,7 +56,11 @@ struct Step<G> {
 
 impl<G: GradValue> NodeHandle<G> {
     /// Runs backward from this node with `grad` as the gradient of its output.
-    pub fn backward(&self, grad: G, options: BackwardOptions) -> Result<BackwardReport, GraphError> {
+    pub fn backward(
+        &self,
+        grad: G,
+        options: BackwardOptions,
+    ) -> Result<BackwardReport, GraphError> {
         let plan = self.plan()?;
         let _no_grad = no_grad();
         let mut grads: HashMap<NodeIndex, G> = HashMap::with_capacity(plan.len());
@@ -79,14 +83,21 @@ impl<G: GradValue> NodeHandle<G> {
                 report.leaves_reached += 1;
                 continue;
             }
-            let backward = step.backward.as_ref().expect("plan checked op nodes have rules");
+            let backward = step
+                .backward
+                .as_ref()
+                .expect("plan checked op nodes have rules");
             let mut wanted: SmallVec<[bool; 4]> = SmallVec::from_elem(false, step.inputs);
             for &(_, slot) in &step.edges {
                 wanted[slot] = true;
             }
-            let mut input_grads = backward
-                .backward(&grad, &wanted)
-                .map_err(|source| GraphError::Backward { op: step.meta.op, source })?;
+            let mut input_grads =
+                backward
+                    .backward(&grad, &wanted)
+                    .map_err(|source| GraphError::Backward {
+                        op: step.meta.op,
+                        source,
+                    })?;
             if input_grads.len() != step.inputs {
                 return Err(GraphError::GradientArity {
                     op: step.meta.op,
@@ -96,15 +107,22 @@ impl<G: GradValue> NodeHandle<G> {
             }
             let mut passed = Vec::new();
             for &(target, slot) in &step.edges {
-                let Some(g) = input_grads[slot].take() else { continue };
+                let Some(g) = input_grads[slot].take() else {
+                    continue;
+                };
                 if options.trace {
                     passed.push((slot, g.describe()));
                 }
                 match grads.entry(target) {
-                    Entry::Occupied(mut existing) => existing
-                        .get_mut()
-                        .accumulate(g)
-                        .map_err(|source| GraphError::Backward { op: step.meta.op, source })?,
+                    Entry::Occupied(mut existing) => {
+                        existing
+                            .get_mut()
+                            .accumulate(g)
+                            .map_err(|source| GraphError::Backward {
+                                op: step.meta.op,
+                                source,
+                            })?
+                    }
                     Entry::Vacant(slot) => {
                         slot.insert(g);
                     }
@@ -143,7 +161,11 @@ impl<G: GradValue> NodeHandle<G> {
                     backward: data.backward.clone(),
                     leaf_grad: data.leaf_grad.clone(),
                     inputs: data.inputs,
-                    edges: state.graph.edges(index).map(|e| (e.target(), e.weight().slot)).collect(),
+                    edges: state
+                        .graph
+                        .edges(index)
+                        .map(|e| (e.target(), e.weight().slot))
+                        .collect(),
                 })
             })
             .collect()
@@ -163,7 +185,11 @@ impl<G: GradValue> NodeHandle<G> {
     }
 }
 
-fn accumulate_into<G: GradValue>(slot: &mut Option<G>, grad: G, op: &'static str) -> Result<(), GraphError> {
+fn accumulate_into<G: GradValue>(
+    slot: &mut Option<G>,
+    grad: G,
+    op: &'static str,
+) -> Result<(), GraphError> {
     match slot {
         Some(existing) => existing
             .accumulate(grad)

@@ -78,7 +78,7 @@ pub use dot::DetachCut;
 pub use engine::{BackwardOptions, BackwardReport, TraceStep};
 pub use error::{BoxError, GraphError};
 pub use graph::{GradEdge, GradSlot, Graph, NodeHandle};
-pub use mode::{enable_grad, is_grad_enabled, no_grad, with_no_grad, GradModeGuard};
+pub use mode::{GradModeGuard, enable_grad, is_grad_enabled, no_grad, with_no_grad};
 pub use node::{Backward, GradValue, InputGrads, NodeKind, NodeMeta};
 pub use petgraph::stable_graph::NodeIndex;
 

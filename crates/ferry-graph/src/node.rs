@@ -83,7 +83,12 @@ pub struct NodeMeta {
 
 impl NodeMeta {
     /// An op node describing an output of `shape`, `dtype` on `device`.
-    pub fn op(op: &'static str, shape: &[usize], dtype: &'static str, device: impl Into<String>) -> Self {
+    pub fn op(
+        op: &'static str,
+        shape: &[usize],
+        dtype: &'static str,
+        device: impl Into<String>,
+    ) -> Self {
         Self {
             op,
             shape: shape.into(),

@@ -34,7 +34,13 @@ impl Backward<f64> for Scale {
 fn leaf(g: &Graph<f64>, x: f64) -> (V, GradSlot<f64>) {
     let slot = GradSlot::default();
     let node = g.leaf(NodeMeta::scalar("leaf"), slot.clone());
-    (V { x, node: Some(node) }, slot)
+    (
+        V {
+            x,
+            node: Some(node),
+        },
+        slot,
+    )
 }
 
 fn constant(x: f64) -> V {
@@ -46,8 +52,15 @@ fn mul(g: &Graph<f64>, a: &V, b: &V) -> V {
         local: vec![b.x, a.x], // d(ab)/da = b, d(ab)/db = a
         bytes: 16,
     };
-    let node = g.record(NodeMeta::scalar("mul"), Arc::new(rule), &[a.node.as_ref(), b.node.as_ref()]);
-    V { x: a.x * b.x, node: Some(node) }
+    let node = g.record(
+        NodeMeta::scalar("mul"),
+        Arc::new(rule),
+        &[a.node.as_ref(), b.node.as_ref()],
+    );
+    V {
+        x: a.x * b.x,
+        node: Some(node),
+    }
 }
 
 fn grad(slot: &GradSlot<f64>) -> Option<f64> {
@@ -55,7 +68,10 @@ fn grad(slot: &GradSlot<f64>) -> Option<f64> {
 }
 
 fn run(v: &V) -> Result<BackwardReport, GraphError> {
-    v.node.as_ref().unwrap().backward(1.0, BackwardOptions::default())
+    v.node
+        .as_ref()
+        .unwrap()
+        .backward(1.0, BackwardOptions::default())
 }
 
 #[test]
@@ -90,7 +106,11 @@ fn inputs_without_grad_get_no_edge_and_no_gradient() {
         Ok(wanted.iter().map(|w| w.then_some(*grad)).collect())
     };
     let (a, da) = leaf(&g, 1.0);
-    let out = g.record(NodeMeta::scalar("add"), Arc::new(rule), &[None, a.node.as_ref()]);
+    let out = g.record(
+        NodeMeta::scalar("add"),
+        Arc::new(rule),
+        &[None, a.node.as_ref()],
+    );
     out.backward(2.0, BackwardOptions::default()).unwrap();
     assert_eq!(*seen.lock(), vec![false, true]);
     assert_eq!(grad(&da), Some(2.0));
@@ -168,15 +188,35 @@ fn cloned_handles_keep_the_node_alive() {
 fn failing_rules_and_wrong_arity_are_errors() {
     let g = Graph::new();
     let (x, _) = leaf(&g, 2.0);
-    let fails = |_: &f64, _: &[bool]| -> Result<InputGrads<f64>, BoxError> { Err("device lost".into()) };
-    let node = g.record(NodeMeta::scalar("boom"), Arc::new(fails), &[x.node.as_ref()]);
+    let fails =
+        |_: &f64, _: &[bool]| -> Result<InputGrads<f64>, BoxError> { Err("device lost".into()) };
+    let node = g.record(
+        NodeMeta::scalar("boom"),
+        Arc::new(fails),
+        &[x.node.as_ref()],
+    );
     let err = node.backward(1.0, BackwardOptions::default()).unwrap_err();
     assert_eq!(err.to_string(), "backward of `boom` failed: device lost");
 
-    let short = |_: &f64, _: &[bool]| -> Result<InputGrads<f64>, BoxError> { Ok(InputGrads::new()) };
-    let node = g.record(NodeMeta::scalar("short"), Arc::new(short), &[x.node.as_ref()]);
+    let short =
+        |_: &f64, _: &[bool]| -> Result<InputGrads<f64>, BoxError> { Ok(InputGrads::new()) };
+    let node = g.record(
+        NodeMeta::scalar("short"),
+        Arc::new(short),
+        &[x.node.as_ref()],
+    );
     let err = node.backward(1.0, BackwardOptions::default()).unwrap_err();
-    assert!(matches!(err, GraphError::GradientArity { expected: 1, got: 0, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            GraphError::GradientArity {
+                expected: 1,
+                got: 0,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -205,7 +245,10 @@ fn dot_snapshot() {
         from: "cuda:0".into(),
         to: "cpu".into(),
     };
-    let rule = Scale { local: vec![1.0], bytes: 0 };
+    let rule = Scale {
+        local: vec![1.0],
+        bytes: 0,
+    };
     let moved = g.record(meta, Arc::new(rule), &[b.node.as_ref()]);
     let cut = DetachCut {
         label: "b.detach()".into(),

@@ -44,7 +44,9 @@ impl FromStr for Device {
 
     /// Parses `cpu`, `cuda` (ordinal 0) or `cuda:N`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || MemoryError::BadDevice { text: s.to_string() };
+        let bad = || MemoryError::BadDevice {
+            text: s.to_string(),
+        };
         match s.trim() {
             "cpu" => Ok(Device::Cpu),
             "cuda" => Ok(Device::Cuda(0)),

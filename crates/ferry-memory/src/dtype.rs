@@ -26,7 +26,14 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 6] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64, DType::U8];
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I64,
+        DType::U8,
+    ];
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
@@ -69,7 +76,9 @@ impl FromStr for DType {
         DType::ALL
             .into_iter()
             .find(|d| d.name() == s)
-            .ok_or_else(|| MemoryError::BadDType { text: s.to_string() })
+            .ok_or_else(|| MemoryError::BadDType {
+                text: s.to_string(),
+            })
     }
 }
 
@@ -116,12 +125,20 @@ mod tests {
         }
         assert_eq!(DType::BF16.size(), std::mem::size_of::<bf16>());
         assert_eq!(DType::I64.size(), std::mem::size_of::<i64>());
-        assert!("f8".parse::<DType>().unwrap_err().to_string().contains("f32, f64"));
+        assert!(
+            "f8".parse::<DType>()
+                .unwrap_err()
+                .to_string()
+                .contains("f32, f64")
+        );
     }
 
     #[test]
     fn conversions_round_and_saturate() {
-        assert_eq!(f16::from_f64(1.0 / 3.0).to_f64(), <f16 as Element>::from_f64(1.0 / 3.0).to_f64());
+        assert_eq!(
+            f16::from_f64(1.0 / 3.0).to_f64(),
+            <f16 as Element>::from_f64(1.0 / 3.0).to_f64()
+        );
         assert_eq!(<u8 as Element>::from_f64(300.0), 255);
         assert_eq!(<u8 as Element>::from_f64(-2.0), 0);
     }

@@ -43,7 +43,12 @@ fn last_index<T>(m: &MatRef<'_, T>, rows: usize, cols: usize) -> Option<usize> {
     (rows > 0 && cols > 0).then(|| m.offset + (rows - 1) * m.row_stride + (cols - 1) * m.col_stride)
 }
 
-fn check<T>(what: &'static str, m: &MatRef<'_, T>, rows: usize, cols: usize) -> Result<(), MemoryError> {
+fn check<T>(
+    what: &'static str,
+    m: &MatRef<'_, T>,
+    rows: usize,
+    cols: usize,
+) -> Result<(), MemoryError> {
     match last_index(m, rows, cols) {
         Some(last) if last >= m.data.len() => Err(MemoryError::OperandOutOfBounds {
             operand: what,
@@ -121,7 +126,12 @@ mod tests {
     use super::*;
 
     fn row_major(data: &[f64], cols: usize) -> MatRef<'_, f64> {
-        MatRef { data, offset: 0, row_stride: cols, col_stride: 1 }
+        MatRef {
+            data,
+            offset: 0,
+            row_stride: cols,
+            col_stride: 1,
+        }
     }
 
     #[test]
@@ -133,7 +143,12 @@ mod tests {
         matmul(2, 2, 3, row_major(&a, 3), row_major(&b, 2), &mut c, 1).unwrap();
         assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);
         // a·aᵀ with aᵀ as a strided view of a: [14 32; 32 77]
-        let at = MatRef { data: &a[..], offset: 0, row_stride: 1, col_stride: 3 };
+        let at = MatRef {
+            data: &a[..],
+            offset: 0,
+            row_stride: 1,
+            col_stride: 3,
+        };
         matmul(2, 2, 3, row_major(&a, 3), at, &mut c, 1).unwrap();
         assert_eq!(c, [14.0, 32.0, 32.0, 77.0]);
     }
@@ -142,7 +157,19 @@ mod tests {
     fn operands_that_do_not_fit_are_errors() {
         let a = [1.0; 5];
         let mut c = [0.0; 4];
-        let err = matmul(2, 2, 3, row_major(&a, 3), row_major(&[1.0; 6], 2), &mut c, 1).unwrap_err();
-        assert!(matches!(err, MemoryError::OperandOutOfBounds { operand: "lhs", .. }), "{err}");
+        let err = matmul(
+            2,
+            2,
+            3,
+            row_major(&a, 3),
+            row_major(&[1.0; 6], 2),
+            &mut c,
+            1,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, MemoryError::OperandOutOfBounds { operand: "lhs", .. }),
+            "{err}"
+        );
     }
 }

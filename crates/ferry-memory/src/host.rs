@@ -29,7 +29,8 @@ impl HostBuffer {
     /// A zeroed buffer of `len` bytes. Large buffers come from the OS as untouched zero pages.
     pub fn zeroed(len: usize) -> Result<Self, MemoryError> {
         let align = if len >= PAGE_ALIGN_FROM { PAGE } else { ALIGN };
-        let layout = Layout::from_size_align(len.max(1), align).map_err(|_| MemoryError::HostOutOfMemory { bytes: len })?;
+        let layout = Layout::from_size_align(len.max(1), align)
+            .map_err(|_| MemoryError::HostOutOfMemory { bytes: len })?;
         // SAFETY: `layout` has non-zero size.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or(MemoryError::HostOutOfMemory { bytes: len })?;
@@ -86,7 +87,9 @@ impl Drop for HostBuffer {
 
 impl fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HostBuffer").field("len", &self.len).finish()
+        f.debug_struct("HostBuffer")
+            .field("len", &self.len)
+            .finish()
     }
 }
 

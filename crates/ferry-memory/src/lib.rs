@@ -14,6 +14,7 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+pub mod gemm;
 mod host;
 
 pub use device::Device;

@@ -32,7 +32,10 @@ pub fn driver_version() -> Result<(i32, i32), MemoryError> {
     // SAFETY: the driver is loaded and initialised; `version` is a valid out-pointer.
     unsafe { sys::cuDriverGetVersion(&mut version) }
         .result()
-        .map_err(|e| MemoryError::Driver { call: "cuDriverGetVersion", message: e.to_string() })?;
+        .map_err(|e| MemoryError::Driver {
+            call: "cuDriverGetVersion",
+            message: e.to_string(),
+        })?;
     Ok((version / 1000, (version % 1000) / 10))
 }
 
@@ -40,7 +43,10 @@ pub(crate) fn init() -> Result<(), MemoryError> {
     if !driver_present() {
         return Err(MemoryError::NoDriver);
     }
-    result::init().map_err(|e| MemoryError::Driver { call: "cuInit", message: e.to_string() })
+    result::init().map_err(|e| MemoryError::Driver {
+        call: "cuInit",
+        message: e.to_string(),
+    })
 }
 
 /// Every CUDA device the driver reports; [`MemoryError::NoDriver`] without a driver.
@@ -53,8 +59,13 @@ pub fn devices() -> Result<Vec<CudaDeviceInfo>, MemoryError> {
     (0..count).map(|ordinal| info(ordinal as usize)).collect()
 }
 
-fn info(ordinal: usize) -> Result<CudaDeviceInfo, MemoryError> {
-    let driver = |call: &'static str| move |e: cudarc::driver::DriverError| MemoryError::Driver { call, message: e.to_string() };
+pub(crate) fn info(ordinal: usize) -> Result<CudaDeviceInfo, MemoryError> {
+    let driver = |call: &'static str| {
+        move |e: cudarc::driver::DriverError| MemoryError::Driver {
+            call,
+            message: e.to_string(),
+        }
+    };
     let dev = result::device::get(ordinal as i32).map_err(driver("cuDeviceGet"))?;
     let attribute = |attr| {
         // SAFETY: `dev` is a valid device handle from cuDeviceGet.
@@ -69,7 +80,8 @@ fn info(ordinal: usize) -> Result<CudaDeviceInfo, MemoryError> {
             attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         ),
         // SAFETY: `dev` is a valid device handle from cuDeviceGet.
-        total_memory: unsafe { result::device::total_mem(dev) }.map_err(driver("cuDeviceTotalMem"))?,
+        total_memory: unsafe { result::device::total_mem(dev) }
+            .map_err(driver("cuDeviceTotalMem"))?,
         multiprocessors: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
     })
 }
@@ -81,7 +93,10 @@ mod tests {
     #[test]
     fn without_a_driver_discovery_is_an_error_value() {
         if driver_present() {
-            assert!(devices().is_ok(), "a machine with a driver lists its devices");
+            assert!(
+                devices().is_ok(),
+                "a machine with a driver lists its devices"
+            );
         } else {
             let err = devices().unwrap_err();
             assert!(matches!(err, MemoryError::NoDriver));

@@ -1,6 +1,28 @@
-//! CUDA through cudarc: discovery first; nothing here touches the driver before
-//! [`driver_present`] has said it can be loaded.
+//! CUDA through cudarc: discovery, device memory behind a caching allocator, a pinned host pool,
+//! streams and events, NVRTC-compiled kernels with a safe launch builder, and cuBLAS GEMM.
+//!
+//! Nothing here touches the driver before [`driver_present`] has said it can be loaded: every
+//! entry point returns [`MemoryError::NoDriver`](crate::MemoryError::NoDriver) instead. Device
+//! memory is raw `cuMemAlloc` blocks, not cudarc's `CudaSlice`, because the allocator orders
+//! reuse itself (per-stream, with one event per block) and needs no per-slice events.
 
+mod allocator;
+mod blas;
+mod buffer;
+mod cache;
+mod device;
 mod discover;
+mod kernels;
+mod launch;
+mod pinned;
+mod stream;
 
-pub use discover::{devices, driver_present, driver_version, CudaDeviceInfo};
+pub use allocator::MemoryStats;
+pub use blas::{GemmInput, GemmOutput, GemmSpec};
+pub use buffer::DeviceBuffer;
+pub use device::CudaDevice;
+pub use discover::{CudaDeviceInfo, devices, driver_present, driver_version};
+pub use kernels::{CudaFunction, KernelModule, compile_ptx, nvrtc_present, nvrtc_version};
+pub use launch::{Dim3, Launch, blocks_for};
+pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PinnedStats};
+pub use stream::{Event, Stream};

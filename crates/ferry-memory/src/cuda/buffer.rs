@@ -1,0 +1,386 @@
+//! `DeviceBuffer`: bytes in GPU memory, owned through the caching allocator, with copies that
+//! check lengths and devices before any driver call.
+
+use std::fmt;
+
+use cudarc::driver::result;
+use parking_lot::Mutex;
+
+use super::allocator::Block;
+use super::device::CudaDevice;
+use super::pinned::PinnedBuffer;
+use super::stream::{Stream, driver};
+use crate::{Device, MemoryError};
+
+/// Device memory. Dropping it returns the block to its device's cache, ordered after the work
+/// already queued on the buffer's stream, so a buffer may be dropped right after queuing a copy
+/// or a kernel that uses it.
+pub struct DeviceBuffer {
+    device: CudaDevice,
+    /// `None` for an empty buffer (the driver refuses zero-byte allocations).
+    block: Option<Block>,
+    len: usize,
+    /// The stream it was allocated on; the block's reuse is ordered on it.
+    stream: Stream,
+    /// Other streams that touched it; at drop the home stream waits for them.
+    used_on: Mutex<Vec<Stream>>,
+}
+
+impl DeviceBuffer {
+    pub(crate) fn new(device: CudaDevice, block: Block, len: usize, stream: Stream) -> Self {
+        Self {
+            device,
+            block: Some(block),
+            len,
+            stream,
+            used_on: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn empty(device: CudaDevice, stream: Stream) -> Self {
+        Self {
+            device,
+            block: None,
+            len: 0,
+            stream,
+            used_on: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device it lives on.
+    pub fn device(&self) -> Device {
+        self.device.device()
+    }
+
+    /// The device, with its allocator and kernels.
+    pub fn cuda_device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// The stream it was allocated on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The raw `CUdeviceptr` as an integer, for kernel arguments (0 for an empty buffer).
+    pub fn device_ptr(&self) -> u64 {
+        self.block.as_ref().map_or(0, |b| b.ptr)
+    }
+
+    /// Notes that work on `stream` uses this buffer, so its memory is not reused before that
+    /// work finishes. Copies, launches and GEMMs in this crate call it for you.
+    pub fn record_stream(&self, stream: &Stream) {
+        if *stream == self.stream {
+            return;
+        }
+        let mut used_on = self.used_on.lock();
+        if !used_on.contains(stream) {
+            used_on.push(stream.clone());
+        }
+    }
+
+    /// Copies all of `src` (pageable or not) into this buffer; returns when the copy is done.
+    pub fn copy_from_host(&mut self, src: &[u8], stream: &Stream) -> Result<(), MemoryError> {
+        self.expect_len("copy_from_host", src.len())?;
+        self.copy_from_host_at(0, src, stream)
+    }
+
+    /// Copies `src` into bytes `offset..offset + src.len()`; returns when the copy is done.
+    pub fn copy_from_host_at(
+        &mut self,
+        offset: usize,
+        src: &[u8],
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        let dst = self.range("copy_from_host", offset, src.len(), stream)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst..dst + src.len()` lies in our block (checked above); `src` is borrowed
+        // until the stream synchronize below, so the driver never reads it after we return.
+        unsafe { result::memcpy_htod_async(dst, src, stream.cudarc().cu_stream()) }
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        stream.synchronize()
+    }
+
+    /// Copies the whole buffer into `dst`; returns when the bytes are there.
+    pub fn copy_to_host(&self, dst: &mut [u8], stream: &Stream) -> Result<(), MemoryError> {
+        self.expect_len("copy_to_host", dst.len())?;
+        self.copy_to_host_at(0, dst, stream)
+    }
+
+    /// Copies bytes `offset..offset + dst.len()` into `dst`; returns when the bytes are there.
+    pub fn copy_to_host_at(
+        &self,
+        offset: usize,
+        dst: &mut [u8],
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        let src = self.range("copy_to_host", offset, dst.len(), stream)?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the source range lies in our block; `dst` is exclusively borrowed until the
+        // synchronize below, so nothing reads it while the DMA writes.
+        unsafe { result::memcpy_dtoh_async(dst, src, stream.cudarc().cu_stream()) }
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        stream.synchronize()
+    }
+
+    /// Queues a copy of all of `src` (same device, same length) into this buffer.
+    pub fn copy_from_device(
+        &mut self,
+        src: &DeviceBuffer,
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        self.expect_len("copy_from_device", src.len())?;
+        self.copy_region(0, src, 0, src.len(), stream)
+    }
+
+    /// Queues a copy of `len` bytes from `src[src_offset..]` to `self[dst_offset..]` (same device).
+    pub fn copy_region(
+        &mut self,
+        dst_offset: usize,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        if src.device() != self.device() {
+            return Err(MemoryError::DeviceMismatch {
+                op: "copy_region",
+                expected: self.device(),
+                actual: src.device(),
+            });
+        }
+        let dst_ptr = self.range("copy_region", dst_offset, len, stream)?;
+        let src_ptr = src.range("copy_region", src_offset, len, stream)?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie in live blocks (checked above) and `&mut self` keeps the
+        // destination distinct from `src`; both are marked used on `stream`, so neither block is
+        // reused before the copy finishes.
+        unsafe { result::memcpy_dtod_async(dst_ptr, src_ptr, len, stream.cudarc().cu_stream()) }
+            .map_err(driver("cuMemcpyDtoDAsync"))
+    }
+
+    /// Queues a copy of all of `src`, which lives on another GPU, into this buffer. `stream` may
+    /// belong to either device. Direct over NVLink/PCIe after
+    /// [`CudaDevice::enable_peer_access`], staged through the host otherwise.
+    pub fn copy_from_peer(
+        &mut self,
+        src: &DeviceBuffer,
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        self.expect_len("copy_from_peer", src.len())?;
+        if stream.device() != self.device() && stream.device() != src.device() {
+            return Err(MemoryError::DeviceMismatch {
+                op: "copy_from_peer",
+                expected: self.device(),
+                actual: stream.device(),
+            });
+        }
+        self.device.check()?;
+        src.device.check()?;
+        if self.is_empty() {
+            return Ok(());
+        }
+        self.record_stream(stream);
+        src.record_stream(stream);
+        stream
+            .cudarc()
+            .context()
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let (dst_ctx, src_ctx) = (
+            self.device.inner.ctx.cu_ctx(),
+            src.device.inner.ctx.cu_ctx(),
+        );
+        // SAFETY: both pointers are live blocks of `len` bytes in their own contexts, both
+        // marked used on `stream`; the contexts live as long as their devices.
+        unsafe {
+            result::memcpy_peer_async(
+                dst_ctx,
+                self.device_ptr(),
+                src_ctx,
+                src.device_ptr(),
+                self.len,
+                stream.cudarc().cu_stream(),
+            )
+        }
+        .map_err(driver("cuMemcpyPeerAsync"))
+    }
+
+    /// Queues a copy of all of `src` into this buffer and returns at once; `src` records an
+    /// event so it is neither rewritten nor reused by the pool before the copy has read it.
+    pub fn copy_from_pinned_async(
+        &mut self,
+        src: &mut PinnedBuffer,
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        self.expect_len("copy_from_pinned_async", src.len())?;
+        self.copy_from_pinned_async_at(0, src, stream)
+    }
+
+    /// Like [`DeviceBuffer::copy_from_pinned_async`], into bytes `offset..offset + src.len()`.
+    pub fn copy_from_pinned_async_at(
+        &mut self,
+        offset: usize,
+        src: &mut PinnedBuffer,
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        let dst = self.range("copy_from_pinned_async", offset, src.len(), stream)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        src.order_before(stream)?;
+        // SAFETY: the range lies in our block; the pinned bytes stay allocated and unwritten
+        // until the event recorded below completes (PinnedBuffer waits on it before handing out
+        // `&mut` and the pool before reuse).
+        unsafe { result::memcpy_htod_async(dst, src.raw_bytes(), stream.cudarc().cu_stream()) }
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        mark_pending(src, stream)
+    }
+
+    /// Queues a copy of the whole buffer into `dst` and returns at once; `dst` cannot be read
+    /// (it waits) until the copy has finished.
+    pub fn copy_to_pinned_async(
+        &self,
+        dst: &mut PinnedBuffer,
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        self.expect_len("copy_to_pinned_async", dst.len())?;
+        self.copy_to_pinned_async_at(0, dst, stream)
+    }
+
+    /// Like [`DeviceBuffer::copy_to_pinned_async`], from bytes `offset..offset + dst.len()`.
+    pub fn copy_to_pinned_async_at(
+        &self,
+        offset: usize,
+        dst: &mut PinnedBuffer,
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        let src = self.range("copy_to_pinned_async", offset, dst.len(), stream)?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        dst.order_before(stream)?;
+        // SAFETY: the range lies in our block; `dst` is not readable, writable or reusable
+        // until the event recorded below completes.
+        unsafe { result::memcpy_dtoh_async(dst.raw_bytes_mut(), src, stream.cudarc().cu_stream()) }
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        mark_pending(dst, stream)
+    }
+
+    /// Queues setting every byte to zero.
+    pub fn memset_zero(&mut self, stream: &Stream) -> Result<(), MemoryError> {
+        let ptr = self.range("memset_zero", 0, self.len, stream)?;
+        if self.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `ptr..ptr + len` is our live block, marked used on `stream`.
+        unsafe { result::memset_d8_async(ptr, 0, self.len, stream.cudarc().cu_stream()) }
+            .map_err(driver("cuMemsetD8Async"))
+    }
+
+    fn expect_len(&self, op: &'static str, actual: usize) -> Result<(), MemoryError> {
+        if actual == self.len {
+            Ok(())
+        } else {
+            Err(MemoryError::LengthMismatch {
+                op,
+                expected: self.len,
+                actual,
+            })
+        }
+    }
+
+    /// Validates a byte range and the stream, binds the context, marks the stream as a user, and
+    /// returns the device address of the range's start.
+    pub(crate) fn range(
+        &self,
+        op: &'static str,
+        offset: usize,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<u64, MemoryError> {
+        self.device.check()?;
+        self.device.check_stream(op, stream)?;
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(MemoryError::OutOfBounds {
+                op,
+                offset,
+                len,
+                buffer_len: self.len,
+            });
+        }
+        self.device.bind()?;
+        self.record_stream(stream);
+        Ok(self.device_ptr() + offset as u64)
+    }
+}
+
+/// Records the copy just queued on `pinned`. If that fails, waits for the stream instead, so the
+/// buffer is never handed out while a DMA still uses it.
+fn mark_pending(pinned: &mut PinnedBuffer, stream: &Stream) -> Result<(), MemoryError> {
+    pinned.record(stream).inspect_err(|_| {
+        // The record error is the one to report; a failing wait means the context is gone.
+        let _ = stream.synchronize();
+    })
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let Some(block) = self.block.take() else {
+            return;
+        };
+        // Fold other streams' uses into the home stream, so "ordered on home" covers them all.
+        for other in self.used_on.get_mut().drain(..) {
+            let joined = other
+                .record()
+                .and_then(|event| self.stream.wait_event(&event));
+            if let Err(e) = joined {
+                self.device.defer(e);
+                // Without the join, waiting for the other stream is the only safe state.
+                if let Err(e) = other.synchronize() {
+                    self.device.defer(e);
+                }
+            }
+        }
+        let record = self.device.is_multi_stream();
+        if let Err(e) = self
+            .device
+            .inner
+            .allocator
+            .release(block, &self.stream, record)
+        {
+            self.device.defer(e);
+        }
+    }
+}
+
+impl fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("device", &self.device())
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+// Tensors holding buffers are shared across threads.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<DeviceBuffer>()
+};

@@ -1,0 +1,311 @@
+//! `CudaDevice`: one lazily created instance per ordinal, owning the context, the default
+//! stream, the caching allocator, the kernel cache and the cuBLAS handle of that GPU.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::{CudaContext, result};
+use parking_lot::Mutex;
+
+use super::allocator::{DeviceAllocator, MemoryStats};
+use super::blas::BlasHandle;
+use super::buffer::DeviceBuffer;
+use super::discover::{self, CudaDeviceInfo};
+use super::kernels::KernelCache;
+use super::stream::{Stream, driver};
+use crate::{Device, MemoryError};
+
+/// A CUDA GPU. Cheap to clone: clones share one context, allocator and kernel cache.
+#[derive(Clone)]
+pub struct CudaDevice {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+pub(crate) struct DeviceInner {
+    pub(crate) info: CudaDeviceInfo,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) default_stream: Stream,
+    /// Set once a second stream exists. Until then every free is ordered by the one stream and
+    /// needs no event; the switch synchronizes the device so earlier frees are complete.
+    multi_stream: AtomicBool,
+    pub(crate) allocator: DeviceAllocator,
+    /// An error raised in a destructor, reported by the next checked call.
+    deferred: Mutex<Option<MemoryError>>,
+    pub(crate) kernels: Mutex<KernelCache>,
+    pub(crate) compile_nanos: AtomicU64,
+    pub(crate) blas: Mutex<Option<BlasHandle>>,
+}
+
+/// Devices live for the process, like the primary contexts they hold: a tensor may be created
+/// from any thread and must find the same allocator.
+fn registry() -> &'static Mutex<HashMap<usize, CudaDevice>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<usize, CudaDevice>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+impl CudaDevice {
+    /// The device with this ordinal, created on first use.
+    ///
+    /// Returns [`MemoryError::NoDriver`] without a driver and [`MemoryError::NoSuchDevice`] for an
+    /// ordinal past the last GPU; never panics.
+    pub fn get(ordinal: usize) -> Result<CudaDevice, MemoryError> {
+        discover::init()?;
+        let mut devices = registry().lock();
+        if let Some(device) = devices.get(&ordinal) {
+            return Ok(device.clone());
+        }
+        let available = result::device::get_count().map_err(driver("cuDeviceGetCount"))? as usize;
+        if ordinal >= available {
+            return Err(MemoryError::NoSuchDevice {
+                device: Device::Cuda(ordinal),
+                available,
+            });
+        }
+        let info = discover::info(ordinal)?;
+        let ctx = CudaContext::new(ordinal).map_err(driver("cuDevicePrimaryCtxRetain"))?;
+        let default_stream = Stream::wrap(ctx.default_stream());
+        let device = CudaDevice {
+            inner: Arc::new(DeviceInner {
+                info,
+                allocator: DeviceAllocator::new(Device::Cuda(ordinal), ctx.clone()),
+                ctx,
+                default_stream,
+                multi_stream: AtomicBool::new(false),
+                deferred: Mutex::new(None),
+                kernels: Mutex::new(KernelCache::default()),
+                compile_nanos: AtomicU64::new(0),
+                blas: Mutex::new(None),
+            }),
+        };
+        devices.insert(ordinal, device.clone());
+        Ok(device)
+    }
+
+    /// The CUDA ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.inner.info.ordinal
+    }
+
+    /// As a [`Device`].
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.ordinal())
+    }
+
+    /// Name, compute capability, memory and SM count.
+    pub fn info(&self) -> &CudaDeviceInfo {
+        &self.inner.info
+    }
+
+    /// The stream work goes to when no other is named.
+    pub fn default_stream(&self) -> &Stream {
+        &self.inner.default_stream
+    }
+
+    /// A new stream that runs concurrently with the default one.
+    pub fn new_stream(&self) -> Result<Stream, MemoryError> {
+        self.check()?;
+        if !self.inner.multi_stream.swap(true, Ordering::SeqCst) {
+            // Blocks freed so far carry no event; once this finishes none is still in use.
+            self.inner
+                .ctx
+                .synchronize()
+                .map_err(driver("cuCtxSynchronize"))?;
+        }
+        let stream = self
+            .inner
+            .ctx
+            .new_stream()
+            .map_err(driver("cuStreamCreate"))?;
+        Ok(Stream::wrap(stream))
+    }
+
+    /// Blocks the host until every stream of this device is idle.
+    pub fn synchronize(&self) -> Result<(), MemoryError> {
+        self.check()?;
+        self.inner
+            .ctx
+            .synchronize()
+            .map_err(driver("cuCtxSynchronize"))
+    }
+
+    /// The allocator's counters.
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.inner.allocator.stats()
+    }
+
+    /// Restarts peak tracking from the current allocated bytes.
+    pub fn reset_peak(&self) {
+        self.inner.allocator.reset_peak()
+    }
+
+    /// Waits for the device, then returns every cached block to the driver (reserved drops to
+    /// allocated).
+    pub fn empty_cache(&self) -> Result<(), MemoryError> {
+        self.check()?;
+        self.inner.allocator.empty_cache()
+    }
+
+    /// Free and total device memory in bytes, as the driver sees it (other processes included).
+    pub fn mem_get_info(&self) -> Result<(usize, usize), MemoryError> {
+        self.check()?;
+        self.inner
+            .ctx
+            .mem_get_info()
+            .map_err(driver("cuMemGetInfo"))
+    }
+
+    /// `bytes` of uninitialised device memory, ordered on `stream`.
+    pub fn alloc(&self, bytes: usize, stream: &Stream) -> Result<DeviceBuffer, MemoryError> {
+        self.check()?;
+        self.check_stream("alloc", stream)?;
+        if bytes == 0 {
+            return Ok(DeviceBuffer::empty(self.clone(), stream.clone()));
+        }
+        let block = self.inner.allocator.allocate(bytes, stream)?;
+        Ok(DeviceBuffer::new(
+            self.clone(),
+            block,
+            bytes,
+            stream.clone(),
+        ))
+    }
+
+    /// `bytes` of zeroed device memory; the zeroing is queued on `stream`.
+    pub fn alloc_zeroed(&self, bytes: usize, stream: &Stream) -> Result<DeviceBuffer, MemoryError> {
+        let mut buffer = self.alloc(bytes, stream)?;
+        buffer.memset_zero(stream)?;
+        Ok(buffer)
+    }
+
+    /// Total time NVRTC has spent compiling kernel modules for this device.
+    pub fn compile_time(&self) -> Duration {
+        Duration::from_nanos(self.inner.compile_nanos.load(Ordering::Relaxed))
+    }
+
+    /// Lets kernels and copies on this device read `peer`'s memory directly (NVLink or PCIe
+    /// peer-to-peer). Already enabled is fine; unsupported hardware is an error.
+    pub fn enable_peer_access(&self, peer: &CudaDevice) -> Result<(), MemoryError> {
+        self.check()?;
+        if peer.ordinal() == self.ordinal() {
+            return Ok(());
+        }
+        let mut can_access = 0;
+        // SAFETY: both handles come from live contexts; `can_access` is a valid out-pointer.
+        unsafe {
+            sys::cuDeviceCanAccessPeer(
+                &mut can_access,
+                self.inner.ctx.cu_device(),
+                peer.inner.ctx.cu_device(),
+            )
+        }
+        .result()
+        .map_err(driver("cuDeviceCanAccessPeer"))?;
+        if can_access == 0 {
+            return Err(MemoryError::PeerAccessUnsupported {
+                from: self.device(),
+                to: peer.device(),
+            });
+        }
+        self.bind()?;
+        // SAFETY: our context is current and `peer`'s context lives as long as `peer`.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.inner.ctx.cu_ctx(), 0) } {
+            CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            other => Err(driver("cuCtxEnablePeerAccess")(result::DriverError(other))),
+        }
+    }
+
+    /// Binds this device's context to the calling thread (driver calls act on the current one).
+    pub(crate) fn bind(&self) -> Result<(), MemoryError> {
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))
+    }
+
+    pub(crate) fn is_multi_stream(&self) -> bool {
+        self.inner.multi_stream.load(Ordering::SeqCst)
+    }
+
+    /// Reports an error a destructor recorded, once.
+    pub(crate) fn check(&self) -> Result<(), MemoryError> {
+        match self.inner.deferred.lock().take() {
+            Some(source) => Err(MemoryError::FailedInDrop {
+                what: "CUDA resource",
+                source: Box::new(source),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Keeps an error from a destructor for the next checked call (the first one wins: later
+    /// errors are usually its consequences).
+    pub(crate) fn defer(&self, error: MemoryError) {
+        self.inner.deferred.lock().get_or_insert(error);
+    }
+
+    pub(crate) fn check_stream(
+        &self,
+        op: &'static str,
+        stream: &Stream,
+    ) -> Result<(), MemoryError> {
+        if stream.device() == self.device() {
+            Ok(())
+        } else {
+            Err(MemoryError::DeviceMismatch {
+                op,
+                expected: self.device(),
+                actual: stream.device(),
+            })
+        }
+    }
+}
+
+// Devices, streams, events and pinned buffers cross threads with the tensors that use them.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<CudaDevice>();
+    send_sync::<Stream>();
+    send_sync::<super::stream::Event>();
+    send_sync::<super::pinned::PinnedBuffer>();
+};
+
+impl PartialEq for CudaDevice {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl Eq for CudaDevice {}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal())
+            .field("name", &self.inner.info.name)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_driver_or_device_is_an_error_value() {
+        let err = CudaDevice::get(10_000).unwrap_err();
+        if discover::driver_present() {
+            assert!(matches!(err, MemoryError::NoSuchDevice { .. }), "{err}");
+        } else {
+            assert!(matches!(err, MemoryError::NoDriver), "{err}");
+            assert!(matches!(CudaDevice::get(0), Err(MemoryError::NoDriver)));
+            assert!(matches!(
+                super::super::PinnedPool::global(),
+                Err(MemoryError::NoDriver)
+            ));
+        }
+    }
+}

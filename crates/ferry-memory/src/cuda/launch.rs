@@ -1,0 +1,191 @@
+//! The safe boundary for kernel launches: arguments are collected by value or as buffers of the
+//! launch's device, and the one `unsafe` launch call lives here.
+
+use std::ffi::c_void;
+
+use cudarc::driver::result;
+
+use super::buffer::DeviceBuffer;
+use super::device::CudaDevice;
+use super::kernels::CudaFunction;
+use super::stream::{Stream, driver};
+use crate::MemoryError;
+
+/// Grid and block sizes, as (x, y, z).
+pub type Dim3 = (u32, u32, u32);
+
+/// A kernel launch being assembled; nothing runs until [`Launch::run`].
+///
+/// Contract: the arguments, in order and type, must match the kernel's C signature (a
+/// [`DeviceBuffer`] is passed as a pointer, `arg_u32` as `unsigned int`, `arg_pod` as the struct
+/// with the same `#[repr(C)]` layout), and the kernel must stay inside each buffer's
+/// [`DeviceBuffer::len`]. The builder borrows the buffers, so they outlive the call; after it
+/// returns they may be dropped at once, because the allocator orders the reuse of their memory
+/// after the work queued on the launch's stream.
+#[must_use = "a launch does nothing until `.run()`"]
+pub struct Launch<'a> {
+    device: &'a CudaDevice,
+    function: &'a CudaFunction,
+    grid: Dim3,
+    block: Dim3,
+    shared_mem_bytes: u32,
+    stream: &'a Stream,
+    /// Each argument's bytes, 8-byte aligned, so the kernel-parameter array can point at them.
+    args: Vec<Vec<u64>>,
+    error: Option<MemoryError>,
+}
+
+impl CudaDevice {
+    /// Starts a launch of `function` with `grid` blocks of `block` threads and
+    /// `shared_mem_bytes` of dynamic shared memory, on `stream`.
+    pub fn launch<'a>(
+        &'a self,
+        function: &'a CudaFunction,
+        grid: Dim3,
+        block: Dim3,
+        shared_mem_bytes: u32,
+        stream: &'a Stream,
+    ) -> Launch<'a> {
+        Launch {
+            device: self,
+            function,
+            grid,
+            block,
+            shared_mem_bytes,
+            stream,
+            args: Vec::new(),
+            error: None,
+        }
+    }
+}
+
+/// Blocks of `threads` threads needed to cover `n` elements, one thread each.
+pub fn blocks_for(n: usize, threads: u32) -> u32 {
+    n.div_ceil(threads.max(1) as usize).min(u32::MAX as usize) as u32
+}
+
+impl<'a> Launch<'a> {
+    /// A buffer the kernel only reads, passed as a pointer.
+    pub fn arg_buffer(mut self, buffer: &'a DeviceBuffer) -> Self {
+        self.push_buffer(buffer);
+        self
+    }
+
+    /// A buffer the kernel writes, passed as a pointer.
+    pub fn arg_buffer_mut(mut self, buffer: &'a mut DeviceBuffer) -> Self {
+        self.push_buffer(buffer);
+        self
+    }
+
+    /// An `unsigned int`.
+    pub fn arg_u32(self, value: u32) -> Self {
+        self.arg_pod(&value)
+    }
+
+    /// An `int`.
+    pub fn arg_i32(self, value: i32) -> Self {
+        self.arg_pod(&value)
+    }
+
+    /// A `long long`.
+    pub fn arg_i64(self, value: i64) -> Self {
+        self.arg_pod(&value)
+    }
+
+    /// An `unsigned long long` (sizes, element counts).
+    pub fn arg_u64(self, value: u64) -> Self {
+        self.arg_pod(&value)
+    }
+
+    /// A `float`.
+    pub fn arg_f32(self, value: f32) -> Self {
+        self.arg_pod(&value)
+    }
+
+    /// A `double`.
+    pub fn arg_f64(self, value: f64) -> Self {
+        self.arg_pod(&value)
+    }
+
+    /// A small struct passed by value (shapes, strides), with the kernel's C layout.
+    pub fn arg_pod<T: bytemuck::Pod>(mut self, value: &T) -> Self {
+        const {
+            assert!(
+                align_of::<T>() <= 8,
+                "kernel arguments are copied into 8-byte aligned storage"
+            )
+        };
+        let bytes = bytemuck::bytes_of(value);
+        let mut words = vec![0u64; bytes.len().div_ceil(8).max(1)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        self.args.push(words);
+        self
+    }
+
+    fn push_buffer(&mut self, buffer: &DeviceBuffer) {
+        if buffer.device() != self.device.device() && self.error.is_none() {
+            self.error = Some(MemoryError::LaunchArgumentDevice {
+                function: self.function.name(),
+                index: self.args.len(),
+                expected: self.device.device(),
+                actual: buffer.device(),
+            });
+        }
+        buffer.record_stream(self.stream);
+        self.args.push(vec![buffer.device_ptr()]);
+    }
+
+    /// Queues the kernel on the stream. Errors in the configuration (too many threads, too much
+    /// shared memory) are returned here; faults inside the kernel surface at the next
+    /// synchronization.
+    pub fn run(mut self) -> Result<(), MemoryError> {
+        if let Some(error) = self.error.take() {
+            return Err(error);
+        }
+        self.device.check()?;
+        self.device.check_stream("launch", self.stream)?;
+        if self.function.device() != self.device.device() {
+            return Err(MemoryError::DeviceMismatch {
+                op: "launch",
+                expected: self.device.device(),
+                actual: self.function.device(),
+            });
+        }
+        self.device.bind()?;
+        let mut params: Vec<*mut c_void> = self
+            .args
+            .iter_mut()
+            .map(|words| words.as_mut_ptr().cast())
+            .collect();
+        // SAFETY: the function comes from a module loaded in this device's context, which the
+        // function keeps alive; each parameter points at owned, aligned storage that lives until
+        // after the call (the driver copies parameters at launch); every pointer argument is a
+        // live buffer of this device (checked above) whose reuse the allocator orders after this
+        // stream's work. That the kernel's signature matches the arguments and stays in bounds
+        // is the documented contract of `Launch`.
+        unsafe {
+            result::launch_kernel(
+                self.function.raw.cu_function(),
+                self.grid,
+                self.block,
+                self.shared_mem_bytes,
+                self.stream.cudarc().cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(driver("cuLaunchKernel"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_every_element() {
+        assert_eq!(blocks_for(0, 256), 0);
+        assert_eq!(blocks_for(1, 256), 1);
+        assert_eq!(blocks_for(256, 256), 1);
+        assert_eq!(blocks_for(257, 256), 2);
+    }
+}

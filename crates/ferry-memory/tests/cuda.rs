@@ -1,0 +1,440 @@
+//! Behaviour of the CUDA layer on a real GPU. Every test is ignored on machines without one;
+//! run them with `cargo test -p ferry-memory --test cuda -- --ignored`.
+//!
+//! The tests share one device and its allocator, so each holds a process-wide lock: statistics
+//! compared before and after would otherwise see other tests' buffers.
+
+use std::sync::{Mutex, MutexGuard};
+
+use ferry_memory::cuda::{
+    CudaDevice, Event, GemmInput, GemmOutput, GemmSpec, KernelModule, PinnedPool, blocks_for,
+};
+use ferry_memory::{DType, MemoryError};
+
+static ONE_TEST_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The first GPU, with the lock that keeps other tests off it; fails with the reason otherwise.
+fn gpu() -> (MutexGuard<'static, ()>, CudaDevice) {
+    let guard = ONE_TEST_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = CudaDevice::get(0)
+        .unwrap_or_else(|e| panic!("this test needs CUDA device 0, and getting it failed: {e}"));
+    (guard, device)
+}
+
+/// Deterministic pseudo-random bytes (xorshift64*), so a failure reproduces.
+fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn statistics_return_to_baseline_after_buffers_drop() {
+    let (_lock, dev) = gpu();
+    let stream = dev.default_stream();
+    let before = dev.memory_stats();
+    let sizes = [100, 5000, 3 << 20];
+    let buffers: Vec<_> = sizes
+        .iter()
+        .map(|&n| dev.alloc(n, stream).unwrap())
+        .collect();
+    let during = dev.memory_stats();
+    // 100 -> 512, 5000 -> 5120, 3 MiB -> 4 MiB.
+    assert_eq!(
+        during.allocated_bytes - before.allocated_bytes,
+        512 + 5120 + (4 << 20)
+    );
+    assert_eq!(during.allocations - before.allocations, 3);
+    assert!(during.peak_allocated_bytes >= during.allocated_bytes);
+    drop(buffers);
+    let after = dev.memory_stats();
+    assert_eq!(after.allocated_bytes, before.allocated_bytes);
+    assert_eq!(after.frees - before.frees, 3);
+    assert!(
+        after.reserved_bytes >= during.allocated_bytes - before.allocated_bytes,
+        "freed blocks stay cached"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn repeated_same_size_allocations_hit_the_cache() {
+    let (_lock, dev) = gpu();
+    let stream = dev.default_stream();
+    drop(dev.alloc(6 << 20, stream).unwrap());
+    let before = dev.memory_stats();
+    for _ in 0..10 {
+        let buffer = dev.alloc(6 << 20, stream).unwrap();
+        assert_eq!(buffer.len(), 6 << 20);
+    }
+    let after = dev.memory_stats();
+    assert_eq!(after.cache_hits - before.cache_hits, 10);
+    assert_eq!(
+        after.device_allocations, before.device_allocations,
+        "no cuMemAlloc for a cached size"
+    );
+    assert_eq!(after.reserved_bytes, before.reserved_bytes);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn empty_cache_brings_reserved_down_to_allocated() {
+    let (_lock, dev) = gpu();
+    let stream = dev.default_stream();
+    let kept = dev.alloc(1 << 20, stream).unwrap();
+    drop(dev.alloc(8 << 20, stream).unwrap());
+    let cached = dev.memory_stats();
+    assert!(cached.reserved_bytes >= cached.allocated_bytes + (8 << 20));
+    dev.empty_cache().unwrap();
+    let emptied = dev.memory_stats();
+    assert_eq!(emptied.reserved_bytes, emptied.allocated_bytes);
+    assert!(emptied.allocated_bytes >= kept.len());
+    drop(kept);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_impossible_request_is_an_error_and_the_device_keeps_working() {
+    let (_lock, dev) = gpu();
+    let stream = dev.default_stream();
+    let requested = 200usize << 30; // 200 GiB on a 141 GB card
+    match dev.alloc(requested, stream) {
+        Err(err @ MemoryError::DeviceOutOfMemory { .. }) => {
+            let MemoryError::DeviceOutOfMemory {
+                requested: asked, ..
+            } = &err
+            else {
+                unreachable!()
+            };
+            assert_eq!(*asked, requested);
+            let text = err.to_string();
+            assert!(
+                text.contains("200.00 GiB") && text.contains("empty_cache"),
+                "{text}"
+            );
+        }
+        other => panic!("expected DeviceOutOfMemory, got {other:?}"),
+    }
+    let data = random_bytes(1 << 20, 7);
+    let mut buffer = dev.alloc(data.len(), stream).unwrap();
+    buffer.copy_from_host(&data, stream).unwrap();
+    let mut back = vec![0; data.len()];
+    buffer.copy_to_host(&mut back, stream).unwrap();
+    assert_eq!(back, data);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pageable_round_trip_and_device_copies_are_exact() {
+    let (_lock, dev) = gpu();
+    let stream = dev.default_stream();
+    let data = random_bytes((3 << 20) + 1, 1);
+    let mut first = dev.alloc(data.len(), stream).unwrap();
+    first.copy_from_host(&data, stream).unwrap();
+    let mut second = dev.alloc_zeroed(data.len(), stream).unwrap();
+    second.copy_from_device(&first, stream).unwrap();
+    let mut back = vec![0; data.len()];
+    second.copy_to_host(&mut back, stream).unwrap();
+    assert_eq!(back, data);
+
+    // A region: bytes 10..110 of `first` to 1000..1100 of a zeroed buffer.
+    let mut third = dev.alloc_zeroed(4096, stream).unwrap();
+    third.copy_region(1000, &first, 10, 100, stream).unwrap();
+    let mut region = vec![0xff; 4096];
+    third.copy_to_host(&mut region, stream).unwrap();
+    assert!(
+        region[..1000]
+            .iter()
+            .chain(&region[1100..])
+            .all(|&b| b == 0)
+    );
+    assert_eq!(&region[1000..1100], &data[10..110]);
+
+    assert!(matches!(
+        first.copy_from_host(&data[1..], stream),
+        Err(MemoryError::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        third.copy_region(4000, &first, 0, 100, stream),
+        Err(MemoryError::OutOfBounds { .. })
+    ));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pinned_round_trips_sync_and_async_are_exact() {
+    let (_lock, dev) = gpu();
+    let pool = PinnedPool::global().unwrap();
+    let stream = dev.new_stream().unwrap();
+    let data = random_bytes(64 << 20, 2);
+    let mut src = pool.alloc(data.len()).unwrap();
+    src.copy_from_slice(&data);
+    let mut device = dev.alloc(data.len(), &stream).unwrap();
+    device.copy_from_pinned_async(&mut src, &stream).unwrap();
+    let mut dst = pool.alloc(data.len()).unwrap();
+    device.copy_to_pinned_async(&mut dst, &stream).unwrap();
+    dst.wait().unwrap();
+    assert!(dst.is_ready());
+    assert_eq!(dst.as_bytes().unwrap(), &data[..]);
+
+    // The synchronous path into a pinned destination reads the same bytes.
+    let mut sync_copy = pool.alloc(data.len()).unwrap();
+    device.copy_to_host(&mut sync_copy, &stream).unwrap();
+    assert_eq!(&sync_copy[..], &data[..]);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn registered_host_memory_receives_copies() {
+    let (_lock, dev) = gpu();
+    let stream = dev.default_stream();
+    let data = random_bytes(8 << 20, 3);
+    let mut device = dev.alloc(data.len(), stream).unwrap();
+    device.copy_from_host(&data, stream).unwrap();
+    let mut host = vec![0u8; data.len()];
+    {
+        let mut registered = dev.register_host(&mut host).unwrap();
+        device.copy_to_host(&mut registered, stream).unwrap();
+    }
+    assert_eq!(host, data);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pinned_pool_reuses_blocks_and_bounds_rounding_waste() {
+    let (_lock, _dev) = gpu();
+    let pool = PinnedPool::global().unwrap();
+    pool.empty_cache().unwrap();
+    let before = pool.stats();
+    let sizes = [5000, 70_001, 123_457, 1_000_001, 3_333_333, 50_000_001];
+    let requested: usize = sizes.iter().sum();
+    let buffers: Vec<_> = sizes.iter().map(|&n| pool.alloc(n).unwrap()).collect();
+    let held = pool.stats();
+    let reserved = held.reserved_bytes - before.reserved_bytes;
+    assert!(
+        reserved as f64 <= 1.125 * requested as f64,
+        "{reserved} reserved for {requested} requested"
+    );
+    drop(buffers);
+    let buffers: Vec<_> = sizes.iter().map(|&n| pool.alloc(n).unwrap()).collect();
+    let again = pool.stats();
+    assert_eq!(again.cache_hits - held.cache_hits, sizes.len() as u64);
+    assert_eq!(again.host_allocations, held.host_allocations);
+    drop(buffers);
+    pool.empty_cache().unwrap();
+    let emptied = pool.stats();
+    assert_eq!(emptied.reserved_bytes, emptied.allocated_bytes);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn events_time_a_large_copy() {
+    let (_lock, dev) = gpu();
+    let stream = dev.new_stream().unwrap();
+    let src = dev.alloc_zeroed(256 << 20, &stream).unwrap();
+    let mut dst = dev.alloc(256 << 20, &stream).unwrap();
+    let start = stream.record_timed().unwrap();
+    dst.copy_from_device(&src, &stream).unwrap();
+    let end = stream.record_timed().unwrap();
+    let ms = Event::elapsed_ms(&start, &end).unwrap();
+    assert!(ms > 0.0, "a 256 MiB device copy took {ms} ms");
+    assert!(end.query().unwrap());
+    let untimed = stream.record().unwrap();
+    assert!(matches!(
+        Event::elapsed_ms(&start, &untimed),
+        Err(MemoryError::EventTimingDisabled)
+    ));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_stream_waits_for_another_streams_event() {
+    let (_lock, dev) = gpu();
+    let pool = PinnedPool::global().unwrap();
+    let (producer, consumer) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let data = random_bytes(128 << 20, 4);
+    let mut staged = pool.alloc(data.len()).unwrap();
+    staged.copy_from_slice(&data);
+    let mut written = dev.alloc(data.len(), &producer).unwrap();
+    written
+        .copy_from_pinned_async(&mut staged, &producer)
+        .unwrap();
+    let produced = producer.record().unwrap();
+    consumer.wait_event(&produced).unwrap();
+    // Without the wait, this copy could read `written` before the upload finished.
+    let mut copy = dev.alloc(data.len(), &consumer).unwrap();
+    copy.copy_from_device(&written, &consumer).unwrap();
+    let mut back = vec![0; data.len()];
+    copy.copy_to_host(&mut back, &consumer).unwrap();
+    assert_eq!(back, data);
+}
+
+static FILL: KernelModule = KernelModule {
+    name: "test_fill",
+    source: r#"
+extern "C" __global__ void fill(float *out, float value, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = value;
+}
+"#,
+};
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_compiled_kernel_fills_a_buffer() {
+    let (_lock, dev) = gpu();
+    let stream = dev.default_stream();
+    let fill = dev.function(&FILL, "fill").unwrap();
+    let compiled_for = dev.compile_time();
+    let n = 1000;
+    let mut out = dev.alloc_zeroed(n * 4, stream).unwrap();
+    dev.launch(&fill, (blocks_for(n, 256), 1, 1), (256, 1, 1), 0, stream)
+        .arg_buffer_mut(&mut out)
+        .arg_f32(2.5)
+        .arg_u32(n as u32)
+        .run()
+        .unwrap();
+    let mut bytes = vec![0; n * 4];
+    out.copy_to_host(&mut bytes, stream).unwrap();
+    let values: &[f32] = bytemuck::cast_slice(&bytes);
+    assert!(values.iter().all(|&v| v == 2.5), "{:?}", &values[..8]);
+
+    // The second lookup is cached: no more compile time.
+    dev.function(&FILL, "fill").unwrap();
+    assert_eq!(dev.compile_time(), compiled_for);
+    assert!(matches!(
+        dev.function(&FILL, "missing"),
+        Err(MemoryError::KernelNotFound { .. })
+    ));
+}
+
+static BROKEN: KernelModule = KernelModule {
+    name: "test_broken",
+    source: r#"extern "C" __global__ void broken(float *out) { out[0] = not_declared_anywhere; }"#,
+};
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_compile_error_returns_the_nvrtc_log() {
+    let (_lock, dev) = gpu();
+    match dev.function(&BROKEN, "broken") {
+        Err(MemoryError::KernelCompile { module, log, arch }) => {
+            assert_eq!(module, "test_broken");
+            assert!(log.contains("not_declared_anywhere"), "{log}");
+            assert!(arch.starts_with("compute_"), "{arch}");
+        }
+        other => panic!("expected KernelCompile, got {other:?}"),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gemm_f32_matches_the_hand_computed_product() {
+    let (_lock, dev) = gpu();
+    let stream = dev.default_stream();
+    // Row-major A (2x3) = [[1, 2, 3], [4, 5, 6]], B (3x2) = [[7, 8], [9, 10], [11, 12]].
+    // C = A·B = [[1*7 + 2*9 + 3*11, 1*8 + 2*10 + 3*12], [4*7 + 5*9 + 6*11, 4*8 + 5*10 + 6*12]]
+    //         = [[58, 64], [139, 154]].
+    let a_host = [1f32, 2., 3., 4., 5., 6.];
+    let b_host = [7f32, 8., 9., 10., 11., 12.];
+    let upload = |values: &[f32]| {
+        let mut buffer = dev.alloc(values.len() * 4, stream).unwrap();
+        buffer
+            .copy_from_host(bytemuck::cast_slice(values), stream)
+            .unwrap();
+        buffer
+    };
+    let (a, b) = (upload(&a_host), upload(&b_host));
+    let mut c = dev.alloc_zeroed(4 * 4, stream).unwrap();
+    // Row-major trick: column-major C^T = B^T A^T, so B goes first with m = N = 2, n = M = 2, k = 3.
+    let spec = GemmSpec {
+        dtype: DType::F32,
+        transa: false,
+        transb: false,
+        m: 2,
+        n: 2,
+        k: 3,
+        alpha: 1.0,
+        beta: 0.0,
+        batch: 1,
+    };
+    let first = GemmInput {
+        buffer: &b,
+        offset_bytes: 0,
+        ld: 2,
+        stride: 0,
+    };
+    let second = GemmInput {
+        buffer: &a,
+        offset_bytes: 0,
+        ld: 3,
+        stride: 0,
+    };
+    dev.gemm_strided_batched(
+        &spec,
+        first,
+        second,
+        GemmOutput {
+            buffer: &mut c,
+            offset_bytes: 0,
+            ld: 2,
+            stride: 0,
+        },
+        stream,
+    )
+    .unwrap();
+    let mut bytes = vec![0; 16];
+    c.copy_to_host(&mut bytes, stream).unwrap();
+    assert_eq!(
+        bytemuck::cast_slice::<u8, f32>(&bytes),
+        &[58., 64., 139., 154.]
+    );
+
+    // An operand that does not fit its buffer is refused before cuBLAS runs.
+    let too_big = GemmSpec { k: 4, ..spec };
+    let err = dev
+        .gemm_strided_batched(
+            &too_big,
+            first,
+            second,
+            GemmOutput {
+                buffer: &mut c,
+                offset_bytes: 0,
+                ld: 2,
+                stride: 0,
+            },
+            stream,
+        )
+        .unwrap_err();
+    assert!(matches!(err, MemoryError::GemmArgument { .. }), "{err}");
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn peer_copy_between_two_gpus_is_exact() {
+    let (_lock, first) = gpu();
+    let second =
+        CudaDevice::get(1).unwrap_or_else(|e| panic!("this test needs CUDA device 1: {e}"));
+    match first.enable_peer_access(&second) {
+        Ok(()) | Err(MemoryError::PeerAccessUnsupported { .. }) => {}
+        Err(e) => panic!("enable_peer_access failed: {e}"),
+    }
+    let data = random_bytes(16 << 20, 5);
+    let mut src = first.alloc(data.len(), first.default_stream()).unwrap();
+    src.copy_from_host(&data, first.default_stream()).unwrap();
+    let mut dst = second.alloc(data.len(), second.default_stream()).unwrap();
+    dst.copy_from_peer(&src, second.default_stream()).unwrap();
+    let mut back = vec![0; data.len()];
+    dst.copy_to_host(&mut back, second.default_stream())
+        .unwrap();
+    assert_eq!(back, data);
+}

@@ -1,0 +1,109 @@
+// Shared definitions for every ferry kernel module: element types, conversions, strided indexing.
+// NVRTC compiles each module as common.cuh followed by the module's own source; no system headers
+// are needed, so the same sources compile with the NVRTC wheel on machines without a CUDA toolkit.
+
+typedef unsigned char u8;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// 16-bit floats as bit patterns; conversions go through f32.
+struct f16 { unsigned short bits; };
+struct bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float f16_to_f32(f16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
+    return f;
+}
+__device__ __forceinline__ f16 f32_to_f16(float f) {
+    f16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf16_to_f32(bf16 h) {
+    return __int_as_float(((unsigned int)h.bits) << 16);
+}
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    bf16 h;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a quiet NaN
+        h.bits = (unsigned short)((u >> 16) | 0x40u);
+    } else {                                // round to nearest even
+        h.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    return h;
+}
+
+// Num<T>: the type arithmetic on T happens in (Acc), and conversions to and from it.
+template <typename T> struct Num;
+template <> struct Num<float> {
+    typedef float Acc;
+    static __device__ __forceinline__ float load(float v) { return v; }
+    static __device__ __forceinline__ float store(float v) { return v; }
+};
+template <> struct Num<double> {
+    typedef double Acc;
+    static __device__ __forceinline__ double load(double v) { return v; }
+    static __device__ __forceinline__ double store(double v) { return v; }
+};
+template <> struct Num<f16> {
+    typedef float Acc;
+    static __device__ __forceinline__ float load(f16 v) { return f16_to_f32(v); }
+    static __device__ __forceinline__ f16 store(float v) { return f32_to_f16(v); }
+};
+template <> struct Num<bf16> {
+    typedef float Acc;
+    static __device__ __forceinline__ float load(bf16 v) { return bf16_to_f32(v); }
+    static __device__ __forceinline__ bf16 store(float v) { return f32_to_bf16(v); }
+};
+template <> struct Num<i64> {
+    typedef double Acc;
+    static __device__ __forceinline__ double load(i64 v) { return (double)v; }
+    static __device__ __forceinline__ i64 store(double v) { return (i64)v; }
+};
+template <> struct Num<u8> {
+    typedef float Acc;
+    static __device__ __forceinline__ float load(u8 v) { return (float)v; }
+    static __device__ __forceinline__ u8 store(float v) {
+        return (u8)(v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v));
+    }
+};
+
+// A strided view: element i (row-major over shape) lives at offset + sum(index[d] * strides[d]).
+// Mirrors ferry-tensor's `KernelLayout` (repr(C)); `contiguous` skips the index arithmetic.
+#define FERRY_MAX_DIMS 8
+struct Strided {
+    u64 shape[FERRY_MAX_DIMS];
+    u64 strides[FERRY_MAX_DIMS];
+    u64 offset;
+    unsigned int ndim;
+    unsigned int contiguous;
+};
+
+__device__ __forceinline__ u64 strided_offset(const Strided& s, u64 i) {
+    if (s.contiguous) return s.offset + i;
+    u64 offset = s.offset;
+    for (int d = (int)s.ndim - 1; d >= 0; --d) {
+        u64 dim = s.shape[d];
+        offset += (i % dim) * s.strides[d];
+        i /= dim;
+    }
+    return offset;
+}
+
+#define FERRY_GRID_STRIDE(i, n) \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
+
+// Math overloads resolved by the accumulation type (float or double).
+__device__ __forceinline__ float m_exp(float v) { return expf(v); }
+__device__ __forceinline__ double m_exp(double v) { return exp(v); }
+__device__ __forceinline__ float m_log(float v) { return logf(v); }
+__device__ __forceinline__ double m_log(double v) { return log(v); }
+__device__ __forceinline__ float m_tanh(float v) { return tanhf(v); }
+__device__ __forceinline__ double m_tanh(double v) { return tanh(v); }
+__device__ __forceinline__ float m_sqrt(float v) { return sqrtf(v); }
+__device__ __forceinline__ double m_sqrt(double v) { return sqrt(v); }
+__device__ __forceinline__ float m_pow(float v, float p) { return powf(v, p); }
+__device__ __forceinline__ double m_pow(double v, double p) { return pow(v, p); }
+__device__ __forceinline__ float m_neg_inf(float) { return __int_as_float(0xff800000); }
+__device__ __forceinline__ double m_neg_inf(double) { return __longlong_as_double(0xfff0000000000000ll); }

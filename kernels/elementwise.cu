@@ -1,0 +1,164 @@
+// Elementwise kernels: unary maps (scalar parameters travel as `scalar`), broadcast binary ops,
+// comparisons, dtype casts, strided copies, fills and counter-based random numbers.
+// Op codes match ferry-tensor's cuda::codes.
+
+// ---- unary ---------------------------------------------------------------------------------
+template <typename T>
+__device__ void unary(int op, double scalar, const T* x, Strided lx, T* out, u64 n) {
+    typedef typename Num<T>::Acc A;
+    const A c = (A)scalar;
+    FERRY_GRID_STRIDE(i, n) {
+        A v = Num<T>::load(x[strided_offset(lx, i)]);
+        A r;
+        switch (op) {
+            case 0: r = -v; break;                                   // neg
+            case 1: r = m_exp(v); break;                             // exp
+            case 2: r = m_log(v); break;                             // log
+            case 3: r = v > (A)0 ? v : (A)0; break;                  // relu
+            case 4: r = m_tanh(v); break;                            // tanh
+            case 5: r = (A)1 / ((A)1 + m_exp(-v)); break;              // sigmoid
+            case 6: r = m_sqrt(v); break;                            // sqrt
+            case 7: r = v < (A)0 ? -v : v; break;                    // abs
+            case 8: r = v > (A)0 ? (A)1 : (A)0; break;               // step
+            case 9: r = v + c; break;                                // add scalar
+            case 10: r = v * c; break;                               // mul scalar
+            default: r = m_pow(v, c); break;                         // pow scalar
+        }
+        out[i] = Num<T>::store(r);
+    }
+}
+
+// ---- binary --------------------------------------------------------------------------------
+template <typename T>
+__device__ void binary(int op, const T* a, Strided la, const T* b, Strided lb, T* out, u64 n) {
+    typedef typename Num<T>::Acc A;
+    FERRY_GRID_STRIDE(i, n) {
+        A x = Num<T>::load(a[strided_offset(la, i)]);
+        A y = Num<T>::load(b[strided_offset(lb, i)]);
+        A r;
+        switch (op) {
+            case 0: r = x + y; break;
+            case 1: r = x - y; break;
+            case 2: r = x * y; break;
+            default: r = x / y; break;
+        }
+        out[i] = Num<T>::store(r);
+    }
+}
+
+template <typename T>
+__device__ void compare(int op, const T* a, Strided la, const T* b, Strided lb, u8* out, u64 n) {
+    typedef typename Num<T>::Acc A;
+    FERRY_GRID_STRIDE(i, n) {
+        A x = Num<T>::load(a[strided_offset(la, i)]);
+        A y = Num<T>::load(b[strided_offset(lb, i)]);
+        bool r;
+        switch (op) {
+            case 0: r = x == y; break;
+            case 1: r = x != y; break;
+            case 2: r = x < y; break;
+            case 3: r = x <= y; break;
+            case 4: r = x > y; break;
+            default: r = x >= y; break;
+        }
+        out[i] = r ? 1 : 0;
+    }
+}
+
+// ---- casts, copies, fills --------------------------------------------------------------------
+template <typename S, typename D>
+__device__ void cast(const S* x, Strided lx, D* out, u64 n) {
+    FERRY_GRID_STRIDE(i, n) {
+        out[i] = Num<D>::store((typename Num<D>::Acc)Num<S>::load(x[strided_offset(lx, i)]));
+    }
+}
+
+template <typename T>
+__device__ void copy(const T* x, Strided lx, T* out, Strided lout, u64 n) {
+    FERRY_GRID_STRIDE(i, n) { out[strided_offset(lout, i)] = x[strided_offset(lx, i)]; }
+}
+
+template <typename T>
+__device__ void fill(T* out, u64 n, double value) {
+    const T v = Num<T>::store((typename Num<T>::Acc)value);
+    FERRY_GRID_STRIDE(i, n) { out[i] = v; }
+}
+
+template <typename T>
+__device__ void arange(T* out, u64 n, double start) {
+    FERRY_GRID_STRIDE(i, n) { out[i] = Num<T>::store((typename Num<T>::Acc)(start + (double)i)); }
+}
+
+// Counter-based random numbers: element i of a draw with `seed` is a pure function of
+// (seed, i), so results do not depend on the launch configuration.
+__device__ __forceinline__ u64 splitmix64(u64 z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ double uniform01(u64 seed, u64 i) {
+    return (double)(splitmix64(seed ^ splitmix64(i)) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+template <typename T>
+__device__ void random(T* out, u64 n, u64 seed, int normal) {
+    FERRY_GRID_STRIDE(i, n) {
+        double v;
+        if (normal) {  // Box-Muller on two independent uniforms
+            double u1 = uniform01(seed, 2 * i) + 1e-300, u2 = uniform01(seed, 2 * i + 1);
+            v = sqrt(-2.0 * log(u1)) * cospi(2.0 * u2);
+        } else {
+            v = uniform01(seed, i);
+        }
+        out[i] = Num<T>::store((typename Num<T>::Acc)v);
+    }
+}
+
+// ---- exported instantiations -------------------------------------------------------------------
+#define FLOAT_KERNELS(T)                                                                          \
+    extern "C" __global__ void unary_##T(int op, double s, const T* x, Strided lx, T* o, u64 n) { \
+        unary<T>(op, s, x, lx, o, n);                                                             \
+    }                                                                                             \
+    extern "C" __global__ void binary_##T(int op, const T* a, Strided la, const T* b, Strided lb, \
+                                          T* o, u64 n) {                                          \
+        binary<T>(op, a, la, b, lb, o, n);                                                        \
+    }                                                                                             \
+    extern "C" __global__ void random_##T(T* o, u64 n, u64 seed, int normal) {                   \
+        random<T>(o, n, seed, normal);                                                            \
+    }
+FLOAT_KERNELS(float)
+FLOAT_KERNELS(double)
+FLOAT_KERNELS(f16)
+FLOAT_KERNELS(bf16)
+
+#define ANY_KERNELS(T)                                                                             \
+    extern "C" __global__ void compare_##T(int op, const T* a, Strided la, const T* b, Strided lb, \
+                                           u8* o, u64 n) {                                         \
+        compare<T>(op, a, la, b, lb, o, n);                                                        \
+    }                                                                                              \
+    extern "C" __global__ void fill_##T(T* o, u64 n, double v) { fill<T>(o, n, v); }              \
+    extern "C" __global__ void arange_##T(T* o, u64 n, double start) { arange<T>(o, n, start); }
+ANY_KERNELS(float)
+ANY_KERNELS(double)
+ANY_KERNELS(f16)
+ANY_KERNELS(bf16)
+ANY_KERNELS(i64)
+ANY_KERNELS(u8)
+
+#define CAST(S, D) \
+    extern "C" __global__ void cast_##S##_##D(const S* x, Strided lx, D* o, u64 n) { cast<S, D>(x, lx, o, n); }
+#define CASTS_FROM(S) CAST(S, float) CAST(S, double) CAST(S, f16) CAST(S, bf16) CAST(S, i64) CAST(S, u8)
+CASTS_FROM(float)
+CASTS_FROM(double)
+CASTS_FROM(f16)
+CASTS_FROM(bf16)
+CASTS_FROM(i64)
+CASTS_FROM(u8)
+
+#define COPY(T, NAME) \
+    extern "C" __global__ void copy_##NAME(const T* x, Strided lx, T* o, Strided lo, u64 n) { copy<T>(x, lx, o, lo, n); }
+COPY(u8, b8)
+COPY(unsigned short, b16)
+COPY(unsigned int, b32)
+COPY(u64, b64)

@@ -1,0 +1,110 @@
+// Reductions of a contiguous tensor viewed as [outer, len, inner]: sum, max and argmax.
+// Rows (inner == 1) reduce with one block per row; columns (inner > 1) with one thread per
+// output, adjacent threads reading adjacent elements. Whole-tensor sums run in two passes.
+// Op codes: 0 sum, 1 max, 2 argmax.
+
+#define REDUCE_THREADS 256
+
+template <typename A>
+__device__ __forceinline__ void combine(int op, A& v, i64& k, A w, i64 l) {
+    if (op == 0) {
+        v += w;
+    } else if (w > v || (w == v && l < k) || (w != w && v == v)) {  // NaN wins, first index on ties
+        v = w;
+        k = l;
+    }
+}
+
+template <typename T>
+__device__ void reduce_row(int op, const T* x, T* out, i64* out_index, u64 outer, u64 len) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A values[REDUCE_THREADS];
+    __shared__ i64 indices[REDUCE_THREADS];
+    for (u64 row = blockIdx.x; row < outer; row += gridDim.x) {
+        const T* r = x + row * len;
+        A v = op == 0 ? (A)0 : m_neg_inf((A)0);
+        i64 k = 0;
+        bool any = false;
+        for (u64 j = threadIdx.x; j < len; j += blockDim.x) {
+            A w = Num<T>::load(r[j]);
+            if (!any && op != 0) { v = w; k = (i64)j; any = true; }
+            else combine(op, v, k, w, (i64)j);
+        }
+        if (!any && op != 0) k = (i64)len;  // an empty share loses every tie
+        values[threadIdx.x] = v;
+        indices[threadIdx.x] = k;
+        __syncthreads();
+        for (unsigned int s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s) {
+                combine(op, values[threadIdx.x], indices[threadIdx.x], values[threadIdx.x + s],
+                        indices[threadIdx.x + s]);
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            if (op == 2) out_index[row] = indices[0];
+            else out[row] = Num<T>::store(values[0]);
+        }
+        __syncthreads();
+    }
+}
+
+template <typename T>
+__device__ void reduce_col(int op, const T* x, T* out, i64* out_index, u64 outer, u64 len, u64 inner) {
+    typedef typename Num<T>::Acc A;
+    FERRY_GRID_STRIDE(t, outer * inner) {
+        u64 o = t / inner, i = t % inner;
+        const T* base = x + o * len * inner + i;
+        A v = op == 0 ? (A)0 : Num<T>::load(base[0]);
+        i64 k = 0;
+        for (u64 j = op == 0 ? 0 : 1; j < len; ++j) combine(op, v, k, Num<T>::load(base[j * inner]), (i64)j);
+        if (op == 2) out_index[t] = k;
+        else out[t] = Num<T>::store(v);
+    }
+}
+
+// Pass one of a whole-tensor sum: each block leaves one partial, in f64.
+template <typename T>
+__device__ void sum_partial(const T* x, u64 n, double* partials) {
+    __shared__ double sums[REDUCE_THREADS];
+    double acc = 0.0;
+    FERRY_GRID_STRIDE(i, n) { acc += (double)Num<T>::load(x[i]); }
+    sums[threadIdx.x] = acc;
+    __syncthreads();
+    for (unsigned int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sums[threadIdx.x] += sums[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partials[blockIdx.x] = sums[0];
+}
+
+// Pass two: one block adds the partials.
+template <typename T>
+__device__ void sum_finish(const double* partials, u64 parts, T* out) {
+    __shared__ double sums[REDUCE_THREADS];
+    double acc = 0.0;
+    for (u64 i = threadIdx.x; i < parts; i += blockDim.x) acc += partials[i];
+    sums[threadIdx.x] = acc;
+    __syncthreads();
+    for (unsigned int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sums[threadIdx.x] += sums[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = Num<T>::store((typename Num<T>::Acc)sums[0]);
+}
+
+#define REDUCE_KERNELS(T)                                                                          \
+    extern "C" __global__ void reduce_row_##T(int op, const T* x, T* o, i64* oi, u64 outer,       \
+                                              u64 len) {                                           \
+        reduce_row<T>(op, x, o, oi, outer, len);                                                   \
+    }                                                                                              \
+    extern "C" __global__ void reduce_col_##T(int op, const T* x, T* o, i64* oi, u64 outer,       \
+                                              u64 len, u64 inner) {                                \
+        reduce_col<T>(op, x, o, oi, outer, len, inner);                                            \
+    }                                                                                              \
+    extern "C" __global__ void sum_partial_##T(const T* x, u64 n, double* p) { sum_partial<T>(x, n, p); } \
+    extern "C" __global__ void sum_finish_##T(const double* p, u64 parts, T* o) { sum_finish<T>(p, parts, o); }
+REDUCE_KERNELS(float)
+REDUCE_KERNELS(double)
+REDUCE_KERNELS(f16)
+REDUCE_KERNELS(bf16)
