@@ -69,6 +69,6 @@ mod tests {
             assert!(!is_grad_enabled());
         }
         assert!(is_grad_enabled());
-        assert_eq!(with_no_grad(is_grad_enabled), false);
+        assert!(!with_no_grad(is_grad_enabled));
     }
 }

@@ -158,6 +158,12 @@ impl Tensor {
     /// Backward with an explicit output gradient and options (retain_graph, trace).
     pub fn backward_with(&self, grad: Tensor, options: BackwardOptions) -> Result<BackwardReport> {
         let node = self.node().ok_or(TensorError::NoGraph)?;
+        if grad.device() != self.device() {
+            return Err(TensorError::DeviceMismatch { op: "backward", lhs: self.device(), rhs: grad.device() });
+        }
+        if grad.dtype() != self.dtype() {
+            return Err(TensorError::dtype_mismatch("backward", grad.dtype(), self.dtype()));
+        }
         if grad.shape() != self.shape() {
             return Err(TensorError::ShapeMismatch {
                 op: "backward",

@@ -64,6 +64,15 @@ pub fn gradcheck(
     let mut mismatches = Vec::new();
     for (i, leaf) in leaves.iter().enumerate() {
         let analytical = match leaf.grad() {
+            // A rule that returns the right values in the wrong shape is still wrong.
+            Some(g) if g.shape() != leaf.shape() => {
+                return Err(TensorError::ShapeMismatch {
+                    op: "gradcheck",
+                    lhs: leaf.dims(),
+                    rhs: g.dims(),
+                    hint: "the gradient of an input must have the input's shape; the op's rule is wrong",
+                });
+            }
             Some(g) => g.to_vec::<f64>()?,
             None => vec![0.0; leaf.numel()],
         };

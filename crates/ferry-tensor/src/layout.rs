@@ -53,7 +53,7 @@ impl Layout {
 
     /// Number of elements.
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        numel(&self.shape)
     }
 
     /// Whether the elements are row-major and gap-free (offset may be non-zero).
@@ -123,6 +123,22 @@ impl Layout {
     pub fn offsets(&self) -> StridedOffsets<'_> {
         StridedOffsets::new(self)
     }
+}
+
+/// Elements in `shape`; a zero dimension makes it 0 even when the others would overflow.
+pub(crate) fn numel(shape: &[usize]) -> usize {
+    if shape.contains(&0) { 0 } else { shape.iter().product() }
+}
+
+/// Elements in a shape a caller asked for, or an error when they cannot be counted in a `usize`.
+pub(crate) fn checked_numel(op: &'static str, shape: &[usize]) -> Result<usize> {
+    if shape.contains(&0) {
+        return Ok(0);
+    }
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(|| TensorError::InvalidArgument {
+        op,
+        message: format!("shape {shape:?} has more elements than memory can address; use smaller dimensions"),
+    })
 }
 
 /// Row-major strides of a contiguous tensor of `shape`.

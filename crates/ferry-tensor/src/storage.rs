@@ -48,7 +48,10 @@ impl Storage {
 
     /// Host storage of `len` zeroed elements.
     pub fn host_zeroed(len: usize, dtype: DType) -> Result<Self> {
-        Ok(Self::new(Buffer::Host(HostBuffer::zeroed(len * dtype.size())?), dtype, Device::Cpu))
+        let bytes = len
+            .checked_mul(dtype.size())
+            .ok_or(ferry_memory::MemoryError::HostOutOfMemory { bytes: usize::MAX })?;
+        Ok(Self::new(Buffer::Host(HostBuffer::zeroed(bytes)?), dtype, Device::Cpu))
     }
 
     /// The device the bytes are on.

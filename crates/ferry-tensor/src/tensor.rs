@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ferry_graph::{GradSlot, NodeHandle};
 use ferry_memory::{DType, Device, Element, HostBuffer};
 
-use crate::layout::{Layout, Shape};
+use crate::layout::{checked_numel, Layout, Shape};
 use crate::storage::{Buffer, Storage};
 use crate::{Result, TensorError};
 
@@ -41,8 +41,8 @@ impl Tensor {
 
     /// A contiguous host tensor owning `buffer`.
     pub fn from_host_buffer(buffer: HostBuffer, dtype: DType, shape: &[usize]) -> Result<Self> {
-        let numel: usize = shape.iter().product();
-        if buffer.len() != numel * dtype.size() {
+        let numel = checked_numel("from_host_buffer", shape)?;
+        if numel.checked_mul(dtype.size()) != Some(buffer.len()) {
             return Err(TensorError::LengthMismatch {
                 op: "from_host_buffer",
                 len: buffer.len() / dtype.size(),
@@ -61,7 +61,7 @@ impl Tensor {
 
     /// A host tensor holding a copy of `data` in row-major order.
     pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Self> {
-        let numel: usize = shape.iter().product();
+        let numel = checked_numel("from_slice", shape)?;
         if data.len() != numel {
             return Err(TensorError::LengthMismatch {
                 op: "from_slice",
@@ -145,7 +145,8 @@ impl Tensor {
 
     /// The elements in row-major order. Works on any device: reading values out is not a move.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        let contiguous = self.contiguous()?;
+        // Not `contiguous()`: reading values out must not record a graph node.
+        let contiguous = if self.is_contiguous() { self.clone() } else { crate::backend::contiguous(self)? };
         let data = crate::backend::read_elements::<T>(&contiguous)?;
         Ok(data)
     }

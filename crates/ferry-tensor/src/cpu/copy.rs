@@ -50,7 +50,7 @@ pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
 
 /// Concatenates contiguous copies of `parts` along `axis`.
 pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tensor> {
-    let parts: Vec<Tensor> = parts.iter().map(Tensor::contiguous).collect::<Result<_>>()?;
+    let parts: Vec<Tensor> = parts.iter().map(super::dense).collect::<Result<_>>()?;
     let dtype = parts[0].dtype();
     let outer: usize = shape[..axis].iter().product();
     let inner: usize = shape[axis + 1..].iter().product();

@@ -37,6 +37,9 @@ fn zip_map<T: Element, U: Element>(
     f: impl Fn(T, T) -> U + Sync,
 ) {
     let n = out.len();
+    if n == 0 {
+        return; // an empty input may have no element at its offset to broadcast
+    }
     if la.is_contiguous() && lb.is_contiguous() {
         let (a, b) = (&a[la.offset()..la.offset() + n], &b[lb.offset()..lb.offset() + n]);
         if n >= PARALLEL_THRESHOLD {
@@ -110,7 +113,7 @@ pub(crate) fn compare(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, op: CmpO
 
 /// Converts every element to `dtype`; the 16-bit float paths use half's vectorised slices.
 pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    let x = x.contiguous()?;
+    let x = super::dense(x)?;
     let n = x.numel();
     let off = x.layout().offset();
     match (x.dtype(), dtype) {

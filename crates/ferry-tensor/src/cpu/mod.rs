@@ -82,10 +82,16 @@ use crate::{Result, Tensor};
 
 /// A fresh contiguous host tensor of `shape`, filled by `fill` writing every element.
 pub(crate) fn build<T: Element>(shape: &[usize], fill: impl FnOnce(&mut [T])) -> Result<Tensor> {
-    let numel = shape.iter().product();
+    let numel = crate::layout::checked_numel("build", shape)?;
     let storage = Storage::host_zeroed(numel, T::DTYPE)?;
     fill(&mut storage.host_mut::<T>("build")?);
     Ok(Tensor::from_shape(storage, shape))
+}
+
+/// `x` itself when contiguous, else a contiguous copy; kernels use it so that reading an input
+/// never records a graph node.
+pub(crate) fn dense(x: &Tensor) -> Result<Tensor> {
+    if x.is_contiguous() { Ok(x.clone()) } else { copy::contiguous(x) }
 }
 
 /// A contiguous host tensor of `dtype` with every element `value`.

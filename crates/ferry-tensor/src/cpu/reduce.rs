@@ -10,7 +10,7 @@ use crate::{Result, Tensor};
 
 /// Reduces axis `axis` of `x` away (the caller restores it for keepdim).
 pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
-    let x = x.contiguous()?;
+    let x = super::dense(x)?;
     let shape = x.shape();
     let outer: usize = shape[..axis].iter().product();
     let len = shape[axis];
@@ -68,7 +68,7 @@ fn fill<U: Element>(out: &mut [U], work: usize, f: impl Fn(usize) -> U + Sync) {
 
 /// Sum of every element, accumulated in f64 in parallel chunks.
 pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
-    let x = x.contiguous()?;
+    let x = super::dense(x)?;
     float_dispatch!(x.dtype(), "sum", |T| {
         let off = x.layout().offset();
         let src = x.storage().host::<T>("sum")?;

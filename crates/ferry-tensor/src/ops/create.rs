@@ -8,6 +8,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
 use crate::cpu::{any_dispatch, build, float_dispatch};
+use crate::layout::checked_numel;
 use crate::{backend, Result, Tensor, TensorError};
 
 thread_local! {
@@ -22,6 +23,7 @@ pub fn manual_seed(seed: u64) {
 impl Tensor {
     /// Every element `value`, created on `device`.
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        checked_numel("full", shape)?;
         backend::full(shape, dtype, device, value)
     }
 
@@ -72,6 +74,7 @@ impl Tensor {
 }
 
 fn sample(shape: &[usize], dtype: DType, device: Device, op: &'static str, draw: impl Fn(&mut StdRng) -> f64) -> Result<Tensor> {
+    checked_numel(op, shape)?;
     let host = float_dispatch!(dtype, op, |T| RNG.with(|rng| {
         let mut rng = rng.borrow_mut();
         build::<T>(shape, |out| out.iter_mut().for_each(|o| *o = T::from_f64(draw(&mut rng))))

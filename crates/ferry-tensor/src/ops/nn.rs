@@ -33,6 +33,7 @@ impl Tensor {
             return Err(TensorError::dtype_mismatch("cross_entropy targets", targets.dtype(), DType::I64));
         }
         let classes = self.shape()[1];
+        check_classes(targets, classes)?;
         let one_hot = Tensor::one_hot(targets, classes, self.dtype())?;
         let picked = self.log_softmax(1)?.mul(&one_hot)?.sum()?;
         picked.div_scalar(-(self.shape()[0] as f64))
@@ -42,6 +43,23 @@ impl Tensor {
     /// `0..classes` give rows of zeros.
     pub fn one_hot(indices: &Tensor, classes: usize, dtype: DType) -> Result<Tensor> {
         let classes_row = Tensor::arange(0.0, classes as f64, indices.dtype(), indices.device())?;
-        indices.unsqueeze(-1)?.eq(&classes_row.unsqueeze(0)?)?.to_dtype(dtype)
+        // [.., 1] against [classes]: a 0-d index gives [classes], not [1, classes].
+        indices.unsqueeze(-1)?.eq(&classes_row)?.to_dtype(dtype)
     }
+}
+
+/// Targets must name a class; a row of zeros would silently drop the sample from the loss.
+fn check_classes(targets: &Tensor, classes: usize) -> Result<()> {
+    let _no_grad = ferry_graph::no_grad();
+    let zero = Tensor::zeros(&[], targets.dtype(), targets.device())?;
+    let limit = Tensor::full(&[], classes as f64, targets.dtype(), targets.device())?;
+    let outside = targets.lt(&zero)?.to_dtype(DType::F64)?.add(&targets.ge(&limit)?.to_dtype(DType::F64)?)?;
+    let bad = outside.sum()?.item()?;
+    if bad > 0.0 {
+        return Err(TensorError::InvalidArgument {
+            op: "cross_entropy",
+            message: format!("{bad} target(s) lie outside 0..{classes}; targets are class indices of the logits' second axis"),
+        });
+    }
+    Ok(())
 }

@@ -4,7 +4,7 @@ use ferry_memory::DType;
 
 use crate::autograd::record;
 use crate::ops::ReduceOp;
-use crate::{backend, rules, Result, Tensor};
+use crate::{backend, rules, Result, Tensor, TensorError};
 
 impl Tensor {
     /// Sum of all elements, as a 0-dimensional tensor.
@@ -28,13 +28,13 @@ impl Tensor {
 
     /// Mean along `axis`.
     pub fn mean_axis(&self, axis: isize, keepdim: bool) -> Result<Tensor> {
-        let len = self.dim(axis)?;
+        let len = self.shape()[self.axis("mean", axis)?];
         self.sum_axis(axis, keepdim)?.div_scalar(len as f64)
     }
 
     /// Maximum along `axis`; the gradient goes to the first maximal element.
     pub fn max_axis(&self, axis: isize, keepdim: bool) -> Result<Tensor> {
-        let axis = self.axis("max", axis)?;
+        let axis = self.nonempty_axis("max", axis)?;
         let out = backend::reduce(self, axis, ReduceOp::Max)?;
         let out = record(out, "max", &[self], || rules::max_axis(self, axis));
         if keepdim { out.unsqueeze(axis as isize) } else { Ok(out) }
@@ -42,9 +42,21 @@ impl Tensor {
 
     /// Index of the maximum along `axis`, as `i64` (first on ties).
     pub fn argmax(&self, axis: isize, keepdim: bool) -> Result<Tensor> {
-        let axis = self.axis("argmax", axis)?;
+        let axis = self.nonempty_axis("argmax", axis)?;
         let out = backend::reduce(self, axis, ReduceOp::ArgMax)?;
         if keepdim { out.unsqueeze(axis as isize) } else { Ok(out) }
+    }
+
+    /// An axis to take a maximum over: it needs at least one element.
+    fn nonempty_axis(&self, op: &'static str, axis: isize) -> Result<usize> {
+        let axis = self.axis(op, axis)?;
+        if self.shape()[axis] == 0 {
+            return Err(TensorError::InvalidArgument {
+                op,
+                message: format!("axis {axis} of shape {:?} is empty, so it has no maximum; narrow or mask instead", self.shape()),
+            });
+        }
+        Ok(axis)
     }
 
     /// Euclidean norm of all elements, computed in f64 (no gradient).

@@ -1,7 +1,7 @@
 //! Views and rearrangements: transpose, reshape, narrow, chunk, cat, broadcast, squeeze.
 
 use crate::autograd::record;
-use crate::layout::Shape;
+use crate::layout::{checked_numel, Shape};
 use crate::{backend, rules, Result, Tensor, TensorError};
 
 impl Tensor {
@@ -25,7 +25,7 @@ impl Tensor {
 
     /// The same elements in a new shape: a view when the data is contiguous, else a copy.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
+        let numel = checked_numel("reshape", shape)?;
         if numel != self.numel() {
             return Err(TensorError::BadReshape {
                 from: self.dims(),
@@ -54,12 +54,13 @@ impl Tensor {
     pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Result<Tensor> {
         let axis = self.axis("narrow", axis)?;
         let size = self.shape()[axis];
-        if start + len > size {
+        let end = start.saturating_add(len);
+        if end > size {
             return Err(TensorError::RangeOutOfBounds {
                 op: "narrow",
                 axis,
                 start,
-                end: start + len,
+                end,
                 len: size,
             });
         }
@@ -75,7 +76,7 @@ impl Tensor {
                 message: "the number of chunks must be at least 1".into(),
             });
         }
-        let size = self.dim(axis)?;
+        let size = self.shape()[self.axis("chunk", axis)?];
         let step = size.div_ceil(chunks).max(1);
         (0..size)
             .step_by(step)
@@ -112,6 +113,7 @@ impl Tensor {
 
     /// Repeats size-1 dimensions (and adds leading ones) to reach `shape`, as a view.
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
+        checked_numel("broadcast_to", shape)?;
         let layout = self.layout().broadcast_to(shape).ok_or_else(|| TensorError::ShapeMismatch {
             op: "broadcast_to",
             lhs: self.dims(),
