@@ -3,8 +3,8 @@
 use std::sync::{Arc, LazyLock};
 
 use ferry_graph::{
-    is_grad_enabled, Backward, BackwardOptions, BackwardReport, BoxError, GradSlot, GradValue, Graph, InputGrads,
-    NodeHandle, NodeKind, NodeMeta,
+    Backward, BackwardOptions, BackwardReport, BoxError, GradSlot, GradValue, Graph, InputGrads,
+    NodeHandle, NodeKind, NodeMeta, is_grad_enabled,
 };
 
 use crate::tensor::{Autograd, Inner};
@@ -24,8 +24,17 @@ impl GradValue for Tensor {
     }
 
     fn describe(&self) -> String {
-        let norm = self.norm().ok().map(|n| format!(" norm {n:.4}")).unwrap_or_default();
-        format!("{:?} {} {}{norm}", self.shape(), self.dtype(), self.device())
+        let norm = self
+            .norm()
+            .ok()
+            .map(|n| format!(" norm {n:.4}"))
+            .unwrap_or_default();
+        format!(
+            "{:?} {} {}{norm}",
+            self.shape(),
+            self.dtype(),
+            self.device()
+        )
     }
 }
 
@@ -39,7 +48,11 @@ impl<F> Backward<Tensor> for Rule<F>
 where
     F: Fn(&Tensor, &[bool]) -> Result<InputGrads<Tensor>> + Send + Sync,
 {
-    fn backward(&self, grad: &Tensor, wanted: &[bool]) -> std::result::Result<InputGrads<Tensor>, BoxError> {
+    fn backward(
+        &self,
+        grad: &Tensor,
+        wanted: &[bool],
+    ) -> std::result::Result<InputGrads<Tensor>, BoxError> {
         Ok((self.f)(grad, wanted)?)
     }
 
@@ -88,7 +101,12 @@ pub fn record_kind(
     if !should_record(inputs) {
         return output;
     }
-    let mut meta = NodeMeta::op(op, output.shape(), output.dtype().name(), output.device().to_string());
+    let mut meta = NodeMeta::op(
+        op,
+        output.shape(),
+        output.dtype().name(),
+        output.device().to_string(),
+    );
     meta.kind = kind;
     let nodes: Vec<Option<&NodeHandle<Tensor>>> = inputs.iter().map(|t| t.node()).collect();
     let node = GRAPH.record(meta, make_rule(), &nodes);
@@ -112,12 +130,22 @@ impl Tensor {
     /// A leaf over the same data that requires grad; only float tensors can.
     pub fn with_grad(&self) -> Result<Tensor> {
         if !self.dtype().is_float() {
-            return Err(TensorError::NotDifferentiable { dtype: self.dtype() });
+            return Err(TensorError::NotDifferentiable {
+                dtype: self.dtype(),
+            });
         }
         let slot = GradSlot::default();
-        let meta = NodeMeta::op("leaf", self.shape(), self.dtype().name(), self.device().to_string());
+        let meta = NodeMeta::op(
+            "leaf",
+            self.shape(),
+            self.dtype().name(),
+            self.device().to_string(),
+        );
         let node = GRAPH.leaf(meta, slot.clone());
-        Ok(self.detach().attach(Autograd { node, grad: Some(slot) }))
+        Ok(self.detach().attach(Autograd {
+            node,
+            grad: Some(slot),
+        }))
     }
 
     /// Whether this tensor is a leaf: it has no history, or it is a leaf that requires grad.
@@ -159,10 +187,18 @@ impl Tensor {
     pub fn backward_with(&self, grad: Tensor, options: BackwardOptions) -> Result<BackwardReport> {
         let node = self.node().ok_or(TensorError::NoGraph)?;
         if grad.device() != self.device() {
-            return Err(TensorError::DeviceMismatch { op: "backward", lhs: self.device(), rhs: grad.device() });
+            return Err(TensorError::DeviceMismatch {
+                op: "backward",
+                lhs: self.device(),
+                rhs: grad.device(),
+            });
         }
         if grad.dtype() != self.dtype() {
-            return Err(TensorError::dtype_mismatch("backward", grad.dtype(), self.dtype()));
+            return Err(TensorError::dtype_mismatch(
+                "backward",
+                grad.dtype(),
+                self.dtype(),
+            ));
         }
         if grad.shape() != self.shape() {
             return Err(TensorError::ShapeMismatch {

@@ -19,12 +19,24 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     cpu::elementwise::unary(x, op)
 }
 
-pub(crate) fn binary(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, op: BinaryOp) -> Result<Tensor> {
+pub(crate) fn binary(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    op: BinaryOp,
+) -> Result<Tensor> {
     on_cpu(op.name(), a.device())?;
     cpu::elementwise::binary(a, la, b, lb, op)
 }
 
-pub(crate) fn compare(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, op: CmpOp) -> Result<Tensor> {
+pub(crate) fn compare(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    op: CmpOp,
+) -> Result<Tensor> {
     on_cpu(op.name(), a.device())?;
     cpu::elementwise::compare(a, la, b, lb, op)
 }
@@ -44,7 +56,13 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
     cpu::reduce::sum_all(x)
 }
 
-pub(crate) fn matmul(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, batch: &[usize]) -> Result<Tensor> {
+pub(crate) fn matmul(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    batch: &[usize],
+) -> Result<Tensor> {
     on_cpu("matmul", a.device())?;
     cpu::matmul::matmul(a, la, b, lb, batch)
 }

@@ -1,5 +1,5 @@
-use ferry_memory::{DType, Device, MemoryError};
 use ferry_graph::GraphError;
+use ferry_memory::{DType, Device, MemoryError};
 use thiserror::Error;
 
 use crate::layout::Shape;
@@ -24,7 +24,9 @@ pub enum TensorError {
         hint: &'static str,
     },
     /// Two dtypes that must agree do not.
-    #[error("{op}: dtypes {lhs} and {rhs} differ: cast one first, e.g. `.to_dtype(DType::{rhs_upper})`")]
+    #[error(
+        "{op}: dtypes {lhs} and {rhs} differ: cast one first, e.g. `.to_dtype(DType::{rhs_upper})`"
+    )]
     DTypeMismatch {
         /// The op.
         op: &'static str,
@@ -36,7 +38,9 @@ pub enum TensorError {
         rhs_upper: String,
     },
     /// Tensors on different devices met in one op.
-    #[error("{op}: tensors are on {lhs} and {rhs}: move one with `.to(Device::...)` (ferry never moves data implicitly)")]
+    #[error(
+        "{op}: tensors are on {lhs} and {rhs}: move one with `.to(Device::...)` (ferry never moves data implicitly)"
+    )]
     DeviceMismatch {
         /// The op.
         op: &'static str,
@@ -64,7 +68,9 @@ pub enum TensorError {
         device: Device,
     },
     /// An axis beyond the tensor's dimensions.
-    #[error("{op}: axis {axis} is out of range for a tensor with {ndim} dimension(s); use 0..{ndim} or -1 for the last")]
+    #[error(
+        "{op}: axis {axis} is out of range for a tensor with {ndim} dimension(s); use 0..{ndim} or -1 for the last"
+    )]
     AxisOutOfRange {
         /// The op.
         op: &'static str,
@@ -88,7 +94,9 @@ pub enum TensorError {
         len: usize,
     },
     /// A reshape to a different number of elements.
-    #[error("reshape: cannot view {from:?} ({from_numel} elements) as {to:?} ({to_numel} elements); the element counts must match")]
+    #[error(
+        "reshape: cannot view {from:?} ({from_numel} elements) as {to:?} ({to_numel} elements); the element counts must match"
+    )]
     BadReshape {
         /// Current shape.
         from: Shape,
@@ -120,16 +128,22 @@ pub enum TensorError {
         message: String,
     },
     /// Backward from a tensor that is not a scalar, without an explicit gradient.
-    #[error("backward: the output has shape {shape:?}; call it on a scalar (e.g. `.sum()?` or `.mean()?` first) or use `backward_with(grad)`")]
+    #[error(
+        "backward: the output has shape {shape:?}; call it on a scalar (e.g. `.sum()?` or `.mean()?` first) or use `backward_with(grad)`"
+    )]
     NonScalarBackward {
         /// The output's shape.
         shape: Shape,
     },
     /// Backward from a tensor that has no gradient history.
-    #[error("backward: this tensor does not require grad and has no graph node; mark a leaf with `.with_grad()?` before computing it, outside `no_grad`")]
+    #[error(
+        "backward: this tensor does not require grad and has no graph node; mark a leaf with `.with_grad()?` before computing it, outside `no_grad`"
+    )]
     NoGraph,
     /// Gradients asked of a dtype that cannot carry them.
-    #[error("requires_grad: {dtype} tensors cannot require grad; only float tensors can (cast with `.to_dtype(DType::F32)`)")]
+    #[error(
+        "requires_grad: {dtype} tensors cannot require grad; only float tensors can (cast with `.to_dtype(DType::F32)`)"
+    )]
     NotDifferentiable {
         /// The dtype.
         dtype: DType,

@@ -53,7 +53,10 @@ pub fn gradcheck(
             hint: "gradcheck needs f64 inputs for accurate differences; cast with `.to_dtype(DType::F64)`",
         });
     }
-    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.detach().with_grad()).collect::<Result<_>>()?;
+    let leaves: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.detach().with_grad())
+        .collect::<Result<_>>()?;
     let probe = {
         let out = crate::with_no_grad(|| f(&leaves))?;
         Tensor::rand(out.shape(), DType::F64, out.device())?.add_scalar(0.5)?
@@ -89,8 +92,18 @@ pub fn gradcheck(
                 crate::with_no_grad(|| objective(&xs))?.item()
             };
             let numerical = (at(options.eps)? - at(-options.eps)?) / (2.0 * options.eps);
-            if !approx::relative_eq!(analytical, numerical, epsilon = options.atol, max_relative = options.rtol) {
-                mismatches.push(GradMismatch { input: i, element: e, analytical, numerical });
+            if !approx::relative_eq!(
+                analytical,
+                numerical,
+                epsilon = options.atol,
+                max_relative = options.rtol
+            ) {
+                mismatches.push(GradMismatch {
+                    input: i,
+                    element: e,
+                    analytical,
+                    numerical,
+                });
             }
         }
     }

@@ -28,7 +28,11 @@ impl Layout {
     /// A layout from its parts.
     pub fn new(shape: Shape, strides: Shape, offset: usize) -> Self {
         debug_assert_eq!(shape.len(), strides.len());
-        Self { shape, strides, offset }
+        Self {
+            shape,
+            strides,
+            offset,
+        }
     }
 
     /// The dimensions.
@@ -73,7 +77,12 @@ impl Layout {
         if self.numel() == 0 {
             return None;
         }
-        let last: usize = self.shape.iter().zip(&self.strides).map(|(d, s)| (d - 1) * s).sum();
+        let last: usize = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(d, s)| (d - 1) * s)
+            .sum();
         Some((self.offset, self.offset + last + 1))
     }
 
@@ -127,7 +136,11 @@ impl Layout {
 
 /// Elements in `shape`; a zero dimension makes it 0 even when the others would overflow.
 pub(crate) fn numel(shape: &[usize]) -> usize {
-    if shape.contains(&0) { 0 } else { shape.iter().product() }
+    if shape.contains(&0) {
+        0
+    } else {
+        shape.iter().product()
+    }
 }
 
 /// Elements in a shape a caller asked for, or an error when they cannot be counted in a `usize`.
@@ -135,10 +148,15 @@ pub(crate) fn checked_numel(op: &'static str, shape: &[usize]) -> Result<usize> 
     if shape.contains(&0) {
         return Ok(0);
     }
-    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(|| TensorError::InvalidArgument {
-        op,
-        message: format!("shape {shape:?} has more elements than memory can address; use smaller dimensions"),
-    })
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| TensorError::InvalidArgument {
+            op,
+            message: format!(
+                "shape {shape:?} has more elements than memory can address; use smaller dimensions"
+            ),
+        })
 }
 
 /// Row-major strides of a contiguous tensor of `shape`.
@@ -153,7 +171,13 @@ pub fn contiguous_strides(shape: &[usize]) -> Shape {
 /// The shape both operands broadcast to, numpy-style.
 pub fn broadcast_shapes(op: &'static str, lhs: &[usize], rhs: &[usize]) -> Result<Shape> {
     let ndim = lhs.len().max(rhs.len());
-    let dim = |s: &[usize], i: usize| if i < ndim - s.len() { 1 } else { s[i - (ndim - s.len())] };
+    let dim = |s: &[usize], i: usize| {
+        if i < ndim - s.len() {
+            1
+        } else {
+            s[i - (ndim - s.len())]
+        }
+    };
     (0..ndim)
         .map(|i| match (dim(lhs, i), dim(rhs, i)) {
             (a, b) if a == b => Ok(a),
@@ -226,11 +250,21 @@ mod tests {
 
     #[test]
     fn broadcast_repeats_by_zero_strides() {
-        let b = Layout::contiguous(&[3, 1]).broadcast_to(&[2, 3, 2]).unwrap();
+        let b = Layout::contiguous(&[3, 1])
+            .broadcast_to(&[2, 3, 2])
+            .unwrap();
         assert_eq!(b.strides(), &[0, 1, 0]);
-        assert_eq!(b.offsets().collect::<Vec<_>>(), [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]);
+        assert_eq!(
+            b.offsets().collect::<Vec<_>>(),
+            [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
+        );
         assert!(Layout::contiguous(&[3]).broadcast_to(&[2]).is_none());
-        assert_eq!(broadcast_shapes("add", &[4, 1, 3], &[2, 1]).unwrap().as_slice(), &[4, 2, 3]);
+        assert_eq!(
+            broadcast_shapes("add", &[4, 1, 3], &[2, 1])
+                .unwrap()
+                .as_slice(),
+            &[4, 2, 3]
+        );
         assert!(broadcast_shapes("add", &[3], &[4]).is_err());
     }
 

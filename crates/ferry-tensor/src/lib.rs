@@ -38,9 +38,9 @@ mod tensor;
 
 pub use autograd::{graph, record, record_kind, rule, saved_bytes, should_record};
 pub use error::{Result, TensorError};
-pub use ferry_graph::{no_grad, with_no_grad, BackwardOptions, BackwardReport};
+pub use ferry_graph::{BackwardOptions, BackwardReport, no_grad, with_no_grad};
 pub use ferry_memory::{DType, Device};
-pub use layout::{broadcast_shapes, Layout, Shape};
+pub use layout::{Layout, Shape, broadcast_shapes};
 pub use ops::create::manual_seed;
 pub use storage::{Buffer, Storage};
 pub use tensor::Tensor;

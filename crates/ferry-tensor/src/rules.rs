@@ -45,8 +45,14 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Rule {
     rule(saved_bytes(saved), move |g, wanted| {
         let (da, db) = match op {
             // d(a+b) = da + db;  d(a-b) = da - db
-            BinaryOp::Add => (lazy(wanted[0], || Ok(g.clone())), lazy(wanted[1], || Ok(g.clone()))),
-            BinaryOp::Sub => (lazy(wanted[0], || Ok(g.clone())), lazy(wanted[1], || g.neg())),
+            BinaryOp::Add => (
+                lazy(wanted[0], || Ok(g.clone())),
+                lazy(wanted[1], || Ok(g.clone())),
+            ),
+            BinaryOp::Sub => (
+                lazy(wanted[0], || Ok(g.clone())),
+                lazy(wanted[1], || g.neg()),
+            ),
             // d(ab) = b da + a db
             BinaryOp::Mul => (lazy(wanted[0], || g.mul(&b)), lazy(wanted[1], || g.mul(&a))),
             // d(a/b) = da / b - a db / b²
@@ -76,14 +82,14 @@ pub(crate) fn unary(op: UnaryOp, x: &Tensor, y: &Tensor) -> Rule {
     };
     rule(saved_bytes(&saved), move |g, _| {
         let dx = match op {
-            UnaryOp::Neg => g.neg()?,                                      // d(-x) = -1
-            UnaryOp::Exp => g.mul(&y)?,                                    // d eˣ = eˣ
-            UnaryOp::Log => g.div(&x)?,                                    // d ln x = 1/x
-            UnaryOp::Relu => g.mul(&x.step()?)?,                           // 1 where x > 0
+            UnaryOp::Neg => g.neg()?,                                     // d(-x) = -1
+            UnaryOp::Exp => g.mul(&y)?,                                   // d eˣ = eˣ
+            UnaryOp::Log => g.div(&x)?,                                   // d ln x = 1/x
+            UnaryOp::Relu => g.mul(&x.step()?)?,                          // 1 where x > 0
             UnaryOp::Tanh => g.mul(&y.mul(&y)?.neg()?.add_scalar(1.0)?)?, // 1 - tanh²
             UnaryOp::Sigmoid => g.mul(&y.mul(&y.neg()?.add_scalar(1.0)?)?)?, // σ(1 - σ)
-            UnaryOp::Sqrt => g.div(&y.mul_scalar(2.0)?)?,                  // 1 / (2√x)
-            UnaryOp::Abs => g.mul(&x.step()?.sub(&x.neg()?.step()?)?)?,    // sign(x)
+            UnaryOp::Sqrt => g.div(&y.mul_scalar(2.0)?)?,                 // 1 / (2√x)
+            UnaryOp::Abs => g.mul(&x.step()?.sub(&x.neg()?.step()?)?)?,   // sign(x)
             UnaryOp::Step => g.zeros_like()?,
             UnaryOp::AddScalar(_) => g.clone(),
             UnaryOp::MulScalar(c) => g.mul_scalar(c)?,
@@ -96,13 +102,21 @@ pub(crate) fn unary(op: UnaryOp, x: &Tensor, y: &Tensor) -> Rule {
 /// Sum of everything: every element gets the (scalar) gradient.
 pub(crate) fn sum_all(x: &Tensor) -> Rule {
     let shape: Shape = x.dims();
-    rule(0, move |g, _| Ok(smallvec![Some(g.broadcast_to(&shape)?.contiguous()?)]))
+    rule(0, move |g, _| {
+        Ok(smallvec![Some(g.broadcast_to(&shape)?.contiguous()?)])
+    })
 }
 
 /// Sum along `axis` (removed from the output): the gradient repeats along it.
 pub(crate) fn sum_axis(x: &Tensor, axis: usize) -> Rule {
     let shape: Shape = x.dims();
-    rule(0, move |g, _| Ok(smallvec![Some(g.unsqueeze(axis as isize)?.broadcast_to(&shape)?.contiguous()?)]))
+    rule(0, move |g, _| {
+        Ok(smallvec![Some(
+            g.unsqueeze(axis as isize)?
+                .broadcast_to(&shape)?
+                .contiguous()?
+        )])
+    })
 }
 
 /// Broadcasting: what was repeated sums back.
@@ -139,7 +153,9 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Rule {
 
 /// Swapping axes back.
 pub(crate) fn transpose(a: usize, b: usize) -> Rule {
-    rule(0, move |g, _| Ok(smallvec![Some(g.transpose(a as isize, b as isize)?)]))
+    rule(0, move |g, _| {
+        Ok(smallvec![Some(g.transpose(a as isize, b as isize)?)])
+    })
 }
 
 /// Viewing the gradient in the input's shape.
@@ -164,7 +180,10 @@ pub(crate) fn narrow(x: &Tensor, axis: usize, start: usize) -> Rule {
             Tensor::zeros(&s, g.dtype(), g.device())
         };
         let (before, after) = (pad(start)?, pad(shape[axis] - start - len)?);
-        Ok(smallvec![Some(Tensor::cat(&[&before, g, &after], axis as isize)?)])
+        Ok(smallvec![Some(Tensor::cat(
+            &[&before, g, &after],
+            axis as isize
+        )?)])
     })
 }
 
@@ -175,7 +194,9 @@ pub(crate) fn cat(parts: &[&Tensor], axis: usize) -> Rule {
         let mut start = 0;
         let mut grads = InputGrads::new();
         for (&size, &want) in sizes.iter().zip(wanted) {
-            grads.push(lazy(want, || g.narrow(axis as isize, start, size)?.contiguous())?);
+            grads.push(lazy(want, || {
+                g.narrow(axis as isize, start, size)?.contiguous()
+            })?);
             start += size;
         }
         Ok(grads)

@@ -1,7 +1,9 @@
 //! Storage: the bytes behind one or more tensors, on one device, of one dtype.
 
 use ferry_memory::{DType, Device, Element, HostBuffer};
-use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+};
 
 use crate::{Result, TensorError};
 
@@ -51,7 +53,11 @@ impl Storage {
         let bytes = len
             .checked_mul(dtype.size())
             .ok_or(ferry_memory::MemoryError::HostOutOfMemory { bytes: usize::MAX })?;
-        Ok(Self::new(Buffer::Host(HostBuffer::zeroed(bytes)?), dtype, Device::Cpu))
+        Ok(Self::new(
+            Buffer::Host(HostBuffer::zeroed(bytes)?),
+            dtype,
+            Device::Cpu,
+        ))
     }
 
     /// The device the bytes are on.
@@ -85,16 +91,25 @@ impl Storage {
         RwLockReadGuard::try_map(self.buffer.read(), |b| match b {
             Buffer::Host(h) => Some(h.as_slice::<T>()),
         })
-        .map_err(|_| TensorError::NotOnHost { op, device: self.device })
+        .map_err(|_| TensorError::NotOnHost {
+            op,
+            device: self.device,
+        })
     }
 
     /// The host elements as `T`, mutably.
-    pub fn host_mut<T: Element>(&self, op: &'static str) -> Result<MappedRwLockWriteGuard<'_, [T]>> {
+    pub fn host_mut<T: Element>(
+        &self,
+        op: &'static str,
+    ) -> Result<MappedRwLockWriteGuard<'_, [T]>> {
         self.check::<T>(op)?;
         RwLockWriteGuard::try_map(self.buffer.write(), |b| match b {
             Buffer::Host(h) => Some(h.as_mut_slice::<T>()),
         })
-        .map_err(|_| TensorError::NotOnHost { op, device: self.device })
+        .map_err(|_| TensorError::NotOnHost {
+            op,
+            device: self.device,
+        })
     }
 
     fn check<T: Element>(&self, op: &'static str) -> Result<()> {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ferry_graph::{GradSlot, NodeHandle};
 use ferry_memory::{DType, Device, Element, HostBuffer};
 
-use crate::layout::{checked_numel, Layout, Shape};
+use crate::layout::{Layout, Shape, checked_numel};
 use crate::storage::{Buffer, Storage};
 use crate::{Result, TensorError};
 
@@ -51,7 +51,10 @@ impl Tensor {
             });
         }
         let storage = Storage::new(Buffer::Host(buffer), dtype, Device::Cpu);
-        Ok(Self::from_storage(Arc::new(storage), Layout::contiguous(shape)))
+        Ok(Self::from_storage(
+            Arc::new(storage),
+            Layout::contiguous(shape),
+        ))
     }
 
     /// A host tensor holding `data` in row-major order.
@@ -146,14 +149,22 @@ impl Tensor {
     /// The elements in row-major order. Works on any device: reading values out is not a move.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         // Not `contiguous()`: reading values out must not record a graph node.
-        let contiguous = if self.is_contiguous() { self.clone() } else { crate::backend::contiguous(self)? };
+        let contiguous = if self.is_contiguous() {
+            self.clone()
+        } else {
+            crate::backend::contiguous(self)?
+        };
         let data = crate::backend::read_elements::<T>(&contiguous)?;
         Ok(data)
     }
 
     /// The elements converted to `f64`, whatever the dtype.
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
-        let t = if self.dtype() == DType::F64 { self.clone() } else { self.to_dtype(DType::F64)? };
+        let t = if self.dtype() == DType::F64 {
+            self.clone()
+        } else {
+            self.to_dtype(DType::F64)?
+        };
         t.to_vec::<f64>()
     }
 
@@ -162,7 +173,10 @@ impl Tensor {
         if self.numel() != 1 {
             return Err(TensorError::InvalidArgument {
                 op: "item",
-                message: format!("the tensor has {} elements; item() needs exactly one (reduce with .sum() first)", self.numel()),
+                message: format!(
+                    "the tensor has {} elements; item() needs exactly one (reduce with .sum() first)",
+                    self.numel()
+                ),
             });
         }
         Ok(self.to_vec_f64()?[0])
@@ -190,14 +204,21 @@ impl Tensor {
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Tensor[{:?}, {}, {}", self.shape(), self.dtype(), self.device())?;
+        write!(
+            f,
+            "Tensor[{:?}, {}, {}",
+            self.shape(),
+            self.dtype(),
+            self.device()
+        )?;
         if self.requires_grad() {
             write!(f, ", requires_grad")?;
         }
-        if self.device() == Device::Cpu && self.numel() <= 16 {
-            if let Ok(values) = self.to_vec_f64() {
-                write!(f, ", {values:?}")?;
-            }
+        if self.device() == Device::Cpu
+            && self.numel() <= 16
+            && let Ok(values) = self.to_vec_f64()
+        {
+            write!(f, ", {values:?}")?;
         }
         write!(f, "]")
     }

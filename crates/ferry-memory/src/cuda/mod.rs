@@ -7,6 +7,7 @@
 //! reuse itself (per-stream, with one event per block) and needs no per-slice events.
 
 mod allocator;
+mod batch;
 mod blas;
 mod buffer;
 mod cache;
@@ -18,6 +19,7 @@ mod pinned;
 mod stream;
 
 pub use allocator::MemoryStats;
+pub use batch::PinnedBatch;
 pub use blas::{GemmInput, GemmOutput, GemmSpec};
 pub use buffer::DeviceBuffer;
 pub use device::CudaDevice;

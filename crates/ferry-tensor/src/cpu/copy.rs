@@ -34,7 +34,10 @@ fn bits<T: bytemuck::Pod>(t: &Tensor) -> Result<parking_lot::MappedRwLockReadGua
     parking_lot::RwLockReadGuard::try_map(guard, |b| match b {
         crate::storage::Buffer::Host(h) => Some(bytemuck::cast_slice::<u8, T>(h.as_bytes())),
     })
-    .map_err(|_| crate::TensorError::NotOnHost { op: "copy", device: t.device() })
+    .map_err(|_| crate::TensorError::NotOnHost {
+        op: "copy",
+        device: t.device(),
+    })
 }
 
 /// A contiguous copy of `x`.
@@ -42,7 +45,9 @@ pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
     bits_dispatch!(x.dtype(), |B| {
         let src = bits::<B>(x)?;
         let out = build_bits::<B>(x.dtype(), x.shape(), |out| {
-            out.iter_mut().zip(x.layout().offsets()).for_each(|(o, i)| *o = src[i])
+            out.iter_mut()
+                .zip(x.layout().offsets())
+                .for_each(|(o, i)| *o = src[i])
         })?;
         Ok(out)
     })
@@ -63,7 +68,8 @@ pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tens
                 let width = part.shape()[axis] * inner;
                 let src = &src[part.layout().offset()..part.layout().offset() + part.numel()];
                 for o in 0..outer {
-                    out[o * row + start..o * row + start + width].copy_from_slice(&src[o * width..(o + 1) * width]);
+                    out[o * row + start..o * row + start + width]
+                        .copy_from_slice(&src[o * width..(o + 1) * width]);
                 }
                 start += width;
             }
@@ -71,7 +77,11 @@ pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tens
     })
 }
 
-fn build_bits<B: bytemuck::Pod>(dtype: DType, shape: &[usize], fill: impl FnOnce(&mut [B])) -> Result<Tensor> {
+fn build_bits<B: bytemuck::Pod>(
+    dtype: DType,
+    shape: &[usize],
+    fill: impl FnOnce(&mut [B]),
+) -> Result<Tensor> {
     let numel: usize = shape.iter().product();
     let mut buffer = HostBuffer::zeroed(numel * dtype.size())?;
     fill(bytemuck::cast_slice_mut(buffer.as_bytes_mut()));

@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use num_traits::Float;
 use rayon::prelude::*;
 
-use super::{any_dispatch, build, float_dispatch, CHUNK, PARALLEL_THRESHOLD};
+use super::{CHUNK, PARALLEL_THRESHOLD, any_dispatch, build, float_dispatch};
 use crate::layout::Layout;
 use crate::ops::{BinaryOp, CmpOp, UnaryOp};
 use crate::{Result, Tensor};
@@ -23,7 +23,9 @@ fn map<T: Element, U: Element>(x: &[T], layout: &Layout, out: &mut [U], f: impl 
             out.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x));
         }
     } else {
-        out.iter_mut().zip(layout.offsets()).for_each(|(o, i)| *o = f(x[i]));
+        out.iter_mut()
+            .zip(layout.offsets())
+            .for_each(|(o, i)| *o = f(x[i]));
     }
 }
 
@@ -41,13 +43,22 @@ fn zip_map<T: Element, U: Element>(
         return; // an empty input may have no element at its offset to broadcast
     }
     if la.is_contiguous() && lb.is_contiguous() {
-        let (a, b) = (&a[la.offset()..la.offset() + n], &b[lb.offset()..lb.offset() + n]);
+        let (a, b) = (
+            &a[la.offset()..la.offset() + n],
+            &b[lb.offset()..lb.offset() + n],
+        );
         if n >= PARALLEL_THRESHOLD {
             out.par_chunks_mut(CHUNK)
                 .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-                .for_each(|(o, (a, b))| o.iter_mut().zip(a.iter().zip(b)).for_each(|(o, (&a, &b))| *o = f(a, b)));
+                .for_each(|(o, (a, b))| {
+                    o.iter_mut()
+                        .zip(a.iter().zip(b))
+                        .for_each(|(o, (&a, &b))| *o = f(a, b))
+                });
         } else {
-            out.iter_mut().zip(a.iter().zip(b)).for_each(|(o, (&a, &b))| *o = f(a, b));
+            out.iter_mut()
+                .zip(a.iter().zip(b))
+                .for_each(|(o, (&a, &b))| *o = f(a, b));
         }
     } else if lb.strides().iter().all(|&s| s == 0) {
         let b = b[lb.offset()];
@@ -84,9 +95,18 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     })
 }
 
-pub(crate) fn binary(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, op: BinaryOp) -> Result<Tensor> {
+pub(crate) fn binary(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    op: BinaryOp,
+) -> Result<Tensor> {
     float_dispatch!(a.dtype(), op.name(), |T| {
-        let (x, y) = (a.storage().host::<T>(op.name())?, b.storage().host::<T>(op.name())?);
+        let (x, y) = (
+            a.storage().host::<T>(op.name())?,
+            b.storage().host::<T>(op.name())?,
+        );
         build::<T>(la.shape(), |out| match op {
             BinaryOp::Add => zip_map(&x, la, &y, lb, out, |p, q| p + q),
             BinaryOp::Sub => zip_map(&x, la, &y, lb, out, |p, q| p - q),
@@ -96,9 +116,18 @@ pub(crate) fn binary(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, op: Binar
     })
 }
 
-pub(crate) fn compare(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, op: CmpOp) -> Result<Tensor> {
+pub(crate) fn compare(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    op: CmpOp,
+) -> Result<Tensor> {
     any_dispatch!(a.dtype(), |T| {
-        let (x, y) = (a.storage().host::<T>(op.name())?, b.storage().host::<T>(op.name())?);
+        let (x, y) = (
+            a.storage().host::<T>(op.name())?,
+            b.storage().host::<T>(op.name())?,
+        );
         let f: fn(&T, &T) -> bool = match op {
             CmpOp::Eq => T::eq,
             CmpOp::Ne => T::ne,
@@ -107,7 +136,9 @@ pub(crate) fn compare(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, op: CmpO
             CmpOp::Gt => T::gt,
             CmpOp::Ge => T::ge,
         };
-        build::<u8>(la.shape(), |out| zip_map(&x, la, &y, lb, out, |p, q| f(&p, &q) as u8))
+        build::<u8>(la.shape(), |out| {
+            zip_map(&x, la, &y, lb, out, |p, q| f(&p, &q) as u8)
+        })
     })
 }
 
@@ -119,33 +150,75 @@ pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     match (x.dtype(), dtype) {
         (DType::F32, DType::F16) => {
             let src = x.storage().host::<f32>("cast")?;
-            build::<f16>(x.shape(), |out| par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s)))
+            build::<f16>(x.shape(), |out| {
+                par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s))
+            })
         }
         (DType::F32, DType::BF16) => {
             let src = x.storage().host::<f32>("cast")?;
-            build::<bf16>(x.shape(), |out| par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s)))
+            build::<bf16>(x.shape(), |out| {
+                par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s))
+            })
         }
         (DType::F16, DType::F32) => {
             let src = x.storage().host::<f16>("cast")?;
-            build::<f32>(x.shape(), |out| par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o)))
+            build::<f32>(x.shape(), |out| {
+                par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o))
+            })
         }
         (DType::BF16, DType::F32) => {
             let src = x.storage().host::<bf16>("cast")?;
-            build::<f32>(x.shape(), |out| par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o)))
+            build::<f32>(x.shape(), |out| {
+                par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o))
+            })
         }
+        (from, DType::BF16) => any_dispatch!(from, |S| {
+            let src = x.storage().host::<S>("cast")?;
+            let src = &src[off..off + n];
+            build::<bf16>(x.shape(), |out| {
+                par_convert(src, out, |o, s| {
+                    o.iter_mut()
+                        .zip(s)
+                        .for_each(|(o, &s)| *o = bf16_from_f64(s.to_f64()))
+                })
+            })
+        }),
         (from, to) => any_dispatch!(from, |S| {
             let src = x.storage().host::<S>("cast")?;
             let src = &src[off..off + n];
-            any_dispatch!(to, |D| build::<D>(x.shape(), |out| par_convert(src, out, |o, s| {
-                o.iter_mut().zip(s).for_each(|(o, &s)| *o = D::from_f64(s.to_f64()))
-            })))
+            any_dispatch!(to, |D| build::<D>(x.shape(), |out| par_convert(
+                src,
+                out,
+                |o, s| {
+                    o.iter_mut()
+                        .zip(s)
+                        .for_each(|(o, &s)| *o = D::from_f64(s.to_f64()))
+                }
+            )))
         }),
     }
 }
 
+/// `v` rounded to the nearest bf16, ties to even. `half`'s `bf16::from_f64` drops the low 32
+/// mantissa bits before rounding, so values just above a tie round down; going through f32 with
+/// round-to-odd keeps every bit that decides the final rounding.
+fn bf16_from_f64(v: f64) -> bf16 {
+    let f = v as f32;
+    if !f.is_finite() || f64::from(f) == v {
+        return bf16::from_f32(f);
+    }
+    let mut bits = f.to_bits();
+    if f64::from(f).abs() > v.abs() {
+        bits -= 1; // rounded away from zero: step back to the truncation
+    }
+    bf16::from_f32(f32::from_bits(bits | 1))
+}
+
 fn par_convert<S: Sync, D: Send>(src: &[S], out: &mut [D], f: impl Fn(&mut [D], &[S]) + Sync) {
     if out.len() >= PARALLEL_THRESHOLD {
-        out.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(o, s)| f(o, s));
+        out.par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .for_each(|(o, s)| f(o, s));
     } else {
         f(out, src);
     }

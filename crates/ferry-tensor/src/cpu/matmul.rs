@@ -1,7 +1,7 @@
 //! Batched matrix products through the `gemm` crate, reading strided operands in place.
 
-use ferry_memory::gemm::{self, GemmElement, MatRef};
 use ferry_memory::DType;
+use ferry_memory::gemm::{self, GemmElement, MatRef};
 use half::f16;
 
 use super::build;
@@ -9,14 +9,23 @@ use crate::layout::Layout;
 use crate::{Result, Tensor, TensorError};
 
 /// `a [.., m, k] · b [.., k, n]` with batch layouts already broadcast to `batch`.
-pub(crate) fn matmul(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, batch: &[usize]) -> Result<Tensor> {
+pub(crate) fn matmul(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    batch: &[usize],
+) -> Result<Tensor> {
     match a.dtype() {
         DType::F32 => typed::<f32>(a, la, b, lb, batch),
         DType::F64 => typed::<f64>(a, la, b, lb, batch),
         DType::F16 => typed::<f16>(a, la, b, lb, batch),
         // gemm has no bf16 kernels: compute in f32, round once at the end.
         DType::BF16 => {
-            let (a32, b32) = (a.with_layout(la.clone()).to_dtype(DType::F32)?, b.with_layout(lb.clone()).to_dtype(DType::F32)?);
+            let (a32, b32) = (
+                a.with_layout(la.clone()).to_dtype(DType::F32)?,
+                b.with_layout(lb.clone()).to_dtype(DType::F32)?,
+            );
             let out = typed::<f32>(&a32, a32.layout(), &b32, b32.layout(), batch)?;
             out.to_dtype(DType::BF16)
         }
@@ -28,26 +37,61 @@ pub(crate) fn matmul(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, batch: &[
     }
 }
 
-fn typed<T: GemmElement + ferry_memory::Element>(a: &Tensor, la: &Layout, b: &Tensor, lb: &Layout, batch: &[usize]) -> Result<Tensor> {
+fn typed<T: GemmElement + ferry_memory::Element>(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    batch: &[usize],
+) -> Result<Tensor> {
     let nd = la.ndim();
     let (m, k, n) = (la.shape()[nd - 2], la.shape()[nd - 1], lb.shape()[nd - 1]);
     let mut out_shape = batch.to_vec();
     out_shape.extend([m, n]);
-    let (x, y) = (a.storage().host::<T>("matmul")?, b.storage().host::<T>("matmul")?);
+    let (x, y) = (
+        a.storage().host::<T>("matmul")?,
+        b.storage().host::<T>("matmul")?,
+    );
     let count: usize = batch.iter().product();
-    let threads = if m * n * k >= 1 << 18 { rayon::current_num_threads() } else { 1 };
+    let threads = if m * n * k >= 1 << 18 {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
     // Offsets of each batch's matrices: walk the batch dims of each layout.
     let batch_offsets = |l: &Layout| {
-        let batch_only = Layout::new(l.shape()[..nd - 2].into(), l.strides()[..nd - 2].into(), l.offset());
+        let batch_only = Layout::new(
+            l.shape()[..nd - 2].into(),
+            l.strides()[..nd - 2].into(),
+            l.offset(),
+        );
         batch_only.offsets().collect::<Vec<_>>()
     };
     let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
     let mut result = Ok(());
     let out = build::<T>(&out_shape, |out| {
         for i in 0..count {
-            let lhs = MatRef { data: &x, offset: oa[i], row_stride: la.strides()[nd - 2], col_stride: la.strides()[nd - 1] };
-            let rhs = MatRef { data: &y, offset: ob[i], row_stride: lb.strides()[nd - 2], col_stride: lb.strides()[nd - 1] };
-            if let Err(e) = gemm::matmul(m, n, k, lhs, rhs, &mut out[i * m * n..(i + 1) * m * n], threads) {
+            let lhs = MatRef {
+                data: &x,
+                offset: oa[i],
+                row_stride: la.strides()[nd - 2],
+                col_stride: la.strides()[nd - 1],
+            };
+            let rhs = MatRef {
+                data: &y,
+                offset: ob[i],
+                row_stride: lb.strides()[nd - 2],
+                col_stride: lb.strides()[nd - 1],
+            };
+            if let Err(e) = gemm::matmul(
+                m,
+                n,
+                k,
+                lhs,
+                rhs,
+                &mut out[i * m * n..(i + 1) * m * n],
+                threads,
+            ) {
                 result = Err(e);
                 return;
             }

@@ -91,10 +91,15 @@ pub(crate) fn build<T: Element>(shape: &[usize], fill: impl FnOnce(&mut [T])) ->
 /// `x` itself when contiguous, else a contiguous copy; kernels use it so that reading an input
 /// never records a graph node.
 pub(crate) fn dense(x: &Tensor) -> Result<Tensor> {
-    if x.is_contiguous() { Ok(x.clone()) } else { copy::contiguous(x) }
+    if x.is_contiguous() {
+        Ok(x.clone())
+    } else {
+        copy::contiguous(x)
+    }
 }
 
 /// A contiguous host tensor of `dtype` with every element `value`.
 pub(crate) fn full(shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
-    any_dispatch!(dtype, |T| build::<T>(shape, |out| out.fill(T::from_f64(value))))
+    any_dispatch!(dtype, |T| build::<T>(shape, |out| out
+        .fill(T::from_f64(value))))
 }

@@ -4,7 +4,7 @@ use ferry_memory::Element;
 use num_traits::Float;
 use rayon::prelude::*;
 
-use super::{build, float_dispatch, PARALLEL_THRESHOLD};
+use super::{PARALLEL_THRESHOLD, build, float_dispatch};
 use crate::ops::ReduceOp;
 use crate::{Result, Tensor};
 
@@ -38,7 +38,12 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
             ReduceOp::Max => build::<T>(&out_shape, |out| {
                 fill(out, outer * len * inner, |k| {
                     let (o, i) = (k / inner.max(1), k % inner.max(1));
-                    (0..len).map(|j| at(o, j, i)).fold(T::neg_infinity(), |m, v| if v > m || v.is_nan() { v } else { m })
+                    (0..len)
+                        .map(|j| at(o, j, i))
+                        .fold(
+                            T::neg_infinity(),
+                            |m, v| if v > m || v.is_nan() { v } else { m },
+                        )
                 })
             }),
             ReduceOp::ArgMax => build::<i64>(&out_shape, |out| {
@@ -74,7 +79,9 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
         let src = x.storage().host::<T>("sum")?;
         let src = &src[off..off + x.numel()];
         let total: f64 = if src.len() >= PARALLEL_THRESHOLD {
-            src.par_chunks(super::CHUNK).map(|c| c.iter().map(|v| v.to_f64()).sum::<f64>()).sum()
+            src.par_chunks(super::CHUNK)
+                .map(|c| c.iter().map(|v| v.to_f64()).sum::<f64>())
+                .sum()
         } else {
             src.iter().map(|v| v.to_f64()).sum()
         };

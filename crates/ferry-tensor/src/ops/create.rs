@@ -9,7 +9,7 @@ use rand_distr::StandardNormal;
 
 use crate::cpu::{any_dispatch, build, float_dispatch};
 use crate::layout::checked_numel;
-use crate::{backend, Result, Tensor, TensorError};
+use crate::{Result, Tensor, TensorError, backend};
 
 thread_local! {
     static RNG: RefCell<StdRng> = RefCell::new(StdRng::from_os_rng());
@@ -57,7 +57,9 @@ impl Tensor {
         }
         let len = (end - start).ceil() as usize;
         let host = any_dispatch!(dtype, |T| build::<T>(&[len], |out| {
-            out.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(start + i as f64))
+            out.iter_mut()
+                .enumerate()
+                .for_each(|(i, o)| *o = T::from_f64(start + i as f64))
         }))?;
         on_device(host, device, "arange")
     }
@@ -69,15 +71,26 @@ impl Tensor {
 
     /// Standard normal samples from this thread's generator.
     pub fn randn(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        sample(shape, dtype, device, "randn", |rng| rng.sample::<f64, _>(StandardNormal))
+        sample(shape, dtype, device, "randn", |rng| {
+            rng.sample::<f64, _>(StandardNormal)
+        })
     }
 }
 
-fn sample(shape: &[usize], dtype: DType, device: Device, op: &'static str, draw: impl Fn(&mut StdRng) -> f64) -> Result<Tensor> {
+fn sample(
+    shape: &[usize],
+    dtype: DType,
+    device: Device,
+    op: &'static str,
+    draw: impl Fn(&mut StdRng) -> f64,
+) -> Result<Tensor> {
     checked_numel(op, shape)?;
     let host = float_dispatch!(dtype, op, |T| RNG.with(|rng| {
         let mut rng = rng.borrow_mut();
-        build::<T>(shape, |out| out.iter_mut().for_each(|o| *o = T::from_f64(draw(&mut rng))))
+        build::<T>(shape, |out| {
+            out.iter_mut()
+                .for_each(|o| *o = T::from_f64(draw(&mut rng)))
+        })
     }))?;
     on_device(host, device, op)
 }
@@ -89,4 +102,3 @@ fn on_device(host: Tensor, device: Device, op: &'static str) -> Result<Tensor> {
         device => Err(TensorError::UnsupportedDevice { op, device }),
     }
 }
-

@@ -5,7 +5,7 @@ use ferry_memory::DType;
 use crate::autograd::record;
 use crate::layout::broadcast_shapes;
 use crate::ops::{BinaryOp, CmpOp, UnaryOp};
-use crate::{backend, rules, Result, Tensor, TensorError};
+use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
     /// Checks that `self` and `rhs` can meet in `op`: same device and dtype.
@@ -26,10 +26,18 @@ impl Tensor {
     fn binary(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
         self.same_kind(op.name(), rhs)?;
         let shape = broadcast_shapes(op.name(), self.shape(), rhs.shape())?;
-        let la = self.layout().broadcast_to(&shape).expect("broadcast_shapes checked it");
-        let lb = rhs.layout().broadcast_to(&shape).expect("broadcast_shapes checked it");
+        let la = self
+            .layout()
+            .broadcast_to(&shape)
+            .expect("broadcast_shapes checked it");
+        let lb = rhs
+            .layout()
+            .broadcast_to(&shape)
+            .expect("broadcast_shapes checked it");
         let out = backend::binary(self, &la, rhs, &lb, op)?;
-        Ok(record(out, op.name(), &[self, rhs], || rules::binary(op, self, rhs)))
+        Ok(record(out, op.name(), &[self, rhs], || {
+            rules::binary(op, self, rhs)
+        }))
     }
 
     fn unary(&self, op: UnaryOp) -> Result<Tensor> {
@@ -38,7 +46,9 @@ impl Tensor {
             return Ok(out); // piecewise constant: no gradient to carry
         }
         let saved_out = out.clone();
-        Ok(record(out, op.name(), &[self], || rules::unary(op, self, &saved_out)))
+        Ok(record(out, op.name(), &[self], || {
+            rules::unary(op, self, &saved_out)
+        }))
     }
 
     /// `self + rhs`, broadcasting.
@@ -134,8 +144,14 @@ impl Tensor {
     fn compare(&self, rhs: &Tensor, op: CmpOp) -> Result<Tensor> {
         self.same_kind(op.name(), rhs)?;
         let shape = broadcast_shapes(op.name(), self.shape(), rhs.shape())?;
-        let la = self.layout().broadcast_to(&shape).expect("broadcast_shapes checked it");
-        let lb = rhs.layout().broadcast_to(&shape).expect("broadcast_shapes checked it");
+        let la = self
+            .layout()
+            .broadcast_to(&shape)
+            .expect("broadcast_shapes checked it");
+        let lb = rhs
+            .layout()
+            .broadcast_to(&shape)
+            .expect("broadcast_shapes checked it");
         backend::compare(self, &la, rhs, &lb, op)
     }
 
@@ -178,6 +194,8 @@ impl Tensor {
             return Err(TensorError::NotDifferentiable { dtype });
         }
         let out = backend::cast(self, dtype)?;
-        Ok(record(out, "to_dtype", &[self], || rules::cast(self.dtype())))
+        Ok(record(out, "to_dtype", &[self], || {
+            rules::cast(self.dtype())
+        }))
     }
 }

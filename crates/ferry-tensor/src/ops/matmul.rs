@@ -2,7 +2,7 @@
 
 use crate::autograd::record;
 use crate::layout::broadcast_shapes;
-use crate::{backend, rules, Result, Tensor, TensorError};
+use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
     /// `self [.., m, k] · rhs [.., k, n]`; batch dimensions broadcast. Transposed views are
@@ -22,11 +22,15 @@ impl Tensor {
         let full = |t: &Tensor, rows: usize, cols: usize| {
             let mut shape = batch.to_vec();
             shape.extend([rows, cols]);
-            t.layout().broadcast_to(&shape).expect("batch dims broadcast")
+            t.layout()
+                .broadcast_to(&shape)
+                .expect("batch dims broadcast")
         };
         let la = full(self, a[a.len() - 2], a[a.len() - 1]);
         let lb = full(rhs, b[b.len() - 2], b[b.len() - 1]);
         let out = backend::matmul(self, &la, rhs, &lb, &batch)?;
-        Ok(record(out, "matmul", &[self, rhs], || rules::matmul(self, rhs)))
+        Ok(record(out, "matmul", &[self, rhs], || {
+            rules::matmul(self, rhs)
+        }))
     }
 }

@@ -1,4 +1,4 @@
-//! The op set. Forward code per family; every gradient rule sits in [`rules`](crate::rules).
+//! The op set. Forward code per family; every gradient rule sits in the crate's `rules` module.
 
 pub(crate) mod create;
 pub(crate) mod elementwise;

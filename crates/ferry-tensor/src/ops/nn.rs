@@ -30,7 +30,11 @@ impl Tensor {
             });
         }
         if targets.dtype() != DType::I64 {
-            return Err(TensorError::dtype_mismatch("cross_entropy targets", targets.dtype(), DType::I64));
+            return Err(TensorError::dtype_mismatch(
+                "cross_entropy targets",
+                targets.dtype(),
+                DType::I64,
+            ));
         }
         let classes = self.shape()[1];
         check_classes(targets, classes)?;
@@ -53,12 +57,17 @@ fn check_classes(targets: &Tensor, classes: usize) -> Result<()> {
     let _no_grad = ferry_graph::no_grad();
     let zero = Tensor::zeros(&[], targets.dtype(), targets.device())?;
     let limit = Tensor::full(&[], classes as f64, targets.dtype(), targets.device())?;
-    let outside = targets.lt(&zero)?.to_dtype(DType::F64)?.add(&targets.ge(&limit)?.to_dtype(DType::F64)?)?;
+    let outside = targets
+        .lt(&zero)?
+        .to_dtype(DType::F64)?
+        .add(&targets.ge(&limit)?.to_dtype(DType::F64)?)?;
     let bad = outside.sum()?.item()?;
     if bad > 0.0 {
         return Err(TensorError::InvalidArgument {
             op: "cross_entropy",
-            message: format!("{bad} target(s) lie outside 0..{classes}; targets are class indices of the logits' second axis"),
+            message: format!(
+                "{bad} target(s) lie outside 0..{classes}; targets are class indices of the logits' second axis"
+            ),
         });
     }
     Ok(())

@@ -4,7 +4,7 @@ use ferry_memory::DType;
 
 use crate::autograd::record;
 use crate::ops::ReduceOp;
-use crate::{backend, rules, Result, Tensor, TensorError};
+use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
     /// Sum of all elements, as a 0-dimensional tensor.
@@ -23,7 +23,11 @@ impl Tensor {
         let axis = self.axis("sum", axis)?;
         let out = backend::reduce(self, axis, ReduceOp::Sum)?;
         let out = record(out, "sum", &[self], || rules::sum_axis(self, axis));
-        if keepdim { out.unsqueeze(axis as isize) } else { Ok(out) }
+        if keepdim {
+            out.unsqueeze(axis as isize)
+        } else {
+            Ok(out)
+        }
     }
 
     /// Mean along `axis`.
@@ -37,14 +41,22 @@ impl Tensor {
         let axis = self.nonempty_axis("max", axis)?;
         let out = backend::reduce(self, axis, ReduceOp::Max)?;
         let out = record(out, "max", &[self], || rules::max_axis(self, axis));
-        if keepdim { out.unsqueeze(axis as isize) } else { Ok(out) }
+        if keepdim {
+            out.unsqueeze(axis as isize)
+        } else {
+            Ok(out)
+        }
     }
 
     /// Index of the maximum along `axis`, as `i64` (first on ties).
     pub fn argmax(&self, axis: isize, keepdim: bool) -> Result<Tensor> {
         let axis = self.nonempty_axis("argmax", axis)?;
         let out = backend::reduce(self, axis, ReduceOp::ArgMax)?;
-        if keepdim { out.unsqueeze(axis as isize) } else { Ok(out) }
+        if keepdim {
+            out.unsqueeze(axis as isize)
+        } else {
+            Ok(out)
+        }
     }
 
     /// An axis to take a maximum over: it needs at least one element.
@@ -53,7 +65,10 @@ impl Tensor {
         if self.shape()[axis] == 0 {
             return Err(TensorError::InvalidArgument {
                 op,
-                message: format!("axis {axis} of shape {:?} is empty, so it has no maximum; narrow or mask instead", self.shape()),
+                message: format!(
+                    "axis {axis} of shape {:?} is empty, so it has no maximum; narrow or mask instead",
+                    self.shape()
+                ),
             });
         }
         Ok(axis)
@@ -62,7 +77,11 @@ impl Tensor {
     /// Euclidean norm of all elements, computed in f64 (no gradient).
     pub fn norm(&self) -> Result<f64> {
         let _no_grad = ferry_graph::no_grad();
-        let x = if self.dtype() == DType::F64 { self.detach() } else { self.to_dtype(DType::F64)? };
+        let x = if self.dtype() == DType::F64 {
+            self.detach()
+        } else {
+            self.to_dtype(DType::F64)?
+        };
         Ok(x.mul(&x)?.sum()?.item()?.sqrt())
     }
 }

@@ -1,8 +1,8 @@
 //! Views and rearrangements: transpose, reshape, narrow, chunk, cat, broadcast, squeeze.
 
 use crate::autograd::record;
-use crate::layout::{checked_numel, Shape};
-use crate::{backend, rules, Result, Tensor, TensorError};
+use crate::layout::{Shape, checked_numel};
+use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
     /// Swaps two dimensions, as a view.
@@ -17,7 +17,10 @@ impl Tensor {
         if self.ndim() < 2 {
             return Err(TensorError::InvalidArgument {
                 op: "t",
-                message: format!("needs at least 2 dimensions, got shape {:?}; reshape first", self.shape()),
+                message: format!(
+                    "needs at least 2 dimensions, got shape {:?}; reshape first",
+                    self.shape()
+                ),
             });
         }
         self.transpose(-2, -1)
@@ -36,7 +39,9 @@ impl Tensor {
         }
         let out = match self.layout().reshape_view(shape) {
             Some(layout) => self.with_layout(layout),
-            None => backend::contiguous(self)?.with_layout(crate::layout::Layout::contiguous(shape)),
+            None => {
+                backend::contiguous(self)?.with_layout(crate::layout::Layout::contiguous(shape))
+            }
         };
         Ok(record(out, "reshape", &[self], || rules::reshape(self)))
     }
@@ -65,7 +70,9 @@ impl Tensor {
             });
         }
         let out = self.with_layout(self.layout().narrow(axis, start, len));
-        Ok(record(out, "narrow", &[self], || rules::narrow(self, axis, start)))
+        Ok(record(out, "narrow", &[self], || {
+            rules::narrow(self, axis, start)
+        }))
     }
 
     /// Splits `axis` into `chunks` views of equal size (the last may be smaller), like PyTorch.
@@ -95,7 +102,8 @@ impl Tensor {
         for part in &parts[1..] {
             first.same_kind("cat", part)?;
             let same_rank = part.ndim() == first.ndim();
-            let others_match = same_rank && (0..shape.len()).all(|d| d == axis || part.shape()[d] == shape[d]);
+            let others_match =
+                same_rank && (0..shape.len()).all(|d| d == axis || part.shape()[d] == shape[d]);
             if !others_match {
                 return Err(TensorError::ShapeMismatch {
                     op: "cat",
@@ -104,7 +112,15 @@ impl Tensor {
                     hint: "every dimension but the joined one must match",
                 });
             }
-            shape[axis] += part.shape()[axis];
+            shape[axis] = shape[axis].checked_add(part.shape()[axis]).ok_or_else(|| {
+                TensorError::InvalidArgument {
+                    op: "cat",
+                    message: format!(
+                        "the joined axis would exceed {} elements; join fewer or smaller tensors",
+                        usize::MAX
+                    ),
+                }
+            })?;
         }
         let owned: Vec<Tensor> = parts.iter().map(|t| (*t).clone()).collect();
         let out = backend::cat(&owned, axis, &shape)?;
@@ -114,14 +130,19 @@ impl Tensor {
     /// Repeats size-1 dimensions (and adds leading ones) to reach `shape`, as a view.
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
         checked_numel("broadcast_to", shape)?;
-        let layout = self.layout().broadcast_to(shape).ok_or_else(|| TensorError::ShapeMismatch {
-            op: "broadcast_to",
-            lhs: self.dims(),
-            rhs: shape.into(),
-            hint: "each dimension must equal the target or be 1",
-        })?;
+        let layout =
+            self.layout()
+                .broadcast_to(shape)
+                .ok_or_else(|| TensorError::ShapeMismatch {
+                    op: "broadcast_to",
+                    lhs: self.dims(),
+                    rhs: shape.into(),
+                    hint: "each dimension must equal the target or be 1",
+                })?;
         let out = self.with_layout(layout);
-        Ok(record(out, "broadcast_to", &[self], || rules::broadcast(self)))
+        Ok(record(out, "broadcast_to", &[self], || {
+            rules::broadcast(self)
+        }))
     }
 
     /// Inserts a dimension of size 1 at `axis` (which may equal `ndim`).
@@ -129,7 +150,11 @@ impl Tensor {
         let ndim = self.ndim() as isize;
         let resolved = if axis < 0 { axis + ndim + 1 } else { axis };
         if !(0..=ndim).contains(&resolved) {
-            return Err(TensorError::AxisOutOfRange { op: "unsqueeze", axis, ndim: self.ndim() + 1 });
+            return Err(TensorError::AxisOutOfRange {
+                op: "unsqueeze",
+                axis,
+                ndim: self.ndim() + 1,
+            });
         }
         let mut shape = self.shape().to_vec();
         shape.insert(resolved as usize, 1);
@@ -154,11 +179,20 @@ impl Tensor {
     /// when the tensor is not contiguous).
     fn view_as(&self, shape: &[usize]) -> Result<Tensor> {
         let mut strides = Vec::with_capacity(shape.len());
-        let mut src = self.shape().iter().zip(self.layout().strides()).filter(|(d, _)| **d != 1);
+        let mut src = self
+            .shape()
+            .iter()
+            .zip(self.layout().strides())
+            .filter(|(d, _)| **d != 1);
         for &d in shape {
-            strides.push(if d == 1 { 0 } else { *src.next().expect("same non-1 dims").1 });
+            strides.push(if d == 1 {
+                0
+            } else {
+                *src.next().expect("same non-1 dims").1
+            });
         }
-        let layout = crate::layout::Layout::new(shape.into(), strides.into(), self.layout().offset());
+        let layout =
+            crate::layout::Layout::new(shape.into(), strides.into(), self.layout().offset());
         let out = self.with_layout(layout);
         Ok(record(out, "reshape", &[self], || rules::reshape(self)))
     }

@@ -1,0 +1,115 @@
+//! Many copies between device buffers and one pinned buffer, ordered once: the pinned buffer
+//! waits for its previous copy once at the start, and records one event at the end, instead of
+//! a wait and an event per copy. State dicts and chunked moves are made of these.
+
+use cudarc::driver::result;
+
+use super::buffer::DeviceBuffer;
+use super::pinned::PinnedBuffer;
+use super::stream::{Stream, driver};
+use crate::MemoryError;
+
+/// Copies queued on one stream against one pinned buffer. The buffer is mutably borrowed for
+/// the batch's life, so nothing reads it mid-batch; [`PinnedBatch::finish`] (or drop) records
+/// the event every later read of the buffer waits for.
+pub struct PinnedBatch<'a> {
+    pinned: &'a mut PinnedBuffer,
+    stream: &'a Stream,
+    queued: usize,
+    finished: bool,
+}
+
+impl PinnedBuffer {
+    /// Starts a batch of copies on `stream` into or out of this buffer.
+    pub fn batch<'a>(&'a mut self, stream: &'a Stream) -> Result<PinnedBatch<'a>, MemoryError> {
+        self.order_before(stream)?;
+        Ok(PinnedBatch {
+            pinned: self,
+            stream,
+            queued: 0,
+            finished: false,
+        })
+    }
+}
+
+impl PinnedBatch<'_> {
+    fn pinned_range(&self, op: &'static str, offset: usize, len: usize) -> Result<(), MemoryError> {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.pinned.len())
+        {
+            return Err(MemoryError::OutOfBounds {
+                op,
+                offset,
+                len,
+                buffer_len: self.pinned.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Queues `src[src_offset..src_offset + len]` into pinned bytes from `pinned_offset`.
+    pub fn download(
+        &mut self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        pinned_offset: usize,
+        len: usize,
+    ) -> Result<(), MemoryError> {
+        let ptr = src.range("download", src_offset, len, self.stream)?;
+        self.pinned_range("download", pinned_offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let dst = &mut self.pinned.raw_bytes_mut()[pinned_offset..pinned_offset + len];
+        // SAFETY: the device range lies in a live block marked used on this stream; the pinned
+        // range lies in the buffer, which is borrowed mutably until the batch records its event,
+        // and every later read waits for that event.
+        unsafe { result::memcpy_dtoh_async(dst, ptr, self.stream.cudarc().cu_stream()) }
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        self.queued += 1;
+        Ok(())
+    }
+
+    /// Queues pinned bytes from `pinned_offset` into `dst[dst_offset..dst_offset + len]`.
+    pub fn upload(
+        &mut self,
+        dst: &mut DeviceBuffer,
+        dst_offset: usize,
+        pinned_offset: usize,
+        len: usize,
+    ) -> Result<(), MemoryError> {
+        let ptr = dst.range("upload", dst_offset, len, self.stream)?;
+        self.pinned_range("upload", pinned_offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let src = &self.pinned.raw_bytes()[pinned_offset..pinned_offset + len];
+        // SAFETY: as in `download`; the pinned bytes are not rewritten or reused before the
+        // batch's event completes.
+        unsafe { result::memcpy_htod_async(ptr, src, self.stream.cudarc().cu_stream()) }
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        self.queued += 1;
+        Ok(())
+    }
+
+    /// Number of copies queued so far.
+    pub fn queued(&self) -> usize {
+        self.queued
+    }
+
+    /// Records the batch's event: reading the buffer waits for every queued copy.
+    pub fn finish(mut self) -> Result<(), MemoryError> {
+        self.finished = true;
+        self.pinned.record(self.stream)
+    }
+}
+
+impl Drop for PinnedBatch<'_> {
+    fn drop(&mut self) {
+        if !self.finished && self.pinned.record(self.stream).is_err() {
+            // Without an event the copies cannot be tracked; wait for them instead.
+            let _ = self.stream.synchronize();
+        }
+    }
+}

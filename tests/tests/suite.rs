@@ -1,0 +1,22 @@
+//! ferry's behaviour, tested through its public API. One binary: each test binary costs a link.
+
+// Numerical gradients of arithmetic, scalar ops and activations, broadcast and non-contiguous.
+mod grad_elementwise;
+// Numerical gradients of sums, means, maxima and matrix products.
+mod grad_reduce;
+// Numerical gradients of views, rearrangements, casts and the softmax family.
+mod grad_shape;
+// Broadcasting against a naive reference, by hand and by proptest.
+mod broadcasting;
+// Hand-worked derivatives and naive references for matmul, reductions and argmax.
+mod values;
+// Views share storage and copy nothing; chunk, narrow and cat agree with each other.
+mod views;
+// Autograd behaviour that does not depend on process-wide graph counts.
+mod autograd;
+// f16 and bf16: casts, round trips and ops against f32.
+mod dtypes;
+// Every TensorError reachable on a CPU, and what its message tells the user to do.
+mod errors;
+// 0-dimensional and empty tensors, stride-0 inputs, shapes too large to count.
+mod edge_cases;
