@@ -110,9 +110,24 @@ macro_rules! element {
 element!(f32, F32, |v| v as f32, |w| w as f64);
 element!(f64, F64, |v| v, |w| w);
 element!(f16, F16, |v| f16::from_f64(v), |w| w.to_f64());
-element!(bf16, BF16, |v| bf16::from_f64(v), |w| w.to_f64());
+element!(bf16, BF16, |v| bf16_from_f64(v), |w| w.to_f64());
 element!(i64, I64, |v| v as i64, |w| w as f64);
 element!(u8, U8, |v| v as u8, |w| w as f64);
+
+/// `v` rounded to the nearest bf16, ties to even. `half`'s `bf16::from_f64` drops the low 32
+/// mantissa bits before rounding, so values just above a tie round down; going through f32 with
+/// round-to-odd keeps every bit that decides the final rounding.
+fn bf16_from_f64(v: f64) -> bf16 {
+    let f = v as f32;
+    if !f.is_finite() || f64::from(f) == v {
+        return bf16::from_f32(f);
+    }
+    let mut bits = f.to_bits();
+    if f64::from(f).abs() > v.abs() {
+        bits -= 1; // rounded away from zero: step back to the truncation
+    }
+    bf16::from_f32(f32::from_bits(bits | 1))
+}
 
 #[cfg(test)]
 mod tests {
@@ -141,5 +156,19 @@ mod tests {
         );
         assert_eq!(<u8 as Element>::from_f64(300.0), 255);
         assert_eq!(<u8 as Element>::from_f64(-2.0), 0);
+    }
+
+    #[test]
+    fn bf16_from_f64_rounds_once() {
+        // 1 + 2^-8 is a tie between 1 and 1 + 2^-7; a hair above it must round up.
+        let just_above_tie = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
+        assert_eq!(
+            <bf16 as Element>::from_f64(just_above_tie).to_f64(),
+            1.0 + 2f64.powi(-7)
+        );
+        assert_eq!(
+            <bf16 as Element>::from_f64(1.0 + 2f64.powi(-8)).to_f64(),
+            1.0
+        ); // tie to even
     }
 }

@@ -2,21 +2,22 @@
 
 use ferry_memory::{DType, Device, Element};
 
-use crate::cpu;
 use crate::layout::Layout;
 use crate::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
-use crate::{Result, Tensor, TensorError};
+use crate::{Result, Tensor, cpu, cuda};
 
-fn on_cpu(op: &'static str, device: Device) -> Result<()> {
-    match device {
-        Device::Cpu => Ok(()),
-        device => Err(TensorError::UnsupportedDevice { op, device }),
-    }
+/// `$cpu` on the host, `$cuda` on a GPU.
+macro_rules! on {
+    ($device:expr, cpu => $cpu:expr, cuda => $cuda:expr $(,)?) => {
+        match $device {
+            Device::Cpu => $cpu,
+            Device::Cuda(_) => $cuda,
+        }
+    };
 }
 
 pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
-    on_cpu(op.name(), x.device())?;
-    cpu::elementwise::unary(x, op)
+    on!(x.device(), cpu => cpu::elementwise::unary(x, op), cuda => cuda::unary(x, op))
 }
 
 pub(crate) fn binary(
@@ -26,8 +27,9 @@ pub(crate) fn binary(
     lb: &Layout,
     op: BinaryOp,
 ) -> Result<Tensor> {
-    on_cpu(op.name(), a.device())?;
-    cpu::elementwise::binary(a, la, b, lb, op)
+    on!(a.device(),
+        cpu => cpu::elementwise::binary(a, la, b, lb, op),
+        cuda => cuda::binary(a, la, b, lb, op))
 }
 
 pub(crate) fn compare(
@@ -37,23 +39,26 @@ pub(crate) fn compare(
     lb: &Layout,
     op: CmpOp,
 ) -> Result<Tensor> {
-    on_cpu(op.name(), a.device())?;
-    cpu::elementwise::compare(a, la, b, lb, op)
+    on!(a.device(),
+        cpu => cpu::elementwise::compare(a, la, b, lb, op),
+        cuda => cuda::compare(a, la, b, lb, op))
 }
 
 pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    on_cpu("to_dtype", x.device())?;
-    cpu::elementwise::cast(x, dtype)
+    on!(x.device(), cpu => cpu::elementwise::cast(x, dtype), cuda => cuda::cast(x, dtype))
 }
 
 pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
-    on_cpu("reduce", x.device())?;
-    cpu::reduce::reduce(x, axis, op)
+    on!(x.device(), cpu => cpu::reduce::reduce(x, axis, op), cuda => cuda::reduce(x, axis, op))
 }
 
 pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
-    on_cpu("sum", x.device())?;
-    cpu::reduce::sum_all(x)
+    on!(x.device(), cpu => cpu::reduce::sum_all(x), cuda => cuda::sum_all(x))
+}
+
+/// Softmax (or log-softmax) over the last axis.
+pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
+    on!(x.device(), cpu => cpu::reduce::softmax(x, log), cuda => cuda::softmax(x, log))
 }
 
 pub(crate) fn matmul(
@@ -63,29 +68,33 @@ pub(crate) fn matmul(
     lb: &Layout,
     batch: &[usize],
 ) -> Result<Tensor> {
-    on_cpu("matmul", a.device())?;
-    cpu::matmul::matmul(a, la, b, lb, batch)
+    on!(a.device(),
+        cpu => cpu::matmul::matmul(a, la, b, lb, batch),
+        cuda => cuda::matmul(a, la, b, lb, batch))
 }
 
 pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
-    on_cpu("contiguous", x.device())?;
-    cpu::copy::contiguous(x)
+    on!(x.device(), cpu => cpu::copy::contiguous(x), cuda => cuda::contiguous(x))
 }
 
 pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tensor> {
-    on_cpu("cat", parts[0].device())?;
-    cpu::copy::cat(parts, axis, shape)
+    on!(parts[0].device(), cpu => cpu::copy::cat(parts, axis, shape), cuda => cuda::cat(parts, axis, shape))
 }
 
 pub(crate) fn full(shape: &[usize], dtype: DType, device: Device, value: f64) -> Result<Tensor> {
-    on_cpu("full", device)?;
-    cpu::full(shape, dtype, value)
+    match device {
+        Device::Cpu => cpu::full(shape, dtype, value),
+        Device::Cuda(ordinal) => cuda::full(ordinal, shape, dtype, value),
+    }
 }
 
 /// Elements of a contiguous tensor, read out to a `Vec`.
 pub(crate) fn read_elements<T: Element>(x: &Tensor) -> Result<Vec<T>> {
-    on_cpu("to_vec", x.device())?;
-    let data = x.storage().host::<T>("to_vec")?;
-    let off = x.layout().offset();
-    Ok(data[off..off + x.numel()].to_vec())
+    on!(x.device(),
+        cpu => {
+            let data = x.storage().host::<T>("to_vec")?;
+            let off = x.layout().offset();
+            Ok(data[off..off + x.numel()].to_vec())
+        },
+        cuda => cuda::read_elements::<T>(x))
 }

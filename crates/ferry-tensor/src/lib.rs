@@ -28,6 +28,7 @@
 mod autograd;
 mod backend;
 mod cpu;
+mod cuda;
 mod error;
 pub mod gradcheck;
 mod layout;
@@ -37,6 +38,7 @@ mod storage;
 mod tensor;
 
 pub use autograd::{graph, record, record_kind, rule, saved_bytes, should_record};
+pub use cuda::KERNEL_MODULES;
 pub use error::{Result, TensorError};
 pub use ferry_graph::{BackwardOptions, BackwardReport, no_grad, with_no_grad};
 pub use ferry_memory::{DType, Device};

@@ -207,3 +207,17 @@ pub(crate) fn cat(parts: &[&Tensor], axis: usize) -> Rule {
 pub(crate) fn cast(from: DType) -> Rule {
     rule(0, move |g, _| Ok(smallvec![Some(g.to_dtype(from)?)]))
 }
+
+/// Softmax over the last axis, given its output y: dx = y ⊙ (g − Σ g⊙y).
+/// Log-softmax: dx = g − eʸ ⊙ Σ g.
+pub(crate) fn softmax(y: &Tensor, log: bool) -> Rule {
+    let y = y.detach();
+    rule(saved_bytes(&[&y]), move |g, _| {
+        let dx = if log {
+            g.sub(&y.exp()?.mul(&g.sum_axis(-1, true)?)?)?
+        } else {
+            y.mul(&g.sub(&g.mul(&y)?.sum_axis(-1, true)?)?)?
+        };
+        Ok(smallvec![Some(dx)])
+    })
+}

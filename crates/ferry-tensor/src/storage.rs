@@ -1,5 +1,6 @@
 //! Storage: the bytes behind one or more tensors, on one device, of one dtype.
 
+use ferry_memory::cuda::{DeviceBuffer, PinnedBuffer};
 use ferry_memory::{DType, Device, Element, HostBuffer};
 use parking_lot::{
     MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
@@ -13,6 +14,10 @@ use crate::{Result, TensorError};
 pub enum Buffer {
     /// Pageable host memory.
     Host(HostBuffer),
+    /// Page-locked host memory, the landing place of DMA copies from a GPU.
+    Pinned(PinnedBuffer),
+    /// Memory on a CUDA device.
+    Cuda(DeviceBuffer),
 }
 
 impl Buffer {
@@ -20,6 +25,26 @@ impl Buffer {
     pub fn len(&self) -> usize {
         match self {
             Buffer::Host(b) => b.len(),
+            Buffer::Pinned(b) => b.len(),
+            Buffer::Cuda(b) => b.len(),
+        }
+    }
+
+    /// The bytes, when they are in host memory (waiting for a pending copy into pinned memory).
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        match self {
+            Buffer::Host(b) => Some(b.as_bytes()),
+            Buffer::Pinned(b) => b.as_bytes().ok(),
+            Buffer::Cuda(_) => None,
+        }
+    }
+
+    /// The bytes, mutably, when they are in host memory.
+    pub fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        match self {
+            Buffer::Host(b) => Some(b.as_bytes_mut()),
+            Buffer::Pinned(b) => b.as_bytes_mut().ok(),
+            Buffer::Cuda(_) => None,
         }
     }
 
@@ -89,7 +114,7 @@ impl Storage {
     pub fn host<T: Element>(&self, op: &'static str) -> Result<MappedRwLockReadGuard<'_, [T]>> {
         self.check::<T>(op)?;
         RwLockReadGuard::try_map(self.buffer.read(), |b| match b {
-            Buffer::Host(h) => Some(h.as_slice::<T>()),
+            b => b.host_bytes().map(bytemuck::cast_slice::<u8, T>),
         })
         .map_err(|_| TensorError::NotOnHost {
             op,
@@ -104,7 +129,7 @@ impl Storage {
     ) -> Result<MappedRwLockWriteGuard<'_, [T]>> {
         self.check::<T>(op)?;
         RwLockWriteGuard::try_map(self.buffer.write(), |b| match b {
-            Buffer::Host(h) => Some(h.as_mut_slice::<T>()),
+            b => b.host_bytes_mut().map(bytemuck::cast_slice_mut::<u8, T>),
         })
         .map_err(|_| TensorError::NotOnHost {
             op,

@@ -31,8 +31,8 @@ macro_rules! bits_dispatch {
 /// Raw-bit view of a storage, whatever its dtype.
 fn bits<T: bytemuck::Pod>(t: &Tensor) -> Result<parking_lot::MappedRwLockReadGuard<'_, [T]>> {
     let guard = t.storage().read();
-    parking_lot::RwLockReadGuard::try_map(guard, |b| match b {
-        crate::storage::Buffer::Host(h) => Some(bytemuck::cast_slice::<u8, T>(h.as_bytes())),
+    parking_lot::RwLockReadGuard::try_map(guard, |b| {
+        b.host_bytes().map(bytemuck::cast_slice::<u8, T>)
     })
     .map_err(|_| crate::TensorError::NotOnHost {
         op: "copy",

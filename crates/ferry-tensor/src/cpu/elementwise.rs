@@ -76,8 +76,8 @@ fn zip_map<T: Element, U: Element>(
 pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     float_dispatch!(x.dtype(), op.name(), |T| {
         let src = x.storage().host::<T>(op.name())?;
-        let c = |v: f64| T::from_f64(v);
-        let (zero, one) = (T::from_f64(0.0), T::from_f64(1.0));
+        let c = |v: f64| <T as Element>::from_f64(v);
+        let (zero, one) = (<T as Element>::from_f64(0.0), <T as Element>::from_f64(1.0));
         build::<T>(x.shape(), |out| match op {
             UnaryOp::Neg => map(&src, x.layout(), out, |v| -v),
             UnaryOp::Exp => map(&src, x.layout(), out, |v| v.exp()),
@@ -172,17 +172,6 @@ pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
                 par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o))
             })
         }
-        (from, DType::BF16) => any_dispatch!(from, |S| {
-            let src = x.storage().host::<S>("cast")?;
-            let src = &src[off..off + n];
-            build::<bf16>(x.shape(), |out| {
-                par_convert(src, out, |o, s| {
-                    o.iter_mut()
-                        .zip(s)
-                        .for_each(|(o, &s)| *o = bf16_from_f64(s.to_f64()))
-                })
-            })
-        }),
         (from, to) => any_dispatch!(from, |S| {
             let src = x.storage().host::<S>("cast")?;
             let src = &src[off..off + n];
@@ -192,26 +181,11 @@ pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
                 |o, s| {
                     o.iter_mut()
                         .zip(s)
-                        .for_each(|(o, &s)| *o = D::from_f64(s.to_f64()))
+                        .for_each(|(o, &s)| *o = <D as Element>::from_f64(s.to_f64()))
                 }
             )))
         }),
     }
-}
-
-/// `v` rounded to the nearest bf16, ties to even. `half`'s `bf16::from_f64` drops the low 32
-/// mantissa bits before rounding, so values just above a tie round down; going through f32 with
-/// round-to-odd keeps every bit that decides the final rounding.
-fn bf16_from_f64(v: f64) -> bf16 {
-    let f = v as f32;
-    if !f.is_finite() || f64::from(f) == v {
-        return bf16::from_f32(f);
-    }
-    let mut bits = f.to_bits();
-    if f64::from(f).abs() > v.abs() {
-        bits -= 1; // rounded away from zero: step back to the truncation
-    }
-    bf16::from_f32(f32::from_bits(bits | 1))
 }
 
 fn par_convert<S: Sync, D: Send>(src: &[S], out: &mut [D], f: impl Fn(&mut [D], &[S]) + Sync) {

@@ -101,5 +101,5 @@ pub(crate) fn dense(x: &Tensor) -> Result<Tensor> {
 /// A contiguous host tensor of `dtype` with every element `value`.
 pub(crate) fn full(shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
     any_dispatch!(dtype, |T| build::<T>(shape, |out| out
-        .fill(T::from_f64(value))))
+        .fill(<T as Element>::from_f64(value))))
 }

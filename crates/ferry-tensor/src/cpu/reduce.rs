@@ -32,7 +32,7 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
                 fill(out, outer * len * inner, |k| {
                     let (o, i) = (k / inner.max(1), k % inner.max(1));
                     // Accumulate in f64: long f32 rows lose digits otherwise.
-                    T::from_f64((0..len).map(|j| at(o, j, i).to_f64()).sum())
+                    <T as Element>::from_f64((0..len).map(|j| at(o, j, i).to_f64()).sum())
                 })
             }),
             ReduceOp::Max => build::<T>(&out_shape, |out| {
@@ -85,6 +85,42 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
         } else {
             src.iter().map(|v| v.to_f64()).sum()
         };
-        build::<T>(&[], |out| out[0] = T::from_f64(total))
+        build::<T>(&[], |out| out[0] = <T as Element>::from_f64(total))
+    })
+}
+
+/// Softmax (or log-softmax) over the last axis, one row per task.
+pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
+    let x = super::dense(x)?;
+    let cols = x.shape().last().copied().unwrap_or(1).max(1);
+    float_dispatch!(x.dtype(), "softmax", |T| {
+        let off = x.layout().offset();
+        let src = x.storage().host::<T>("softmax")?;
+        let src = &src[off..off + x.numel()];
+        build::<T>(x.shape(), |out| {
+            let row = |(o, r): (&mut [T], &[T])| {
+                let max = r
+                    .iter()
+                    .map(|v| v.to_f64())
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = r.iter().map(|v| (v.to_f64() - max).exp()).sum();
+                for (o, v) in o.iter_mut().zip(r) {
+                    let shifted = v.to_f64() - max;
+                    let value = if log {
+                        shifted - sum.ln()
+                    } else {
+                        shifted.exp() / sum
+                    };
+                    *o = <T as Element>::from_f64(value);
+                }
+            };
+            if x.numel() >= PARALLEL_THRESHOLD {
+                out.par_chunks_mut(cols)
+                    .zip(src.par_chunks(cols))
+                    .for_each(row);
+            } else {
+                out.chunks_mut(cols).zip(src.chunks(cols)).for_each(row);
+            }
+        })
     })
 }

@@ -9,7 +9,7 @@ use rand_distr::StandardNormal;
 
 use crate::cpu::{any_dispatch, build, float_dispatch};
 use crate::layout::checked_numel;
-use crate::{Result, Tensor, TensorError, backend};
+use crate::{Result, Tensor, TensorError, backend, cuda};
 
 thread_local! {
     static RNG: RefCell<StdRng> = RefCell::new(StdRng::from_os_rng());
@@ -56,49 +56,51 @@ impl Tensor {
             });
         }
         let len = (end - start).ceil() as usize;
-        let host = any_dispatch!(dtype, |T| build::<T>(&[len], |out| {
-            out.iter_mut()
-                .enumerate()
-                .for_each(|(i, o)| *o = T::from_f64(start + i as f64))
-        }))?;
-        on_device(host, device, "arange")
+        match device {
+            Device::Cpu => any_dispatch!(dtype, |T| build::<T>(&[len], |out| {
+                out.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, o)| *o = <T as Element>::from_f64(start + i as f64))
+            })),
+            Device::Cuda(ordinal) => cuda::arange(ordinal, start, len, dtype),
+        }
     }
 
     /// Uniform samples in `[0, 1)` from this thread's generator.
     pub fn rand(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        sample(shape, dtype, device, "rand", |rng| rng.random::<f64>())
+        sample(shape, dtype, device, false, |rng| rng.random::<f64>())
     }
 
     /// Standard normal samples from this thread's generator.
     pub fn randn(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        sample(shape, dtype, device, "randn", |rng| {
+        sample(shape, dtype, device, true, |rng| {
             rng.sample::<f64, _>(StandardNormal)
         })
     }
 }
 
+/// Samples drawn on the host for CPU tensors; on a GPU the kernel draws them from a seed taken
+/// from this thread's generator, so `manual_seed` makes both repeatable.
 fn sample(
     shape: &[usize],
     dtype: DType,
     device: Device,
-    op: &'static str,
+    normal: bool,
     draw: impl Fn(&mut StdRng) -> f64,
 ) -> Result<Tensor> {
+    let op = if normal { "randn" } else { "rand" };
     checked_numel(op, shape)?;
-    let host = float_dispatch!(dtype, op, |T| RNG.with(|rng| {
-        let mut rng = rng.borrow_mut();
-        build::<T>(shape, |out| {
-            out.iter_mut()
-                .for_each(|o| *o = T::from_f64(draw(&mut rng)))
-        })
-    }))?;
-    on_device(host, device, op)
-}
-
-/// Host-made values are only valid on the host; other devices generate their own.
-fn on_device(host: Tensor, device: Device, op: &'static str) -> Result<Tensor> {
     match device {
-        Device::Cpu => Ok(host),
-        device => Err(TensorError::UnsupportedDevice { op, device }),
+        Device::Cpu => float_dispatch!(dtype, op, |T| RNG.with(|rng| {
+            let mut rng = rng.borrow_mut();
+            build::<T>(shape, |out| {
+                out.iter_mut()
+                    .for_each(|o| *o = <T as Element>::from_f64(draw(&mut rng)))
+            })
+        })),
+        Device::Cuda(ordinal) => {
+            let seed = RNG.with(|rng| rng.borrow_mut().random::<u64>());
+            cuda::random(ordinal, shape, dtype, seed, normal)
+        }
     }
 }

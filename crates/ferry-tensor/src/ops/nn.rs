@@ -1,22 +1,35 @@
-//! Softmax, log-softmax and cross-entropy, composed from primitives so their gradients need no
-//! rules of their own.
+//! Softmax and log-softmax (fused kernels with their own rules: one pass over each row instead
+//! of five ops), and cross-entropy composed from them.
 
 use ferry_memory::DType;
 
-use crate::{Result, Tensor, TensorError};
+use crate::autograd::record;
+use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
     /// `exp(x) / Σ exp(x)` along `axis`, shifted by the maximum for stability.
     pub fn softmax(&self, axis: isize) -> Result<Tensor> {
-        let shifted = self.sub(&self.max_axis(axis, true)?.detach())?;
-        let e = shifted.exp()?;
-        e.div(&e.sum_axis(axis, true)?)
+        self.softmax_along(axis, false)
     }
 
     /// `x - log Σ exp(x)` along `axis`, computed stably.
     pub fn log_softmax(&self, axis: isize) -> Result<Tensor> {
-        let shifted = self.sub(&self.max_axis(axis, true)?.detach())?;
-        shifted.sub(&shifted.exp()?.sum_axis(axis, true)?.log()?)
+        self.softmax_along(axis, true)
+    }
+
+    fn softmax_along(&self, axis: isize, log: bool) -> Result<Tensor> {
+        let op = if log { "log_softmax" } else { "softmax" };
+        let axis = self.axis(op, axis)?;
+        let last = self.ndim() - 1;
+        if axis != last {
+            let moved = self.transpose(axis as isize, last as isize)?;
+            return moved
+                .softmax_along(-1, log)?
+                .transpose(axis as isize, last as isize);
+        }
+        let out = backend::softmax(self, log)?;
+        let saved = out.clone();
+        Ok(record(out, op, &[self], || rules::softmax(&saved, log)))
     }
 
     /// Mean cross-entropy of `[n, classes]` logits against `[n]` class indices (`i64`).

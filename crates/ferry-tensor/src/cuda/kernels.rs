@@ -1,0 +1,183 @@
+//! The kernel modules (sources from kernels/, embedded) and a typed id for every kernel.
+
+use ferry_memory::DType;
+use ferry_memory::cuda::{CudaDevice, CudaFunction, KernelModule};
+
+use crate::Result;
+
+macro_rules! module {
+    ($name:literal) => {
+        KernelModule {
+            name: $name,
+            source: concat!(
+                include_str!("../../../../kernels/common.cuh"),
+                "\n",
+                include_str!(concat!("../../../../kernels/", $name, ".cu"))
+            ),
+        }
+    };
+}
+
+/// Elementwise maps, binary ops, comparisons, casts, copies, fills, random numbers.
+pub static ELEMENTWISE: KernelModule = module!("elementwise");
+/// Sums, maxima and argmax along an axis; two-pass whole-tensor sums.
+pub static REDUCE: KernelModule = module!("reduce");
+/// Fused row softmax and log-softmax.
+pub static SOFTMAX: KernelModule = module!("softmax");
+
+/// Every module, for compile checks and `ferry doctor`.
+pub static ALL: [&KernelModule; 3] = [&ELEMENTWISE, &REDUCE, &SOFTMAX];
+
+/// One kernel of one module, named by what it does and the dtypes it reads and writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    Unary(DType),
+    Binary(DType),
+    Random(DType),
+    Compare(DType),
+    Fill(DType),
+    Arange(DType),
+    Cast(DType, DType),
+    /// A strided copy of elements of this many bytes.
+    Copy(usize),
+    ReduceRow(DType),
+    ReduceCol(DType),
+    SumPartial(DType),
+    SumFinish(DType),
+    Softmax(DType),
+}
+
+/// `$prefix` followed by the C name of `$dtype`'s element type, as a `&'static str`.
+macro_rules! typed_name {
+    ($prefix:literal, $dtype:expr) => {
+        match $dtype {
+            DType::F32 => concat!($prefix, "float"),
+            DType::F64 => concat!($prefix, "double"),
+            DType::F16 => concat!($prefix, "f16"),
+            DType::BF16 => concat!($prefix, "bf16"),
+            DType::I64 => concat!($prefix, "i64"),
+            DType::U8 => concat!($prefix, "u8"),
+        }
+    };
+}
+
+macro_rules! cast_name {
+    ($from:literal, $to:expr) => {
+        match $to {
+            DType::F32 => concat!("cast_", $from, "_float"),
+            DType::F64 => concat!("cast_", $from, "_double"),
+            DType::F16 => concat!("cast_", $from, "_f16"),
+            DType::BF16 => concat!("cast_", $from, "_bf16"),
+            DType::I64 => concat!("cast_", $from, "_i64"),
+            DType::U8 => concat!("cast_", $from, "_u8"),
+        }
+    };
+}
+
+impl Kernel {
+    fn module(self) -> &'static KernelModule {
+        match self {
+            Kernel::ReduceRow(_)
+            | Kernel::ReduceCol(_)
+            | Kernel::SumPartial(_)
+            | Kernel::SumFinish(_) => &REDUCE,
+            Kernel::Softmax(_) => &SOFTMAX,
+            _ => &ELEMENTWISE,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kernel::Unary(d) => typed_name!("unary_", d),
+            Kernel::Binary(d) => typed_name!("binary_", d),
+            Kernel::Random(d) => typed_name!("random_", d),
+            Kernel::Compare(d) => typed_name!("compare_", d),
+            Kernel::Fill(d) => typed_name!("fill_", d),
+            Kernel::Arange(d) => typed_name!("arange_", d),
+            Kernel::Cast(from, to) => match from {
+                DType::F32 => cast_name!("float", to),
+                DType::F64 => cast_name!("double", to),
+                DType::F16 => cast_name!("f16", to),
+                DType::BF16 => cast_name!("bf16", to),
+                DType::I64 => cast_name!("i64", to),
+                DType::U8 => cast_name!("u8", to),
+            },
+            Kernel::Copy(1) => "copy_b8",
+            Kernel::Copy(2) => "copy_b16",
+            Kernel::Copy(4) => "copy_b32",
+            Kernel::Copy(_) => "copy_b64",
+            Kernel::ReduceRow(d) => typed_name!("reduce_row_", d),
+            Kernel::ReduceCol(d) => typed_name!("reduce_col_", d),
+            Kernel::SumPartial(d) => typed_name!("sum_partial_", d),
+            Kernel::SumFinish(d) => typed_name!("sum_finish_", d),
+            Kernel::Softmax(d) => typed_name!("softmax_", d),
+        }
+    }
+
+    /// The kernel loaded on `device` (its module compiled on first use).
+    pub(crate) fn load(self, device: &CudaDevice) -> Result<CudaFunction> {
+        Ok(device.function(self.module(), self.name())?)
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn every_kernel() -> Vec<Kernel> {
+    let mut kernels: Vec<Kernel> = [1, 2, 4, 8].map(Kernel::Copy).into();
+    for d in DType::ALL {
+        kernels.extend([Kernel::Compare(d), Kernel::Fill(d), Kernel::Arange(d)]);
+        kernels.extend(DType::ALL.map(|to| Kernel::Cast(d, to)));
+        if d.is_float() {
+            kernels.extend([
+                Kernel::Unary(d),
+                Kernel::Binary(d),
+                Kernel::Random(d),
+                Kernel::ReduceRow(d),
+                Kernel::ReduceCol(d),
+                Kernel::SumPartial(d),
+                Kernel::SumFinish(d),
+                Kernel::Softmax(d),
+            ]);
+        }
+    }
+    kernels
+}
+
+#[cfg(test)]
+mod tests {
+    use ferry_memory::cuda::{compile_ptx, nvrtc_present, nvrtc_version};
+
+    use super::*;
+
+    /// CI runs this with NVRTC 13.0 on the library path (see .ci/run); without NVRTC it says it
+    /// was skipped, so a plain `cargo test` on a fresh machine still passes.
+    #[test]
+    fn every_kernel_compiles_for_hopper_and_is_exported() {
+        if !nvrtc_present() {
+            eprintln!(
+                "skipped: NVRTC not found; .ci/run puts NVRTC 13.0 on LD_LIBRARY_PATH for this test"
+            );
+            return;
+        }
+        eprintln!("NVRTC {:?}", nvrtc_version().unwrap());
+        let ptx: Vec<(&str, String)> = ALL
+            .iter()
+            .map(|m| {
+                (
+                    m.name,
+                    compile_ptx(m, "compute_90").unwrap_or_else(|e| panic!("{e}")),
+                )
+            })
+            .collect();
+        for kernel in every_kernel() {
+            let (_, text) = ptx
+                .iter()
+                .find(|(name, _)| *name == kernel.module().name)
+                .unwrap();
+            assert!(
+                text.contains(&format!(".entry {}(", kernel.name())),
+                "{kernel:?} ({}) missing from the PTX",
+                kernel.name()
+            );
+        }
+    }
+}

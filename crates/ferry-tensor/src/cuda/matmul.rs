@@ -1,0 +1,147 @@
+//! Batched matrix products through cuBLAS, reading transposed and broadcast operands in place
+//! where their strides allow and copying only when they do not.
+
+use ferry_memory::cuda::{GemmInput, GemmOutput, GemmSpec};
+
+use super::{alloc, buffer, device_of, wrap};
+use crate::layout::Layout;
+use crate::{Result, Tensor, TensorError};
+
+/// How cuBLAS can read one operand: its tensor, whether its rows are contiguous, the leading
+/// dimension, and the distance between batch entries.
+struct Operand {
+    tensor: Tensor,
+    row_major: bool,
+    ld: usize,
+    stride: usize,
+}
+
+impl Operand {
+    /// `t` seen through `layout` (`[batch.., rows, cols]`), copied only when cuBLAS cannot
+    /// read it as it is.
+    fn new(t: &Tensor, layout: &Layout) -> Result<Operand> {
+        if let Some(op) = Self::in_place(t, layout) {
+            return Ok(op);
+        }
+        let copy = t.with_layout(layout.clone()).contiguous()?;
+        Ok(Self::in_place(&copy, copy.layout()).expect("a contiguous operand is row-major"))
+    }
+
+    fn in_place(t: &Tensor, layout: &Layout) -> Option<Operand> {
+        let nd = layout.ndim();
+        let (rows, cols) = (layout.shape()[nd - 2], layout.shape()[nd - 1]);
+        let (rs, cs) = (layout.strides()[nd - 2], layout.strides()[nd - 1]);
+        let stride = batch_stride(&layout.shape()[..nd - 2], &layout.strides()[..nd - 2])?;
+        let tensor = t.with_layout(layout.clone());
+        if cols == 1 || cs == 1 {
+            let ld = if rows == 1 { cols.max(1) } else { rs };
+            if ld >= cols.max(1) {
+                return Some(Operand {
+                    tensor,
+                    row_major: true,
+                    ld,
+                    stride,
+                });
+            }
+        }
+        if rows == 1 || rs == 1 {
+            let ld = if cols == 1 { rows.max(1) } else { cs };
+            if ld >= rows.max(1) {
+                return Some(Operand {
+                    tensor,
+                    row_major: false,
+                    ld,
+                    stride,
+                });
+            }
+        }
+        None
+    }
+}
+
+/// One stride that steps through every batch entry in order, if there is one.
+fn batch_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
+    let count: usize = shape.iter().product();
+    if count <= 1 {
+        return Some(0);
+    }
+    let mut step = None;
+    let mut inner = 1;
+    for (&n, &s) in shape.iter().zip(strides).rev() {
+        if n != 1 {
+            let unit = s.checked_div(inner).filter(|u| u * inner == s)?;
+            match step {
+                None => step = Some(unit),
+                Some(u) if u == unit => {}
+                Some(_) => return None,
+            }
+        }
+        inner *= n;
+    }
+    step
+}
+
+/// `a [.., m, k] · b [.., k, n]` with layouts broadcast to `batch`.
+pub(crate) fn matmul(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    batch: &[usize],
+) -> Result<Tensor> {
+    let dtype = a.dtype();
+    if !dtype.is_float() {
+        return Err(TensorError::UnsupportedDType {
+            op: "matmul",
+            dtype,
+            hint: "matmul needs a float dtype; cast with `.to_dtype(DType::F32)`",
+        });
+    }
+    let dev = device_of(a)?;
+    let nd = la.ndim();
+    let (m, k, n) = (la.shape()[nd - 2], la.shape()[nd - 1], lb.shape()[nd - 1]);
+    let count: usize = batch.iter().product();
+    let mut shape = batch.to_vec();
+    shape.extend([m, n]);
+    if count == 0 || m == 0 || n == 0 || k == 0 {
+        return Tensor::zeros(&shape, dtype, a.device());
+    }
+    let (lhs, rhs) = (Operand::new(a, la)?, Operand::new(b, lb)?);
+    let mut out = alloc(&dev, count * m * n, dtype)?;
+    let (abuf, bbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?);
+    // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: B goes first. A row-major operand read
+    // column-major is already its transpose, so it needs no transpose flag.
+    let spec = GemmSpec {
+        dtype,
+        transa: !rhs.row_major,
+        transb: !lhs.row_major,
+        m: n,
+        n: m,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        batch: count,
+    };
+    let size = dtype.size();
+    let first = GemmInput {
+        buffer: &bbuf,
+        offset_bytes: rhs.tensor.layout().offset() * size,
+        ld: rhs.ld,
+        stride: rhs.stride,
+    };
+    let second = GemmInput {
+        buffer: &abuf,
+        offset_bytes: lhs.tensor.layout().offset() * size,
+        ld: lhs.ld,
+        stride: lhs.stride,
+    };
+    let c = GemmOutput {
+        buffer: &mut out,
+        offset_bytes: 0,
+        ld: n,
+        stride: m * n,
+    };
+    dev.gemm_strided_batched(&spec, first, second, c, dev.default_stream())?;
+    drop((abuf, bbuf));
+    Ok(wrap(&dev, out, dtype, &shape))
+}

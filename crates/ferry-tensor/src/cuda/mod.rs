@@ -1,0 +1,480 @@
+//! CUDA kernels for every primitive: NVRTC-compiled sources from kernels/ for elementwise ops,
+//! reductions and softmax, cuBLAS for matrix products. Everything runs on the device's default
+//! stream, so ops are ordered without extra synchronization.
+
+pub(crate) mod kernels;
+mod matmul;
+
+pub use kernels::ALL as KERNEL_MODULES;
+
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Launch, blocks_for};
+use ferry_memory::{DType, Device, Element};
+use parking_lot::MappedRwLockReadGuard;
+
+use crate::layout::Layout;
+use crate::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::storage::{Buffer, Storage};
+use crate::{Result, Tensor, TensorError};
+use kernels::Kernel;
+
+pub(crate) use matmul::matmul;
+
+const THREADS: u32 = 256;
+/// Grid-stride kernels need no more blocks than keep every SM busy.
+const MAX_BLOCKS: u32 = 132 * 32;
+
+/// A layout as the kernels' `Strided` struct sees it (kernels/common.cuh).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct KernelLayout {
+    shape: [u64; 8],
+    strides: [u64; 8],
+    offset: u64,
+    ndim: u32,
+    contiguous: u32,
+}
+
+impl KernelLayout {
+    fn of(op: &'static str, layout: &Layout) -> Result<Self> {
+        if layout.ndim() > 8 {
+            return Err(TensorError::InvalidArgument {
+                op,
+                message: format!(
+                    "CUDA kernels take at most 8 dimensions, got {}; reshape first",
+                    layout.ndim()
+                ),
+            });
+        }
+        let mut k = KernelLayout {
+            shape: [1; 8],
+            strides: [0; 8],
+            offset: layout.offset() as u64,
+            ndim: layout.ndim() as u32,
+            contiguous: layout.is_contiguous() as u32,
+        };
+        for (d, (&n, &s)) in layout.shape().iter().zip(layout.strides()).enumerate() {
+            k.shape[d] = n as u64;
+            k.strides[d] = s as u64;
+        }
+        Ok(k)
+    }
+}
+
+pub(crate) fn device(ordinal: usize) -> Result<CudaDevice> {
+    Ok(CudaDevice::get(ordinal)?)
+}
+
+fn device_of(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(ordinal) => device(ordinal),
+        other => Err(TensorError::UnsupportedDevice {
+            op: "cuda kernel",
+            device: other,
+        }),
+    }
+}
+
+/// The device buffer behind a CUDA tensor.
+fn buffer(t: &Tensor) -> Result<MappedRwLockReadGuard<'_, DeviceBuffer>> {
+    parking_lot::RwLockReadGuard::try_map(t.storage().read(), |b| match b {
+        Buffer::Cuda(d) => Some(d),
+        _ => None,
+    })
+    .map_err(|_| TensorError::UnsupportedDevice {
+        op: "cuda kernel",
+        device: t.device(),
+    })
+}
+
+fn alloc(dev: &CudaDevice, numel: usize, dtype: DType) -> Result<DeviceBuffer> {
+    Ok(dev.alloc(numel * dtype.size(), dev.default_stream())?)
+}
+
+fn wrap(dev: &CudaDevice, out: DeviceBuffer, dtype: DType, shape: &[usize]) -> Tensor {
+    Tensor::from_shape(Storage::new(Buffer::Cuda(out), dtype, dev.device()), shape)
+}
+
+/// A one-dimensional grid-stride launch over `n` elements.
+fn launch<'a>(
+    dev: &'a CudaDevice,
+    f: &'a ferry_memory::cuda::CudaFunction,
+    n: usize,
+) -> Launch<'a> {
+    let blocks = blocks_for(n.max(1), THREADS).min(MAX_BLOCKS);
+    dev.launch(f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
+}
+
+fn unary_code(op: UnaryOp) -> (i32, f64) {
+    match op {
+        UnaryOp::Neg => (0, 0.0),
+        UnaryOp::Exp => (1, 0.0),
+        UnaryOp::Log => (2, 0.0),
+        UnaryOp::Relu => (3, 0.0),
+        UnaryOp::Tanh => (4, 0.0),
+        UnaryOp::Sigmoid => (5, 0.0),
+        UnaryOp::Sqrt => (6, 0.0),
+        UnaryOp::Abs => (7, 0.0),
+        UnaryOp::Step => (8, 0.0),
+        UnaryOp::AddScalar(c) => (9, c),
+        UnaryOp::MulScalar(c) => (10, c),
+        UnaryOp::PowScalar(p) => (11, p),
+    }
+}
+
+fn float_only(op: &'static str, dtype: DType) -> Result<()> {
+    if dtype.is_float() {
+        Ok(())
+    } else {
+        Err(TensorError::UnsupportedDType {
+            op,
+            dtype,
+            hint: "only float dtypes support this; cast with `.to_dtype(DType::F32)`",
+        })
+    }
+}
+
+pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
+    float_only(op.name(), x.dtype())?;
+    let dev = device_of(x)?;
+    let n = x.numel();
+    let mut out = alloc(&dev, n, x.dtype())?;
+    let f = Kernel::Unary(x.dtype()).load(&dev)?;
+    let (code, scalar) = unary_code(op);
+    let lx = KernelLayout::of(op.name(), x.layout())?;
+    let src = buffer(x)?;
+    launch(&dev, &f, n)
+        .arg_i32(code)
+        .arg_f64(scalar)
+        .arg_buffer(&src)
+        .arg_pod(&lx)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(n as u64)
+        .run()?;
+    Ok(wrap(&dev, out, x.dtype(), x.shape()))
+}
+
+pub(crate) fn binary(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    op: BinaryOp,
+) -> Result<Tensor> {
+    float_only(op.name(), a.dtype())?;
+    let code = match op {
+        BinaryOp::Add => 0,
+        BinaryOp::Sub => 1,
+        BinaryOp::Mul => 2,
+        BinaryOp::Div => 3,
+    };
+    zip(
+        a,
+        la,
+        b,
+        lb,
+        Kernel::Binary(a.dtype()),
+        code,
+        a.dtype(),
+        op.name(),
+    )
+}
+
+pub(crate) fn compare(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    op: CmpOp,
+) -> Result<Tensor> {
+    let code = match op {
+        CmpOp::Eq => 0,
+        CmpOp::Ne => 1,
+        CmpOp::Lt => 2,
+        CmpOp::Le => 3,
+        CmpOp::Gt => 4,
+        CmpOp::Ge => 5,
+    };
+    zip(
+        a,
+        la,
+        b,
+        lb,
+        Kernel::Compare(a.dtype()),
+        code,
+        DType::U8,
+        op.name(),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn zip(
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+    kernel: Kernel,
+    code: i32,
+    out_dtype: DType,
+    op: &'static str,
+) -> Result<Tensor> {
+    let dev = device_of(a)?;
+    let n = la.numel();
+    let mut out = alloc(&dev, n, out_dtype)?;
+    let f = kernel.load(&dev)?;
+    let (ka, kb) = (KernelLayout::of(op, la)?, KernelLayout::of(op, lb)?);
+    let (x, y) = (buffer(a)?, buffer(b)?);
+    launch(&dev, &f, n)
+        .arg_i32(code)
+        .arg_buffer(&x)
+        .arg_pod(&ka)
+        .arg_buffer(&y)
+        .arg_pod(&kb)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(n as u64)
+        .run()?;
+    Ok(wrap(&dev, out, out_dtype, la.shape()))
+}
+
+pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    let dev = device_of(x)?;
+    let n = x.numel();
+    let mut out = alloc(&dev, n, dtype)?;
+    let f = Kernel::Cast(x.dtype(), dtype).load(&dev)?;
+    let lx = KernelLayout::of("to_dtype", x.layout())?;
+    let src = buffer(x)?;
+    launch(&dev, &f, n)
+        .arg_buffer(&src)
+        .arg_pod(&lx)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(n as u64)
+        .run()?;
+    Ok(wrap(&dev, out, dtype, x.shape()))
+}
+
+/// Copies `x`'s elements (in row-major order) to where `dst` says inside `out`.
+fn copy_into(dev: &CudaDevice, x: &Tensor, out: &mut DeviceBuffer, dst: &Layout) -> Result<()> {
+    let n = x.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = Kernel::Copy(x.dtype().size()).load(dev)?;
+    let (lx, lo) = (
+        KernelLayout::of("copy", x.layout())?,
+        KernelLayout::of("copy", dst)?,
+    );
+    let src = buffer(x)?;
+    launch(dev, &f, n)
+        .arg_buffer(&src)
+        .arg_pod(&lx)
+        .arg_buffer_mut(out)
+        .arg_pod(&lo)
+        .arg_u64(n as u64)
+        .run()?;
+    Ok(())
+}
+
+pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
+    let dev = device_of(x)?;
+    let mut out = alloc(&dev, x.numel(), x.dtype())?;
+    copy_into(&dev, x, &mut out, &Layout::contiguous(x.shape()))?;
+    Ok(wrap(&dev, out, x.dtype(), x.shape()))
+}
+
+pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tensor> {
+    let dev = device_of(&parts[0])?;
+    let dtype = parts[0].dtype();
+    let mut out = alloc(&dev, shape.iter().product(), dtype)?;
+    let whole = Layout::contiguous(shape);
+    let mut start = 0;
+    for part in parts {
+        let size = part.shape()[axis];
+        copy_into(&dev, part, &mut out, &whole.narrow(axis, start, size))?;
+        start += size;
+    }
+    Ok(wrap(&dev, out, dtype, shape))
+}
+
+pub(crate) fn full(ordinal: usize, shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
+    let dev = device(ordinal)?;
+    let n: usize = shape.iter().product();
+    let mut out = alloc(&dev, n, dtype)?;
+    let f = Kernel::Fill(dtype).load(&dev)?;
+    launch(&dev, &f, n)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(n as u64)
+        .arg_f64(value)
+        .run()?;
+    Ok(wrap(&dev, out, dtype, shape))
+}
+
+pub(crate) fn arange(ordinal: usize, start: f64, len: usize, dtype: DType) -> Result<Tensor> {
+    let dev = device(ordinal)?;
+    let mut out = alloc(&dev, len, dtype)?;
+    let f = Kernel::Arange(dtype).load(&dev)?;
+    launch(&dev, &f, len)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(len as u64)
+        .arg_f64(start)
+        .run()?;
+    Ok(wrap(&dev, out, dtype, &[len]))
+}
+
+/// Uniform (or normal) samples; element i depends only on (seed, i).
+pub(crate) fn random(
+    ordinal: usize,
+    shape: &[usize],
+    dtype: DType,
+    seed: u64,
+    normal: bool,
+) -> Result<Tensor> {
+    float_only(if normal { "randn" } else { "rand" }, dtype)?;
+    let dev = device(ordinal)?;
+    let n: usize = shape.iter().product();
+    let mut out = alloc(&dev, n, dtype)?;
+    let f = Kernel::Random(dtype).load(&dev)?;
+    launch(&dev, &f, n)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(n as u64)
+        .arg_u64(seed)
+        .arg_i32(normal as i32)
+        .run()?;
+    Ok(wrap(&dev, out, dtype, shape))
+}
+
+pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
+    float_only("reduce", x.dtype())?;
+    let x = dense(x)?;
+    let dev = device_of(&x)?;
+    let shape = x.shape();
+    let (outer, len, inner): (usize, usize, usize) = (
+        shape[..axis].iter().product(),
+        shape[axis],
+        shape[axis + 1..].iter().product(),
+    );
+    let mut out_shape = shape.to_vec();
+    out_shape.remove(axis);
+    let outputs = outer * inner;
+    let out_dtype = if op == ReduceOp::ArgMax {
+        DType::I64
+    } else {
+        x.dtype()
+    };
+    if len == 0 && op != ReduceOp::Sum {
+        return Err(TensorError::InvalidArgument {
+            op: "max",
+            message: "cannot take the maximum of an empty axis".into(),
+        });
+    }
+    let mut out = alloc(&dev, outputs, out_dtype)?;
+    let code = match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Max => 1,
+        ReduceOp::ArgMax => 2,
+    };
+    let src = buffer(&x)?;
+    // The kernel's unused output pointer is null; op decides which one it writes.
+    let (values, indices) = if op == ReduceOp::ArgMax {
+        (None, Some(&mut out))
+    } else {
+        (Some(&mut out), None)
+    };
+    if inner == 1 {
+        let f = Kernel::ReduceRow(x.dtype()).load(&dev)?;
+        let blocks = (outputs.max(1) as u32).min(65535);
+        let l = dev
+            .launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
+            .arg_i32(code)
+            .arg_buffer(&src);
+        out_arg(out_arg(l, values), indices)
+            .arg_u64(outer as u64)
+            .arg_u64(len as u64)
+            .run()?;
+    } else {
+        let f = Kernel::ReduceCol(x.dtype()).load(&dev)?;
+        let l = launch(&dev, &f, outputs).arg_i32(code).arg_buffer(&src);
+        out_arg(out_arg(l, values), indices)
+            .arg_u64(outer as u64)
+            .arg_u64(len as u64)
+            .arg_u64(inner as u64)
+            .run()?;
+    }
+    drop(src);
+    Ok(wrap(&dev, out, out_dtype, &out_shape))
+}
+
+/// A buffer argument, or a null pointer where the kernel leaves that output alone.
+fn out_arg<'a>(launch: Launch<'a>, buffer: Option<&'a mut DeviceBuffer>) -> Launch<'a> {
+    match buffer {
+        Some(b) => launch.arg_buffer_mut(b),
+        None => launch.arg_u64(0),
+    }
+}
+
+/// `x` itself when its elements start at 0 and are contiguous, else a fresh copy that does:
+/// reductions and softmax index from the start of their buffer.
+fn dense(x: &Tensor) -> Result<Tensor> {
+    if x.is_contiguous() && x.layout().offset() == 0 {
+        Ok(x.clone())
+    } else {
+        contiguous(x)
+    }
+}
+
+pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
+    float_only("sum", x.dtype())?;
+    let x = dense(x)?;
+    let dev = device_of(&x)?;
+    let n = x.numel();
+    let parts = blocks_for(n.max(1), THREADS).min(1024);
+    let mut partials = dev.alloc(parts as usize * 8, dev.default_stream())?;
+    let mut out = alloc(&dev, 1, x.dtype())?;
+    let src = buffer(&x)?;
+    let f = Kernel::SumPartial(x.dtype()).load(&dev)?;
+    dev.launch(&f, (parts, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
+        .arg_buffer(&src)
+        .arg_u64(n as u64)
+        .arg_buffer_mut(&mut partials)
+        .run()?;
+    let f = Kernel::SumFinish(x.dtype()).load(&dev)?;
+    dev.launch(&f, (1, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
+        .arg_buffer(&partials)
+        .arg_u64(parts as u64)
+        .arg_buffer_mut(&mut out)
+        .run()?;
+    Ok(wrap(&dev, out, x.dtype(), &[]))
+}
+
+/// Fused softmax (or log-softmax) over the last axis.
+pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
+    float_only("softmax", x.dtype())?;
+    let x = dense(x)?;
+    let dev = device_of(&x)?;
+    let cols = *x.shape().last().unwrap_or(&1);
+    let rows = x.numel() / cols.max(1);
+    let mut out = alloc(&dev, x.numel(), x.dtype())?;
+    let src = buffer(&x)?;
+    let f = Kernel::Softmax(x.dtype()).load(&dev)?;
+    let blocks = (rows.max(1) as u32).min(65535);
+    dev.launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
+        .arg_buffer(&src)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(rows as u64)
+        .arg_u64(cols as u64)
+        .arg_i32(log as i32)
+        .run()?;
+    Ok(wrap(&dev, out, x.dtype(), x.shape()))
+}
+
+/// Elements of a contiguous CUDA tensor, copied out to a `Vec`.
+pub(crate) fn read_elements<T: Element>(x: &Tensor) -> Result<Vec<T>> {
+    let dev = device_of(x)?;
+    let mut data = vec![<T as Element>::from_f64(0.0); x.numel()];
+    let src = buffer(x)?;
+    let offset = x.layout().offset() * x.dtype().size();
+    src.copy_to_host_at(
+        offset,
+        bytemuck::cast_slice_mut(&mut data),
+        dev.default_stream(),
+    )?;
+    Ok(data)
+}
