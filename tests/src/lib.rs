@@ -8,7 +8,7 @@
 use std::cell::Cell;
 
 use ferry_tensor::gradcheck::{GradcheckOptions, gradcheck};
-use ferry_tensor::{DType, Device, Result, Tensor, TensorError};
+use ferry_tensor::{DType, Device, Result, Tensor};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
@@ -107,11 +107,7 @@ pub fn on(device: Device, t: Tensor) -> Result<Tensor> {
     if device == t.device() {
         return Ok(t);
     }
-    // Moving is ferry-transfer's job; until it lands, host-built data cannot reach a GPU.
-    Err(TensorError::UnsupportedDevice {
-        op: "tests::on",
-        device,
-    })
+    ferry::DeviceMove::to(&t, device)
 }
 
 /// Tensor from f64 values on `device`.

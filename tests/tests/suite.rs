@@ -20,3 +20,5 @@ mod dtypes;
 mod errors;
 // 0-dimensional and empty tensors, stride-0 inputs, shapes too large to count.
 mod edge_cases;
+// Device moves: gradients go home, dtypes fuse, copies are exact and carry no .grad.
+mod transfer;

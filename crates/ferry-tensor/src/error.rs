@@ -156,6 +156,12 @@ pub enum TensorError {
         /// Where the tensor is.
         device: Device,
     },
+    /// Leaving the graph (to ndarray, to a file) with a tensor whose history would be lost.
+    #[error("{op}: the tensor requires grad; call `.detach()` first to leave the graph explicitly")]
+    RequiresGrad {
+        /// The op.
+        op: &'static str,
+    },
     /// A memory or device error.
     #[error(transparent)]
     Memory(#[from] MemoryError),

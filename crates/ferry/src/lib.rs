@@ -23,10 +23,13 @@ pub use ferry_tensor::{
     BackwardOptions, BackwardReport, DType, Device, Layout, Result, Tensor, TensorError,
     manual_seed, no_grad, with_no_grad,
 };
+pub use ferry_transfer::{DeviceMove, MoveOptions, TransferPath, TransferReport};
 
 /// The names most programs need.
 pub mod prelude {
-    pub use crate::{DType, Device, Tensor, TensorError, no_grad, with_no_grad};
+    pub use crate::{
+        DType, Device, DeviceMove, MoveOptions, Tensor, TensorError, no_grad, with_no_grad,
+    };
 }
 
 /// The README's examples run as doctests, so the front page cannot drift from the code.

@@ -55,6 +55,13 @@ impl Tensor {
         Ok(record(out, "contiguous", &[self], rules::identity))
     }
 
+    /// A new tensor with storage of its own holding these elements, contiguous (a copy even when
+    /// `self` is contiguous; the gradient passes through).
+    pub fn copy(&self) -> Result<Tensor> {
+        let out = backend::contiguous(self)?;
+        Ok(record(out, "copy", &[self], rules::identity))
+    }
+
     /// `len` indices of `axis` from `start`, as a view.
     pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Result<Tensor> {
         let axis = self.axis("narrow", axis)?;

@@ -1,0 +1,125 @@
+//! Raw byte moves between devices, with no autograd: the building blocks every method uses.
+
+use std::sync::Arc;
+
+use ferry_memory::cuda::{CudaDevice, PinnedPool};
+use ferry_memory::{Device, HostBuffer};
+use ferry_tensor::{Buffer, Layout, Result, Storage, Tensor, TensorError};
+
+use crate::report::TransferPath;
+
+/// Below this size a device-to-host copy lands in pageable memory: the pinned pool is for
+/// transfers large enough that DMA straight into page-locked memory pays.
+pub(crate) const PINNED_FROM_BYTES: usize = 1 << 20;
+
+/// `t` when its elements fill its buffer from byte 0 in order, else a fresh contiguous copy on
+/// its own device. Copies between devices move whole, dense buffers.
+pub(crate) fn dense(t: &Tensor) -> Result<Tensor> {
+    let covers_buffer =
+        t.is_contiguous() && t.layout().offset() == 0 && t.storage().bytes() == t.nbytes();
+    if covers_buffer {
+        Ok(t.detach())
+    } else {
+        t.detach().copy()
+    }
+}
+
+pub(crate) fn cuda(ordinal: usize) -> Result<CudaDevice> {
+    Ok(CudaDevice::get(ordinal)?)
+}
+
+/// A contiguous tensor over `buffer` on `device`.
+pub(crate) fn wrap(buffer: Buffer, like: &Tensor, device: Device) -> Tensor {
+    let storage = Storage::new(buffer, like.dtype(), device);
+    Tensor::from_storage(Arc::new(storage), Layout::contiguous(like.shape()))
+}
+
+/// Moves `src`'s elements to `device`. `non_blocking` lets a GPU-to-host copy return before
+/// the bytes arrive: the result lives in pinned memory whose reads wait for the copy.
+pub(crate) fn move_bytes(
+    src: &Tensor,
+    device: Device,
+    non_blocking: bool,
+) -> Result<(Tensor, TransferPath)> {
+    match (src.device(), device) {
+        (from, to) if from == to => Ok((src.detach(), TransferPath::SameDevice)),
+        (Device::Cpu, Device::Cuda(ordinal)) => {
+            Ok((host_to_device(src, ordinal)?, TransferPath::HostToDevice))
+        }
+        (Device::Cuda(_), Device::Cpu) => device_to_host(src, non_blocking),
+        (Device::Cuda(_), Device::Cuda(ordinal)) => Ok((
+            device_to_device(src, ordinal)?,
+            TransferPath::DeviceToDevice,
+        )),
+        (Device::Cpu, Device::Cpu) => unreachable!("equal devices handled above"),
+    }
+}
+
+fn host_to_device(src: &Tensor, ordinal: usize) -> Result<Tensor> {
+    let src = dense(src)?;
+    let dev = cuda(ordinal)?;
+    let stream = dev.default_stream();
+    let mut out = dev.alloc(src.nbytes(), stream)?;
+    let guard = src.storage().read();
+    let bytes = guard.host_bytes().ok_or(TensorError::NotOnHost {
+        op: "to",
+        device: src.device(),
+    })?;
+    out.copy_from_host(bytes, stream)?;
+    drop(guard);
+    Ok(wrap(Buffer::Cuda(out), &src, Device::Cuda(ordinal)))
+}
+
+fn device_to_host(src: &Tensor, non_blocking: bool) -> Result<(Tensor, TransferPath)> {
+    let src = dense(src)?;
+    let Device::Cuda(ordinal) = src.device() else {
+        unreachable!("a CUDA source")
+    };
+    let dev = cuda(ordinal)?;
+    let stream = dev.default_stream();
+    let guard = src.storage().read();
+    let Buffer::Cuda(from) = &*guard else {
+        return Err(TensorError::UnsupportedDevice {
+            op: "to",
+            device: src.device(),
+        });
+    };
+    let bytes = src.nbytes();
+    if bytes >= PINNED_FROM_BYTES || non_blocking {
+        let mut pinned = PinnedPool::global()?.alloc(bytes)?;
+        from.copy_to_pinned_async(&mut pinned, stream)?;
+        if !non_blocking {
+            pinned.wait()?;
+        }
+        drop(guard);
+        return Ok((
+            wrap(Buffer::Pinned(pinned), &src, Device::Cpu),
+            TransferPath::DeviceToPinned,
+        ));
+    }
+    let mut host = HostBuffer::zeroed(bytes)?;
+    from.copy_to_host(host.as_bytes_mut(), stream)?;
+    drop(guard);
+    Ok((
+        wrap(Buffer::Host(host), &src, Device::Cpu),
+        TransferPath::DeviceToPageable,
+    ))
+}
+
+fn device_to_device(src: &Tensor, ordinal: usize) -> Result<Tensor> {
+    let src = dense(src)?;
+    let (target, guard) = (cuda(ordinal)?, src.storage().read());
+    let Buffer::Cuda(from) = &*guard else {
+        return Err(TensorError::UnsupportedDevice {
+            op: "to",
+            device: src.device(),
+        });
+    };
+    let mut out = target.alloc(src.nbytes(), target.default_stream())?;
+    // Peer access is an optimisation; without it the driver stages through the host.
+    let _ = target.enable_peer_access(from.cuda_device());
+    out.copy_from_peer(from, target.default_stream())?;
+    target.default_stream().synchronize()?;
+    drop(guard);
+    Ok(wrap(Buffer::Cuda(out), &src, Device::Cuda(ordinal)))
+}

@@ -1,0 +1,132 @@
+//! Autograd-aware moves: a move is an ordinary graph op whose backward sends the gradient home.
+
+use std::time::Instant;
+
+use ferry_graph::NodeKind;
+use ferry_memory::{DType, Device};
+use ferry_tensor::{Result, Tensor, graph, record_kind, rule, should_record, with_no_grad};
+use smallvec::smallvec;
+
+use crate::copy::move_bytes;
+use crate::report::TransferReport;
+
+/// How to move: an optional dtype fused into the move, and whether to wait for the bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MoveOptions {
+    /// Convert to this dtype on the way; the cast runs on whichever side moves fewer bytes,
+    /// and the backward casts the gradient back.
+    pub dtype: Option<DType>,
+    /// Return before a GPU-to-host copy finishes. The result's bytes sit in pinned memory and
+    /// every read of them waits for the copy, so reading too early is not possible.
+    pub non_blocking: bool,
+}
+
+impl MoveOptions {
+    /// Convert to `dtype` during the move.
+    pub fn dtype(dtype: DType) -> Self {
+        Self {
+            dtype: Some(dtype),
+            ..Self::default()
+        }
+    }
+
+    /// Do not wait for a GPU-to-host copy to finish.
+    pub fn non_blocking() -> Self {
+        Self {
+            non_blocking: true,
+            ..Self::default()
+        }
+    }
+}
+
+/// Device moves on tensors.
+pub trait DeviceMove: Sized {
+    /// A copy on `device` (the tensor itself when it is already there). When the source
+    /// requires grad and grad mode is on, records a transfer node whose backward moves the
+    /// gradient back to the source device.
+    fn to(&self, device: Device) -> Result<Tensor>;
+
+    /// [`DeviceMove::to`] with options, returning what the move did.
+    fn to_with(&self, device: Device, options: MoveOptions) -> Result<(Tensor, TransferReport)>;
+
+    /// The tensor on the host.
+    fn cpu(&self) -> Result<Tensor> {
+        self.to(Device::Cpu)
+    }
+
+    /// The tensor on CUDA device `ordinal`.
+    fn cuda(&self, ordinal: usize) -> Result<Tensor> {
+        self.to(Device::Cuda(ordinal))
+    }
+
+    /// Moves by value: the source is given up as soon as the copy completes, so its device
+    /// memory returns to the allocator (unless a view or the graph still holds it).
+    fn into_device(self, device: Device) -> Result<(Tensor, TransferReport)>;
+
+    /// Detaches, then moves by value: records nothing, and the source's history (nodes and
+    /// saved buffers only it kept alive) is pruned; the report counts the pruned nodes.
+    fn detach_into(self, device: Device) -> Result<(Tensor, TransferReport)>;
+}
+
+impl DeviceMove for Tensor {
+    fn to(&self, device: Device) -> Result<Tensor> {
+        Ok(self.to_with(device, MoveOptions::default())?.0)
+    }
+
+    fn to_with(&self, device: Device, options: MoveOptions) -> Result<(Tensor, TransferReport)> {
+        let start = Instant::now();
+        let (from_device, from_dtype) = (self.device(), self.dtype());
+        let to_dtype = options.dtype.unwrap_or(from_dtype);
+        let (moved, mut report) = with_no_grad(|| -> Result<_> {
+            // Cast first when that makes the bytes to move fewer.
+            let src = if to_dtype.size() < from_dtype.size() {
+                self.detach().to_dtype(to_dtype)?
+            } else {
+                self.detach()
+            };
+            let bytes = if from_device == device {
+                0
+            } else {
+                src.nbytes()
+            };
+            let (moved, path) = move_bytes(&src, device, options.non_blocking)?;
+            let moved = moved.to_dtype(to_dtype)?;
+            Ok((moved, TransferReport::new(path, bytes)))
+        })?;
+        if should_record(&[self]) {
+            report.nodes_recorded = 1;
+        }
+        let kind = NodeKind::Transfer {
+            from: from_device.to_string(),
+            to: device.to_string(),
+        };
+        let out = record_kind(moved, "to_device", kind, &[self], || {
+            rule(0, move |g, _| {
+                let back = MoveOptions {
+                    dtype: Some(from_dtype),
+                    non_blocking: false,
+                };
+                Ok(smallvec![Some(g.to_with(from_device, back)?.0)])
+            })
+        });
+        report.elapsed = start.elapsed();
+        Ok((out, report))
+    }
+
+    fn into_device(self, device: Device) -> Result<(Tensor, TransferReport)> {
+        let before = graph().live_nodes();
+        let (out, mut report) = self.to_with(device, MoveOptions::default())?;
+        drop(self);
+        report.nodes_pruned = before.saturating_sub(graph().live_nodes());
+        Ok((out, report))
+    }
+
+    fn detach_into(self, device: Device) -> Result<(Tensor, TransferReport)> {
+        let before = graph().live_nodes();
+        let detached = self.detach();
+        drop(self);
+        let (out, mut report) = detached.to_with(device, MoveOptions::default())?;
+        report.nodes_pruned = before.saturating_sub(graph().live_nodes());
+        Ok((out, report))
+    }
+}
