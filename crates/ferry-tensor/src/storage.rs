@@ -113,8 +113,8 @@ impl Storage {
     /// The host elements as `T`.
     pub fn host<T: Element>(&self, op: &'static str) -> Result<MappedRwLockReadGuard<'_, [T]>> {
         self.check::<T>(op)?;
-        RwLockReadGuard::try_map(self.buffer.read(), |b| match b {
-            b => b.host_bytes().map(bytemuck::cast_slice::<u8, T>),
+        RwLockReadGuard::try_map(self.buffer.read(), |b| {
+            b.host_bytes().map(bytemuck::cast_slice::<u8, T>)
         })
         .map_err(|_| TensorError::NotOnHost {
             op,
@@ -128,8 +128,8 @@ impl Storage {
         op: &'static str,
     ) -> Result<MappedRwLockWriteGuard<'_, [T]>> {
         self.check::<T>(op)?;
-        RwLockWriteGuard::try_map(self.buffer.write(), |b| match b {
-            b => b.host_bytes_mut().map(bytemuck::cast_slice_mut::<u8, T>),
+        RwLockWriteGuard::try_map(self.buffer.write(), |b| {
+            b.host_bytes_mut().map(bytemuck::cast_slice_mut::<u8, T>)
         })
         .map_err(|_| TensorError::NotOnHost {
             op,
