@@ -15,9 +15,11 @@ __device__ __forceinline__ void combine(int op, A& v, i64& k, A w, i64 l) {
     }
 }
 
+// Every reduction accumulates in double: long f32 rows keep their digits, as on the CPU, and the
+// kernels are bound by memory bandwidth, not arithmetic.
 template <typename T>
 __device__ void reduce_row(int op, const T* x, T* out, i64* out_index, u64 outer, u64 len) {
-    typedef typename Num<T>::Acc A;
+    typedef double A;
     __shared__ A values[REDUCE_THREADS];
     __shared__ i64 indices[REDUCE_THREADS];
     for (u64 row = blockIdx.x; row < outer; row += gridDim.x) {
@@ -26,7 +28,7 @@ __device__ void reduce_row(int op, const T* x, T* out, i64* out_index, u64 outer
         i64 k = 0;
         bool any = false;
         for (u64 j = threadIdx.x; j < len; j += blockDim.x) {
-            A w = Num<T>::load(r[j]);
+            A w = (A)Num<T>::load(r[j]);
             if (!any && op != 0) { v = w; k = (i64)j; any = true; }
             else combine(op, v, k, w, (i64)j);
         }
@@ -43,7 +45,7 @@ __device__ void reduce_row(int op, const T* x, T* out, i64* out_index, u64 outer
         }
         if (threadIdx.x == 0) {
             if (op == 2) out_index[row] = indices[0];
-            else out[row] = Num<T>::store(values[0]);
+            else out[row] = Num<T>::store((typename Num<T>::Acc)values[0]);
         }
         __syncthreads();
     }
@@ -51,15 +53,15 @@ __device__ void reduce_row(int op, const T* x, T* out, i64* out_index, u64 outer
 
 template <typename T>
 __device__ void reduce_col(int op, const T* x, T* out, i64* out_index, u64 outer, u64 len, u64 inner) {
-    typedef typename Num<T>::Acc A;
+    typedef double A;
     FERRY_GRID_STRIDE(t, outer * inner) {
         u64 o = t / inner, i = t % inner;
         const T* base = x + o * len * inner + i;
-        A v = op == 0 ? (A)0 : Num<T>::load(base[0]);
+        A v = op == 0 ? (A)0 : (A)Num<T>::load(base[0]);
         i64 k = 0;
-        for (u64 j = op == 0 ? 0 : 1; j < len; ++j) combine(op, v, k, Num<T>::load(base[j * inner]), (i64)j);
+        for (u64 j = op == 0 ? 0 : 1; j < len; ++j) combine(op, v, k, (A)Num<T>::load(base[j * inner]), (i64)j);
         if (op == 2) out_index[t] = k;
-        else out[t] = Num<T>::store(v);
+        else out[t] = Num<T>::store((typename Num<T>::Acc)v);
     }
 }
 

@@ -113,7 +113,7 @@ fn to_vec_records_nothing(device: Device) -> Result<()> {
     assert_eq!(values(&x.t()?), [1.0, 3.0, 2.0, 4.0]);
     assert_eq!(
         format!("{:?}", x.t()?),
-        "Tensor[[2, 2], f64, cpu, requires_grad, [1.0, 3.0, 2.0, 4.0]]"
+        format!("Tensor[[2, 2], f64, {device}, requires_grad, [1.0, 3.0, 2.0, 4.0]]")
     );
     Ok(())
 }

@@ -134,17 +134,36 @@ fn device_mismatch() {
 }
 
 #[test]
-fn unsupported_device() {
-    // Creating on a GPU here is an error value, never a panic: CUDA ops are not in yet, or no
-    // driver is installed. Either way the message says to use the CPU.
-    for result in [
+fn cuda_without_a_gpu_is_an_error_value() {
+    // Creating on a GPU where there is none is an error value that says to use the CPU, never a
+    // panic. Where a GPU is present, creation works and only mislabelled storage is refused.
+    let gpu_here = ferry::memory::cuda::CudaDevice::get(0).is_ok();
+    let created = [
         Tensor::zeros(&[2], DType::F32, Device::Cuda(0)),
         Tensor::randn(&[2], DType::F32, Device::Cuda(0)),
         Tensor::arange(0.0, 3.0, DType::F32, Device::Cuda(0)),
-        labelled_cuda(&[2]).exp(),
-        labelled_cuda(&[2]).sum(),
-    ] {
-        let err = result.expect_err("no CUDA ops on this build");
+    ];
+    for result in created {
+        match result {
+            Ok(t) => assert!(gpu_here && t.device() == Device::Cuda(0)),
+            Err(err) => {
+                assert!(!gpu_here, "{err}");
+                assert!(
+                    matches!(
+                        err,
+                        TensorError::Memory(
+                            MemoryError::NoDriver | MemoryError::NoSuchDevice { .. }
+                        )
+                    ),
+                    "{err:?}"
+                );
+                assert!(err.to_string().contains("Device::Cpu"), "{err}");
+            }
+        }
+    }
+    // Host bytes that claim to be on a GPU: no kernel may read them.
+    for result in [labelled_cuda(&[2]).exp(), labelled_cuda(&[2]).sum()] {
+        let err = result.expect_err("mislabelled storage is refused");
         let ok = matches!(
             err,
             TensorError::UnsupportedDevice {
@@ -156,8 +175,7 @@ fn unsupported_device() {
             TensorError::Memory(MemoryError::NoDriver | MemoryError::NoSuchDevice { .. })
         );
         assert!(ok, "{err:?}");
-        let message = err.to_string();
-        assert!(message.contains("Device::Cpu"), "{message}");
+        assert!(err.to_string().contains("Device::Cpu"), "{err}");
     }
 }
 

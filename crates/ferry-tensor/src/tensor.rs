@@ -214,8 +214,8 @@ impl fmt::Debug for Tensor {
         if self.requires_grad() {
             write!(f, ", requires_grad")?;
         }
-        if self.device() == Device::Cpu
-            && self.numel() <= 16
+        // Small tensors show their values, read from any device (a read, not a move).
+        if self.numel() <= 16
             && let Ok(values) = self.to_vec_f64()
         {
             write!(f, ", {values:?}")?;

@@ -1,0 +1,73 @@
+//! Allocator statistics of the process-wide CUDA device: a binary of its own, every test
+//! serialised behind one lock, because other tests' allocations would move the counts.
+
+use std::sync::Mutex;
+
+use ferry::DeviceMove;
+use ferry::memory::cuda::CudaDevice;
+use ferry_tensor::{DType, Device, Result, Tensor, no_grad};
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+fn run(body: impl FnOnce() -> Result<()>) {
+    let _serial = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    ferry_tests::fresh_seed();
+    if let Err(e) = body() {
+        panic!("(replay with FERRY_SEED={}): {e}", ferry_tests::seed());
+    }
+}
+
+const GPU: Device = Device::Cuda(0);
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn into_device_releases_the_source_memory() {
+    run(|| {
+        let dev = CudaDevice::get(0)?;
+        dev.synchronize()?;
+        let before = dev.memory_stats().allocated_bytes;
+        let x = Tensor::randn(&[1024, 1024], DType::F32, GPU)?;
+        assert_eq!(dev.memory_stats().allocated_bytes, before + (4 << 20));
+        let (host, report) = x.into_device(Device::Cpu)?;
+        assert_eq!(report.bytes_moved, 4 << 20);
+        assert_eq!(
+            dev.memory_stats().allocated_bytes,
+            before,
+            "the source's block went back"
+        );
+        assert_eq!(host.shape(), &[1024, 1024]);
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn statistics_return_to_baseline_after_tensors_drop() {
+    run(|| {
+        let dev = CudaDevice::get(0)?;
+        let before = dev.memory_stats().allocated_bytes;
+        {
+            let x = Tensor::randn(&[256, 512], DType::F32, GPU)?.with_grad()?;
+            let y = x.matmul(&x.t()?)?.tanh()?.sum()?;
+            y.backward()?;
+            assert!(dev.memory_stats().allocated_bytes > before);
+        }
+        assert_eq!(dev.memory_stats().allocated_bytes, before);
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn no_grad_inference_saves_no_buffers() {
+    run(|| {
+        let w = Tensor::randn(&[512, 512], DType::F32, GPU)?.with_grad()?;
+        let x = Tensor::randn(&[64, 512], DType::F32, GPU)?;
+        let saved = ferry_tensor::graph().saved_bytes();
+        let _guard = no_grad();
+        let y = x.matmul(&w)?.relu()?.matmul(&w)?.softmax(1)?;
+        assert!(!y.requires_grad());
+        assert_eq!(ferry_tensor::graph().saved_bytes(), saved);
+        Ok(())
+    });
+}
