@@ -1,5 +1,7 @@
 //! `ferry doctor`: what this machine offers ferry.
 
+use std::time::Instant;
+
 use ferry::memory::cuda;
 
 pub fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -8,9 +10,13 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
         "cpu: {} threads",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
+    match cuda::nvrtc_version() {
+        Ok((major, minor)) => println!("nvrtc: {major}.{minor}"),
+        Err(err) => println!("nvrtc: {err}"),
+    }
     if !cuda::driver_present() {
         println!("cuda: no CUDA driver found (libcuda could not be loaded); CPU only");
-        return Ok(());
+        return compile_without_gpu();
     }
     match cuda::driver_version() {
         Ok((major, minor)) => println!("cuda driver: CUDA {major}.{minor}"),
@@ -36,6 +42,32 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
             d.total_memory as f64 / (1u64 << 30) as f64,
             d.multiprocessors
         );
+        match ferry_tensor::compile_kernels(d.ordinal) {
+            Ok(time) => println!(
+                "cuda:{}: {} kernel modules compiled and loaded in {:.0} ms",
+                d.ordinal,
+                ferry_tensor::KERNEL_MODULES.len(),
+                time.as_secs_f64() * 1e3
+            ),
+            Err(err) => println!("cuda:{}: kernels failed to compile: {err}", d.ordinal),
+        }
     }
+    Ok(())
+}
+
+/// Without a GPU, NVRTC can still compile the kernels: say whether they would build.
+fn compile_without_gpu() -> Result<(), Box<dyn std::error::Error>> {
+    if !cuda::nvrtc_present() {
+        return Ok(());
+    }
+    let start = Instant::now();
+    for module in ferry_tensor::KERNEL_MODULES {
+        cuda::compile_ptx(module, "compute_90")?;
+    }
+    println!(
+        "kernels: {} modules compile for compute_90 in {:.0} ms (no GPU to load them on)",
+        ferry_tensor::KERNEL_MODULES.len(),
+        start.elapsed().as_secs_f64() * 1e3
+    );
     Ok(())
 }

@@ -120,6 +120,20 @@ impl Kernel {
     }
 }
 
+/// Compiles and loads every kernel module on CUDA device `ordinal` (a no-op for modules already
+/// loaded) and returns the device's total NVRTC compile-and-load time so far.
+pub fn compile_kernels(ordinal: usize) -> Result<std::time::Duration> {
+    let device = CudaDevice::get(ordinal)?;
+    for kernel in [
+        Kernel::Fill(DType::F32),
+        Kernel::ReduceRow(DType::F32),
+        Kernel::Softmax(DType::F32),
+    ] {
+        kernel.load(&device)?;
+    }
+    Ok(device.compile_time())
+}
+
 #[cfg(test)]
 pub(crate) fn every_kernel() -> Vec<Kernel> {
     let mut kernels: Vec<Kernel> = [1, 2, 4, 8].map(Kernel::Copy).into();

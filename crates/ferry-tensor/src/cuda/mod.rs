@@ -5,7 +5,7 @@
 pub(crate) mod kernels;
 mod matmul;
 
-pub use kernels::ALL as KERNEL_MODULES;
+pub use kernels::{ALL as KERNEL_MODULES, compile_kernels};
 
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Launch, blocks_for};
 use ferry_memory::{DType, Device, Element};
