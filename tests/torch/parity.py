@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Checks ferry's values and gradients against PyTorch's, on the same inputs, for expressions
+covering every op. Reads the JSON written by `cargo run -p ferry-tests --example parity`.
+
+    python3 tests/torch/parity.py parity.json [--device cuda]
+
+Each expression is mirrored here in PyTorch (float32, TF32 off), backward of sum(out * probe)
+gives the gradients; both are compared by ||ferry - torch|| / ||torch||. Exits 1 on a mismatch.
+"""
+import json
+import sys
+
+import torch
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+CASES = {
+    "add_broadcast": lambda x: x[0] + x[1],
+    "sub_broadcast": lambda x: x[0] - x[1],
+    "mul_transposed": lambda x: x[0].t() * x[1],
+    "div_abs": lambda x: x[0] / (x[1].abs() + 1.0),
+    "scalar_ops": lambda x: (x[0] * 2.5 - 1.5) / 3.0,
+    "neg_exp": lambda x: (-x[0]).exp(),
+    "log": lambda x: (x[0].abs() + 0.5).log(),
+    "relu": lambda x: x[0].relu(),
+    "tanh": lambda x: x[0].tanh(),
+    "sigmoid": lambda x: x[0].sigmoid(),
+    "sqrt": lambda x: (x[0].abs() + 0.1).sqrt(),
+    "powf": lambda x: (x[0].abs() + 0.5) ** 2.5,
+    "sum_all": lambda x: x[0].sum(),
+    "mean_all": lambda x: x[0].mean(),
+    "sum_axis_keepdim": lambda x: x[0].sum(1, keepdim=True),
+    "mean_axis": lambda x: x[0].mean(-1),
+    "max_axis": lambda x: x[0].max(1).values,
+    "argmax": lambda x: x[0].argmax(0).float(),
+    "matmul": lambda x: x[0] @ x[1],
+    "matmul_batched_broadcast": lambda x: x[0] @ x[1],
+    "matmul_transposed": lambda x: x[0].t() @ x[1].t(),
+    "transpose_reshape_narrow": lambda x: x[0].transpose(0, 1).reshape(3, 8).narrow(1, 2, 4),
+    "chunk_cat": lambda x: torch.cat([x[0].chunk(3, 0)[2], x[0].chunk(3, 0)[0]], 1),
+    "unsqueeze_broadcast_squeeze": lambda x: x[0].unsqueeze(0).expand(3, 5).sum(0, keepdim=True).squeeze(0),
+    "cast_f16_round_trip": lambda x: x[0].half().float() * x[1],
+    "softmax": lambda x: x[0].softmax(1),
+    "log_softmax_axis0": lambda x: x[0].log_softmax(0),
+    "cross_entropy": lambda x: torch.nn.functional.cross_entropy(x[0], x[1]),
+    "comparisons": lambda x: (x[0] > x[1]).float() * 4.0 + (x[0] <= x[1]).float() * 2.0 + (x[0] == x[0]).float(),
+}
+
+
+def tensor(entry, device, dtype):
+    return torch.tensor(entry["data"], dtype=torch.float64).reshape(entry["shape"]).to(device=device, dtype=dtype)
+
+
+def rel(a, b):
+    denom = b.double().norm().item()
+    diff = (a.double() - b.double()).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else "parity.json"
+    device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
+    report = json.load(open(path))
+    missing = set(CASES) ^ {c["name"] for c in report["cases"]}
+    if missing:
+        print(f"cases differ between ferry and this script: {sorted(missing)}")
+        return 1
+    tol = 2e-5
+    worst, failures = 0.0, []
+    print(f"ferry on {report['device']} vs torch {torch.__version__} on {device}, float32, TF32 off")
+    print(f"{'expression':32} {'value rel err':>14} {'grad rel err':>14}")
+    for case in report["cases"]:
+        xs = []
+        for entry, is_float in zip(case["inputs"], case["input_is_float"]):
+            t = tensor(entry, device, torch.float32 if is_float else torch.int64)
+            xs.append(t.requires_grad_() if is_float else t)
+        out = CASES[case["name"]](xs)
+        ours = tensor(case["output"], device, torch.float64)
+        value_err = rel(ours, out.detach())
+        grad_err = 0.0
+        if out.requires_grad:
+            (out * tensor(case["probe"], device, torch.float32)).sum().backward()
+            for x, g in zip(xs, case["grads"]):
+                if x.dtype.is_floating_point:
+                    if g is None:
+                        grad_err = float("inf")
+                        continue
+                    grad_err = max(grad_err, rel(tensor(g, device, torch.float64), x.grad))
+        worst = max(worst, value_err, grad_err)
+        flag = "" if max(value_err, grad_err) <= tol else "  <-- MISMATCH"
+        if flag:
+            failures.append(case["name"])
+        print(f"{case['name']:32} {value_err:14.2e} {grad_err:14.2e}{flag}")
+    print(f"{len(report['cases'])} expressions, worst relative error {worst:.2e} (tolerance {tol:.0e}); "
+          f"{len(report['cases']) - len(failures)} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
