@@ -116,3 +116,23 @@ fn cat_narrow(device: Device) -> Result<()> {
     Ok(())
 }
 device_test!(cat_and_narrow_round_trip, cat_narrow);
+
+fn assign_in_place(device: Device) -> Result<()> {
+    let w = tensor(device, &[1.0, 2.0, 3.0, 4.0], &[2, 2])?.with_grad()?;
+    let update = tensor(device, &[10.0, 20.0, 30.0, 40.0], &[2, 2])?;
+    let err = w.assign(&update).unwrap_err();
+    assert!(err.to_string().contains("no_grad"), "{err}");
+    {
+        let _guard = ferry_tensor::no_grad();
+        // w ← w − 0.5·update, the shape of an SGD step; w stays the same leaf.
+        w.assign(&w.sub(&update.mul_scalar(0.5)?)?)?;
+        // A view writes through to its storage: the second column becomes [7, 8].
+        w.narrow(1, 1, 1)?.assign(&tensor(device, &[7.0, 8.0], &[2, 1])?)?;
+    }
+    assert_eq!(values(&w), [-4.0, 7.0, -12.0, 8.0]);
+    assert!(w.requires_grad() && w.is_leaf());
+    let err = w.detach().assign(&update.narrow(0, 0, 1)?).unwrap_err();
+    assert!(err.to_string().contains("same shape"), "{err}");
+    Ok(())
+}
+device_test!(assign_writes_in_place, assign_in_place);

@@ -77,6 +77,10 @@ pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
     on!(x.device(), cpu => cpu::copy::contiguous(x), cuda => cuda::contiguous(x))
 }
 
+pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
+    on!(dst.device(), cpu => cpu::copy::assign(dst, src), cuda => cuda::assign(dst, src))
+}
+
 pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tensor> {
     on!(parts[0].device(), cpu => cpu::copy::cat(parts, axis, shape), cuda => cuda::cat(parts, axis, shape))
 }

@@ -87,3 +87,22 @@ fn build_bits<B: bytemuck::Pod>(
     fill(bytemuck::cast_slice_mut(buffer.as_bytes_mut()));
     Tensor::from_host_buffer(buffer, dtype, shape)
 }
+
+/// Writes `src`'s elements (row-major) into `dst`'s storage where `dst`'s layout says.
+pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
+    bits_dispatch!(dst.dtype(), |B| {
+        let values = bits::<B>(src)?;
+        let mut guard = dst.storage().write();
+        let bytes = guard
+            .host_bytes_mut()
+            .ok_or(crate::TensorError::NotOnHost {
+                op: "assign",
+                device: dst.device(),
+            })?;
+        let out: &mut [B] = bytemuck::cast_slice_mut(bytes);
+        for (i, j) in dst.layout().offsets().zip(src.layout().offsets()) {
+            out[i] = values[j];
+        }
+        Ok(())
+    })
+}

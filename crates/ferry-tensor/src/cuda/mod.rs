@@ -273,6 +273,19 @@ fn copy_into(dev: &CudaDevice, x: &Tensor, out: &mut DeviceBuffer, dst: &Layout)
     Ok(())
 }
 
+/// Writes `src`'s elements into `dst`'s storage where `dst`'s layout says.
+pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
+    let dev = device_of(dst)?;
+    let mut guard = dst.storage().write();
+    let Buffer::Cuda(out) = &mut *guard else {
+        return Err(TensorError::UnsupportedDevice {
+            op: "assign",
+            device: dst.device(),
+        });
+    };
+    copy_into(&dev, src, out, dst.layout())
+}
+
 pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
     let dev = device_of(x)?;
     let mut out = alloc(&dev, x.numel(), x.dtype())?;

@@ -62,6 +62,34 @@ impl Tensor {
         Ok(record(out, "copy", &[self], rules::identity))
     }
 
+    /// Overwrites this tensor's elements, in place, with `src`'s (same shape, dtype and device;
+    /// views write through to their storage). In-place writes bypass the graph, so a tensor
+    /// that requires grad can only be assigned with grad mode off, as optimizer steps do.
+    pub fn assign(&self, src: &Tensor) -> Result<()> {
+        self.same_kind("assign", src)?;
+        if self.shape() != src.shape() {
+            return Err(TensorError::ShapeMismatch {
+                op: "assign",
+                lhs: self.dims(),
+                rhs: src.dims(),
+                hint: "assign needs the same shape; broadcast_to or reshape the source first",
+            });
+        }
+        if self.requires_grad() && ferry_graph::is_grad_enabled() {
+            return Err(TensorError::InvalidArgument {
+                op: "assign",
+                message: "this tensor requires grad; update it inside `no_grad()` (as optimizer steps do)".into(),
+            });
+        }
+        // Reading and writing one storage at once would deadlock its lock: copy the source out.
+        let src = if src.shares_storage(self) {
+            src.detach().copy()?
+        } else {
+            src.detach()
+        };
+        backend::assign(self, &src)
+    }
+
     /// `len` indices of `axis` from `start`, as a view.
     pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Result<Tensor> {
         let axis = self.axis("narrow", axis)?;
