@@ -132,6 +132,29 @@ impl Layout {
     pub fn offsets(&self) -> StridedOffsets<'_> {
         StridedOffsets::new(self)
     }
+
+    /// The layout as rows of its last dimension: each item is a row's first storage index;
+    /// [`Layout::row`] gives the rows' common length and stride. Strided kernels loop over a
+    /// row with a plain stride, which costs far less per element than a full index walk.
+    pub fn row_starts(&self) -> StridedOffsets<'static> {
+        let outer = match self.shape.len() {
+            0 => Layout::new(Shape::new(), Shape::new(), self.offset),
+            n => Layout::new(
+                self.shape[..n - 1].into(),
+                self.strides[..n - 1].into(),
+                self.offset,
+            ),
+        };
+        StridedOffsets::owned(outer)
+    }
+
+    /// `(length, stride)` of the rows [`Layout::row_starts`] walks.
+    pub fn row(&self) -> (usize, usize) {
+        match (self.shape.last(), self.strides.last()) {
+            (Some(&len), Some(&stride)) => (len, stride),
+            _ => (1, 0),
+        }
+    }
 }
 
 /// Elements in `shape`; a zero dimension makes it 0 even when the others would overflow.
@@ -195,17 +218,25 @@ pub fn broadcast_shapes(op: &'static str, lhs: &[usize], rhs: &[usize]) -> Resul
 
 /// Iterates storage offsets of a strided layout in row-major order.
 pub struct StridedOffsets<'a> {
-    layout: &'a Layout,
+    layout: std::borrow::Cow<'a, Layout>,
     index: Shape,
     next: Option<usize>,
 }
 
 impl<'a> StridedOffsets<'a> {
     fn new(layout: &'a Layout) -> Self {
+        Self::from_cow(std::borrow::Cow::Borrowed(layout))
+    }
+
+    fn owned(layout: Layout) -> StridedOffsets<'static> {
+        StridedOffsets::from_cow(std::borrow::Cow::Owned(layout))
+    }
+
+    fn from_cow(layout: std::borrow::Cow<'a, Layout>) -> Self {
         Self {
-            layout,
             index: SmallVec::from_elem(0, layout.ndim()),
             next: (layout.numel() > 0).then_some(layout.offset),
+            layout,
         }
     }
 }

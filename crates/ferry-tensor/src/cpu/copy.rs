@@ -44,10 +44,19 @@ fn bits<T: bytemuck::Pod>(t: &Tensor) -> Result<parking_lot::MappedRwLockReadGua
 pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
     bits_dispatch!(x.dtype(), |B| {
         let src = bits::<B>(x)?;
+        let (len, stride) = x.layout().row();
         let out = build_bits::<B>(x.dtype(), x.shape(), |out| {
-            out.iter_mut()
-                .zip(x.layout().offsets())
-                .for_each(|(o, i)| *o = src[i])
+            for (out, start) in out.chunks_mut(len.max(1)).zip(x.layout().row_starts()) {
+                if stride == 1 {
+                    out.copy_from_slice(&src[start..start + out.len()]);
+                } else if stride == 0 {
+                    out.fill(src[start]);
+                } else {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = src[start + j * stride];
+                    }
+                }
+            }
         })?;
         Ok(out)
     })
@@ -100,8 +109,11 @@ pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
                 device: dst.device(),
             })?;
         let out: &mut [B] = bytemuck::cast_slice_mut(bytes);
-        for (i, j) in dst.layout().offsets().zip(src.layout().offsets()) {
-            out[i] = values[j];
+        let ((len, sd), (_, ss)) = (dst.layout().row(), src.layout().row());
+        for (rd, rs) in dst.layout().row_starts().zip(src.layout().row_starts()) {
+            for j in 0..len {
+                out[rd + j * sd] = values[rs + j * ss];
+            }
         }
         Ok(())
     })

@@ -23,9 +23,12 @@ fn map<T: Element, U: Element>(x: &[T], layout: &Layout, out: &mut [U], f: impl 
             out.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x));
         }
     } else {
-        out.iter_mut()
-            .zip(layout.offsets())
-            .for_each(|(o, i)| *o = f(x[i]));
+        let (len, stride) = layout.row();
+        for (out, start) in out.chunks_mut(len.max(1)).zip(layout.row_starts()) {
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = f(x[start + j * stride]);
+            }
+        }
     }
 }
 
@@ -67,9 +70,14 @@ fn zip_map<T: Element, U: Element>(
         let a = a[la.offset()];
         map(b, lb, out, |b| f(a, b));
     } else {
-        out.iter_mut()
-            .zip(la.offsets().zip(lb.offsets()))
-            .for_each(|(o, (i, j))| *o = f(a[i], b[j]));
+        // Same shape, so the rows of both layouts line up.
+        let ((len, sa), (_, sb)) = (la.row(), lb.row());
+        let starts = la.row_starts().zip(lb.row_starts());
+        for (out, (ra, rb)) in out.chunks_mut(len.max(1)).zip(starts) {
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = f(a[ra + j * sa], b[rb + j * sb]);
+            }
+        }
     }
 }
 

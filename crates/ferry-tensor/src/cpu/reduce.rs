@@ -32,7 +32,11 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
                 fill(out, outer * len * inner, |k| {
                     let (o, i) = (k / inner.max(1), k % inner.max(1));
                     // Accumulate in f64: long f32 rows lose digits otherwise.
-                    <T as Element>::from_f64((0..len).map(|j| at(o, j, i).to_f64()).sum())
+                    <T as Element>::from_f64(if inner == 1 {
+                        sum_f64(&src[o * len..(o + 1) * len])
+                    } else {
+                        (0..len).map(|j| at(o, j, i).to_f64()).sum()
+                    })
                 })
             }),
             ReduceOp::Max => build::<T>(&out_shape, |out| {
@@ -79,11 +83,9 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
         let src = x.storage().host::<T>("sum")?;
         let src = &src[off..off + x.numel()];
         let total: f64 = if src.len() >= PARALLEL_THRESHOLD {
-            src.par_chunks(super::CHUNK)
-                .map(|c| c.iter().map(|v| v.to_f64()).sum::<f64>())
-                .sum()
+            src.par_chunks(super::CHUNK).map(sum_f64).sum()
         } else {
-            src.iter().map(|v| v.to_f64()).sum()
+            sum_f64(src)
         };
         build::<T>(&[], |out| out[0] = <T as Element>::from_f64(total))
     })
@@ -123,4 +125,18 @@ pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
             }
         })
     })
+}
+
+/// Sum in f64 with eight independent accumulators, so the adds pipeline (and vectorise)
+/// instead of waiting on one another.
+fn sum_f64<T: Element>(values: &[T]) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    let chunks = values.chunks_exact(8);
+    let tail: f64 = chunks.remainder().iter().map(|v| v.to_f64()).sum();
+    for chunk in chunks {
+        for (lane, v) in lanes.iter_mut().zip(chunk) {
+            *lane += v.to_f64();
+        }
+    }
+    lanes.iter().sum::<f64>() + tail
 }
