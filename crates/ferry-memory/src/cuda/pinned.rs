@@ -45,7 +45,15 @@ struct HostBlock {
     size: usize,
     event: Option<CudaEvent>,
     pending: bool,
+    /// Large blocks are prefaulted huge-page mappings registered with the driver (this owns
+    /// the mapping); small ones come from `cuMemHostAlloc` (`None`).
+    mapping: Option<crate::HostBuffer>,
 }
+
+/// Blocks at least this large are mapped, prefaulted by every core and registered, instead of
+/// `cuMemHostAlloc`ed: measured on the H200 host, 400 MB costs 260 ms to allocate that way and
+/// 44 ms more to touch, against about 10 ms to prefault and 15 ms to register.
+const REGISTER_FROM: usize = 4 << 20;
 
 // SAFETY: the block is plain host memory owned by whoever holds the HostBlock; it is only
 // reached through that owner.
@@ -113,6 +121,7 @@ impl PinnedPool {
                 size: 0,
                 event: None,
                 pending: false,
+                mapping: None,
             };
             return Ok(PinnedBuffer::new(block, 0, self));
         }
@@ -126,6 +135,10 @@ impl PinnedPool {
             return Ok(PinnedBuffer::new(block, len, self));
         }
         self.device.bind()?;
+        if class >= REGISTER_FROM {
+            let block = self.map_and_register(class, len, &mut state)?;
+            return Ok(PinnedBuffer::new(block, len, self));
+        }
         let ptr = match host_alloc(class) {
             Ok(ptr) => ptr,
             Err(e) if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
@@ -153,10 +166,60 @@ impl PinnedPool {
                 size: class,
                 event: None,
                 pending: false,
+                mapping: None,
             },
             len,
             self,
         ))
+    }
+
+    /// A large block: a huge-page mapping prefaulted in parallel (zeroed), then registered.
+    fn map_and_register(
+        &self,
+        class: usize,
+        len: usize,
+        state: &mut PoolState,
+    ) -> Result<HostBlock, MemoryError> {
+        let register = |mapping: &mut crate::HostBuffer| {
+            let bytes = mapping.as_bytes_mut();
+            // SAFETY: the mapping is valid for `class` bytes and owned by the block, which
+            // unregisters it before unmapping (see `free_block`).
+            unsafe {
+                sys::cuMemHostRegister_v2(
+                    bytes.as_mut_ptr().cast(),
+                    bytes.len(),
+                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                )
+            }
+            .result()
+        };
+        let mut mapping = crate::HostBuffer::prefaulted(class)?;
+        if let Err(e) = register(&mut mapping) {
+            if e.0 != CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                return Err(driver("cuMemHostRegister")(e));
+            }
+            // Cached blocks may be what exhausts lockable memory: release them, retry once.
+            self.release_cached(state)?;
+            register(&mut mapping).map_err(|e| match e.0 {
+                CUresult::CUDA_ERROR_OUT_OF_MEMORY => MemoryError::PinnedOutOfMemory {
+                    requested: len,
+                    stats: state.stats,
+                },
+                _ => driver("cuMemHostRegister")(e),
+            })?;
+        }
+        state.stats.host_allocations += 1;
+        state.stats.reserved_bytes += class;
+        note_allocated(&mut state.stats, class);
+        let ptr =
+            NonNull::new(mapping.as_bytes_mut().as_mut_ptr()).expect("a mapping is never null");
+        Ok(HostBlock {
+            ptr,
+            size: class,
+            event: None,
+            pending: false,
+            mapping: Some(mapping),
+        })
     }
 
     /// The pool's counters.
@@ -201,10 +264,8 @@ impl PinnedPool {
                 outcome = Err(e);
                 continue;
             }
-            // SAFETY: the block came from cuMemHostAlloc, is in no live buffer, and no copy
-            // uses it any more (its event completed above).
-            if let Err(e) = unsafe { result::free_host(block.ptr.as_ptr().cast()) } {
-                outcome = Err(driver("cuMemFreeHost")(e));
+            if let Err(e) = free_block(block) {
+                outcome = Err(e);
             }
         }
         outcome
@@ -220,6 +281,22 @@ impl PinnedPool {
 fn note_allocated(stats: &mut PinnedStats, bytes: usize) {
     stats.allocated_bytes += bytes;
     stats.peak_allocated_bytes = stats.peak_allocated_bytes.max(stats.allocated_bytes);
+}
+
+/// Gives a cached block back to the OS. No copy may use it any more.
+fn free_block(block: HostBlock) -> Result<(), MemoryError> {
+    match block.mapping {
+        // SAFETY: the mapping was registered in `map_and_register`; it is unregistered once,
+        // then unmapped when `mapping` drops.
+        Some(mapping) => unsafe { sys::cuMemHostUnregister(mapping.as_bytes().as_ptr() as *mut _) }
+            .result()
+            .map_err(driver("cuMemHostUnregister")),
+        // SAFETY: the block came from cuMemHostAlloc, is in no live buffer, and no copy uses it
+        // any more (its event completed before the caller got here).
+        None => {
+            unsafe { result::free_host(block.ptr.as_ptr().cast()) }.map_err(driver("cuMemFreeHost"))
+        }
+    }
 }
 
 fn host_alloc(bytes: usize) -> Result<NonNull<u8>, DriverError> {
@@ -388,6 +465,7 @@ impl Drop for PinnedBuffer {
             size: self.block.size,
             event: self.block.event.take(),
             pending,
+            mapping: self.block.mapping.take(),
         };
         self.pool.give_back(block);
     }
