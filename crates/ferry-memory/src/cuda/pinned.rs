@@ -286,14 +286,17 @@ fn note_allocated(stats: &mut PinnedStats, bytes: usize) {
 /// Gives a cached block back to the OS. No copy may use it any more.
 fn free_block(block: HostBlock) -> Result<(), MemoryError> {
     match block.mapping {
-        // SAFETY: the mapping was registered in `map_and_register`; it is unregistered once,
-        // then unmapped when `mapping` drops.
-        Some(mapping) => unsafe { sys::cuMemHostUnregister(mapping.as_bytes().as_ptr() as *mut _) }
-            .result()
-            .map_err(driver("cuMemHostUnregister")),
-        // SAFETY: the block came from cuMemHostAlloc, is in no live buffer, and no copy uses it
-        // any more (its event completed before the caller got here).
+        Some(mapping) => {
+            let ptr = mapping.as_bytes().as_ptr() as *mut std::ffi::c_void;
+            // SAFETY: the mapping was registered in `map_and_register`; it is unregistered
+            // once, then unmapped when `mapping` drops.
+            unsafe { sys::cuMemHostUnregister(ptr) }
+                .result()
+                .map_err(driver("cuMemHostUnregister"))
+        }
         None => {
+            // SAFETY: the block came from cuMemHostAlloc, is in no live buffer, and no copy
+            // uses it any more (its event completed before the caller got here).
             unsafe { result::free_host(block.ptr.as_ptr().cast()) }.map_err(driver("cuMemFreeHost"))
         }
     }
