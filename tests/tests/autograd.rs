@@ -162,3 +162,31 @@ fn dot_snapshot_of_leaf_mul_sum() {
 "#;
     assert_eq!(dot, expected, "\n{dot}");
 }
+
+fn traced(device: Device) -> Result<()> {
+    let x = tensor(device, &[0.0, 1.0, 2.0], &[3])?.with_grad()?;
+    let h = x.exp()?;
+    let y = h.sum()?;
+    let report = y.backward_traced()?;
+    let ops: Vec<&str> = report.trace.iter().map(|s| s.meta.op).collect();
+    assert_eq!(ops, ["sum", "exp", "leaf"]);
+    // sum passes ones on; exp passes eˣ · 1; the leaf receives eˣ.
+    assert!(
+        report.trace[0].passed[0].1.starts_with("[3] f64"),
+        "{:?}",
+        report.trace[0]
+    );
+    let dot = ferry_tensor::to_dot(&[&y], &[("h.detach()", &h)]);
+    for needle in [
+        "sum",
+        "exp",
+        "leaf",
+        "detach",
+        "h.detach()",
+        &device.to_string(),
+    ] {
+        assert!(dot.contains(needle), "{needle} missing from\n{dot}");
+    }
+    Ok(())
+}
+device_test!(backward_traced_reports_each_node_in_order, traced);

@@ -6,6 +6,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ferry_tensor::gradcheck::{GradcheckOptions, gradcheck};
 use ferry_tensor::{BackwardOptions, DType, Device, Tensor, graph};
 
+// Training steps give back their graph; GraphWatch catches a running total that keeps it.
+mod leak_check;
+
 static LOCK: Mutex<()> = Mutex::new(());
 
 /// Serialises the tests; a failed test's poison must not fail the others.

@@ -7,6 +7,9 @@ use ferry::DeviceMove;
 use ferry::memory::cuda::CudaDevice;
 use ferry_tensor::{DType, Device, Result, Tensor, no_grad};
 
+// Graph counts, pinned-pool and allocator statistics of the transfer methods.
+mod transfer_accounting;
+
 static LOCK: Mutex<()> = Mutex::new(());
 
 fn run(body: impl FnOnce() -> Result<()>) {

@@ -22,3 +22,19 @@ mod errors;
 mod edge_cases;
 // Device moves: gradients go home, dtypes fuse, copies are exact and carry no .grad.
 mod transfer;
+// Modules: Linear, Sequential names, Dropout, Kaiming/Xavier init, losses, leaves kept by `to`.
+mod nn;
+// SGD, Adam, AdamW against hand-worked updates; zero_grad; optimizer state dicts.
+mod optim;
+// safetensors checkpoints: round trips, and bad files refused with the key named.
+mod checkpoint;
+// Checkpoints read by Python's safetensors (numpy here, PyTorch on the GPU machine) and back.
+mod checkpoint_interop;
+// Chunk plans, reports, chunked/async/batched moves: bit-identity and the gradient path.
+mod transfer_methods;
+// ndarray and .npy interop: round trips, and errors that name the fix.
+mod interop;
+// The DOT figures in docs/transfer-methods.md, regenerated from the real moves.
+mod transfer_docs;
+// Every path, figure, package and subcommand the guide (docs/guide/) names exists.
+mod guide;

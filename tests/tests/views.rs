@@ -127,7 +127,8 @@ fn assign_in_place(device: Device) -> Result<()> {
         // w ← w − 0.5·update, the shape of an SGD step; w stays the same leaf.
         w.assign(&w.sub(&update.mul_scalar(0.5)?)?)?;
         // A view writes through to its storage: the second column becomes [7, 8].
-        w.narrow(1, 1, 1)?.assign(&tensor(device, &[7.0, 8.0], &[2, 1])?)?;
+        w.narrow(1, 1, 1)?
+            .assign(&tensor(device, &[7.0, 8.0], &[2, 1])?)?;
     }
     assert_eq!(values(&w), [-4.0, 7.0, -12.0, 8.0]);
     assert!(w.requires_grad() && w.is_leaf());

@@ -1,11 +1,15 @@
-//! The `ferry` command: doctor today; the transfer-methods table, benchmarks, the training demo
-//! and graph drawing as they land.
+//! The `ferry` command: the transfer-methods table and doctor today; benchmarks, the training
+//! demo and graph drawing as they land.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
 mod doctor;
+mod graph;
+mod methods;
+mod plot;
+mod train;
 
 #[derive(Parser)]
 #[command(
@@ -22,12 +26,21 @@ struct Cli {
 enum Command {
     /// Print what this machine offers: CPU threads, CUDA driver, devices, NVRTC.
     Doctor,
+    /// Measure every way to move a tensor to the host: time, GB/s, extra memory, gradient kept.
+    Methods(methods::MethodsArgs),
+    /// Draw the autograd graph of a built-in example (DOT or SVG); --trace runs its backward.
+    Graph(graph::GraphArgs),
+    /// Train a model end to end: progress bar, checkpoints each epoch, test accuracy, curves.
+    Train(train::TrainArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Doctor => doctor::run(),
+        Command::Methods(args) => methods::run(args),
+        Command::Graph(args) => graph::run(args),
+        Command::Train(args) => train::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

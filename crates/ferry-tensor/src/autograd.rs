@@ -3,8 +3,8 @@
 use std::sync::{Arc, LazyLock};
 
 use ferry_graph::{
-    Backward, BackwardOptions, BackwardReport, BoxError, GradSlot, GradValue, Graph, InputGrads,
-    NodeHandle, NodeKind, NodeMeta, is_grad_enabled,
+    Backward, BackwardOptions, BackwardReport, BoxError, DetachCut, GradSlot, GradValue, Graph,
+    InputGrads, NodeHandle, NodeKind, NodeMeta, is_grad_enabled,
 };
 
 use crate::tensor::{Autograd, Inner};
@@ -183,6 +183,20 @@ impl Tensor {
         self.backward_with(ones, BackwardOptions::default())
     }
 
+    /// Backward from a one-element tensor that also reports every node visited, in order, with
+    /// the gradient it received and what it passed on (see [`BackwardReport::trace`]).
+    pub fn backward_traced(&self) -> Result<BackwardReport> {
+        if self.numel() != 1 {
+            return Err(TensorError::NonScalarBackward { shape: self.dims() });
+        }
+        let ones = Tensor::ones(self.shape(), self.dtype(), self.device())?;
+        let options = BackwardOptions {
+            trace: true,
+            ..BackwardOptions::default()
+        };
+        self.backward_with(ones, options)
+    }
+
     /// Backward with an explicit output gradient and options (retain_graph, trace).
     pub fn backward_with(&self, grad: Tensor, options: BackwardOptions) -> Result<BackwardReport> {
         let node = self.node().ok_or(TensorError::NoGraph)?;
@@ -210,4 +224,21 @@ impl Tensor {
         }
         Ok(node.backward(grad.detach(), options)?)
     }
+}
+
+/// The graph behind `roots` in Graphviz DOT: op, shape, dtype, device and saved bytes per node,
+/// transfer nodes and edges drawn distinctly, and each `(label, source)` in `cuts` drawn as a
+/// detach cut into the node of `source` (the tensor that was detached).
+pub fn to_dot(roots: &[&Tensor], cuts: &[(&str, &Tensor)]) -> String {
+    let nodes: Vec<&NodeHandle<Tensor>> = roots.iter().filter_map(|t| t.node()).collect();
+    let cuts: Vec<DetachCut> = cuts
+        .iter()
+        .filter_map(|(label, source)| {
+            source.node().map(|n| DetachCut {
+                label: (*label).to_string(),
+                node: n.index(),
+            })
+        })
+        .collect();
+    GRAPH.dot_from(&nodes, &cuts)
 }

@@ -37,7 +37,7 @@ mod rules;
 mod storage;
 mod tensor;
 
-pub use autograd::{graph, record, record_kind, rule, saved_bytes, should_record};
+pub use autograd::{graph, record, record_kind, rule, saved_bytes, should_record, to_dot};
 pub use cuda::{KERNEL_MODULES, compile_kernels};
 pub use error::{Result, TensorError};
 pub use ferry_graph::{BackwardOptions, BackwardReport, no_grad, with_no_grad};

@@ -15,13 +15,16 @@ pub(crate) const PINNED_FROM_BYTES: usize = 1 << 20;
 /// `t` when its elements fill its buffer from byte 0 in order, else a fresh contiguous copy on
 /// its own device. Copies between devices move whole, dense buffers.
 pub(crate) fn dense(t: &Tensor) -> Result<Tensor> {
-    let covers_buffer =
-        t.is_contiguous() && t.layout().offset() == 0 && t.storage().bytes() == t.nbytes();
-    if covers_buffer {
+    if !dense_copies(t) {
         Ok(t.detach())
     } else {
         t.detach().copy()
     }
+}
+
+/// Whether [`dense`] has to copy `t`.
+pub(crate) fn dense_copies(t: &Tensor) -> bool {
+    !(t.is_contiguous() && t.layout().offset() == 0 && t.storage().bytes() == t.nbytes())
 }
 
 pub(crate) fn cuda(ordinal: usize) -> Result<CudaDevice> {

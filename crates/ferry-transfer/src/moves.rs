@@ -3,11 +3,14 @@
 use std::time::Instant;
 
 use ferry_graph::NodeKind;
+use ferry_memory::cuda::Stream;
 use ferry_memory::{DType, Device};
 use ferry_tensor::{Result, Tensor, graph, record_kind, rule, should_record, with_no_grad};
 use smallvec::smallvec;
 
-use crate::copy::move_bytes;
+use crate::chunked::{ChunkSpec, to_chunked};
+use crate::copy::{dense_copies, move_bytes};
+use crate::pending::{PendingTensor, to_async};
 use crate::report::TransferReport;
 
 /// How to move: an optional dtype fused into the move, and whether to wait for the bytes.
@@ -66,6 +69,51 @@ pub trait DeviceMove: Sized {
     /// Detaches, then moves by value: records nothing, and the source's history (nodes and
     /// saved buffers only it kept alive) is pruned; the report counts the pruned nodes.
     fn detach_into(self, device: Device) -> Result<(Tensor, TransferReport)>;
+
+    /// Moves in pieces along axis 0 through a bounded ring of pinned staging buffers, on a copy
+    /// stream of its own, the DMA of one piece overlapping the host copy of the previous one.
+    /// The result is one ordinary tensor (pageable host memory, or device memory), bit-identical
+    /// to [`DeviceMove::to`]; non-contiguous sources are made contiguous a piece at a time.
+    /// Records one transfer node for the whole move when the source requires grad.
+    ///
+    /// `report.staging_peak_bytes` is read from the pinned pool's (and, for device scratch, the
+    /// allocator's) statistics, whose peaks this restarts. A zero count, or a bound smaller
+    /// than one row, is an error naming the smallest valid value. Between two GPUs this is a
+    /// plain peer copy; on one device it is the identity.
+    fn to_chunked(&self, device: Device, spec: ChunkSpec) -> Result<(Tensor, TransferReport)>;
+
+    /// Queues the move on `stream` (of the GPU side of the move) and returns at once. GPU to
+    /// host lands in pinned memory; the copy is ordered after the work already queued on the
+    /// default stream, where the source was produced. See [`PendingTensor`].
+    fn to_async(&self, device: Device, stream: &Stream) -> Result<PendingTensor>;
+}
+
+/// Records `moved` as a transfer of `src` to `to` when `src` requires grad and grad mode is on:
+/// the backward moves the gradient back to `src`'s device and dtype.
+pub(crate) fn record_transfer(
+    moved: Tensor,
+    src: &Tensor,
+    to: Device,
+    op: &'static str,
+    report: &mut TransferReport,
+) -> Tensor {
+    if should_record(&[src]) {
+        report.nodes_recorded = 1;
+    }
+    let (from_device, from_dtype) = (src.device(), src.dtype());
+    let kind = NodeKind::Transfer {
+        from: from_device.to_string(),
+        to: to.to_string(),
+    };
+    record_kind(moved, op, kind, &[src], || {
+        rule(0, move |g, _| {
+            let back = MoveOptions {
+                dtype: Some(from_dtype),
+                non_blocking: false,
+            };
+            Ok(smallvec![Some(g.to_with(from_device, back)?.0)])
+        })
+    })
 }
 
 impl DeviceMove for Tensor {
@@ -79,7 +127,8 @@ impl DeviceMove for Tensor {
         let to_dtype = options.dtype.unwrap_or(from_dtype);
         let (moved, mut report) = with_no_grad(|| -> Result<_> {
             // Cast first when that makes the bytes to move fewer.
-            let src = if to_dtype.size() < from_dtype.size() {
+            let cast_first = to_dtype.size() < from_dtype.size();
+            let src = if cast_first {
                 self.detach().to_dtype(to_dtype)?
             } else {
                 self.detach()
@@ -91,24 +140,15 @@ impl DeviceMove for Tensor {
             };
             let (moved, path) = move_bytes(&src, device, options.non_blocking)?;
             let moved = moved.to_dtype(to_dtype)?;
-            Ok((moved, TransferReport::new(path, bytes)))
+            let mut report = TransferReport::new(path, bytes);
+            // A cast before the move, or a non-dense source made dense on its own device first,
+            // is scratch memory on the source side.
+            if bytes > 0 && (cast_first || dense_copies(&src)) {
+                report.staging_peak_bytes = src.nbytes();
+            }
+            Ok((moved, report))
         })?;
-        if should_record(&[self]) {
-            report.nodes_recorded = 1;
-        }
-        let kind = NodeKind::Transfer {
-            from: from_device.to_string(),
-            to: device.to_string(),
-        };
-        let out = record_kind(moved, "to_device", kind, &[self], || {
-            rule(0, move |g, _| {
-                let back = MoveOptions {
-                    dtype: Some(from_dtype),
-                    non_blocking: false,
-                };
-                Ok(smallvec![Some(g.to_with(from_device, back)?.0)])
-            })
-        });
+        let out = record_transfer(moved, self, device, "to_device", &mut report);
         report.elapsed = start.elapsed();
         Ok((out, report))
     }
@@ -128,5 +168,13 @@ impl DeviceMove for Tensor {
         let (out, mut report) = detached.to_with(device, MoveOptions::default())?;
         report.nodes_pruned = before.saturating_sub(graph().live_nodes());
         Ok((out, report))
+    }
+
+    fn to_chunked(&self, device: Device, spec: ChunkSpec) -> Result<(Tensor, TransferReport)> {
+        to_chunked(self, device, spec)
+    }
+
+    fn to_async(&self, device: Device, stream: &Stream) -> Result<PendingTensor> {
+        to_async(self, device, stream)
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! This is the crate users depend on. It re-exports the tensor, graph and memory layers under
 //! one roof; each layer lives in its own crate (memory <- graph <- tensor <- transfer <- ferry)
-//! so that unsafe code, the graph engine and device moves each sit in one place.
+//! so that unsafe code, the graph engine and device moves each sit in one place. Of its own it
+//! adds what sits at the edge of ferry: ndarray and `.npy` interop ([`to_ndarray`],
+//! [`from_ndarray`], [`save_npy`], [`load_npy`]) and memory statistics ([`cuda`]).
 //!
 //! ```
 //! use ferry::prelude::*;
@@ -16,19 +18,37 @@
 //! ```
 #![warn(missing_docs)]
 
+mod array;
+pub mod checkpoint;
+pub mod cuda;
+pub mod debug;
+pub mod nn;
+pub mod optim;
+
+pub use array::{NpyError, from_ndarray, load_npy, save_npy, to_ndarray};
+pub use checkpoint::CheckpointError;
 pub use ferry_graph as graph;
 pub use ferry_memory as memory;
+pub use ferry_tensor as tensor;
 pub use ferry_tensor::gradcheck;
 pub use ferry_tensor::{
     BackwardOptions, BackwardReport, DType, Device, Layout, Result, Tensor, TensorError,
     manual_seed, no_grad, with_no_grad,
 };
-pub use ferry_transfer::{DeviceMove, MoveOptions, TransferPath, TransferReport};
+pub use ferry_transfer::{
+    ChunkPlan, ChunkSpec, DeviceMove, MoveOptions, PendingTensor, StateDict, TransferPath,
+    TransferReport, move_state_dict, pinned_block_size,
+};
+/// The ndarray version ferry converts to and from, so callers name the same types.
+pub use ndarray;
 
 /// The names most programs need.
 pub mod prelude {
+    pub use crate::nn::Module;
+    pub use crate::optim::Optimizer;
     pub use crate::{
-        DType, Device, DeviceMove, MoveOptions, Tensor, TensorError, no_grad, with_no_grad,
+        ChunkSpec, DType, Device, DeviceMove, MoveOptions, Tensor, TensorError, no_grad,
+        with_no_grad,
     };
 }
 
@@ -36,3 +56,7 @@ pub mod prelude {
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
+
+/// The guide's chapters (docs/guide/) run as doctests.
+#[cfg(doctest)]
+mod guide;

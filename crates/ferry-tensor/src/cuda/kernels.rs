@@ -45,6 +45,8 @@ pub(crate) enum Kernel {
     SumPartial(DType),
     SumFinish(DType),
     Softmax(DType),
+    /// Many byte regions into one buffer.
+    Gather,
 }
 
 /// `$prefix` followed by the C name of `$dtype`'s element type, as a `&'static str`.
@@ -111,6 +113,7 @@ impl Kernel {
             Kernel::SumPartial(d) => typed_name!("sum_partial_", d),
             Kernel::SumFinish(d) => typed_name!("sum_finish_", d),
             Kernel::Softmax(d) => typed_name!("softmax_", d),
+            Kernel::Gather => "gather_regions",
         }
     }
 
@@ -137,6 +140,7 @@ pub fn compile_kernels(ordinal: usize) -> Result<std::time::Duration> {
 #[cfg(test)]
 pub(crate) fn every_kernel() -> Vec<Kernel> {
     let mut kernels: Vec<Kernel> = [1, 2, 4, 8].map(Kernel::Copy).into();
+    kernels.push(Kernel::Gather);
     for d in DType::ALL {
         kernels.extend([Kernel::Compare(d), Kernel::Fill(d), Kernel::Arange(d)]);
         kernels.extend(DType::ALL.map(|to| Kernel::Cast(d, to)));

@@ -297,6 +297,13 @@ pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tens
     let dev = device_of(&parts[0])?;
     let dtype = parts[0].dtype();
     let mut out = alloc(&dev, shape.iter().product(), dtype)?;
+    // With nothing before the axis, each part is one run of bytes in the output: gather them
+    // all in a few launches (a state dict packs hundreds of tensors this way).
+    let outer: usize = shape[..axis].iter().product();
+    if outer == 1 && parts.len() > 2 && parts.iter().all(Tensor::is_contiguous) {
+        gather(&dev, parts, &mut out)?;
+        return Ok(wrap(&dev, out, dtype, shape));
+    }
     let whole = Layout::contiguous(shape);
     let mut start = 0;
     for part in parts {
@@ -305,6 +312,50 @@ pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tens
         start += size;
     }
     Ok(wrap(&dev, out, dtype, shape))
+}
+
+/// Regions per gather launch; the table travels as a kernel parameter (kernels/elementwise.cu).
+const GATHER_REGIONS: usize = 64;
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct GatherTable {
+    entries: [u64; 3 * GATHER_REGIONS],
+}
+
+/// Copies each contiguous part's bytes, back to back, into `out`.
+fn gather(dev: &CudaDevice, parts: &[Tensor], out: &mut DeviceBuffer) -> Result<()> {
+    let f = Kernel::Gather.load(dev)?;
+    let sources = parts.iter().map(buffer).collect::<Result<Vec<_>>>()?;
+    let mut written = 0u64;
+    for (batch, guards) in parts
+        .chunks(GATHER_REGIONS)
+        .zip(sources.chunks(GATHER_REGIONS))
+    {
+        let mut table = GatherTable {
+            entries: [0; 3 * GATHER_REGIONS],
+        };
+        let mut bytes = 0;
+        for (k, (part, src)) in batch.iter().zip(guards).enumerate() {
+            // Raw addresses inside the table: the read guards keep the buffers alive through
+            // the launch, and their reuse is ordered on this same stream.
+            let start = src.device_ptr() + (part.layout().offset() * part.dtype().size()) as u64;
+            table.entries[3 * k..3 * k + 3].copy_from_slice(&[
+                start,
+                written,
+                part.nbytes() as u64,
+            ]);
+            written += part.nbytes() as u64;
+            bytes += part.nbytes();
+        }
+        let blocks = blocks_for((bytes / 16).max(1), THREADS).min(MAX_BLOCKS);
+        dev.launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
+            .arg_pod(&table)
+            .arg_u64(batch.len() as u64)
+            .arg_buffer_mut(out)
+            .run()?;
+    }
+    Ok(())
 }
 
 pub(crate) fn full(ordinal: usize, shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {

@@ -1,0 +1,240 @@
+//! Batched moves of many tensors (a state dict): one pinned arena per source device and dtype,
+//! every copy queued on one stream per device, one synchronization at the end.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ferry_memory::cuda::{PinnedBuffer, PinnedPool, Stream};
+use ferry_memory::{DType, Device};
+use ferry_tensor::{Buffer, Layout, Result, Storage, Tensor, TensorError, with_no_grad};
+
+use crate::copy::{cuda, dense, move_bytes};
+use crate::pipeline::copy_bytes;
+use crate::report::{TransferPath, TransferReport};
+
+/// Named tensors, in order: a model's parameters and buffers.
+pub type StateDict = Vec<(String, Tensor)>;
+
+/// Every arena offset is a multiple of this: any dtype's elements stay aligned for SIMD.
+const ALIGN: usize = 64;
+
+/// Moves every tensor of `tensors` to `device` in one batch and returns them under the same
+/// names, in the same order.
+///
+/// GPU to host: the tensors of each dtype land in one pinned arena, all copies queued on the
+/// source device's default stream (so they follow the tensors' producers) with one event, and
+/// the host waits once at the end. The results are views into the arena (no further copy), so
+/// the arena is freed when the last of them drops. Host to GPU is symmetric: one pinned staging
+/// arena per dtype, uploaded in one copy into one device arena per dtype.
+///
+/// A state dict is data: the results carry no gradient history (the move detaches, and
+/// records nothing). Tensors already on `device` are returned detached, without a copy.
+pub fn move_state_dict(
+    tensors: &[(String, Tensor)],
+    device: Device,
+) -> Result<(StateDict, TransferReport)> {
+    let start = Instant::now();
+    let mut moved: Vec<Option<Tensor>> = vec![None; tensors.len()];
+    // Indices by (source device, dtype); BTreeMap keeps the batches in a stable order.
+    let mut groups: BTreeMap<(String, &str), (Device, DType, Vec<usize>)> = BTreeMap::new();
+    for (i, (_, t)) in tensors.iter().enumerate() {
+        if t.device() == device {
+            moved[i] = Some(t.detach());
+        } else {
+            groups
+                .entry((t.device().to_string(), t.dtype().name()))
+                .or_insert_with(|| (t.device(), t.dtype(), Vec::new()))
+                .2
+                .push(i);
+        }
+    }
+    let mut report = TransferReport::new(TransferPath::Batched { tensors: 0 }, 0);
+    let mut to_sync: Vec<Stream> = Vec::new();
+    let mut keep = Scratch::default();
+    // Host to GPU stages through pinned arenas: measure them from the pool.
+    let pinned_baseline = if device.is_cuda() && !groups.is_empty() {
+        let pool = PinnedPool::global()?;
+        pool.reset_peak();
+        Some((pool, pool.stats().allocated_bytes))
+    } else {
+        None
+    };
+    with_no_grad(|| -> Result<()> {
+        for (from, dtype, indices) in groups.values() {
+            let group: Vec<&Tensor> = indices.iter().map(|&i| &tensors[i].1).collect();
+            let outs = match (*from, device) {
+                (Device::Cuda(ordinal), Device::Cpu) => download_group(
+                    &group,
+                    *dtype,
+                    ordinal,
+                    &mut to_sync,
+                    &mut keep,
+                    &mut report,
+                )?,
+                (Device::Cpu, Device::Cuda(ordinal)) => {
+                    upload_group(&group, *dtype, ordinal, &mut to_sync, &mut keep)?
+                }
+                _ => group
+                    .iter()
+                    .map(|t| Ok(move_bytes(t, device, false)?.0))
+                    .collect::<Result<Vec<_>>>()?,
+            };
+            for (&i, out) in indices.iter().zip(outs) {
+                report.bytes_moved += tensors[i].1.nbytes();
+                moved[i] = Some(out);
+            }
+        }
+        // The one synchronization: every copy of every dtype is on these streams.
+        to_sync.dedup();
+        for stream in &to_sync {
+            stream.synchronize()?;
+        }
+        Ok(())
+    })?;
+    drop(keep);
+    if let Some((pool, baseline)) = pinned_baseline {
+        report.staging_peak_bytes += pool.stats().peak_allocated_bytes.saturating_sub(baseline);
+    }
+    report.path = TransferPath::Batched {
+        tensors: groups.values().map(|(_, _, ix)| ix.len()).sum(),
+    };
+    report.elapsed = start.elapsed();
+    let out = tensors
+        .iter()
+        .zip(moved)
+        .map(|((name, _), t)| (name.clone(), t.expect("every tensor was moved or kept")))
+        .collect();
+    Ok((out, report))
+}
+
+/// What the copies read, kept until the one synchronization.
+#[derive(Default)]
+struct Scratch {
+    tensors: Vec<Tensor>,
+    staging: Vec<PinnedBuffer>,
+}
+
+/// Byte offsets of each tensor in an arena, aligned, and the arena's length.
+fn arena_offsets(group: &[&Tensor]) -> (Vec<usize>, usize) {
+    let mut end = 0usize;
+    let offsets = group
+        .iter()
+        .map(|t| {
+            let at = end.next_multiple_of(ALIGN);
+            end = at + t.nbytes();
+            at
+        })
+        .collect();
+    (offsets, end)
+}
+
+/// Views of `storage` at the arena offsets, shaped like the sources.
+fn views(storage: Arc<Storage>, group: &[&Tensor], offsets: &[usize], dtype: DType) -> Vec<Tensor> {
+    group
+        .iter()
+        .zip(offsets)
+        .map(|(t, &at)| {
+            let contiguous = Layout::contiguous(t.shape());
+            let layout = Layout::new(
+                contiguous.shape().into(),
+                contiguous.strides().into(),
+                at / dtype.size(),
+            );
+            Tensor::from_storage(Arc::clone(&storage), layout)
+        })
+        .collect()
+}
+
+fn download_group(
+    group: &[&Tensor],
+    dtype: DType,
+    ordinal: usize,
+    to_sync: &mut Vec<Stream>,
+    keep: &mut Scratch,
+    report: &mut TransferReport,
+) -> Result<Vec<Tensor>> {
+    let dev = cuda(ordinal)?;
+    let stream = dev.default_stream().clone();
+    let (offsets, len) = arena_offsets(group);
+    let mut arena = PinnedPool::global()?.alloc(len)?;
+    {
+        let mut batch = arena.batch(&stream)?;
+        for (t, &at) in group.iter().zip(&offsets) {
+            // Contiguous views (offsets included) copy straight from their storage.
+            let src = if t.is_contiguous() {
+                t.detach()
+            } else {
+                dense(t)?
+            };
+            if !t.is_contiguous() {
+                // Made contiguous on the device first: scratch.
+                report.staging_peak_bytes += t.nbytes();
+            }
+            let guard = src.storage().read();
+            let Buffer::Cuda(from) = &*guard else {
+                return Err(TensorError::UnsupportedDevice {
+                    op: "move_state_dict",
+                    device: src.device(),
+                });
+            };
+            batch.download(from, src.layout().offset() * dtype.size(), at, src.nbytes())?;
+            drop(guard);
+            keep.tensors.push(src);
+        }
+        batch.finish()?;
+    }
+    to_sync.push(stream);
+    let storage = Arc::new(Storage::new(Buffer::Pinned(arena), dtype, Device::Cpu));
+    Ok(views(storage, group, &offsets, dtype))
+}
+
+fn upload_group(
+    group: &[&Tensor],
+    dtype: DType,
+    ordinal: usize,
+    to_sync: &mut Vec<Stream>,
+    keep: &mut Scratch,
+) -> Result<Vec<Tensor>> {
+    let dev = cuda(ordinal)?;
+    let stream = dev.default_stream().clone();
+    let (offsets, len) = arena_offsets(group);
+    let mut staging = PinnedPool::global()?.alloc(len)?;
+    {
+        let bytes = staging.as_bytes_mut()?;
+        for (t, &at) in group.iter().zip(&offsets) {
+            let src = if t.is_contiguous() {
+                t.detach()
+            } else {
+                t.detach().copy()?
+            };
+            let guard = src.storage().read();
+            let host = guard.host_bytes().ok_or(TensorError::NotOnHost {
+                op: "move_state_dict",
+                device: src.device(),
+            })?;
+            let from = src.layout().offset() * dtype.size();
+            copy_bytes(
+                &mut bytes[at..at + src.nbytes()],
+                &host[from..from + src.nbytes()],
+            );
+        }
+    }
+    let mut out = dev.alloc(len, &stream)?;
+    {
+        // One upload for the whole arena: the device arena has the same offsets.
+        let mut batch = staging.batch(&stream)?;
+        batch.upload(&mut out, 0, 0, len)?;
+        batch.finish()?;
+    }
+    to_sync.push(stream);
+    // Dropping the staging arena early would be safe too: its event keeps the pool from
+    // reusing it before the upload has read it.
+    keep.staging.push(staging);
+    let storage = Arc::new(Storage::new(
+        Buffer::Cuda(out),
+        dtype,
+        Device::Cuda(ordinal),
+    ));
+    Ok(views(storage, group, &offsets, dtype))
+}

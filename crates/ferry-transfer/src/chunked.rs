@@ -1,0 +1,241 @@
+//! Chunked moves: the plan (which rows of axis 0 go in which piece, and how much staging that
+//! takes) and the entry point that picks a pipeline by direction.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use ferry_memory::{DType, Device};
+use ferry_tensor::{Result, Tensor, TensorError, with_no_grad};
+
+use crate::copy::move_bytes;
+use crate::moves::record_transfer;
+use crate::pipeline;
+use crate::report::{TransferPath, TransferReport};
+
+/// How to cut a chunked move along axis 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkSpec {
+    /// This many pieces, as even as the rows allow (never more pieces than rows). Staging holds
+    /// two pieces at a time (one in DMA, one being copied out), so it peaks near `2/n` of the
+    /// tensor; bound it with [`ChunkSpec::MaxStagingBytes`] instead when memory is the concern.
+    Count(usize),
+    /// Pieces as large as fit, with every staging buffer (as the pinned pool sizes its blocks)
+    /// within this many bytes together. Two buffers when two rows fit, else one (no overlap).
+    MaxStagingBytes(usize),
+}
+
+/// Which rows of axis 0 each piece of a chunked move carries (a 0-d tensor is one row), and
+/// the staging that takes. Public so the arithmetic can be checked without a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkPlan {
+    rows: usize,
+    row_bytes: usize,
+    pieces: Vec<Range<usize>>,
+    staging_buffers: usize,
+}
+
+impl ChunkPlan {
+    /// The plan for a tensor of `shape` and `dtype`. A zero count, or a staging bound below one
+    /// row's staging block, is an error that names the smallest valid value.
+    pub fn new(shape: &[usize], dtype: DType, spec: ChunkSpec) -> Result<Self> {
+        let numel: usize = shape.iter().product();
+        let rows = shape.first().copied().unwrap_or(1);
+        let row_bytes = numel.checked_div(rows).unwrap_or(0) * dtype.size();
+        let invalid = |message: String| TensorError::InvalidArgument {
+            op: "to_chunked",
+            message,
+        };
+        let (pieces, buffers) = match spec {
+            ChunkSpec::Count(0) => {
+                return Err(invalid(
+                    "the chunk count must be at least 1 (ChunkSpec::Count(1) moves in one piece)"
+                        .into(),
+                ));
+            }
+            ChunkSpec::Count(n) => (n.min(rows), 2),
+            ChunkSpec::MaxStagingBytes(bound) => {
+                let minimum = pinned_block_size(row_bytes);
+                if numel > 0 && bound < minimum {
+                    return Err(invalid(format!(
+                        "a staging bound of {bound} bytes is smaller than one row: a row of {shape:?} {dtype} \
+                         takes {row_bytes} bytes, staged in a block of {minimum} bytes; pass at least \
+                         ChunkSpec::MaxStagingBytes({minimum})"
+                    )));
+                }
+                if numel == 0 {
+                    (0, 0)
+                } else if rows >= 2 && 2 * minimum <= bound {
+                    let fit = rows_fitting(row_bytes, rows, bound / 2);
+                    (rows.div_ceil(fit).max(2), 2)
+                } else {
+                    (rows.div_ceil(rows_fitting(row_bytes, rows, bound)), 1)
+                }
+            }
+        };
+        let pieces = if numel == 0 {
+            Vec::new()
+        } else {
+            even_split(rows, pieces)
+        };
+        Ok(Self {
+            rows,
+            row_bytes,
+            staging_buffers: buffers.min(pieces.len()),
+            pieces,
+        })
+    }
+
+    /// The smallest bound [`ChunkSpec::MaxStagingBytes`] accepts for a tensor of `shape` and
+    /// `dtype`: the staging block of one row.
+    pub fn min_staging_bytes(shape: &[usize], dtype: DType) -> usize {
+        let numel: usize = shape.iter().product();
+        let rows = shape.first().copied().unwrap_or(1).max(1);
+        pinned_block_size(numel / rows * dtype.size())
+    }
+
+    /// Rows along axis 0 (1 for a 0-d tensor).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// The pieces, as row ranges, in order; empty for a tensor without elements.
+    pub fn pieces(&self) -> &[Range<usize>] {
+        &self.pieces
+    }
+
+    /// Number of pieces.
+    pub fn len(&self) -> usize {
+        self.pieces.len()
+    }
+
+    /// Whether there is nothing to move.
+    pub fn is_empty(&self) -> bool {
+        self.pieces.is_empty()
+    }
+
+    /// Bytes of piece `i` within the dense, row-major tensor.
+    pub fn byte_range(&self, i: usize) -> Range<usize> {
+        let rows = &self.pieces[i];
+        rows.start * self.row_bytes..rows.end * self.row_bytes
+    }
+
+    /// Bytes of the largest piece: the size of each staging buffer.
+    pub fn piece_bytes(&self) -> usize {
+        self.pieces
+            .iter()
+            .map(|r| r.len() * self.row_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Staging buffers used in turn: 2 (DMA of one piece overlaps the copy-out of the other),
+    /// 1 when only one piece fits the bound, 0 when there is nothing to move.
+    pub fn staging_buffers(&self) -> usize {
+        self.staging_buffers
+    }
+
+    /// Pinned bytes the staging takes, as the pool counts them (block sizes).
+    pub fn staging_bytes(&self) -> usize {
+        self.staging_buffers * pinned_block_size(self.piece_bytes())
+    }
+}
+
+/// The size of the pinned-pool block that serves a request of `bytes`: a page at least, then
+/// eight classes per power of two. Mirrors ferry-memory's pool so a plan can promise a bound
+/// that the pool's statistics will confirm.
+pub fn pinned_block_size(bytes: usize) -> usize {
+    const PAGE: usize = 4096;
+    match bytes {
+        0 => 0,
+        1..=PAGE => PAGE,
+        _ => {
+            let granule = 1usize << (bytes.ilog2() - 3);
+            bytes.div_ceil(granule) * granule
+        }
+    }
+}
+
+/// The most rows (at least 1, at most `rows`) whose staging block fits in `budget`.
+fn rows_fitting(row_bytes: usize, rows: usize, budget: usize) -> usize {
+    let fits = |r: usize| pinned_block_size(r * row_bytes) <= budget;
+    // Block sizes grow with the request, so the rows that fit form a prefix: binary search.
+    let (mut lo, mut hi) = (1, rows.min(budget / row_bytes.max(1)).max(1));
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) { lo = mid } else { hi = mid - 1 }
+    }
+    lo
+}
+
+/// `rows` split into `pieces` ranges whose lengths differ by at most one, longer ones first.
+fn even_split(rows: usize, pieces: usize) -> Vec<Range<usize>> {
+    let (base, extra) = (rows / pieces, rows % pieces);
+    let mut start = 0;
+    (0..pieces)
+        .map(|i| {
+            let len = base + usize::from(i < extra);
+            start += len;
+            start - len..start
+        })
+        .collect()
+}
+
+/// [`crate::DeviceMove::to_chunked`]: plans, moves through the direction's pipeline, records
+/// one transfer node for the whole move.
+pub(crate) fn to_chunked(
+    src: &Tensor,
+    device: Device,
+    spec: ChunkSpec,
+) -> Result<(Tensor, TransferReport)> {
+    let start = Instant::now();
+    let plan = ChunkPlan::new(src.shape(), src.dtype(), spec)?;
+    let (moved, mut report) = with_no_grad(|| -> Result<_> {
+        let detached = src.detach();
+        match (src.device(), device) {
+            (from, to) if from == to => {
+                Ok((detached, TransferReport::new(TransferPath::SameDevice, 0)))
+            }
+            (Device::Cuda(ordinal), Device::Cpu) => {
+                pipeline::device_to_host(&detached, ordinal, &plan)
+            }
+            (Device::Cpu, Device::Cuda(ordinal)) => {
+                pipeline::host_to_device(&detached, ordinal, &plan)
+            }
+            // Device to device needs no host staging: one peer copy.
+            _ => {
+                let (moved, path) = move_bytes(&detached, device, false)?;
+                Ok((moved, TransferReport::new(path, src.nbytes())))
+            }
+        }
+    })?;
+    let out = record_transfer(moved, src, device, "to_chunked", &mut report);
+    report.elapsed = start.elapsed();
+    Ok((out, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uneven_counts_spread_the_remainder_over_the_first_pieces() {
+        let plan = ChunkPlan::new(&[10, 3], DType::F32, ChunkSpec::Count(4)).unwrap();
+        assert_eq!(plan.pieces(), &[0..3, 3..6, 6..8, 8..10]);
+        assert_eq!(plan.byte_range(1), 36..72);
+        assert_eq!(plan.piece_bytes(), 36);
+        assert_eq!(plan.staging_buffers(), 2);
+    }
+
+    #[test]
+    fn block_sizes_match_the_pool_classes() {
+        assert_eq!(pinned_block_size(1), 4096);
+        assert_eq!(pinned_block_size(4097), 4096 + 512);
+        assert_eq!(pinned_block_size(1 << 20), 1 << 20);
+        assert_eq!(pinned_block_size((1 << 20) + 1), (1 << 20) + (1 << 17));
+    }
+}

@@ -1,0 +1,83 @@
+//! Training steps give back their graph, and `ferry::debug::GraphWatch` catches a loop that
+//! keeps it (the `total = total + loss` accumulation). Part of the graph_accounting binary.
+
+use ferry::debug::GraphWatch;
+use ferry::nn::{self, Linear, Module, ReLU, Sequential};
+use ferry::optim::{Adam, Optimizer};
+use ferry_tensor::{DType, Device, Tensor};
+
+use super::{counts, serial};
+
+fn setup() -> (Sequential, Adam, Tensor, Tensor) {
+    ferry::manual_seed(5);
+    let model = Sequential::new()
+        .push(Linear::new(8, 16, Device::Cpu).unwrap())
+        .push(ReLU)
+        .push(Linear::new(16, 4, Device::Cpu).unwrap());
+    let opt = Adam::new(model.parameters(), 1e-2).unwrap();
+    let x = Tensor::rand(&[10, 8], DType::F32, Device::Cpu).unwrap();
+    let y = Tensor::from_slice(&[0i64, 1, 2, 3, 0, 1, 2, 3, 0, 1], &[10]).unwrap();
+    (model, opt, x, y)
+}
+
+fn step(model: &Sequential, opt: &mut Adam, x: &Tensor, y: &Tensor) -> Tensor {
+    opt.zero_grad();
+    let loss = nn::cross_entropy(&model.forward(x).unwrap(), y).unwrap();
+    loss.backward().unwrap();
+    opt.step().unwrap();
+    loss
+}
+
+#[test]
+fn a_training_step_leaves_nothing_of_its_graph_alive() {
+    let _serial = serial();
+    let (model, mut opt, x, y) = setup();
+    let (live, saved, recorded) = counts();
+    let watch = GraphWatch::new();
+    let mut total = 0.0;
+    for _ in 0..3 {
+        total += step(&model, &mut opt, &x, &y).item().unwrap();
+    }
+    let (live_after, saved_after, recorded_after) = counts();
+    assert!(recorded_after > recorded, "the steps recorded nodes");
+    assert_eq!(
+        (live_after, saved_after),
+        (live, saved),
+        "a step outlived itself"
+    );
+    let delta = watch.check().expect("no leak");
+    assert_eq!(delta.live_nodes, 0);
+    assert_eq!(delta.recorded, recorded_after - recorded);
+    assert!(total.is_finite());
+}
+
+#[test]
+fn graph_watch_catches_a_running_total_without_detach() {
+    let _serial = serial();
+    let (model, mut opt, x, y) = setup();
+    let watch = GraphWatch::new();
+    let mut total = Tensor::zeros(&[], DType::F32, Device::Cpu).unwrap();
+    for _ in 0..3 {
+        total = total.add(&step(&model, &mut opt, &x, &y)).unwrap();
+    }
+    let leak = watch
+        .check()
+        .expect_err("the running total keeps three graphs");
+    assert!(leak.delta.live_nodes > 0);
+    let message = leak.to_string();
+    assert!(
+        message.contains("loss.detach()") && message.contains("loss.item()"),
+        "{message}"
+    );
+    // The fix: drop the total (or accumulate detached values) and the graphs go.
+    drop(total);
+    watch.check().expect("dropping the total frees the graphs");
+    let mut detached = Tensor::zeros(&[], DType::F32, Device::Cpu).unwrap();
+    for _ in 0..3 {
+        detached = detached
+            .add(&step(&model, &mut opt, &x, &y).detach())
+            .unwrap();
+    }
+    watch.check().expect("a detached total keeps nothing");
+    assert!(detached.item().unwrap().is_finite());
+}

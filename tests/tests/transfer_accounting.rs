@@ -1,0 +1,184 @@
+//! What moves record, prune and stage, read from process-wide counts (graph nodes, saved
+//! bytes, pinned-pool and allocator statistics): run serialised behind the binary's lock.
+
+use ferry::memory::cuda::PinnedPool;
+use ferry::{ChunkPlan, ChunkSpec, DeviceMove, MoveOptions, move_state_dict, pinned_block_size};
+use ferry_tensor::{DType, Device, Tensor, graph, no_grad};
+
+use super::run;
+
+const GPU: Device = Device::Cuda(0);
+
+/// (live nodes, saved bytes, nodes recorded so far)
+fn counts() -> (usize, usize, u64) {
+    let g = graph();
+    (g.live_nodes(), g.saved_bytes(), g.recorded_total())
+}
+
+#[test]
+fn detach_then_move_records_nothing_and_prunes_the_history() {
+    run(|| {
+        let x = Tensor::randn(&[8, 8], DType::F32, Device::Cpu)?.with_grad()?;
+        let h = x.relu()?.exp()?;
+        let before = counts();
+        let y = h.detach().cpu()?;
+        assert!(!y.requires_grad());
+        assert_eq!(counts(), before, "detach().cpu() recorded something");
+        let (z, report) = h.detach_into(Device::Cpu)?;
+        assert_eq!(
+            (report.nodes_recorded, report.nodes_pruned),
+            (0, 2),
+            "relu and exp left"
+        );
+        assert_eq!(graph().live_nodes(), before.0 - 2, "only the leaf is left");
+        assert!(
+            graph().saved_bytes() < before.1,
+            "their saved buffers were freed"
+        );
+        assert_eq!(z.to_vec::<f32>()?, y.to_vec::<f32>()?);
+        Ok(())
+    });
+}
+
+#[test]
+fn a_move_by_value_keeps_the_history_it_records_on() {
+    run(|| {
+        let x = Tensor::randn(&[4], DType::F64, Device::Cpu)?.with_grad()?;
+        let h = x.tanh()?;
+        let before = counts();
+        let (y, report) = h.into_device(Device::Cpu)?;
+        assert_eq!((report.nodes_recorded, report.nodes_pruned), (1, 0));
+        assert_eq!(graph().live_nodes(), before.0 + 1);
+        y.sum()?.backward()?;
+        assert!(x.grad().is_some());
+        Ok(())
+    });
+}
+
+#[test]
+fn no_grad_moves_record_nothing_and_save_nothing() {
+    run(|| {
+        let x = Tensor::randn(&[16, 4], DType::F32, Device::Cpu)?.with_grad()?;
+        let before = counts();
+        let _guard = no_grad();
+        let moved = [
+            x.cpu()?,
+            x.to_with(Device::Cpu, MoveOptions::dtype(DType::F16))?.0,
+            x.to_chunked(Device::Cpu, ChunkSpec::Count(3))?.0,
+            x.clone().into_device(Device::Cpu)?.0,
+        ];
+        assert!(moved.iter().all(|t| !t.requires_grad()));
+        assert_eq!(
+            counts(),
+            before,
+            "a move under no_grad recorded or saved something"
+        );
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn chunked_staging_stays_within_its_bound_by_the_pools_count() {
+    run(|| {
+        let pool = PinnedPool::global()?;
+        let x = Tensor::randn(&[1000, 1000], DType::F32, GPU)?;
+        for bound in [1 << 20, 1_000_000, 64 << 10, x.nbytes() / 4] {
+            let baseline = pool.stats().allocated_bytes;
+            let (y, report) = x.to_chunked(Device::Cpu, ChunkSpec::MaxStagingBytes(bound))?;
+            assert!(
+                report.staging_peak_bytes > 0 && report.staging_peak_bytes <= bound,
+                "{report}"
+            );
+            let plan = ChunkPlan::new(x.shape(), x.dtype(), ChunkSpec::MaxStagingBytes(bound))?;
+            assert_eq!(report.staging_peak_bytes, plan.staging_bytes());
+            assert_eq!(
+                pool.stats().allocated_bytes,
+                baseline,
+                "staging went back to the pool"
+            );
+            assert_eq!(y.to_vec::<f32>()?, x.to_vec::<f32>()?);
+        }
+        // Non-contiguous: the device scratch is bounded by a piece too.
+        let (_, report) = x.t()?.to_chunked(Device::Cpu, ChunkSpec::Count(8))?;
+        assert!(report.staging_peak_bytes <= 2 * pinned_block_size(x.nbytes() / 8) + (2 << 20) * 2);
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_async_move_dropped_unread_returns_its_block_to_the_pool() {
+    run(|| {
+        let pool = PinnedPool::global()?;
+        let stream = ferry::memory::cuda::CudaDevice::get(0)?.new_stream()?;
+        let x = Tensor::randn(&[2048, 1024], DType::F32, GPU)?;
+        let baseline = pool.stats().allocated_bytes;
+        let pending = x.to_async(Device::Cpu, &stream)?;
+        assert_eq!(
+            pool.stats().allocated_bytes,
+            baseline + pinned_block_size(x.nbytes())
+        );
+        drop(pending);
+        assert_eq!(pool.stats().allocated_bytes, baseline);
+        // The block is reused only once the copy that targeted it has finished.
+        let (y, _) = x.to_async(Device::Cpu, &stream)?.wait()?;
+        assert_eq!(y.to_vec::<f32>()?, x.to_vec::<f32>()?);
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_state_dict_lands_in_one_arena_per_dtype() {
+    run(|| {
+        let pool = PinnedPool::global()?;
+        let dict: Vec<(String, Tensor)> = (0..10)
+            .map(|i| {
+                let dtype = if i % 2 == 0 { DType::F32 } else { DType::F16 };
+                Ok((format!("p{i}"), Tensor::randn(&[100 + i, 37], dtype, GPU)?))
+            })
+            .collect::<ferry::Result<_>>()?;
+        let before = pool.stats();
+        let (moved, _) = move_state_dict(&dict, Device::Cpu)?;
+        let after = pool.stats();
+        assert_eq!(
+            after.allocations - before.allocations,
+            2,
+            "one arena per dtype"
+        );
+        let f32_views: Vec<&Tensor> = moved.iter().step_by(2).map(|(_, t)| t).collect();
+        assert!(f32_views.windows(2).all(|w| w[0].shares_storage(w[1])));
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_facade_memory_helpers_follow_the_allocator() {
+    run(|| {
+        use ferry::cuda;
+        cuda::synchronize(GPU)?;
+        let before = cuda::memory_allocated(GPU)?;
+        cuda::reset_peak(GPU)?;
+        let x = Tensor::zeros(&[1 << 20], DType::F32, GPU)?;
+        assert_eq!(cuda::memory_allocated(GPU)?, before + (4 << 20));
+        drop(x);
+        assert_eq!(cuda::memory_allocated(GPU)?, before);
+        assert_eq!(cuda::max_memory_allocated(GPU)?, before + (4 << 20));
+        assert!(cuda::memory_reserved(GPU)? >= before + (4 << 20));
+        cuda::empty_cache(GPU)?;
+        cuda::pinned::reset_peak()?;
+        let pinned = cuda::pinned::memory_allocated()?;
+        let host = Tensor::randn(&[1 << 20], DType::F32, GPU)?.cpu()?; // 4 MiB: lands pinned
+        assert_eq!(cuda::pinned::memory_allocated()?, pinned + (4 << 20));
+        drop(host);
+        assert_eq!(cuda::pinned::max_memory_allocated()?, pinned + (4 << 20));
+        cuda::pinned::empty_cache()?;
+        assert_eq!(
+            cuda::pinned::memory_reserved()?,
+            cuda::pinned::memory_allocated()?
+        );
+        Ok(())
+    });
+}
