@@ -137,3 +137,36 @@ fn assign_in_place(device: Device) -> Result<()> {
     Ok(())
 }
 device_test!(assign_writes_in_place, assign_in_place);
+
+fn pack_parts(device: Device) -> Result<()> {
+    let a = tensor(device, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3])?;
+    let b = tensor(device, &[7.0, 8.0, 9.0], &[3])?;
+    let c = a.t()?; // not contiguous: packed from a copy
+    let (packed, offsets) = Tensor::pack(&[&a, &b, &c], 64)?;
+    // f64 parts start at multiples of 64 bytes = 8 elements.
+    assert_eq!(offsets, [0, 8, 16]);
+    assert_eq!(packed.shape(), &[22]);
+    let all = values(&packed);
+    assert_eq!(&all[..6], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    assert_eq!(&all[8..11], &[7.0, 8.0, 9.0]);
+    assert_eq!(&all[16..22], &[1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+    // Many parts at once (more than one gather launch on a GPU).
+    let parts: Vec<Tensor> = (0..150)
+        .map(|i| Tensor::full(&[i % 7 + 1], i as f64, DType::F64, device))
+        .collect::<Result<_>>()?;
+    let refs: Vec<&Tensor> = parts.iter().collect();
+    let (packed, offsets) = Tensor::pack(&refs, 8)?;
+    let all = values(&packed);
+    for (i, (part, &at)) in parts.iter().zip(&offsets).enumerate() {
+        assert!(
+            all[at..at + part.numel()].iter().all(|&v| v == i as f64),
+            "part {i}"
+        );
+    }
+    assert!(
+        Tensor::pack(&[&a], 3).is_err(),
+        "alignment must be a multiple of the element size"
+    );
+    Ok(())
+}
+device_test!(pack_places_parts_at_aligned_offsets, pack_parts);

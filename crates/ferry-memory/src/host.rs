@@ -20,6 +20,8 @@ pub struct HostBuffer {
     ptr: NonNull<u8>,
     len: usize,
     backing: Backing,
+    /// Returns to the [`HostPool`] on drop instead of to the OS.
+    pooled: bool,
 }
 
 /// Where the bytes came from, so drop gives them back the same way.
@@ -30,6 +32,8 @@ enum Backing {
         base: NonNull<u8>,
         len: usize,
     },
+    /// Moved out (into the pool); nothing to free.
+    Gone,
 }
 
 // SAFETY: the buffer owns its allocation exclusively; `&HostBuffer` hands out only shared
@@ -51,6 +55,7 @@ impl HostBuffer {
             ptr,
             len,
             backing: Backing::Heap(layout),
+            pooled: false,
         })
     }
 
@@ -89,6 +94,7 @@ impl HostBuffer {
             ptr,
             len,
             backing: Backing::Mapped { base, len: map_len },
+            pooled: false,
         };
         use rayon::prelude::*;
         // Anonymous pages read as zero; writing a zero to each faults it in without changing
@@ -143,7 +149,18 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
+        if self.pooled {
+            let buffer = HostBuffer {
+                ptr: self.ptr,
+                len: self.len,
+                backing: std::mem::replace(&mut self.backing, Backing::Gone),
+                pooled: false,
+            };
+            HOST_POOL.give_back(buffer);
+            return;
+        }
         match self.backing {
+            Backing::Gone => {}
             // SAFETY: allocated in `zeroed` with exactly this layout.
             Backing::Heap(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) },
             Backing::Mapped { base, len } => {
@@ -152,6 +169,83 @@ impl Drop for HostBuffer {
                 unsafe { libc::munmap(base.as_ptr().cast(), len) };
             }
         }
+    }
+}
+
+/// Large pageable buffers kept with their pages faulted in, for results that are written
+/// once by a copy (chunked moves land here): fresh pageable memory costs a page fault per
+/// 4 KiB on first write, slower than the PCIe link itself.
+#[derive(Debug)]
+pub struct HostPool {
+    cached: parking_lot::Mutex<std::collections::HashMap<usize, Vec<HostBuffer>>>,
+    stats: parking_lot::Mutex<HostPoolStats>,
+}
+
+/// Counters of the [`HostPool`], in bytes of whole (huge-page rounded) buffers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostPoolStats {
+    /// Bytes in buffers handed out.
+    pub allocated_bytes: usize,
+    /// Bytes held: handed out plus cached.
+    pub reserved_bytes: usize,
+    /// Requests served from the cache.
+    pub cache_hits: u64,
+}
+
+static HOST_POOL: std::sync::LazyLock<HostPool> = std::sync::LazyLock::new(|| HostPool {
+    cached: Default::default(),
+    stats: Default::default(),
+});
+
+impl HostPool {
+    /// The process-wide pool.
+    pub fn global() -> &'static HostPool {
+        &HOST_POOL
+    }
+
+    /// A prefaulted buffer of `len` bytes, reused when one of its size is cached. Reused
+    /// buffers hold their previous bytes (initialised, but not zero): for destinations that a
+    /// copy overwrites whole.
+    pub fn alloc(&self, len: usize) -> Result<HostBuffer, MemoryError> {
+        if len < HUGE_PAGE {
+            return HostBuffer::zeroed(len);
+        }
+        let class = len.next_multiple_of(HUGE_PAGE);
+        let reused = self.cached.lock().get_mut(&class).and_then(Vec::pop);
+        let mut stats = self.stats.lock();
+        let mut buffer = match reused {
+            Some(buffer) => {
+                stats.cache_hits += 1;
+                buffer
+            }
+            None => {
+                let buffer = HostBuffer::prefaulted(class)?;
+                stats.reserved_bytes += class;
+                buffer
+            }
+        };
+        stats.allocated_bytes += class;
+        buffer.len = len;
+        buffer.pooled = true;
+        Ok(buffer)
+    }
+
+    fn give_back(&self, mut buffer: HostBuffer) {
+        let class = buffer.len.next_multiple_of(HUGE_PAGE);
+        buffer.len = class;
+        self.stats.lock().allocated_bytes -= class;
+        self.cached.lock().entry(class).or_default().push(buffer);
+    }
+
+    /// The pool's counters.
+    pub fn stats(&self) -> HostPoolStats {
+        *self.stats.lock()
+    }
+
+    /// Returns every cached buffer to the OS.
+    pub fn empty_cache(&self) {
+        let drained: Vec<HostBuffer> = self.cached.lock().drain().flat_map(|(_, v)| v).collect();
+        self.stats.lock().reserved_bytes -= drained.iter().map(HostBuffer::len).sum::<usize>();
     }
 }
 
@@ -177,6 +271,25 @@ mod tests {
         buffer.as_bytes_mut()[len - 1] = 7;
         assert_eq!(buffer.as_bytes()[len - 1], 7);
         assert_eq!(HostBuffer::prefaulted(100).unwrap().len(), 100);
+    }
+
+    #[test]
+    fn the_host_pool_reuses_buffers_of_a_size_class() {
+        let pool = HostPool::global();
+        let mut first = pool.alloc(3 << 20).unwrap();
+        first.as_bytes_mut()[17] = 9;
+        let address = first.as_bytes().as_ptr();
+        drop(first);
+        let hits = pool.stats().cache_hits;
+        // Same 2 MiB class: the same pages come back, faulted in and holding their old bytes.
+        let reused = pool.alloc((3 << 20) + 5).unwrap();
+        assert_eq!(reused.len(), (3 << 20) + 5);
+        assert_eq!(pool.stats().cache_hits, hits + 1);
+        assert_eq!(reused.as_bytes().as_ptr(), address);
+        assert_eq!(reused.as_bytes()[17], 9);
+        drop(reused);
+        pool.empty_cache();
+        assert_eq!(pool.stats().reserved_bytes, pool.stats().allocated_bytes);
     }
 
     #[test]

@@ -19,6 +19,10 @@ pub type StateDict = Vec<(String, Tensor)>;
 /// Every arena offset is a multiple of this: any dtype's elements stay aligned for SIMD.
 const ALIGN: usize = 64;
 
+/// Groups up to this size are packed on the device first (which needs as much device memory
+/// again); larger ones are copied tensor by tensor.
+const PACK_UP_TO: usize = 2 << 30;
+
 /// Moves every tensor of `tensors` to `device` in one batch and returns them under the same
 /// names, in the same order.
 ///
@@ -158,7 +162,31 @@ fn download_group(
     let stream = dev.default_stream().clone();
     let (offsets, len) = arena_offsets(group);
     let mut arena = PinnedPool::global()?.alloc(len)?;
-    {
+    if group.len() > 1 && len <= PACK_UP_TO {
+        // Many small copies cost a few microseconds each: gather the group on the device in a
+        // few kernel launches, then move it as one DMA.
+        let (packed, elements) = Tensor::pack(group, ALIGN)?;
+        debug_assert!(
+            elements
+                .iter()
+                .zip(&offsets)
+                .all(|(e, o)| e * dtype.size() == *o)
+        );
+        report.staging_peak_bytes += packed.nbytes();
+        {
+            let guard = packed.storage().read();
+            let Buffer::Cuda(from) = &*guard else {
+                return Err(TensorError::UnsupportedDevice {
+                    op: "move_state_dict",
+                    device: packed.device(),
+                });
+            };
+            let mut batch = arena.batch(&stream)?;
+            batch.download(from, 0, 0, packed.nbytes())?;
+            batch.finish()?;
+        }
+        keep.tensors.push(packed);
+    } else {
         let mut batch = arena.batch(&stream)?;
         for (t, &at) in group.iter().zip(&offsets) {
             // Contiguous views (offsets included) copy straight from their storage.

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use ferry_memory::cuda::{CudaDevice, PinnedBuffer, PinnedPool, Stream};
-use ferry_memory::{Device, HostBuffer};
+use ferry_memory::{Device, HostPool};
 use ferry_tensor::{Buffer, Result, Tensor, TensorError};
 use parking_lot::Mutex;
 use rayon::prelude::*;
@@ -88,7 +88,8 @@ pub(crate) fn device_to_host(
     let dev = cuda(ordinal)?;
     let pool = PinnedPool::global()?;
     let stream = transfer_stream(&dev)?;
-    let mut out = HostBuffer::zeroed(src.nbytes())?;
+    // Pooled pages are already faulted in: fresh ones would cost more than the link.
+    let mut out = HostPool::global().alloc(src.nbytes())?;
     let baseline = staging_baseline(pool);
     dev.reset_peak();
     let device_baseline = dev.memory_stats().allocated_bytes;

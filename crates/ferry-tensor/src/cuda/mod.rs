@@ -325,27 +325,43 @@ struct GatherTable {
 
 /// Copies each contiguous part's bytes, back to back, into `out`.
 fn gather(dev: &CudaDevice, parts: &[Tensor], out: &mut DeviceBuffer) -> Result<()> {
+    let mut end = 0;
+    let offsets: Vec<usize> = parts
+        .iter()
+        .map(|p| {
+            end += p.nbytes();
+            end - p.nbytes()
+        })
+        .collect();
+    gather_at(dev, parts, &offsets, out)
+}
+
+/// Copies each contiguous part's bytes to its byte offset in `out`, in a few launches.
+fn gather_at(
+    dev: &CudaDevice,
+    parts: &[Tensor],
+    offsets: &[usize],
+    out: &mut DeviceBuffer,
+) -> Result<()> {
     let f = Kernel::Gather.load(dev)?;
     let sources = parts.iter().map(buffer).collect::<Result<Vec<_>>>()?;
-    let mut written = 0u64;
-    for (batch, guards) in parts
+    let batches = parts
         .chunks(GATHER_REGIONS)
-        .zip(sources.chunks(GATHER_REGIONS))
-    {
+        .zip(sources.chunks(GATHER_REGIONS));
+    for ((batch, guards), to) in batches.zip(offsets.chunks(GATHER_REGIONS)) {
         let mut table = GatherTable {
             entries: [0; 3 * GATHER_REGIONS],
         };
         let mut bytes = 0;
-        for (k, (part, src)) in batch.iter().zip(guards).enumerate() {
+        for (k, ((part, src), &at)) in batch.iter().zip(guards).zip(to).enumerate() {
             // Raw addresses inside the table: the read guards keep the buffers alive through
             // the launch, and their reuse is ordered on this same stream.
             let start = src.device_ptr() + (part.layout().offset() * part.dtype().size()) as u64;
             table.entries[3 * k..3 * k + 3].copy_from_slice(&[
                 start,
-                written,
+                at as u64,
                 part.nbytes() as u64,
             ]);
-            written += part.nbytes() as u64;
             bytes += part.nbytes();
         }
         let blocks = blocks_for((bytes / 16).max(1), THREADS).min(MAX_BLOCKS);
@@ -356,6 +372,16 @@ fn gather(dev: &CudaDevice, parts: &[Tensor], out: &mut DeviceBuffer) -> Result<
             .run()?;
     }
     Ok(())
+}
+
+/// Packs contiguous CUDA tensors of one dtype into one fresh 1-D buffer at `offsets` (bytes);
+/// `len` bytes in all.
+pub(crate) fn pack(parts: &[Tensor], offsets: &[usize], len: usize) -> Result<Tensor> {
+    let dev = device_of(&parts[0])?;
+    let dtype = parts[0].dtype();
+    let mut out = dev.alloc(len, dev.default_stream())?;
+    gather_at(&dev, parts, offsets, &mut out)?;
+    Ok(wrap(&dev, out, dtype, &[len / dtype.size()]))
 }
 
 pub(crate) fn full(ordinal: usize, shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {

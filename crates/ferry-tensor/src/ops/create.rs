@@ -86,21 +86,27 @@ fn sample(
     dtype: DType,
     device: Device,
     normal: bool,
-    draw: impl Fn(&mut StdRng) -> f64,
+    draw: impl Fn(&mut StdRng) -> f64 + Sync,
 ) -> Result<Tensor> {
+    /// Elements per generator: large tensors fill in parallel, each block from its own
+    /// generator seeded by (draw seed, block index), so a seed still fixes every value.
+    const BLOCK: usize = 1 << 16;
     let op = if normal { "randn" } else { "rand" };
     checked_numel(op, shape)?;
+    let seed = RNG.with(|rng| rng.borrow_mut().random::<u64>());
     match device {
-        Device::Cpu => float_dispatch!(dtype, op, |T| RNG.with(|rng| {
-            let mut rng = rng.borrow_mut();
-            build::<T>(shape, |out| {
-                out.iter_mut()
-                    .for_each(|o| *o = <T as Element>::from_f64(draw(&mut rng)))
-            })
+        Device::Cpu => float_dispatch!(dtype, op, |T| build::<T>(shape, |out| {
+            use rayon::prelude::*;
+            out.par_chunks_mut(BLOCK)
+                .enumerate()
+                .for_each(|(block, out)| {
+                    let mut rng = StdRng::seed_from_u64(
+                        seed ^ (block as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                    );
+                    out.iter_mut()
+                        .for_each(|o| *o = <T as Element>::from_f64(draw(&mut rng)));
+                })
         })),
-        Device::Cuda(ordinal) => {
-            let seed = RNG.with(|rng| rng.borrow_mut().random::<u64>());
-            cuda::random(ordinal, shape, dtype, seed, normal)
-        }
+        Device::Cuda(ordinal) => cuda::random(ordinal, shape, dtype, seed, normal),
     }
 }

@@ -1,5 +1,7 @@
 //! Views and rearrangements: transpose, reshape, narrow, chunk, cat, broadcast, squeeze.
 
+use ferry_memory::Device;
+
 use crate::autograd::record;
 use crate::layout::{Shape, checked_numel};
 use crate::{Result, Tensor, TensorError, backend, rules};
@@ -124,6 +126,55 @@ impl Tensor {
             .step_by(step)
             .map(|start| self.narrow(axis, start, step.min(size - start)))
             .collect()
+    }
+
+    /// Packs tensors of one dtype and device into one 1-D tensor, each starting at a multiple of
+    /// `align` bytes; returns it with each part's element offset. On a GPU this is a few gather
+    /// launches however many parts there are: state dicts move as one buffer. Records nothing.
+    pub fn pack(parts: &[&Tensor], align: usize) -> Result<(Tensor, Vec<usize>)> {
+        let first = parts.first().ok_or_else(|| TensorError::InvalidArgument {
+            op: "pack",
+            message: "needs at least one tensor".into(),
+        })?;
+        let size = first.dtype().size();
+        if align == 0 || !align.is_multiple_of(size) {
+            return Err(TensorError::InvalidArgument {
+                op: "pack",
+                message: format!(
+                    "align must be a positive multiple of the element size ({size} bytes), got {align}"
+                ),
+            });
+        }
+        let mut end = 0usize;
+        let mut offsets = Vec::with_capacity(parts.len());
+        for part in parts {
+            first.same_kind("pack", part)?;
+            let at = end.next_multiple_of(align);
+            offsets.push(at);
+            end = at + part.nbytes();
+        }
+        let dense: Vec<Tensor> = parts
+            .iter()
+            .map(|p| {
+                if p.is_contiguous() {
+                    Ok(p.detach())
+                } else {
+                    p.detach().copy()
+                }
+            })
+            .collect::<Result<_>>()?;
+        let packed = match first.device() {
+            Device::Cuda(_) => crate::cuda::pack(&dense, &offsets, end)?,
+            Device::Cpu => {
+                let out = Tensor::zeros(&[end / size], first.dtype(), Device::Cpu)?;
+                for (part, &at) in dense.iter().zip(&offsets) {
+                    out.narrow(0, at / size, part.numel())?
+                        .assign(&part.reshape(&[part.numel()])?)?;
+                }
+                out
+            }
+        };
+        Ok((packed, offsets.iter().map(|o| o / size).collect()))
     }
 
     /// Joins tensors along `axis`; all other dimensions must match.
