@@ -13,9 +13,9 @@ lint:
 doc:
     RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 
-# The main job: what this machine offers ferry.
+# The main job: the transfer-methods table, measured here.
 demo:
-    cargo run --release -p ferry-cli -- doctor
+    cargo run --release -p ferry-cli -- methods
 
 # Benchmarks, side by side with their rivals.
 bench:

@@ -145,19 +145,9 @@ impl ChunkPlan {
     }
 }
 
-/// The size of the pinned-pool block that serves a request of `bytes`: a page at least, then
-/// eight classes per power of two. Mirrors ferry-memory's pool so a plan can promise a bound
-/// that the pool's statistics will confirm.
+/// The pinned pool's block size for a request of `bytes` (the size class its statistics count).
 pub fn pinned_block_size(bytes: usize) -> usize {
-    const PAGE: usize = 4096;
-    match bytes {
-        0 => 0,
-        1..=PAGE => PAGE,
-        _ => {
-            let granule = 1usize << (bytes.ilog2() - 3);
-            bytes.div_ceil(granule) * granule
-        }
-    }
+    ferry_memory::cuda::PinnedPool::block_size(bytes)
 }
 
 /// The most rows (at least 1, at most `rows`) whose staging block fits in `budget`.

@@ -222,6 +222,12 @@ impl PinnedPool {
         })
     }
 
+    /// The block size (the pool's size class) a request of `len` bytes occupies; statistics
+    /// count these, so bounds on staging are checked against them.
+    pub fn block_size(len: usize) -> usize {
+        if len == 0 { 0 } else { pinned_class(len) }
+    }
+
     /// The pool's counters.
     pub fn stats(&self) -> PinnedStats {
         let state = self.state.lock();
