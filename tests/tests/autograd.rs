@@ -152,10 +152,10 @@ fn dot_snapshot_of_leaf_mul_sum() {
     let expected = r#"digraph autograd {
   rankdir=BT;
   node [fontname="monospace", fontsize=10];
-  n0 [label="sum\n[] f32 cpu", shape=box];
+  n0 [label="sum\n[] f32 cpu\nsaved 0 B", shape=box];
   n1 [label="mul\n[3] f32 cpu\nsaved 24 B", shape=box];
   n2 [label="leaf\n[3] f32 cpu", shape=ellipse, style=filled, fillcolor="lightblue"];
-  n0 -> n1 [];
+  n0 -> n1;
   n1 -> n2 [label="0"];
   n1 -> n2 [label="1"];
 }

@@ -81,12 +81,12 @@ fn render<G>(state: &GraphState<G>, nodes: &[NodeIndex], cuts: &[DetachCut]) -> 
                 attrs.push("color=\"darkorange\", penwidth=2, style=bold".to_string());
             }
             // Edges point the way gradients flow: from an op to its inputs.
-            let _ = writeln!(
-                out,
-                "  n{} -> n{target} [{}];",
-                ids[&node],
-                attrs.join(", ")
-            );
+            let attrs = if attrs.is_empty() {
+                String::new()
+            } else {
+                format!(" [{}]", attrs.join(", "))
+            };
+            let _ = writeln!(out, "  n{} -> n{target}{attrs};", ids[&node]);
         }
     }
     for (i, cut) in cuts.iter().enumerate() {
@@ -123,7 +123,8 @@ fn node_attrs<G>(data: &NodeData<G>) -> String {
         .collect::<Vec<_>>()
         .join(", ");
     let mut label = format!("{}\\n[{shape}] {} {}", meta.op, meta.dtype, meta.device);
-    if data.saved_bytes > 0 {
+    // Leaves save nothing by construction; every op node says what it keeps for backward.
+    if !data.is_leaf() {
         let _ = write!(label, "\\nsaved {} B", data.saved_bytes);
     }
     if data.backward.is_none() && !data.is_leaf() {

@@ -258,7 +258,7 @@ fn dot_snapshot() {
     let expected = r##"digraph autograd {
   rankdir=BT;
   node [fontname="monospace", fontsize=10];
-  n0 [label="to_device\n[2, 3] f32 cpu\ncuda:0 -> cpu", shape=box, style="filled,bold", fillcolor="orange"];
+  n0 [label="to_device\n[2, 3] f32 cpu\nsaved 0 B\ncuda:0 -> cpu", shape=box, style="filled,bold", fillcolor="orange"];
   n1 [label="mul\n[] f64 cpu\nsaved 16 B", shape=box];
   n2 [label="leaf\n[] f64 cpu", shape=ellipse, style=filled, fillcolor="lightblue"];
   n0 -> n1 [color="darkorange", penwidth=2, style=bold];
