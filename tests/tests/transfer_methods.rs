@@ -41,7 +41,7 @@ proptest! {
         rows in 0usize..300, cols in 1usize..9, n in 1usize..40,
     ) {
         let plan = ChunkPlan::new(&[rows, cols], DType::F32, ChunkSpec::Count(n)).unwrap();
-        prop_assert_eq!(plan.len(), n.min(rows));
+        prop_assert_eq!(plan.len(), (2 * n).min(rows));
         let mut next = 0;
         for piece in plan.pieces() {
             prop_assert_eq!(piece.start, next);
@@ -76,8 +76,10 @@ proptest! {
                 let covered: usize = plan.pieces().iter().map(|p| p.len()).sum();
                 prop_assert_eq!(covered, rows);
                 prop_assert_eq!(plan.byte_range(plan.len() - 1).end, rows * cols * dtype.size());
-                // Overlap whenever two buffers of one row fit.
-                if rows >= 2 && 2 * minimum <= bound {
+                // A ring of four whenever four one-row buffers fit, else two when two fit.
+                if rows >= 4 && 4 * minimum <= bound {
+                    prop_assert_eq!(plan.staging_buffers(), 4);
+                } else if rows >= 2 && 2 * minimum <= bound {
                     prop_assert_eq!(plan.staging_buffers(), 2);
                 }
             }

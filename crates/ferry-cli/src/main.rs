@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod doctor;
 mod graph;
 mod methods;
@@ -32,6 +33,8 @@ enum Command {
     Graph(graph::GraphArgs),
     /// Train a model end to end: progress bar, checkpoints each epoch, test accuracy, curves.
     Train(train::TrainArgs),
+    /// Benchmarks, side by side with PyTorch in one run: `transfer` (device moves).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +44,7 @@ fn main() -> ExitCode {
         Command::Methods(args) => methods::run(args),
         Command::Graph(args) => graph::run(args),
         Command::Train(args) => train::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -15,12 +15,13 @@ use crate::report::{TransferPath, TransferReport};
 /// How to cut a chunked move along axis 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChunkSpec {
-    /// This many pieces, as even as the rows allow (never more pieces than rows). Staging holds
-    /// two pieces at a time (one in DMA, one being copied out), so it peaks near `2/n` of the
-    /// tensor; bound it with [`ChunkSpec::MaxStagingBytes`] instead when memory is the concern.
+    /// Staging of about `1/n` of the tensor: `n` chunks, each moved in two halves so the DMA of
+    /// one half overlaps the copy-out of the other (`2n` pieces, never more than rows; staging
+    /// holds two pieces, one chunk's worth).
     Count(usize),
     /// Pieces as large as fit, with every staging buffer (as the pinned pool sizes its blocks)
-    /// within this many bytes together. Two buffers when two rows fit, else one (no overlap).
+    /// within this many bytes together. A ring of four buffers when four rows fit (small pieces
+    /// start the pipeline sooner), two when two fit, else one (no overlap).
     MaxStagingBytes(usize),
 }
 
@@ -52,7 +53,7 @@ impl ChunkPlan {
                         .into(),
                 ));
             }
-            ChunkSpec::Count(n) => (n.min(rows), 2),
+            ChunkSpec::Count(n) => (n.saturating_mul(2).min(rows), 2),
             ChunkSpec::MaxStagingBytes(bound) => {
                 let minimum = pinned_block_size(row_bytes);
                 if numel > 0 && bound < minimum {
@@ -64,6 +65,9 @@ impl ChunkPlan {
                 }
                 if numel == 0 {
                     (0, 0)
+                } else if rows >= 4 && 4 * minimum <= bound {
+                    let fit = rows_fitting(row_bytes, rows, bound / 4);
+                    (rows.div_ceil(fit).max(4), 4)
                 } else if rows >= 2 && 2 * minimum <= bound {
                     let fit = rows_fitting(row_bytes, rows, bound / 2);
                     (rows.div_ceil(fit).max(2), 2)
@@ -133,8 +137,8 @@ impl ChunkPlan {
             .unwrap_or(0)
     }
 
-    /// Staging buffers used in turn: 2 (DMA of one piece overlaps the copy-out of the other),
-    /// 1 when only one piece fits the bound, 0 when there is nothing to move.
+    /// Staging buffers used in turn: 4 or 2 (the DMA of one piece overlaps the copy-out of
+    /// another), 1 when only one piece fits the bound, 0 when there is nothing to move.
     pub fn staging_buffers(&self) -> usize {
         self.staging_buffers
     }
@@ -214,7 +218,7 @@ mod tests {
 
     #[test]
     fn uneven_counts_spread_the_remainder_over_the_first_pieces() {
-        let plan = ChunkPlan::new(&[10, 3], DType::F32, ChunkSpec::Count(4)).unwrap();
+        let plan = ChunkPlan::new(&[10, 3], DType::F32, ChunkSpec::Count(2)).unwrap();
         assert_eq!(plan.pieces(), &[0..3, 3..6, 6..8, 8..10]);
         assert_eq!(plan.byte_range(1), 36..72);
         assert_eq!(plan.piece_bytes(), 36);

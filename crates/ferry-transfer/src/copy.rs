@@ -8,9 +8,10 @@ use ferry_tensor::{Buffer, Layout, Result, Storage, Tensor, TensorError};
 
 use crate::report::TransferPath;
 
-/// Below this size a device-to-host copy lands in pageable memory: the pinned pool is for
-/// transfers large enough that DMA straight into page-locked memory pays.
-pub(crate) const PINNED_FROM_BYTES: usize = 1 << 20;
+/// Device-to-host copies of at least this many bytes land in pooled pinned memory. Measured on
+/// the H200 host, DMA into a cached pinned block beats the driver's pageable path at every size
+/// tried, 4 KiB included (7.8 us against 9.9 us), so only empty tensors go pageable.
+pub(crate) const PINNED_FROM_BYTES: usize = 1;
 
 /// `t` when its elements fill its buffer from byte 0 in order, else a fresh contiguous copy on
 /// its own device. Copies between devices move whole, dense buffers.

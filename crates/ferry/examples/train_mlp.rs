@@ -24,18 +24,18 @@ fn rings(n: usize, device: Device) -> ferry::Result<(Tensor, Tensor)> {
     Ok((x, Tensor::from_vec(labels, &[n])?.to(device)?))
 }
 
+fn mlp(device: Device) -> ferry::Result<Sequential> {
+    let layers = Sequential::new()
+        .push(Linear::new(2, 32, device)?)
+        .push(ReLU);
+    Ok(layers.push(Linear::new(32, 3, device)?))
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let device: Device = std::env::args()
-        .nth(1)
-        .as_deref()
-        .unwrap_or("cpu")
-        .parse()?;
+    let device: Device = std::env::args().nth(1).unwrap_or("cpu".into()).parse()?;
     ferry::manual_seed(0);
     let (x, y) = rings(600, device)?;
-    let model = Sequential::new()
-        .push(Linear::new(2, 32, device)?)
-        .push(ReLU)
-        .push(Linear::new(32, 3, device)?);
+    let model = mlp(device)?;
     let mut opt = Adam::new(model.parameters(), 0.02)?;
 
     let watch = GraphWatch::new();
@@ -51,26 +51,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     watch.check()?; // every step's graph is gone
 
     let accuracy = |m: &Sequential| -> ferry::Result<f64> {
-        let hits = with_no_grad(|| {
-            m.forward(&x)?
-                .argmax(1, false)?
-                .eq(&y)?
-                .to_dtype(DType::F32)
-        });
-        Ok(hits?.mean()?.item()?)
+        let predicted = with_no_grad(|| m.forward(&x)?.argmax(1, false))?;
+        predicted.eq(&y)?.to_dtype(DType::F32)?.mean()?.item()
     };
     let trained = accuracy(&model)?;
     println!("train accuracy: {trained:.4}");
 
     let path = std::env::temp_dir().join("ferry-example-rings.safetensors");
     checkpoint::save(&path, &model.state_dict())?;
-    let mut restored = Sequential::new()
-        .push(Linear::new(2, 32, device)?)
-        .push(ReLU)
-        .push(Linear::new(32, 3, device)?);
+    let mut restored = mlp(device)?;
     restored.load_state_dict(&checkpoint::load(&path)?)?;
     println!(
-        "restored from {}: accuracy {:.4}",
+        "restored from {}: {:.4}",
         path.display(),
         accuracy(&restored)?
     );

@@ -1,0 +1,37 @@
+//! `ferry bench`: ferry measured side by side with PyTorch on the same machine, in one run.
+//!
+//! Each benchmark lives in its own module (`transfer` today) and shares the statistics and
+//! formatting in `report`, so every table reads the same way: medians, ratios to PyTorch and
+//! whether the project's target was met.
+
+use std::error::Error;
+
+use clap::{Args, Subcommand};
+
+mod ferry_cases;
+mod pytorch;
+mod report;
+mod resnet50;
+mod transfer;
+mod transfer_cases;
+mod transfer_output;
+
+/// `ferry bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    command: BenchCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Device transfers (400 MB, a resnet50 state dict, small tensors) against the link's limit
+    /// and, with --compare-pytorch, against PyTorch, interleaved in one run.
+    Transfer(transfer::TransferArgs),
+}
+
+pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
+    match args.command {
+        BenchCommand::Transfer(args) => transfer::run(args),
+    }
+}
