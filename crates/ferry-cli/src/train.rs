@@ -127,7 +127,7 @@ pub struct StepOutput {
 }
 
 /// One training step: forward, cross-entropy, backward, optimizer step. Nothing of its graph
-/// outlives it; the bench times exactly this.
+/// outlives it. It also counts correct predictions, which `ferry bench train` leaves out.
 pub fn train_step(
     model: &dyn Module,
     opt: &mut dyn Optimizer,

@@ -15,9 +15,9 @@ use crate::report::{TransferPath, TransferReport};
 /// How to cut a chunked move along axis 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChunkSpec {
-    /// Staging of about `1/n` of the tensor: `n` chunks, each moved in two halves so the DMA of
-    /// one half overlaps the copy-out of the other (`2n` pieces, never more than rows; staging
-    /// holds two pieces, one chunk's worth).
+    /// Staging of at most `1/n` of the tensor (or one row, if that is more): planned like
+    /// [`ChunkSpec::MaxStagingBytes`] with that bound, so the pieces are whatever keeps the
+    /// pipeline full within it.
     Count(usize),
     /// Pieces as large as fit, with every staging buffer (as the pinned pool sizes its blocks)
     /// within this many bytes together. A ring of four buffers when four rows fit (small pieces
@@ -46,16 +46,17 @@ impl ChunkPlan {
             op: "to_chunked",
             message,
         };
-        let (pieces, buffers) = match spec {
+        let minimum = pinned_block_size(row_bytes);
+        let bound = match spec {
             ChunkSpec::Count(0) => {
                 return Err(invalid(
                     "the chunk count must be at least 1 (ChunkSpec::Count(1) moves in one piece)"
                         .into(),
                 ));
             }
-            ChunkSpec::Count(n) => (n.saturating_mul(2).min(rows), 2),
+            // 1/n of the tensor, but never less than one row's block.
+            ChunkSpec::Count(n) => (numel * dtype.size()).div_ceil(n).max(minimum),
             ChunkSpec::MaxStagingBytes(bound) => {
-                let minimum = pinned_block_size(row_bytes);
                 if numel > 0 && bound < minimum {
                     return Err(invalid(format!(
                         "a staging bound of {bound} bytes is smaller than one row: a row of {shape:?} {dtype} \
@@ -63,18 +64,19 @@ impl ChunkPlan {
                          ChunkSpec::MaxStagingBytes({minimum})"
                     )));
                 }
-                if numel == 0 {
-                    (0, 0)
-                } else if rows >= 4 && 4 * minimum <= bound {
-                    let fit = rows_fitting(row_bytes, rows, bound / 4);
-                    (rows.div_ceil(fit).max(4), 4)
-                } else if rows >= 2 && 2 * minimum <= bound {
-                    let fit = rows_fitting(row_bytes, rows, bound / 2);
-                    (rows.div_ceil(fit).max(2), 2)
-                } else {
-                    (rows.div_ceil(rows_fitting(row_bytes, rows, bound)), 1)
-                }
+                bound
             }
+        };
+        let (pieces, buffers) = if numel == 0 {
+            (0, 0)
+        } else if rows >= 4 && 4 * minimum <= bound {
+            let fit = rows_fitting(row_bytes, rows, bound / 4);
+            (rows.div_ceil(fit).max(4), 4)
+        } else if rows >= 2 && 2 * minimum <= bound {
+            let fit = rows_fitting(row_bytes, rows, bound / 2);
+            (rows.div_ceil(fit).max(2), 2)
+        } else {
+            (rows.div_ceil(rows_fitting(row_bytes, rows, bound)), 1)
         };
         let pieces = if numel == 0 {
             Vec::new()
@@ -217,12 +219,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn uneven_counts_spread_the_remainder_over_the_first_pieces() {
-        let plan = ChunkPlan::new(&[10, 3], DType::F32, ChunkSpec::Count(2)).unwrap();
-        assert_eq!(plan.pieces(), &[0..3, 3..6, 6..8, 8..10]);
-        assert_eq!(plan.byte_range(1), 36..72);
-        assert_eq!(plan.piece_bytes(), 36);
-        assert_eq!(plan.staging_buffers(), 2);
+    fn uneven_splits_spread_the_remainder_over_the_first_pieces() {
+        assert_eq!(even_split(10, 4), [0..3, 3..6, 6..8, 8..10]);
+    }
+
+    #[test]
+    fn a_count_bounds_staging_to_that_fraction_of_the_tensor() {
+        // 1000 rows of 4096 bytes: Count(4) allows 1,024,000 bytes of staging, a ring of four
+        // blocks of at most 256,000 bytes: 59 rows (241,664 bytes, a block of exactly that).
+        let plan = ChunkPlan::new(&[1000, 1024], DType::F32, ChunkSpec::Count(4)).unwrap();
+        assert_eq!(plan.staging_buffers(), 4);
+        assert_eq!(plan.piece_bytes(), 59 * 4096);
+        assert!(
+            plan.staging_bytes() <= 1_024_000,
+            "{}",
+            plan.staging_bytes()
+        );
+        assert_eq!(plan.len(), 1000usize.div_ceil(59));
+        // Tiny rows: one row's block is the floor.
+        let small = ChunkPlan::new(&[10, 3], DType::F32, ChunkSpec::Count(2)).unwrap();
+        assert_eq!((small.len(), small.staging_buffers()), (1, 1));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `ferry bench`: ferry measured side by side with PyTorch on the same machine, in one run.
 //!
-//! Each benchmark lives in its own module (`transfer` today) and shares the statistics and
+//! Each benchmark lives in its own module (`transfer`, `train`) and shares the statistics and
 //! formatting in `report`, so every table reads the same way: medians, ratios to PyTorch and
 //! whether the project's target was met.
 
@@ -12,6 +12,8 @@ mod ferry_cases;
 mod pytorch;
 mod report;
 mod resnet50;
+mod train;
+mod train_output;
 mod transfer;
 mod transfer_cases;
 mod transfer_output;
@@ -28,10 +30,14 @@ enum BenchCommand {
     /// Device transfers (400 MB, a resnet50 state dict, small tensors) against the link's limit
     /// and, with --compare-pytorch, against PyTorch, interleaved in one run.
     Transfer(transfer::TransferArgs),
+    /// Training steps (forward, cross-entropy, backward, Adam) of the digits MLP and a
+    /// 1024-4096-4096-10 MLP and, with --compare-pytorch, of the same in PyTorch, interleaved.
+    Train(train::TrainBenchArgs),
 }
 
 pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
     match args.command {
         BenchCommand::Transfer(args) => transfer::run(args),
+        BenchCommand::Train(args) => train::run(args),
     }
 }

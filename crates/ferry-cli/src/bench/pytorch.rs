@@ -1,7 +1,9 @@
-//! PyTorch's side: bench/transfer.py in `--serve` mode, a long-lived child that runs one sample
-//! per request, so ferry's and PyTorch's samples interleave in one run on one machine.
+//! PyTorch's side: a bench script (bench/transfer.py, bench/train.py) in `--serve` mode, a
+//! long-lived child that runs one sample per request, so ferry's and PyTorch's samples interleave
+//! in one run on one machine.
 //!
-//! Protocol, one line each way: we send a case id, it answers one JSON object, `{"ms": ..}` or
+//! Protocol, one line each way: we send a request line (a case id, for train.py followed by its
+//! step count), it answers one JSON object, `{"ms": ..}` or
 //! `{"error": ".."}`. Its first line says whether PyTorch and a GPU are there at all. Any
 //! failure here becomes a note beside the ferry column, never the end of the benchmark.
 
@@ -11,29 +13,39 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use serde_json::Value;
 
-/// Where the script is: `--pytorch-script`, else bench/transfer.py under the current directory,
-/// else the one in the source tree this binary was built from.
+/// Where bench/transfer.py is; see [`locate_bench_script`].
 pub fn locate_script(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    locate_bench_script(explicit, "transfer.py")
+}
+
+/// Where a bench script is: `--pytorch-script`, else bench/`file_name` under the current
+/// directory, else the one in the source tree this binary was built from.
+pub fn locate_bench_script(explicit: Option<&Path>, file_name: &str) -> Result<PathBuf, String> {
     if let Some(path) = explicit {
         return match path.is_file() {
             true => Ok(path.to_path_buf()),
             false => Err(format!("--pytorch-script {} is not a file", path.display())),
         };
     }
-    let here = PathBuf::from("bench/transfer.py");
-    let source_tree = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/transfer.py");
+    let here = Path::new("bench").join(file_name);
+    let source_tree = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../bench")
+        .join(file_name);
     [here, source_tree]
         .into_iter()
         .find(|p| p.is_file())
         .ok_or_else(|| {
-            "bench/transfer.py not found here or in the source tree; pass --pytorch-script PATH"
-                .to_string()
+            format!(
+                "bench/{file_name} not found here or in the source tree; pass --pytorch-script PATH"
+            )
         })
 }
 
-/// A running `transfer.py --serve`.
+/// A running bench script in `--serve` mode.
 pub struct PyTorch {
     child: Child,
+    /// The script's file name, to label what it prints besides answers.
+    name: String,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
     /// `torch.__version__` and the CUDA version it was built with.
@@ -57,8 +69,13 @@ impl PyTorch {
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             return Err("the PyTorch script's pipes were not set up".into());
         };
+        let name = script.file_name().map_or_else(
+            || script.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
         let mut torch = Self {
             child,
+            name,
             stdin,
             stdout: BufReader::new(stdout),
             version: String::new(),
@@ -105,7 +122,7 @@ impl PyTorch {
                     }
                     return Ok(Value::Object(map));
                 }
-                _ => eprint!("transfer.py: {line}"),
+                _ => eprint!("{}: {line}", self.name),
             }
         }
     }

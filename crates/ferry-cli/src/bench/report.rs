@@ -70,6 +70,8 @@ pub enum Target {
     AtMostMsStaging { ms: f64, staging_bytes: usize },
     /// ferry's median no higher than PyTorch's.
     NoSlowerThanPyTorch,
+    /// ferry's median at most this multiple of PyTorch's.
+    AtMostTimesPyTorch(f64),
 }
 
 /// Whether a target was met; `Unknown` when the number it needs was not measured.
@@ -110,6 +112,7 @@ impl Target {
                 format!("<= {ms} ms, staging <= {} MB", staging_bytes as f64 / 1e6)
             }
             Target::NoSlowerThanPyTorch => "<= PyTorch".into(),
+            Target::AtMostTimesPyTorch(times) => format!("<= {times}x PyTorch"),
         }
     }
 
@@ -130,6 +133,10 @@ impl Target {
             },
             Target::NoSlowerThanPyTorch => match pytorch_ms {
                 Some(theirs) => met(ferry_ms <= theirs),
+                None => Verdict::Unknown,
+            },
+            Target::AtMostTimesPyTorch(times) => match pytorch_ms {
+                Some(theirs) => met(ferry_ms <= times * theirs),
                 None => Verdict::Unknown,
             },
         }
@@ -231,5 +238,10 @@ mod tests {
         assert_eq!(small.verdict(0.03, None, Some(0.02)), Verdict::Missed);
         assert_eq!(small.verdict(0.01, None, None), Verdict::Unknown);
         assert_eq!(chunked.describe(), "<= 12 ms, staging <= 100 MB");
+        let close = Target::AtMostTimesPyTorch(1.05);
+        assert_eq!(close.verdict(2.96, None, Some(2.82)), Verdict::Met);
+        assert_eq!(close.verdict(2.97, None, Some(2.82)), Verdict::Missed);
+        assert_eq!(close.verdict(1.0, None, None), Verdict::Unknown);
+        assert_eq!(close.describe(), "<= 1.05x PyTorch");
     }
 }

@@ -24,9 +24,11 @@ pub static ELEMENTWISE: KernelModule = module!("elementwise");
 pub static REDUCE: KernelModule = module!("reduce");
 /// Fused row softmax and log-softmax.
 pub static SOFTMAX: KernelModule = module!("softmax");
+/// Fused in-place optimizer updates.
+pub static OPTIM: KernelModule = module!("optim");
 
 /// Every module, for compile checks and `ferry doctor`.
-pub static ALL: [&KernelModule; 3] = [&ELEMENTWISE, &REDUCE, &SOFTMAX];
+pub static ALL: [&KernelModule; 4] = [&ELEMENTWISE, &REDUCE, &SOFTMAX, &OPTIM];
 
 /// One kernel of one module, named by what it does and the dtypes it reads and writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +49,8 @@ pub(crate) enum Kernel {
     Softmax(DType),
     /// Many byte regions into one buffer.
     Gather,
+    /// One fused Adam step, in place.
+    Adam(DType),
 }
 
 /// `$prefix` followed by the C name of `$dtype`'s element type, as a `&'static str`.
@@ -84,6 +88,7 @@ impl Kernel {
             | Kernel::SumPartial(_)
             | Kernel::SumFinish(_) => &REDUCE,
             Kernel::Softmax(_) => &SOFTMAX,
+            Kernel::Adam(_) => &OPTIM,
             _ => &ELEMENTWISE,
         }
     }
@@ -114,6 +119,7 @@ impl Kernel {
             Kernel::SumFinish(d) => typed_name!("sum_finish_", d),
             Kernel::Softmax(d) => typed_name!("softmax_", d),
             Kernel::Gather => "gather_regions",
+            Kernel::Adam(d) => typed_name!("adam_", d),
         }
     }
 

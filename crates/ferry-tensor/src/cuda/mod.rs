@@ -384,6 +384,47 @@ pub(crate) fn pack(parts: &[Tensor], offsets: &[usize], len: usize) -> Result<Te
     Ok(wrap(&dev, out, dtype, &[len / dtype.size()]))
 }
 
+/// One fused Adam step on contiguous tensors, in place on `p`, `m` and `v`.
+pub(crate) fn adam(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    step: &crate::ops::optim::AdamStep,
+) -> Result<()> {
+    float_only("adam_update", p.dtype())?;
+    let dev = device_of(p)?;
+    let f = Kernel::Adam(p.dtype()).load(&dev)?;
+    let n = p.numel();
+    let grad = buffer(g)?;
+    let (mut pw, mut mw, mut vw) = (
+        p.storage().write(),
+        m.storage().write(),
+        v.storage().write(),
+    );
+    let (Buffer::Cuda(pb), Buffer::Cuda(mb), Buffer::Cuda(vb)) = (&mut *pw, &mut *mw, &mut *vw)
+    else {
+        return Err(TensorError::UnsupportedDevice {
+            op: "adam_update",
+            device: p.device(),
+        });
+    };
+    let offset = |t: &Tensor| t.layout().offset() as u64;
+    launch(&dev, &f, n)
+        .arg_buffer_mut(pb)
+        .arg_u64(offset(p))
+        .arg_buffer(&grad)
+        .arg_u64(offset(g))
+        .arg_buffer_mut(mb)
+        .arg_u64(offset(m))
+        .arg_buffer_mut(vb)
+        .arg_u64(offset(v))
+        .arg_u64(n as u64)
+        .arg_pod(step)
+        .run()?;
+    Ok(())
+}
+
 pub(crate) fn full(ordinal: usize, shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
     let dev = device(ordinal)?;
     let n: usize = shape.iter().product();

@@ -4,6 +4,7 @@ pub(crate) mod create;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
 pub(crate) mod nn;
+pub mod optim;
 pub(crate) mod reduce;
 pub(crate) mod shape;
 

@@ -1,9 +1,10 @@
 //! Adam and AdamW.
 
+use ferry_tensor::ops::optim::AdamStep;
 use ferry_tensor::{Result, Tensor, with_no_grad};
 use ferry_transfer::StateDict;
 
-use super::{BufferState, Optimizer, axpy, grad_of, leaf_parameters};
+use super::{BufferState, Optimizer, grad_of, leaf_parameters};
 use crate::checkpoint::CheckpointError;
 
 /// Adam (Kingma and Ba, 2015): `m = β₁m + (1-β₁)g`, `v = β₂v + (1-β₂)g²`,
@@ -57,30 +58,26 @@ impl Adam {
     fn update(&mut self) -> Result<()> {
         let (b1, b2) = self.betas;
         let t = self.state.step as i32 + 1;
-        let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        let step = AdamStep {
+            lr: self.lr,
+            beta1: b1,
+            beta2: b2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            bias_correction1: 1.0 - b1.powi(t),
+            bias_correction2: 1.0 - b2.powi(t),
+            decoupled: u32::from(self.decoupled),
+            pad: 0,
+        };
         with_no_grad(|| {
             for (p, bufs) in self.params.iter().zip(&mut self.state.buffers) {
-                let Some(mut g) = grad_of(p)? else { continue };
-                let mut p_new = p.clone();
-                if self.weight_decay != 0.0 {
-                    if self.decoupled {
-                        p_new = p.mul_scalar(1.0 - self.lr * self.weight_decay)?;
-                    } else {
-                        g = axpy(&g, self.weight_decay, p)?;
-                    }
+                let Some(g) = grad_of(p)? else { continue };
+                if bufs.is_none() {
+                    *bufs = Some(vec![p.zeros_like()?, p.zeros_like()?]);
                 }
-                let (m, v) = match bufs.take() {
-                    Some(b) => (
-                        axpy(&b[0].mul_scalar(b1)?, 1.0 - b1, &g)?,
-                        axpy(&b[1].mul_scalar(b2)?, 1.0 - b2, &g.mul(&g)?)?,
-                    ),
-                    None => (g.mul_scalar(1.0 - b1)?, g.mul(&g)?.mul_scalar(1.0 - b2)?),
-                };
-                // lr · m̂ / (√v̂ + ε), with the corrections folded into scalars.
-                let denom = v.div_scalar(bc2)?.sqrt()?.add_scalar(self.eps)?;
-                let update = m.div(&denom)?;
-                p.assign(&axpy(&p_new, -self.lr / bc1, &update)?)?;
-                *bufs = Some(vec![m, v]);
+                let moments = bufs.as_ref().expect("set above");
+                // One fused pass: decay, both moments and the bias-corrected step, in place.
+                p.adam_update(&g, &moments[0], &moments[1], &step)?;
             }
             Ok::<_, ferry_tensor::TensorError>(())
         })?;

@@ -132,6 +132,8 @@ impl BufferState {
         ];
         for (i, bufs) in self.buffers.iter().enumerate() {
             for (name, b) in self.names.iter().zip(bufs.iter().flatten()) {
+                // The live buffers, as PyTorch hands them out: later steps update them in place,
+                // so save (or copy) the dict before stepping on.
                 out.push((format!("{i}.{name}"), b.detach()));
             }
         }
@@ -170,7 +172,18 @@ impl BufferState {
             let bufs = self
                 .names
                 .iter()
-                .map(|name| with_no_grad(|| find(&format!("{i}.{name}")).detach().to(device)))
+                .map(|name| {
+                    // Buffers of their own: steps update them in place, and the state passed
+                    // in may be another optimizer's live buffers.
+                    let saved = find(&format!("{i}.{name}")).detach();
+                    with_no_grad(|| {
+                        if saved.device() == device {
+                            saved.copy()
+                        } else {
+                            saved.to(device)
+                        }
+                    })
+                })
                 .collect::<Result<Vec<_>>>()?;
             buffers[i] = Some(bufs);
         }

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""PyTorch's side of `ferry bench train`: MLP training steps, eager, timed the same way as ferry.
+
+Two ways to run it:
+  python3 bench/train.py --cases all     every case alone: warm-up, rounds, one JSON object
+  python3 bench/train.py --serve         one round per request line `CASE STEPS` on stdin, one
+                                         JSON line each, `{"ms": ms per step}` (how `ferry bench
+                                         train --compare-pytorch` interleaves its rounds)
+
+A step is what ferry's is: zero_grad (set to None), forward, cross-entropy, backward, Adam
+(lr 1e-3, PyTorch's default implementation) step. Eager only: no torch.compile, no CUDA graphs,
+and TF32 off, so both sides compute in fp32. Inputs are standard normal, labels uniform ints in
+[0, 10), made on the GPU before any clock starts. A round synchronizes the GPU, runs STEPS steps,
+synchronizes again and reports the mean time per step; no loss is read inside a round. Case ids,
+layer widths and batch sizes match crates/ferry-cli/src/bench/train.rs (a Rust test checks).
+Needs only torch (and a GPU).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+# id: (layer widths, batch size, steps per round)
+CASES = {
+    "digits_mlp": ([64, 128, 10], 64, 200),
+    "mlp_4096": ([1024, 4096, 4096, 10], 1024, 50),
+}
+CLASSES = 10
+LR = 1e-3
+
+
+def import_torch():
+    """torch, or a message saying why it cannot be used here."""
+    try:
+        import torch
+    except ImportError as err:
+        return None, f"PyTorch is not importable with {sys.executable} ({err})"
+    if not torch.cuda.is_available():
+        return None, f"PyTorch {torch.__version__} sees no CUDA device"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch, None
+
+
+class Run:
+    """One case's model, optimizer and batch, made once, outside any timed region."""
+
+    def __init__(self, torch, case):
+        widths, batch, _ = CASES[case]
+        layers = []
+        for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
+            if i > 0:
+                layers.append(torch.nn.ReLU())
+            layers.append(torch.nn.Linear(fan_in, fan_out))
+        torch.manual_seed(0)
+        self.torch = torch
+        self.model = torch.nn.Sequential(*layers).cuda()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
+        self.x = torch.randn(batch, widths[0], device="cuda")
+        self.y = (torch.rand(batch, device="cuda") * CLASSES).to(torch.int64)
+        self.loss = None
+        torch.cuda.synchronize()
+
+    def step(self):
+        self.opt.zero_grad()
+        loss = self.torch.nn.functional.cross_entropy(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        self.loss = loss.detach()  # stays on the GPU: reading it would synchronize
+
+    def round_ms_per_step(self, steps):
+        self.torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        self.torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / steps
+
+
+class Runs:
+    def __init__(self, torch):
+        self.torch = torch
+        self._made = {}
+
+    def get(self, case):
+        if case not in self._made:
+            self._made[case] = Run(self.torch, case)
+        return self._made[case]
+
+
+def describe(torch):
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0),
+        "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+    }
+
+
+def emit(obj):
+    print(json.dumps(obj), flush=True)
+
+
+def parse_request(line):
+    """`CASE STEPS` (STEPS defaults to the case's own) -> (case, steps), or raises ValueError."""
+    parts = line.split()
+    if not parts or parts[0] not in CASES:
+        raise ValueError(f"unknown case {line.strip()!r}; the cases are {', '.join(CASES)}")
+    steps = int(parts[1]) if len(parts) > 1 else CASES[parts[0]][2]
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    return parts[0], steps
+
+
+def serve():
+    """One round per request on stdin, one JSON line per answer, until `quit` or EOF."""
+    torch, why = import_torch()
+    if torch is None:
+        emit({"error": why})
+        sys.exit(1)
+    runs = Runs(torch)
+    emit({"ready": True, **describe(torch)})
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        try:
+            case, steps = parse_request(line)
+            run = runs.get(case)
+            emit({"case": case, "steps": steps, "ms": run.round_ms_per_step(steps)})
+        except Exception as err:  # one failed case must not end the others
+            emit({"case": line.strip(), "error": f"{type(err).__name__}: {err}"})
+
+
+def run_alone(ids, rounds, warmup, steps):
+    torch, why = import_torch()
+    if torch is None:
+        emit({"error": why})
+        sys.exit(1)
+    runs = Runs(torch)
+    results = {}
+    for case in ids:
+        print(f"measuring {case} ...", file=sys.stderr)
+        n = steps or CASES[case][2]
+        try:
+            run = runs.get(case)
+            for _ in range(warmup):
+                run.round_ms_per_step(n)
+            times = [run.round_ms_per_step(n) for _ in range(rounds)]
+            results[case] = {
+                "steps_per_round": n,
+                "ms_per_step": times,
+                "median_ms_per_step": statistics.median(times),
+                "final_loss": run.loss.item(),
+            }
+        except Exception as err:
+            results[case] = {"error": f"{type(err).__name__}: {err}"}
+    emit({**describe(torch), "rounds": rounds, "warmup": warmup, "cases": results})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--serve", action="store_true", help="answer `CASE STEPS` lines on stdin")
+    parser.add_argument("--cases", default="all", help="ids joined by commas, or all (default)")
+    parser.add_argument("--rounds", type=int, default=9, help="timed rounds per case")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per case")
+    parser.add_argument("--steps", type=int, default=0, help="steps per round (0: the case's own)")
+    args = parser.parse_args()
+    if args.serve:
+        serve()
+        return
+    ids = list(CASES) if args.cases == "all" else args.cases.split(",")
+    unknown = [i for i in ids if i not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; the cases are {', '.join(CASES)}")
+    if args.rounds < 1 or args.warmup < 0 or args.steps < 0:
+        parser.error("--rounds must be >= 1, --warmup and --steps >= 0")
+    run_alone(ids, args.rounds, args.warmup, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+//! `ferry bench train`: training steps of two MLPs, ferry and PyTorch side by side in one run.
+//!
+//! A step is zero_grad, forward, cross-entropy, backward and an Adam (lr 1e-3) step, the same on
+//! both sides; PyTorch's is bench/train.py, eager with TF32 off. A round synchronizes the device,
+//! runs many steps, synchronizes again and gives the mean time per step; rounds alternate ferry
+//! then PyTorch, and the table shows medians. No loss is read inside a round (`item()` would
+//! synchronize every step); it stays on the device until the rounds are over.
+//!
+//! `crate::train::train_step` also counts correct predictions (argmax, compare, sum), which
+//! PyTorch's step would not do, so the step timed here is its loss-only core.
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::pytorch::{self, PyTorch};
+use super::report::Target;
+use super::train_output::{Measured, RunInfo, print_header, print_results, to_json};
+use clap::Args;
+use ferry::memory::cuda::CudaDevice;
+use ferry::nn::{Linear, ReLU, Sequential, cross_entropy};
+use ferry::optim::Adam;
+use ferry::prelude::*;
+
+pub const LR: f64 = 1e-3;
+const CLASSES: usize = 10;
+
+/// A model and batch to time; bench/train.py's `CASES` has the same ids, widths and batches.
+#[derive(Debug)]
+pub struct Case {
+    pub id: &'static str,
+    /// Layer widths, input first: Linear layers between neighbours, ReLU between Linears.
+    pub widths: &'static [usize],
+    pub batch: usize,
+    /// Steps per round on a GPU.
+    pub steps: u32,
+    /// Steps per round on the CPU, where a step can take a second.
+    pub cpu_steps: u32,
+    /// The goal from issue 6, for cuda:0 on the H200.
+    pub target: Target,
+}
+
+pub const CASES: [Case; 2] = [
+    Case {
+        id: "digits_mlp",
+        widths: &[64, 128, CLASSES],
+        batch: 64,
+        steps: 200,
+        cpu_steps: 50,
+        // PyTorch eager on the H200: 0.935 ms a step.
+        target: Target::AtMostMs(0.3),
+    },
+    Case {
+        id: "mlp_4096",
+        widths: &[1024, 4096, 4096, CLASSES],
+        batch: 1024,
+        steps: 50,
+        cpu_steps: 1,
+        // PyTorch eager on the H200: 2.82 ms a step.
+        target: Target::AtMostTimesPyTorch(1.05),
+    },
+];
+
+impl Case {
+    /// "MLP 64-128-10, batch 64".
+    pub fn describe(&self) -> String {
+        let widths: Vec<String> = self.widths.iter().map(usize::to_string).collect();
+        format!("MLP {}, batch {}", widths.join("-"), self.batch)
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct TrainBenchArgs {
+    /// Also time every case in PyTorch (bench/train.py), its rounds alternating with ferry's.
+    #[arg(long)]
+    compare_pytorch: bool,
+    /// Write every number, all rounds included, to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Where ferry trains: cuda:N or cpu (PyTorch's column is for the GPU only).
+    #[arg(long, default_value = "cuda:0")]
+    device: Device,
+    /// Timed rounds per case and side; the table shows their median (claims need 9 or more).
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Untimed rounds per case and side before the timed ones.
+    #[arg(long, default_value_t = 2)]
+    warmup: u32,
+    /// Steps per round for every case [default: 200 and 50 on a GPU, 50 and 1 on the CPU].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: Option<u32>,
+    /// Only these cases (ids joined by commas: digits_mlp, mlp_4096).
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    cases: Vec<String>,
+    /// The Python interpreter for --compare-pytorch.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// The PyTorch script [default: bench/train.py here, else in the source tree].
+    #[arg(long, value_name = "PATH")]
+    pytorch_script: Option<PathBuf>,
+}
+
+/// ferry's side of a case: model, optimizer and batch, made before any clock starts.
+struct FerryRun {
+    model: Sequential,
+    opt: Adam,
+    x: Tensor,
+    y: Tensor,
+    /// The last step's loss, detached, still on the device.
+    loss: Option<Tensor>,
+    cuda: Option<CudaDevice>,
+}
+
+impl FerryRun {
+    fn new(widths: &[usize], batch: usize, device: Device) -> Result<Self, Box<dyn Error>> {
+        let cuda = match device {
+            Device::Cuda(ordinal) => Some(CudaDevice::get(ordinal)?),
+            Device::Cpu => None,
+        };
+        ferry::manual_seed(0);
+        let mut model = Sequential::new();
+        for (i, pair) in widths.windows(2).enumerate() {
+            if i > 0 {
+                model = model.push(ReLU);
+            }
+            model = model.push(Linear::new(pair[0], pair[1], device)?);
+        }
+        let opt = Adam::new(model.parameters(), LR)?;
+        let x = Tensor::randn(&[batch, widths[0]], DType::F32, device)?;
+        let y = Tensor::rand(&[batch], DType::F32, device)?
+            .mul_scalar(CLASSES as f64)?
+            .to_dtype(DType::I64)?;
+        let run = Self {
+            model,
+            opt,
+            x,
+            y,
+            loss: None,
+            cuda,
+        };
+        run.synchronize()?;
+        Ok(run)
+    }
+
+    fn synchronize(&self) -> Result<(), Box<dyn Error>> {
+        match &self.cuda {
+            Some(dev) => Ok(dev.synchronize()?),
+            None => Ok(()),
+        }
+    }
+
+    fn step(&mut self) -> ferry::Result<()> {
+        self.opt.zero_grad();
+        let loss = cross_entropy(&self.model.forward(&self.x)?, &self.y)?;
+        loss.backward()?;
+        self.opt.step()?;
+        self.loss = Some(loss.detach());
+        Ok(())
+    }
+
+    /// One round: mean milliseconds per step over `steps` steps, device synchronized both ends.
+    fn round_ms_per_step(&mut self, steps: u32) -> Result<f64, Box<dyn Error>> {
+        self.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..steps {
+            self.step()?;
+        }
+        self.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3 / f64::from(steps))
+    }
+}
+
+/// The line bench/train.py answers with one round: `CASE STEPS`.
+fn request(case: &Case, steps: u32) -> String {
+    format!("{} {steps}", case.id)
+}
+
+/// Warm-up rounds, then timed rounds; each round runs ferry's, then PyTorch's.
+fn measure<'a>(
+    case: &'a Case,
+    device: Device,
+    steps: u32,
+    mut torch: Option<&mut PyTorch>,
+    warmup: u32,
+    rounds: u32,
+) -> Measured<'a> {
+    let mut m = Measured {
+        case,
+        steps,
+        ferry_ms: Vec::new(),
+        ferry_error: None,
+        final_loss: None,
+        pytorch_ms: Vec::new(),
+        pytorch_error: None,
+    };
+    let mut ferry = FerryRun::new(case.widths, case.batch, device)
+        .map_err(|e| m.ferry_error = Some(e.to_string()))
+        .ok();
+    for round in 0..warmup + rounds {
+        let timed = round >= warmup;
+        if let Some(run) = ferry.as_mut() {
+            match run.round_ms_per_step(steps) {
+                Ok(ms) if timed => m.ferry_ms.push(ms),
+                Ok(_) => {}
+                Err(err) => {
+                    m.ferry_error = Some(err.to_string());
+                    ferry = None;
+                }
+            }
+        }
+        if let (Some(torch), None) = (torch.as_deref_mut(), &m.pytorch_error) {
+            match torch.sample(&request(case, steps)) {
+                Ok(ms) if timed => m.pytorch_ms.push(ms),
+                Ok(_) => {}
+                Err(err) => m.pytorch_error = Some(err),
+            }
+        }
+        if ferry.is_none() && (torch.is_none() || m.pytorch_error.is_some()) {
+            break;
+        }
+    }
+    if let Some(loss) = ferry.as_ref().and_then(|run| run.loss.as_ref()) {
+        match loss.item() {
+            Ok(v) if v.is_finite() => m.final_loss = Some(v),
+            Ok(v) => m.ferry_error = Some(format!("the loss became {v}: the timings mean nothing")),
+            Err(err) => m.ferry_error = Some(err.to_string()),
+        }
+    }
+    m
+}
+
+fn select(ids: &[String]) -> Result<Vec<&'static Case>, String> {
+    if let Some(unknown) = ids.iter().find(|id| !CASES.iter().any(|c| c.id == *id)) {
+        let known: Vec<&str> = CASES.iter().map(|c| c.id).collect();
+        return Err(format!(
+            "no case `{unknown}`; the cases are {}",
+            known.join(", ")
+        ));
+    }
+    Ok(CASES
+        .iter()
+        .filter(|c| ids.is_empty() || ids.iter().any(|i| i == c.id))
+        .collect())
+}
+
+pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
+    let selected = select(&args.cases)?;
+    let device_name = match args.device {
+        Device::Cpu => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            format!("cpu ({threads} threads)")
+        }
+        Device::Cuda(ordinal) => match CudaDevice::get(ordinal) {
+            Ok(dev) => format!("{} ({})", dev.device(), dev.info().name),
+            Err(err) => {
+                println!("no CUDA device: {err}");
+                return Ok(());
+            }
+        },
+    };
+    let on_gpu = args.device != Device::Cpu;
+    let mut info = RunInfo {
+        device: device_name,
+        on_gpu,
+        rounds: args.rounds,
+        warmup: args.warmup,
+        pytorch: None,
+        pytorch_note: None,
+    };
+    let mut torch = None;
+    if args.compare_pytorch && !on_gpu {
+        info.pytorch_note = Some("no PyTorch column: it is compared on the GPU only".into());
+    } else if args.compare_pytorch {
+        match pytorch::locate_bench_script(args.pytorch_script.as_deref(), "train.py")
+            .and_then(|script| PyTorch::start(&args.python, &script))
+        {
+            Ok(t) => {
+                info.pytorch = Some(format!("{} on {}", t.version, t.device));
+                torch = Some(t);
+            }
+            Err(err) => info.pytorch_note = Some(format!("no PyTorch column: {err}")),
+        }
+    }
+    print_header(&info);
+    let mut measured = Vec::new();
+    for case in selected {
+        let steps = args
+            .steps
+            .unwrap_or(if on_gpu { case.steps } else { case.cpu_steps });
+        eprintln!("measuring {} ({steps} step(s) a round) ...", case.id);
+        let m = measure(
+            case,
+            args.device,
+            steps,
+            torch.as_mut(),
+            args.warmup,
+            args.rounds,
+        );
+        if let (Some(err), Some(t)) = (&m.pytorch_error, torch.as_mut())
+            && !t.is_alive()
+        {
+            info.pytorch_note = Some(format!(
+                "the PyTorch script ended during {}: {err}",
+                case.id
+            ));
+            torch = None;
+        }
+        measured.push(m);
+    }
+    print_results(&measured, &info);
+    if let Some(path) = &args.json {
+        let doc = to_json(&info, &measured);
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        println!("wrote every round to {}", path.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    const TINY: Case = Case {
+        id: "tiny",
+        widths: &[8, 16, CLASSES],
+        batch: 32,
+        steps: 3,
+        cpu_steps: 3,
+        target: Target::AtMostMs(1.0),
+    };
+
+    /// bench/train.py must time the same models as this table.
+    #[test]
+    fn the_cases_match_train_py() {
+        let script = include_str!("../../../../bench/train.py");
+        for case in &CASES {
+            let entry = format!(
+                "\"{}\": ({:?}, {}, {}),",
+                case.id, case.widths, case.batch, case.steps
+            );
+            assert!(script.contains(&entry), "train.py lacks `{entry}`");
+        }
+        assert!(script.contains("allow_tf32 = False"));
+        assert!(
+            script.contains(&format!("LR = {LR:e}")),
+            "train.py must use lr {LR}"
+        );
+        assert_eq!(request(&CASES[1], 50), "mlp_4096 50");
+        assert!(select(&["mlp_4096".into()]).unwrap()[0].id == "mlp_4096");
+        assert_eq!(select(&[]).unwrap().len(), CASES.len());
+        let err = select(&["resnet".into()]).unwrap_err();
+        assert_eq!(err, "no case `resnet`; the cases are digits_mlp, mlp_4096");
+    }
+
+    /// The timed step really trains: Adam brings a fixed batch's loss down.
+    #[test]
+    fn ferry_steps_lower_the_loss_on_the_cpu() {
+        let mut run = FerryRun::new(TINY.widths, TINY.batch, Device::Cpu).unwrap();
+        assert_eq!(run.y.dtype(), DType::I64);
+        let labels: Vec<i64> = run.y.to_vec().unwrap();
+        assert!(labels.iter().all(|l| (0..CLASSES as i64).contains(l)));
+        run.step().unwrap();
+        let first = run.loss.as_ref().unwrap().item().unwrap();
+        let ms = run.round_ms_per_step(200).unwrap();
+        let last = run.loss.as_ref().unwrap().item().unwrap();
+        assert!(ms > 0.0 && ms.is_finite());
+        assert!(last < first - 0.1, "loss {first} -> {last}");
+        assert_eq!(run.opt.steps(), 201);
+    }
+
+    /// A stand-in for train.py (`sh -u script --serve` runs it): its round takes STEPS ms a step,
+    /// and `broken` fails.
+    fn fake_server(dir: &Path) -> PathBuf {
+        let path = dir.join("serve.sh");
+        std::fs::write(
+            &path,
+            r#"echo '{"ready": true, "torch": "2.11.0", "cuda": "13.0", "device": "Fake GPU"}'
+while read case steps; do
+  case "$case" in
+    quit) exit 0 ;;
+    broken) echo '{"error": "CUDA out of memory"}' ;;
+    *) echo "{\"case\": \"$case\", \"ms\": $steps}" ;;
+  esac
+done
+"#,
+        )
+        .unwrap();
+        path
+    }
+
+    #[test]
+    fn rounds_alternate_and_each_side_keeps_its_own_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut torch = PyTorch::start("sh", &fake_server(dir.path())).unwrap();
+        let m = measure(&TINY, Device::Cpu, 3, Some(&mut torch), 1, 4);
+        assert_eq!(m.pytorch_ms, [3.0; 4]);
+        assert_eq!(m.ferry_ms.len(), 4);
+        assert!(m.ferry_error.is_none() && m.pytorch_error.is_none());
+        assert!(m.final_loss.is_some_and(f64::is_finite));
+
+        let broken = Case {
+            id: "broken",
+            ..TINY
+        };
+        let m = measure(&broken, Device::Cpu, 2, Some(&mut torch), 0, 3);
+        assert_eq!(m.ferry_ms.len(), 3);
+        assert_eq!(m.pytorch_error.as_deref(), Some("CUDA out of memory"));
+        assert!(torch.is_alive());
+    }
+}
