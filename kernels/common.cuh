@@ -80,9 +80,20 @@ struct Strided {
     unsigned int contiguous;
 };
 
+// `contiguous` is 1 for a contiguous layout, 2 for a strided one whose element count fits in 32
+// bits (index arithmetic in 32 bits: a 64-bit division costs several times as much), 0 otherwise.
 __device__ __forceinline__ u64 strided_offset(const Strided& s, u64 i) {
-    if (s.contiguous) return s.offset + i;
+    if (s.contiguous == 1) return s.offset + i;
     u64 offset = s.offset;
+    if (s.contiguous == 2) {
+        unsigned int j = (unsigned int)i;
+        for (int d = (int)s.ndim - 1; d >= 0; --d) {
+            unsigned int dim = (unsigned int)s.shape[d];
+            offset += (u64)(j % dim) * s.strides[d];
+            j /= dim;
+        }
+        return offset;
+    }
     for (int d = (int)s.ndim - 1; d >= 0; --d) {
         u64 dim = s.shape[d];
         offset += (i % dim) * s.strides[d];

@@ -63,9 +63,8 @@ pub(crate) fn move_bytes(
 /// own pageable path reaches about 6 GB/s on the H200 host, the pipeline the link's ~55 GB/s
 /// less the host copy into staging.
 const PIPELINE_FROM_BYTES: usize = 16 << 20;
-/// Pinned staging the pipeline may hold (a ring of four 32 MiB buffers: measured on the H200,
-/// a ring of four 16 MiB pieces spent more on per-piece hand-offs than it saved).
-const PIPELINE_STAGING_BYTES: usize = 128 << 20;
+/// Pinned staging the pipeline may hold (two 32 MiB buffers).
+const PIPELINE_STAGING_BYTES: usize = 64 << 20;
 
 fn host_to_device(src: &Tensor, ordinal: usize) -> Result<Tensor> {
     let src = dense(src)?;

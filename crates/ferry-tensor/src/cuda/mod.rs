@@ -50,7 +50,14 @@ impl KernelLayout {
             strides: [0; 8],
             offset: layout.offset() as u64,
             ndim: layout.ndim() as u32,
-            contiguous: layout.is_contiguous() as u32,
+            // 1: contiguous; 2: strided with 32-bit index math; 0: strided, 64-bit.
+            contiguous: if layout.is_contiguous() {
+                1
+            } else if layout.numel() < (1 << 32) {
+                2
+            } else {
+                0
+            },
         };
         for (d, (&n, &s)) in layout.shape().iter().zip(layout.strides()).enumerate() {
             k.shape[d] = n as u64;
