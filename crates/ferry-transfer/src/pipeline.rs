@@ -39,8 +39,7 @@ pub(crate) fn after_default(dev: &CudaDevice, stream: &Stream) -> Result<()> {
 /// Copies `src` into `dst` (same length), on all cores when it is large: page faults on fresh
 /// pageable memory and memory bandwidth both scale with threads.
 pub(crate) fn copy_bytes(dst: &mut [u8], src: &[u8]) {
-    // Small enough that one staging piece gives every core several parts.
-    const PART: usize = 1 << 20;
+    const PART: usize = 2 << 20;
     if dst.len() < 4 * PART {
         dst.copy_from_slice(src);
     } else {
