@@ -42,11 +42,11 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
             d.total_memory as f64 / (1u64 << 30) as f64,
             d.multiprocessors
         );
-        match ferry_tensor::compile_kernels(d.ordinal) {
+        match ferry::tensor::compile_kernels(d.ordinal) {
             Ok(time) => println!(
                 "cuda:{}: {} kernel modules compiled and loaded in {:.0} ms",
                 d.ordinal,
-                ferry_tensor::KERNEL_MODULES.len(),
+                ferry::tensor::KERNEL_MODULES.len(),
                 time.as_secs_f64() * 1e3
             ),
             Err(err) => println!("cuda:{}: kernels failed to compile: {err}", d.ordinal),
@@ -61,12 +61,12 @@ fn compile_without_gpu() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     let start = Instant::now();
-    for module in ferry_tensor::KERNEL_MODULES {
+    for module in ferry::tensor::KERNEL_MODULES {
         cuda::compile_ptx(module, "compute_90")?;
     }
     println!(
         "kernels: {} modules compile for compute_90 in {:.0} ms (no GPU to load them on)",
-        ferry_tensor::KERNEL_MODULES.len(),
+        ferry::tensor::KERNEL_MODULES.len(),
         start.elapsed().as_secs_f64() * 1e3
     );
     Ok(())

@@ -289,7 +289,7 @@ fn mlp() -> Result<Drawing, Box<dyn Error>> {
     let hidden = x.matmul(&w1)?.add(&b1)?.relu()?;
     let loss = hidden.matmul(&w2)?.add(&b2)?.cross_entropy(&labels)?;
     let dot = decorate(
-        &ferry_tensor::to_dot(&[&loss], &[]),
+        &ferry::tensor::to_dot(&[&loss], &[]),
         &[
             "ferry graph --example mlp: loss = cross_entropy(relu(x @ w1 + b1) @ w2 + b2, labels)",
             "real graph recorded by ferry on cpu, before backward; sgd.step() then updates the 4 leaves",
@@ -312,7 +312,7 @@ fn cpu_vs_detach() -> Result<Drawing, Box<dyn Error>> {
     let y = h.cpu()?; // records a transfer node
     let z = h.detach().cpu()?; // records nothing
     let dot = decorate(
-        &ferry_tensor::to_dot(&[&y], &[("z = h.detach().cpu()\nrecords nothing", &h)]),
+        &ferry::tensor::to_dot(&[&y], &[("z = h.detach().cpu()\nrecords nothing", &h)]),
         &[
             "ferry graph --example cpu-vs-detach: h = x.tanh(); y = h.cpu(); z = h.detach().cpu()",
             "y has a copy node (orange): its backward moves the gradient to h's device",
@@ -337,7 +337,7 @@ fn chunked() -> Result<Drawing, Box<dyn Error>> {
     let h = x.relu()?;
     let (y, report) = h.to_chunked(Device::Cpu, ChunkSpec::Count(4))?;
     let dot = decorate(
-        &ferry_tensor::to_dot(&[&y], &[]),
+        &ferry::tensor::to_dot(&[&y], &[]),
         &[
             "ferry graph --example chunked: h = x.relu(); y = h.to_chunked(cpu, Count(4))",
             &format!(
