@@ -1,6 +1,7 @@
 // Elementwise kernels: unary maps (scalar parameters travel as `scalar`), broadcast binary ops,
 // comparisons, dtype casts, strided copies, fills and counter-based random numbers.
-// Op codes match ferry-tensor's cuda::codes.
+// The per-op functions ferry_unary, ferry_binary and ferry_compare come from ferry-tensor's op
+// table (crates/ferry-tensor/src/ops/mod.rs), placed before this file; an unknown op code traps.
 
 // ---- unary ---------------------------------------------------------------------------------
 template <typename T>
@@ -9,22 +10,7 @@ __device__ void unary(int op, double scalar, const T* x, Strided lx, T* out, u64
     const A c = (A)scalar;
     FERRY_GRID_STRIDE(i, n) {
         A v = Num<T>::load(x[strided_offset(lx, i)]);
-        A r;
-        switch (op) {
-            case 0: r = -v; break;                                   // neg
-            case 1: r = m_exp(v); break;                             // exp
-            case 2: r = m_log(v); break;                             // log
-            case 3: r = v > (A)0 ? v : (A)0; break;                  // relu
-            case 4: r = m_tanh(v); break;                            // tanh
-            case 5: r = (A)1 / ((A)1 + m_exp(-v)); break;              // sigmoid
-            case 6: r = m_sqrt(v); break;                            // sqrt
-            case 7: r = v < (A)0 ? -v : v; break;                    // abs
-            case 8: r = v > (A)0 ? (A)1 : (A)0; break;               // step
-            case 9: r = v + c; break;                                // add scalar
-            case 10: r = v * c; break;                               // mul scalar
-            default: r = m_pow(v, c); break;                         // pow scalar
-        }
-        out[i] = Num<T>::store(r);
+        out[i] = Num<T>::store(ferry_unary(op, v, c));
     }
 }
 
@@ -35,14 +21,7 @@ __device__ void binary(int op, const T* a, Strided la, const T* b, Strided lb, T
     FERRY_GRID_STRIDE(i, n) {
         A x = Num<T>::load(a[strided_offset(la, i)]);
         A y = Num<T>::load(b[strided_offset(lb, i)]);
-        A r;
-        switch (op) {
-            case 0: r = x + y; break;
-            case 1: r = x - y; break;
-            case 2: r = x * y; break;
-            default: r = x / y; break;
-        }
-        out[i] = Num<T>::store(r);
+        out[i] = Num<T>::store(ferry_binary(op, x, y));
     }
 }
 
@@ -52,16 +31,7 @@ __device__ void compare(int op, const T* a, Strided la, const T* b, Strided lb, 
     FERRY_GRID_STRIDE(i, n) {
         A x = Num<T>::load(a[strided_offset(la, i)]);
         A y = Num<T>::load(b[strided_offset(lb, i)]);
-        bool r;
-        switch (op) {
-            case 0: r = x == y; break;
-            case 1: r = x != y; break;
-            case 2: r = x < y; break;
-            case 3: r = x <= y; break;
-            case 4: r = x > y; break;
-            default: r = x >= y; break;
-        }
-        out[i] = r ? 1 : 0;
+        out[i] = ferry_compare(op, x, y) ? 1 : 0;
     }
 }
 

@@ -1,13 +1,13 @@
 // Reductions of a contiguous tensor viewed as [outer, len, inner]: sum, max and argmax.
 // Rows (inner == 1) reduce with one block per row; columns (inner > 1) with one thread per
 // output, adjacent threads reading adjacent elements. Whole-tensor sums run in two passes.
-// Op codes: 0 sum, 1 max, 2 argmax.
+// Op codes are reduce_op::sum, max and argmax, from ferry-tensor's op table; others trap.
 
 #define REDUCE_THREADS 256
 
 template <typename A>
 __device__ __forceinline__ void combine(int op, A& v, i64& k, A w, i64 l) {
-    if (op == 0) {
+    if (op == reduce_op::sum) {
         v += w;
     } else if (w > v || (w == v && l < k) || (w != w && v == v)) {  // NaN wins, first index on ties
         v = w;
@@ -20,19 +20,20 @@ __device__ __forceinline__ void combine(int op, A& v, i64& k, A w, i64 l) {
 template <typename T>
 __device__ void reduce_row(int op, const T* x, T* out, i64* out_index, u64 outer, u64 len) {
     typedef double A;
+    reduce_op::check(op);
     __shared__ A values[REDUCE_THREADS];
     __shared__ i64 indices[REDUCE_THREADS];
     for (u64 row = blockIdx.x; row < outer; row += gridDim.x) {
         const T* r = x + row * len;
-        A v = op == 0 ? (A)0 : m_neg_inf((A)0);
+        A v = op == reduce_op::sum ? (A)0 : m_neg_inf((A)0);
         i64 k = 0;
         bool any = false;
         for (u64 j = threadIdx.x; j < len; j += blockDim.x) {
             A w = (A)Num<T>::load(r[j]);
-            if (!any && op != 0) { v = w; k = (i64)j; any = true; }
+            if (!any && op != reduce_op::sum) { v = w; k = (i64)j; any = true; }
             else combine(op, v, k, w, (i64)j);
         }
-        if (!any && op != 0) k = (i64)len;  // an empty share loses every tie
+        if (!any && op != reduce_op::sum) k = (i64)len;  // an empty share loses every tie
         values[threadIdx.x] = v;
         indices[threadIdx.x] = k;
         __syncthreads();
@@ -44,7 +45,7 @@ __device__ void reduce_row(int op, const T* x, T* out, i64* out_index, u64 outer
             __syncthreads();
         }
         if (threadIdx.x == 0) {
-            if (op == 2) out_index[row] = indices[0];
+            if (op == reduce_op::argmax) out_index[row] = indices[0];
             else out[row] = Num<T>::store((typename Num<T>::Acc)values[0]);
         }
         __syncthreads();
@@ -54,13 +55,14 @@ __device__ void reduce_row(int op, const T* x, T* out, i64* out_index, u64 outer
 template <typename T>
 __device__ void reduce_col(int op, const T* x, T* out, i64* out_index, u64 outer, u64 len, u64 inner) {
     typedef double A;
+    reduce_op::check(op);
     FERRY_GRID_STRIDE(t, outer * inner) {
         u64 o = t / inner, i = t % inner;
         const T* base = x + o * len * inner + i;
-        A v = op == 0 ? (A)0 : (A)Num<T>::load(base[0]);
+        A v = op == reduce_op::sum ? (A)0 : (A)Num<T>::load(base[0]);
         i64 k = 0;
-        for (u64 j = op == 0 ? 0 : 1; j < len; ++j) combine(op, v, k, (A)Num<T>::load(base[j * inner]), (i64)j);
-        if (op == 2) out_index[t] = k;
+        for (u64 j = op == reduce_op::sum ? 0 : 1; j < len; ++j) combine(op, v, k, (A)Num<T>::load(base[j * inner]), (i64)j);
+        if (op == reduce_op::argmax) out_index[t] = k;
         else out[t] = Num<T>::store((typename Num<T>::Acc)v);
     }
 }

@@ -33,7 +33,7 @@ fn two_backwards(device: Device) -> Result<()> {
         Tensor::ones(&[], DType::F64, device)?,
         BackwardOptions {
             retain_graph: true,
-            trace: false,
+            ..Default::default()
         },
     )?;
     y.backward()?;
@@ -61,7 +61,7 @@ fn retain_graph(device: Device) -> Result<()> {
     let z = x.exp()?.sum()?;
     let keep = BackwardOptions {
         retain_graph: true,
-        trace: false,
+        ..Default::default()
     };
     z.backward_with(Tensor::ones(&[], DType::F64, device)?, keep)?;
     z.backward_with(Tensor::ones(&[], DType::F64, device)?, keep)?;
@@ -93,8 +93,8 @@ fn only_where_required(device: Device) -> Result<()> {
     let report = y.backward_with(
         Tensor::ones(&[], DType::F64, device)?,
         BackwardOptions {
-            retain_graph: false,
             trace: true,
+            ..Default::default()
         },
     )?;
     assert_eq!(values(&x.grad().unwrap()), [3.0, 4.0]); // d/dx Σ x·c = c
@@ -148,12 +148,13 @@ fn dot_snapshot_of_leaf_mul_sum() {
         .unwrap();
     let y = x.mul(&x).unwrap().sum().unwrap();
     let dot = y.node().unwrap().to_dot();
-    // mul saves both operands: 2 × 3 f32 = 24 bytes; edges run the way gradients flow.
+    // mul saves both operands, here one storage of 3 f32 = 12 bytes, kept once; edges run the
+    // way gradients flow.
     let expected = r#"digraph autograd {
   rankdir=BT;
   node [fontname="monospace", fontsize=10];
   n0 [label="sum\n[] f32 cpu\nsaved 0 B", shape=box];
-  n1 [label="mul\n[3] f32 cpu\nsaved 24 B", shape=box];
+  n1 [label="mul\n[3] f32 cpu\nsaved 12 B", shape=box];
   n2 [label="leaf\n[3] f32 cpu", shape=ellipse, style=filled, fillcolor="lightblue"];
   n0 -> n1;
   n1 -> n2 [label="0"];

@@ -1,7 +1,8 @@
-//! The guide (docs/guide/) names files, figures, packages and `ferry` subcommands; this checks
-//! that each one exists, so a rename elsewhere fails here instead of leaving the guide wrong.
-//! (The guide's Rust blocks run as doctests of the `ferry` crate; its `ferry graph` commands
-//! are parsed and run by the ferry-cli unit tests.)
+//! The guide (docs/guide/) names files, figures, packages, `ferry` subcommands and items of the
+//! `ferry` crate; this checks that each one exists, so a rename elsewhere fails here instead of
+//! leaving the guide wrong. (The guide's Rust blocks run as doctests of the `ferry` crate, and
+//! this checks that every chapter is among them; its `ferry graph` commands are parsed and run
+//! by the ferry-cli unit tests.)
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -23,7 +24,7 @@ fn pages() -> Vec<(PathBuf, String)> {
         })
         .collect();
     pages.sort();
-    assert!(pages.len() >= 7, "the index and six chapters: {pages:?}");
+    assert!(pages.len() >= 8, "the index and seven chapters: {pages:?}");
     pages
 }
 
@@ -225,4 +226,110 @@ fn every_command_the_guide_names_exists() {
         checked >= 5,
         "the command scan found only {checked} commands"
     );
+}
+
+#[test]
+fn every_chapter_runs_as_doctests() {
+    let harness = std::fs::read_to_string(root().join("crates/ferry/src/guide.rs")).unwrap();
+    for (page, _) in pages() {
+        let name = page.file_name().unwrap().to_str().unwrap();
+        assert!(
+            harness.contains(&format!("include_str!(\"../../../docs/guide/{name}\")")),
+            "crates/ferry/src/guide.rs does not include docs/guide/{name}, so its examples never run"
+        );
+    }
+}
+
+/// Every `.rs` file under `crates/*/src`.
+fn sources() -> Vec<String> {
+    let mut pending = vec![root().join("crates")];
+    let mut texts = Vec::new();
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() && !path.ends_with("target") {
+                pending.push(path);
+            } else if path.extension().is_some_and(|x| x == "rs") {
+                texts.push(std::fs::read_to_string(&path).unwrap());
+            }
+        }
+    }
+    texts
+}
+
+fn is_ident(word: &str) -> bool {
+    word.chars()
+        .next()
+        .is_some_and(|c| c.is_alphabetic() || c == '_')
+        && word.chars().all(|c| c.is_alphanumeric() || c == '_')
+}
+
+/// Whether some crate declares a public item `name` (`pub fn name`, `pub struct name`, ..) or
+/// re-exports one under that name (`pub use a::name;`, `pub use a::{b, name}`, `pub use a as name`).
+fn declared(sources: &[String], name: &str) -> bool {
+    const KINDS: [&str; 7] = ["fn", "struct", "enum", "trait", "type", "const", "mod"];
+    let words = |line: &str| -> bool {
+        line.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .any(|w| w == name)
+    };
+    sources.iter().any(|text| {
+        let mut in_use = false;
+        text.lines().map(str::trim).any(|line| {
+            let declares = KINDS.iter().any(|kind| {
+                line.strip_prefix(&format!("pub {kind} {name}"))
+                    .is_some_and(|rest| {
+                        !rest.starts_with(|c: char| c.is_alphanumeric() || c == '_')
+                    })
+            });
+            if line.starts_with("pub use") {
+                in_use = true;
+            }
+            let exported = in_use && words(line);
+            if in_use && line.contains(';') {
+                in_use = false;
+            }
+            declares || exported
+        })
+    })
+}
+
+/// `ferry::` paths in the prose's code spans: the Rust blocks compile, the prose does not.
+#[test]
+fn every_ferry_item_the_guide_names_exists() {
+    let sources = sources();
+    let mut checked = 0;
+    for (page, text) in pages() {
+        let mut in_rust = false;
+        for line in text.lines() {
+            if let Some(lang) = line.strip_prefix("```") {
+                in_rust = !in_rust && lang == "rust";
+                continue;
+            }
+            if in_rust {
+                continue;
+            }
+            for span in line.split('`').skip(1).step_by(2) {
+                for (i, _) in span.match_indices("ferry::") {
+                    let path: Vec<&str> = span[i + "ferry::".len()..]
+                        .split("::")
+                        .map(|seg| {
+                            seg.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                                .next()
+                                .unwrap()
+                        })
+                        .take_while(|seg| is_ident(seg))
+                        .collect();
+                    for name in &path {
+                        checked += 1;
+                        assert!(
+                            declared(&sources, name),
+                            "{}: `{span}` names `{name}`, which no crate declares",
+                            page.display()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked >= 10, "the item scan found only {checked} names");
 }

@@ -1,12 +1,20 @@
 //! Training steps give back their graph, and `ferry::debug::GraphWatch` catches a loop that
-//! keeps it (the `total = total + loss` accumulation). Part of the graph_accounting binary.
+//! keeps it (the `total = total + loss` accumulation). Each test watches its own model's graph,
+//! so they run in parallel with the rest of the suite.
 
 use ferry::debug::GraphWatch;
 use ferry::nn::{self, Linear, Module, ReLU, Sequential};
 use ferry::optim::{Adam, Optimizer};
 use ferry_tensor::{DType, Device, Tensor};
 
-use super::{counts, serial};
+use ferry::Graph;
+
+/// (live nodes, saved bytes, recorded) of the graphs the parameters belong to.
+fn counts(params: &[Tensor]) -> (usize, usize, u64) {
+    let graphs: Vec<Graph> = params.iter().filter_map(Tensor::graph).collect();
+    let s = Graph::stats_of(&graphs);
+    (s.live_nodes, s.saved_bytes, s.recorded)
+}
 
 fn setup() -> (Sequential, Adam, Tensor, Tensor) {
     ferry::manual_seed(5);
@@ -30,15 +38,15 @@ fn step(model: &Sequential, opt: &mut Adam, x: &Tensor, y: &Tensor) -> Tensor {
 
 #[test]
 fn a_training_step_leaves_nothing_of_its_graph_alive() {
-    let _serial = serial();
     let (model, mut opt, x, y) = setup();
-    let (live, saved, recorded) = counts();
-    let watch = GraphWatch::new();
+    let params = model.parameters();
+    let (live, saved, recorded) = counts(&params);
+    let watch = GraphWatch::new(&params);
     let mut total = 0.0;
     for _ in 0..3 {
         total += step(&model, &mut opt, &x, &y).item().unwrap();
     }
-    let (live_after, saved_after, recorded_after) = counts();
+    let (live_after, saved_after, recorded_after) = counts(&params);
     assert!(recorded_after > recorded, "the steps recorded nodes");
     assert_eq!(
         (live_after, saved_after),
@@ -53,9 +61,9 @@ fn a_training_step_leaves_nothing_of_its_graph_alive() {
 
 #[test]
 fn graph_watch_catches_a_running_total_without_detach() {
-    let _serial = serial();
     let (model, mut opt, x, y) = setup();
-    let watch = GraphWatch::new();
+    let params = model.parameters();
+    let watch = GraphWatch::new(&params);
     let mut total = Tensor::zeros(&[], DType::F32, Device::Cpu).unwrap();
     for _ in 0..3 {
         total = total.add(&step(&model, &mut opt, &x, &y)).unwrap();

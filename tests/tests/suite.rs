@@ -12,8 +12,16 @@ mod broadcasting;
 mod values;
 // Views share storage and copy nothing; chunk, narrow and cat agree with each other.
 mod views;
-// Autograd behaviour that does not depend on process-wide graph counts.
+// Autograd behaviour: retain_graph, traces, DOT, errors of the engine.
 mod autograd;
+// Live-node, saved-byte and recorded counts of each test's own graph, in parallel.
+mod graph_accounting;
+// Training steps give back their graph; GraphWatch catches a running total that keeps it.
+mod leak_check;
+// Every recording op keeps alive exactly the tensors its rule declares, and saved_bytes says so.
+mod saved_state;
+// Threads training their own models read exact counts of their own graphs, with no lock.
+mod concurrency;
 // f16 and bf16: casts, round trips and ops against f32.
 mod dtypes;
 // Every TensorError reachable on a CPU, and what its message tells the user to do.
@@ -38,3 +46,11 @@ mod interop;
 mod transfer_docs;
 // Every path, figure, package and subcommand the guide (docs/guide/) names exists.
 mod guide;
+// gradgradcheck of every op on both devices, Hessian-vector products, autograd::grad's options.
+mod higher_order;
+// Gradient hooks observe and replace, retain_grad, post-accumulate hooks filling buckets.
+mod hooks;
+// Which grad-mode scope covers a thread pool's workers; inference data; carried modes.
+mod inference;
+// In-place writes into saved tensors (assign, optimizer steps) make backward fail, named.
+mod inplace;

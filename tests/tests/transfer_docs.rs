@@ -4,7 +4,7 @@
 
 use ferry::graph::DetachCut;
 use ferry::{ChunkSpec, DeviceMove, MoveOptions};
-use ferry_tensor::{DType, Device, Result, Tensor, graph};
+use ferry_tensor::{DType, Device, Result, Tensor};
 
 const PAGE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/transfer-methods.md");
 
@@ -24,9 +24,9 @@ fn cut(h: &Tensor, label: &str) -> String {
     let node = h.node().expect("h has history");
     let cut = DetachCut {
         label: label.into(),
-        node: node.index(),
+        node: node.clone(),
     };
-    graph().dot_from(&[node], &[cut])
+    ferry::graph::dot(&[node], &[cut])
 }
 
 fn figures() -> Result<Vec<(&'static str, String)>> {

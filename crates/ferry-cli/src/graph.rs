@@ -1,10 +1,10 @@
 //! `ferry graph`: draws the autograd graph of a built-in example (DOT, or SVG through
-//! Graphviz's `dot`) and, with `--trace`, runs its backward step by step.
+//! Graphviz's `dot`) and, with `--trace`, runs its backward step by step, hooks included.
 //!
 //! Every drawing is a real graph recorded by ferry on this machine. The transfer examples put
 //! their source on `cuda:0` when a GPU is there; without one the same code moves from the host
-//! to the host, which records the same transfer node (reading `cpu -> cpu`), and the drawing's
-//! title says so.
+//! to the host, which copies nothing (the result is an alias) but records the same transfer
+//! node (reading `cpu -> cpu`), and the drawing's title says so.
 
 use std::error::Error;
 use std::fmt::Write as _;
@@ -29,7 +29,8 @@ pub struct GraphArgs {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Run backward step by step and print each node visited, in order, with the gradient it
-    /// received and what it passed on. The drawing is then written only with --out.
+    /// received, the hooks that ran there and what it passed on. The drawing is then written
+    /// only with --out.
     #[arg(long)]
     trace: bool,
 }
@@ -45,6 +46,9 @@ pub enum Example {
     CpuVsDetach,
     /// A chunked move (4 pieces): one transfer node for the whole move.
     Chunked,
+    /// `h = x * w; loss = h.sum()` with hooks on `h` (one checks, one doubles its gradient),
+    /// `h.retain_grad()`, and a post-accumulate hook on `w`: the trace shows them fire.
+    Hooks,
 }
 
 impl Example {
@@ -55,6 +59,7 @@ impl Example {
             Example::Mlp => "mlp",
             Example::CpuVsDetach => "cpu-vs-detach",
             Example::Chunked => "chunked",
+            Example::Hooks => "hooks",
         }
     }
 }
@@ -107,6 +112,7 @@ pub fn draw(example: Example) -> Result<Drawing, Box<dyn Error>> {
         Example::Mlp => mlp(),
         Example::CpuVsDetach => cpu_vs_detach(),
         Example::Chunked => chunked(),
+        Example::Hooks => hooks(),
     }
 }
 
@@ -148,6 +154,9 @@ pub fn to_svg(dot: &str) -> Result<Vec<u8>, Box<dyn Error>> {
 }
 
 /// The trace as the CLI prints it: one block per node, in the order backward visited them.
+/// Hooks are listed where they ran: gradient hooks (and a retained gradient) before the node
+/// used its gradient, so `received` is the gradient after them; post-accumulate hooks after a
+/// leaf stored its gradient.
 pub fn format_trace(root: &str, steps: &[TraceStep]) -> String {
     let mut out = format!(
         "backward from {root}: {} nodes, in the order visited\n",
@@ -170,10 +179,21 @@ pub fn format_trace(root: &str, steps: &[TraceStep]) -> String {
             }
             NodeKind::Op => {}
         }
+        let (after, before): (Vec<&String>, Vec<&String>) = step
+            .hooks
+            .iter()
+            .partition(|note| note.starts_with("post-accumulate"));
         let _ = writeln!(out, "{:>3}. {node}", i + 1);
+        for note in before {
+            let note = note.strip_prefix("hook ").unwrap_or(note);
+            let _ = writeln!(out, "     hook      {note}");
+        }
         let _ = writeln!(out, "     received  {}", step.received);
         if meta.kind == NodeKind::Leaf {
             out.push_str("     stored    into .grad\n");
+            for note in after {
+                let _ = writeln!(out, "     hook      {note}");
+            }
         } else if step.passed.is_empty() {
             out.push_str("     passed    nothing (no input needs a gradient)\n");
         }
@@ -233,13 +253,13 @@ struct Value {
     node: NodeHandle<f64>,
 }
 
-fn leaf(g: &Graph<f64>, name: &'static str, data: f64) -> Value {
+fn leaf(g: &Graph, name: &'static str, data: f64) -> Value {
     let node = g.leaf(NodeMeta::scalar(name), GradSlot::default());
     Value { data, node }
 }
 
 /// An op whose gradient for input `i` is the output's gradient times `local[i]`.
-fn op(g: &Graph<f64>, name: &'static str, data: f64, inputs: &[&Value], local: Vec<f64>) -> Value {
+fn op(g: &Graph, name: &'static str, data: f64, inputs: &[&Value], local: Vec<f64>) -> Value {
     let rule = move |grad: &f64, _: &[bool]| -> Result<_, ferry::graph::BoxError> {
         Ok(local.iter().map(|d| Some(grad * d)).collect())
     };
@@ -262,7 +282,7 @@ fn scalar() -> Result<Drawing, Box<dyn Error>> {
         &o.node.to_dot(),
         &[
             "ferry graph --example scalar: o = tanh(x1*w1 + x2*w2 + b), micrograd's neuron",
-            "real graph: ferry-graph's Graph<f64>, the engine chapter 1 of the guide builds on",
+            "real graph: ferry-graph's Graph, the engine chapter 1 of the guide builds on",
         ],
     );
     let options = BackwardOptions {
@@ -356,16 +376,52 @@ fn chunked() -> Result<Drawing, Box<dyn Error>> {
     })
 }
 
+fn hooks() -> Result<Drawing, Box<dyn Error>> {
+    let x = Tensor::from_slice(&[0.5f32, -1.0, 2.0], &[3])?.with_grad()?;
+    let w = Tensor::from_slice(&[3.0f32, 1.0, -0.5], &[3])?.with_grad()?;
+    let h = x.mul(&w)?;
+    // Hooks run in the order they were registered, each on what the one before returned.
+    let _check = h.register_hook(|g| {
+        if !g.norm()?.is_finite() {
+            return Err(TensorError::InvalidArgument {
+                op: "gradient check",
+                message: "the gradient of h is not finite".into(),
+            });
+        }
+        Ok(None) // observed, not replaced
+    })?;
+    let _double = h.register_hook(|g| Ok(Some(g.mul_scalar(2.0)?)))?;
+    h.retain_grad()?; // h.grad() keeps the gradient the hooks left
+    let _ready = w.register_post_accumulate_grad_hook(|_grad| Ok(()))?; // where all-reduce would start
+    let loss = h.sum()?;
+    let dot = decorate(
+        &ferry::tensor::to_dot(&[&loss], &[]),
+        &[
+            "ferry graph --example hooks: h = x * w; loss = h.sum()",
+            "on h: a hook that checks its gradient is finite, a hook that doubles it, h.retain_grad()",
+            "on w: a post-accumulate hook, run once w.grad is updated",
+            "hooks add no nodes, only the (hooks) mark; --trace shows where they fire",
+        ],
+    );
+    let report = loss.backward_traced()?;
+    Ok(Drawing {
+        dot,
+        root: "loss = (x * w).sum() ([] f32 cpu)".to_string(),
+        trace: report.trace,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// Every example, in the order the guide shows them.
-    const ALL: [Example; 4] = [
+    const ALL: [Example; 5] = [
         Example::Scalar,
         Example::Mlp,
         Example::CpuVsDetach,
         Example::Chunked,
+        Example::Hooks,
     ];
 
     fn dot_available() -> bool {
@@ -419,6 +475,7 @@ mod tests {
             let expected = match example {
                 Example::Scalar => 5,
                 Example::Mlp => 4,
+                Example::Hooks => 2,
                 Example::CpuVsDetach | Example::Chunked => 1,
             };
             assert_eq!(leaves, expected, "{}", example.name());
@@ -542,6 +599,31 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn the_hooks_trace_shows_each_hook_where_it_ran() {
+        let drawing = draw(Example::Hooks).unwrap();
+        let mul = drawing.trace.iter().find(|s| s.meta.op == "mul").unwrap();
+        assert_eq!(mul.hooks.len(), 3, "{:?}", mul.hooks);
+        assert_eq!(mul.hooks[0], "hook observed the gradient");
+        assert!(mul.hooks[1].starts_with("hook replaced the gradient"));
+        assert_eq!(mul.hooks[2], "gradient retained");
+        // d loss/dh = 1 per element, doubled: norm √(3 · 2²) = 3.4641.
+        assert!(mul.received.ends_with("norm 3.4641"), "{}", mul.received);
+        let post: Vec<_> = drawing
+            .trace
+            .iter()
+            .filter(|s| s.hooks.iter().any(|h| h.starts_with("post-accumulate")))
+            .collect();
+        assert_eq!(post.len(), 1, "only w has a post-accumulate hook");
+        assert_eq!(post[0].meta.kind, NodeKind::Leaf);
+
+        let text = format_trace(&drawing.root, &drawing.trace);
+        let hook = text.find("hook      replaced the gradient").expect(&text);
+        let received = text[hook..].find("received").expect(&text) + hook;
+        let stored = text.find("stored    into .grad\n     hook      post-accumulate");
+        assert!(hook < received && stored.is_some(), "{text}");
     }
 
     #[test]

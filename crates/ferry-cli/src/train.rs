@@ -222,7 +222,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
         (args.epochs.saturating_sub(done_before) * batches) as u64,
     );
     // Parameters and their leaves are in the baseline; every step must give back what it made.
-    let watch = GraphWatch::new();
+    let params = model.parameters();
+    let watch = GraphWatch::new(&params);
     for epoch in done_before + 1..=args.epochs {
         bar.set_prefix(format!("epoch {epoch}/{}", args.epochs));
         if !args.constant_lr {

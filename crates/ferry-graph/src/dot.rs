@@ -1,83 +1,79 @@
 //! Graphviz DOT output: op, shape, dtype, device and saved bytes per node; transfer nodes and
-//! their edges drawn distinctly.
+//! their edges drawn distinctly; detach cuts as dashed edges.
 
 use std::collections::HashMap;
 use std::fmt::Write;
 
-use petgraph::stable_graph::NodeIndex;
+use petgraph::graph::{DiGraph, NodeIndex};
 use petgraph::visit::EdgeRef;
 
-use crate::graph::{Graph, GraphState, NodeData, NodeHandle};
+use crate::graph::{NodeHandle, RuleSlot};
 use crate::node::{GradValue, NodeKind};
 
 /// A detach cut to draw: a tensor that was cut off from `node` by `detach`.
 #[derive(Debug, Clone)]
-pub struct DetachCut {
+pub struct DetachCut<G: GradValue> {
     /// What to call the detached tensor in the drawing.
     pub label: String,
-    /// Index of the node the tensor was detached from.
-    pub node: NodeIndex,
+    /// The node the tensor was detached from.
+    pub node: NodeHandle<G>,
 }
 
-impl<G: GradValue> Graph<G> {
-    /// The whole graph in DOT, nodes in index order.
-    pub fn to_dot(&self) -> String {
-        let state = self.state.lock();
-        let nodes: Vec<NodeIndex> = state.graph.node_indices().collect();
-        render(&state, &nodes, &[])
-    }
-
-    /// What `roots` reach, in DOT, with `cuts` drawn as dashed edges into the cut node.
-    pub fn dot_from(&self, roots: &[&NodeHandle<G>], cuts: &[DetachCut]) -> String {
-        let state = self.state.lock();
-        let mut seen = std::collections::HashSet::new();
-        let mut nodes = Vec::new();
-        // Roots first, then what only the cuts reach.
-        let mut stack: Vec<NodeIndex> = cuts.iter().rev().map(|c| c.node).collect();
-        stack.extend(roots.iter().rev().map(|r| r.index));
-        while let Some(node) = stack.pop() {
-            if !state.graph.contains_node(node) || !seen.insert(node) {
-                continue;
-            }
-            nodes.push(node);
-            stack.extend(
-                edges_by_slot(&state, node)
-                    .into_iter()
-                    .rev()
-                    .map(|(_, target)| target),
-            );
+/// What `roots` reach, in DOT, with `cuts` drawn as dashed edges into the cut node. Nodes are
+/// numbered in the order a depth-first walk from the roots (then the cuts) meets them, inputs
+/// in slot order, so a drawing of the same graph is the same text.
+pub fn dot<G: GradValue>(roots: &[&NodeHandle<G>], cuts: &[DetachCut<G>]) -> String {
+    let mut graph: DiGraph<NodeHandle<G>, usize> = DiGraph::new();
+    let mut index: HashMap<usize, NodeIndex> = HashMap::new();
+    let mut stack: Vec<NodeHandle<G>> = cuts.iter().rev().map(|c| c.node.clone()).collect();
+    stack.extend(roots.iter().rev().map(|r| (*r).clone()));
+    while let Some(node) = stack.pop() {
+        if index.contains_key(&node.key()) {
+            continue;
         }
-        render(&state, &nodes, cuts)
+        index.insert(node.key(), graph.add_node(node.clone()));
+        stack.extend(node.inputs().rev().flatten().cloned());
     }
+    for i in graph.node_indices() {
+        let node = graph[i].clone();
+        for (slot, input) in node.inputs().enumerate() {
+            if let Some(input) = input {
+                graph.add_edge(i, index[&input.key()], slot);
+            }
+        }
+    }
+    render(&graph, &index, cuts)
 }
 
 impl<G: GradValue> NodeHandle<G> {
     /// What this node reaches, in DOT.
     pub fn to_dot(&self) -> String {
-        self.graph.dot_from(&[self], &[])
+        dot(&[self], &[])
     }
 }
 
-fn render<G>(state: &GraphState<G>, nodes: &[NodeIndex], cuts: &[DetachCut]) -> String {
-    let ids: HashMap<NodeIndex, usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+fn render<G: GradValue>(
+    graph: &DiGraph<NodeHandle<G>, usize>,
+    index: &HashMap<usize, NodeIndex>,
+    cuts: &[DetachCut<G>],
+) -> String {
     let mut out = String::from(
         "digraph autograd {\n  rankdir=BT;\n  node [fontname=\"monospace\", fontsize=10];\n",
     );
-    for (id, &node) in nodes.iter().enumerate() {
-        let data = &state.graph[node];
-        let _ = writeln!(out, "  n{id} [{}];", node_attrs(data));
+    for i in graph.node_indices() {
+        let _ = writeln!(out, "  n{} [{}];", i.index(), node_attrs(&graph[i]));
     }
-    for &node in nodes {
-        let data = &state.graph[node];
-        for (slot, target) in edges_by_slot(state, node) {
-            let Some(target) = ids.get(&target) else {
-                continue;
-            };
+    for i in graph.node_indices() {
+        let node = &graph[i];
+        let mut edges: Vec<(usize, NodeIndex)> =
+            graph.edges(i).map(|e| (*e.weight(), e.target())).collect();
+        edges.sort_unstable();
+        for (slot, target) in edges {
             let mut attrs = Vec::new();
-            if data.inputs > 1 {
+            if node.0.edges.len() > 1 {
                 attrs.push(format!("label=\"{slot}\""));
             }
-            if matches!(data.meta.kind, NodeKind::Transfer { .. }) {
+            if matches!(node.meta().kind, NodeKind::Transfer { .. }) {
                 attrs.push("color=\"darkorange\", penwidth=2, style=bold".to_string());
             }
             // Edges point the way gradients flow: from an op to its inputs.
@@ -86,36 +82,24 @@ fn render<G>(state: &GraphState<G>, nodes: &[NodeIndex], cuts: &[DetachCut]) -> 
             } else {
                 format!(" [{}]", attrs.join(", "))
             };
-            let _ = writeln!(out, "  n{} -> n{target}{attrs};", ids[&node]);
+            let _ = writeln!(out, "  n{} -> n{}{attrs};", i.index(), target.index());
         }
     }
-    for (i, cut) in cuts.iter().enumerate() {
-        let Some(target) = ids.get(&cut.node) else {
-            continue;
-        };
+    for (k, cut) in cuts.iter().enumerate() {
+        let target = index[&cut.node.key()];
         let _ = writeln!(
             out,
-            "  cut{i} [label=\"{}\", shape=note, style=filled, fillcolor=\"#eeeeee\"];\n  cut{i} -> n{target} [style=dashed, color=red, arrowhead=tee, label=\"detach\"];",
-            escape(&cut.label)
+            "  cut{k} [label=\"{}\", shape=note, style=filled, fillcolor=\"#eeeeee\"];\n  cut{k} -> n{} [style=dashed, color=red, arrowhead=tee, label=\"detach\"];",
+            escape(&cut.label),
+            target.index()
         );
     }
     out.push_str("}\n");
     out
 }
 
-/// A node's gradient edges as `(slot, input node)`, in slot order.
-fn edges_by_slot<G>(state: &GraphState<G>, node: NodeIndex) -> Vec<(usize, NodeIndex)> {
-    let mut edges: Vec<_> = state
-        .graph
-        .edges(node)
-        .map(|e| (e.weight().slot, e.target()))
-        .collect();
-    edges.sort_unstable();
-    edges
-}
-
-fn node_attrs<G>(data: &NodeData<G>) -> String {
-    let meta = &data.meta;
+fn node_attrs<G: GradValue>(node: &NodeHandle<G>) -> String {
+    let meta = node.meta();
     let shape = meta
         .shape
         .iter()
@@ -124,11 +108,14 @@ fn node_attrs<G>(data: &NodeData<G>) -> String {
         .join(", ");
     let mut label = format!("{}\\n[{shape}] {} {}", meta.op, meta.dtype, meta.device);
     // Leaves save nothing by construction; every op node says what it keeps for backward.
-    if !data.is_leaf() {
-        let _ = write!(label, "\\nsaved {} B", data.saved_bytes);
+    if !node.is_leaf() {
+        let _ = write!(label, "\\nsaved {} B", node.saved_bytes());
     }
-    if data.backward.is_none() && !data.is_leaf() {
+    if matches!(&*node.0.rule.lock(), RuleSlot::Freed) {
         label.push_str("\\n(buffers freed)");
+    }
+    if !node.0.hooks.lock().is_empty() {
+        label.push_str("\\n(hooks)");
     }
     match &meta.kind {
         NodeKind::Op => format!("label=\"{}\", shape=box", escape_quotes(&label)),
@@ -139,8 +126,8 @@ fn node_attrs<G>(data: &NodeData<G>) -> String {
         NodeKind::Transfer { from, to } => format!(
             "label=\"{}\\n{} -> {}\", shape=box, style=\"filled,bold\", fillcolor=\"orange\"",
             escape_quotes(&label),
-            escape(from),
-            escape(to)
+            escape(&from.to_string()),
+            escape(&to.to_string())
         ),
     }
 }

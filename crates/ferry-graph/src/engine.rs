@@ -1,24 +1,29 @@
-//! The backward engine: topological order over what the root reaches, accumulation into
-//! leaves, and freeing saved buffers unless the graph is retained.
+//! The backward engine. It plans on a petgraph of what the roots reach (only what leads to the
+//! asked-for inputs, for [`grad`]), then runs nodes in dependency order, latest-recorded first,
+//! freeing each node's saved buffers as soon as its rule has run unless the graph is retained.
 
-use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::collections::{BinaryHeap, HashMap};
+use std::hash::BuildHasherDefault;
 
-use petgraph::stable_graph::NodeIndex;
+use petgraph::Direction;
+use petgraph::graph::{DiGraph, NodeIndex};
 use petgraph::visit::EdgeRef;
 use smallvec::SmallVec;
 
 use crate::GraphError;
-use crate::graph::{GradSlot, GraphState, NodeHandle};
-use crate::mode::no_grad;
-use crate::node::{Backward, GradValue, NodeMeta};
+use crate::graph::{NodeHandle, RuleSlot};
+use crate::group::AddressHasher;
+use crate::mode::{enable_grad, no_grad};
+use crate::node::{BackwardContext, GradValue, NodeMeta};
 
 /// How to run backward.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BackwardOptions {
     /// Keep saved buffers so backward can run through this graph again.
     pub retain_graph: bool,
+    /// Record the backward's own ops, so the gradients it returns have history and can be
+    /// differentiated again (higher-order gradients). Implies nothing about `retain_graph`.
+    pub create_graph: bool,
     /// Record a [`TraceStep`] for every node visited.
     pub trace: bool,
 }
@@ -28,10 +33,13 @@ pub struct BackwardOptions {
 pub struct TraceStep {
     /// The node's description.
     pub meta: NodeMeta,
-    /// The gradient the node received, described by [`GradValue::describe`].
+    /// The gradient the node received (after its hooks), described by
+    /// [`GradValue::describe`].
     pub received: String,
     /// What the node passed on: `(input slot, gradient)` for each input that wanted one.
     pub passed: Vec<(usize, String)>,
+    /// The hooks that ran at this node, in order, and what each did.
+    pub hooks: Vec<String>,
 }
 
 /// What a backward did.
@@ -41,151 +49,377 @@ pub struct BackwardReport {
     pub visited: usize,
     /// Leaves whose gradient was accumulated.
     pub leaves_reached: usize,
+    /// Bytes of saved buffers released as their nodes ran (0 with `retain_graph`).
+    pub freed_bytes: usize,
     /// The visit in order, when [`BackwardOptions::trace`] was set.
     pub trace: Vec<TraceStep>,
 }
 
-struct Step<G> {
-    index: NodeIndex,
-    meta: NodeMeta,
-    backward: Option<Arc<dyn Backward<G>>>,
-    leaf_grad: Option<GradSlot<G>>,
-    inputs: usize,
-    edges: SmallVec<[(NodeIndex, usize); 2]>,
-}
-
 impl<G: GradValue> NodeHandle<G> {
-    /// Runs backward from this node with `grad` as the gradient of its output.
+    /// Runs backward from this node with `grad` as the gradient of its output, accumulating
+    /// into the leaves it reaches.
     pub fn backward(
         &self,
         grad: G,
         options: BackwardOptions,
     ) -> Result<BackwardReport, GraphError> {
-        let plan = self.plan()?;
-        let _no_grad = no_grad();
-        let mut grads: HashMap<NodeIndex, G> = HashMap::with_capacity(plan.len());
-        grads.insert(self.index, grad);
-        let mut report = BackwardReport::default();
-        for step in &plan {
-            let Some(grad) = grads.remove(&step.index) else {
-                continue; // every path into this node produced no gradient
-            };
-            report.visited += 1;
-            if let Some(slot) = &step.leaf_grad {
-                if options.trace {
-                    report.trace.push(TraceStep {
-                        meta: step.meta.clone(),
-                        received: grad.describe(),
-                        passed: Vec::new(),
-                    });
-                }
-                accumulate_into(&mut slot.lock(), grad, step.meta.op)?;
-                report.leaves_reached += 1;
-                continue;
-            }
-            let backward = step
-                .backward
-                .as_ref()
-                .expect("plan checked op nodes have rules");
-            let mut wanted: SmallVec<[bool; 4]> = SmallVec::from_elem(false, step.inputs);
-            for &(_, slot) in &step.edges {
-                wanted[slot] = true;
-            }
-            let mut input_grads =
-                backward
-                    .backward(&grad, &wanted)
-                    .map_err(|source| GraphError::Backward {
-                        op: step.meta.op,
-                        source,
-                    })?;
-            if input_grads.len() != step.inputs {
-                return Err(GraphError::GradientArity {
-                    op: step.meta.op,
-                    expected: step.inputs,
-                    got: input_grads.len(),
-                });
-            }
-            let mut passed = Vec::new();
-            for &(target, slot) in &step.edges {
-                let Some(g) = input_grads[slot].take() else {
-                    continue;
-                };
-                if options.trace {
-                    passed.push((slot, g.describe()));
-                }
-                match grads.entry(target) {
-                    Entry::Occupied(mut existing) => {
-                        existing
-                            .get_mut()
-                            .accumulate(g)
-                            .map_err(|source| GraphError::Backward {
-                                op: step.meta.op,
-                                source,
-                            })?
-                    }
-                    Entry::Vacant(slot) => {
-                        slot.insert(g);
-                    }
-                }
-            }
-            if options.trace {
-                passed.sort_by_key(|(slot, _)| *slot);
-                report.trace.push(TraceStep {
-                    meta: step.meta.clone(),
-                    received: grad.describe(),
-                    passed,
-                });
-            }
-        }
-        if !options.retain_graph {
-            self.free_saved(&plan);
-        }
-        Ok(report)
-    }
-
-    /// The nodes reachable from this one, in an order where every node comes after all the
-    /// nodes that send it gradients (reverse postorder of a depth-first walk).
-    fn plan(&self) -> Result<Vec<Step<G>>, GraphError> {
-        let state = self.graph.state.lock();
-        let order = reverse_postorder(&state, self.index);
-        order
-            .into_iter()
-            .map(|index| {
-                let data = &state.graph[index];
-                if !data.is_leaf() && data.backward.is_none() {
-                    return Err(GraphError::BuffersFreed { op: data.meta.op });
-                }
-                Ok(Step {
-                    index,
-                    meta: data.meta.clone(),
-                    backward: data.backward.clone(),
-                    leaf_grad: data.leaf_grad.clone(),
-                    inputs: data.inputs,
-                    edges: state
-                        .graph
-                        .edges(index)
-                        .map(|e| (e.target(), e.weight().slot))
-                        .collect(),
-                })
-            })
-            .collect()
-    }
-
-    fn free_saved(&self, plan: &[Step<G>]) {
-        let mut freed = Vec::new();
-        let mut state = self.graph.state.lock();
-        for step in plan.iter().filter(|s| s.leaf_grad.is_none()) {
-            let data = &mut state.graph[step.index];
-            let bytes = std::mem::take(&mut data.saved_bytes);
-            freed.extend(data.backward.take());
-            state.saved_bytes -= bytes;
-        }
-        drop(state);
-        drop(freed);
+        backward(&[(self, grad)], options)
     }
 }
 
-fn accumulate_into<G: GradValue>(
+/// Runs backward from several roots at once (each with the gradient of its output),
+/// accumulating into every leaf they reach.
+pub fn backward<G: GradValue>(
+    roots: &[(&NodeHandle<G>, G)],
+    options: BackwardOptions,
+) -> Result<BackwardReport, GraphError> {
+    Ok(Run::new(roots, None, options)?.execute()?.1)
+}
+
+/// The gradients of the roots with respect to `inputs` (any nodes: leaves or intermediate),
+/// returned instead of accumulated: no leaf's `.grad` changes. Only the nodes on paths from
+/// the roots to the inputs run. An input no path reaches gets `None`.
+pub fn grad<G: GradValue>(
+    roots: &[(&NodeHandle<G>, G)],
+    inputs: &[&NodeHandle<G>],
+    options: BackwardOptions,
+) -> Result<(Vec<Option<G>>, BackwardReport), GraphError> {
+    Run::new(roots, Some(inputs), options)?.execute()
+}
+
+/// A planned backward: the reached subgraph, which nodes must run, and the gradients so far.
+struct Run<G: GradValue> {
+    graph: DiGraph<NodeHandle<G>, usize>,
+    /// Whether a node's gradient is needed: it reaches a target (everything, in backward).
+    needed: Vec<bool>,
+    /// Edges from needed nodes not yet run.
+    waiting: Vec<usize>,
+    grads: Vec<Option<G>>,
+    /// For [`grad`]: each input's node index, and what it received.
+    targets: Option<Vec<NodeIndex>>,
+    options: BackwardOptions,
+}
+
+/// Ready nodes, latest recorded first.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct Ready {
+    seq: u64,
+    index: NodeIndex,
+}
+
+impl<G: GradValue> Run<G> {
+    fn new(
+        roots: &[(&NodeHandle<G>, G)],
+        targets: Option<&[&NodeHandle<G>]>,
+        options: BackwardOptions,
+    ) -> Result<Self, GraphError> {
+        let mut graph: DiGraph<NodeHandle<G>, usize> = DiGraph::with_capacity(16, 16);
+        let mut index: HashMap<usize, NodeIndex, BuildHasherDefault<AddressHasher>> =
+            HashMap::with_capacity_and_hasher(16, BuildHasherDefault::default());
+        let mut stack = Vec::with_capacity(16);
+        let mut add = |graph: &mut DiGraph<NodeHandle<G>, usize>,
+                       stack: &mut Vec<NodeIndex>,
+                       node: &NodeHandle<G>| {
+            *index.entry(node.key()).or_insert_with(|| {
+                let i = graph.add_node(node.clone());
+                stack.push(i);
+                i
+            })
+        };
+        for (root, _) in roots {
+            add(&mut graph, &mut stack, root);
+        }
+        while let Some(i) = stack.pop() {
+            let node = graph[i].clone();
+            for (slot, input) in node.0.edges.iter().enumerate() {
+                if let Some(input) = input {
+                    let j = add(&mut graph, &mut stack, input);
+                    graph.add_edge(i, j, slot);
+                }
+            }
+        }
+        let targets = targets.map(|inputs| {
+            inputs
+                .iter()
+                .map(|t| index.get(&t.key()).copied().unwrap_or(NodeIndex::end()))
+                .collect::<Vec<_>>()
+        });
+        let needed = match &targets {
+            None => vec![true; graph.node_count()],
+            Some(targets) => needed_for(&graph, targets),
+        };
+        let mut waiting = vec![0; graph.node_count()];
+        for edge in graph.edge_references() {
+            if needed[edge.source().index()] && needed[edge.target().index()] {
+                waiting[edge.target().index()] += 1;
+            }
+        }
+        let mut grads: Vec<Option<G>> = vec![None; graph.node_count()];
+        for (root, g) in roots {
+            let i = index[&root.key()].index();
+            accumulate(&mut grads[i], g.clone(), root.0.meta.op)?;
+        }
+        Ok(Self {
+            graph,
+            needed,
+            waiting,
+            grads,
+            targets,
+            options,
+        })
+    }
+
+    fn execute(mut self) -> Result<(Vec<Option<G>>, BackwardReport), GraphError> {
+        let _mode = if self.options.create_graph {
+            enable_grad()
+        } else {
+            no_grad()
+        };
+        let mut report = BackwardReport::default();
+        let mut captured: Vec<Option<G>> = vec![None; self.targets.as_ref().map_or(0, Vec::len)];
+        let mut ready: BinaryHeap<Ready> = self
+            .graph
+            .node_indices()
+            .filter(|i| self.needed[i.index()] && self.waiting[i.index()] == 0)
+            .map(|index| Ready {
+                seq: self.graph[index].0.seq,
+                index,
+            })
+            .collect();
+        while let Some(Ready { index, .. }) = ready.pop() {
+            let mut passed = match self.grads[index.index()].take() {
+                Some(grad) => self.visit(index, grad, &mut captured, &mut report)?,
+                None => SmallVec::new(), // every path into this node carried no gradient
+            };
+            let edges: SmallVec<[(NodeIndex, usize); 2]> = self
+                .graph
+                .edges(index)
+                .map(|e| (e.target(), *e.weight()))
+                .collect();
+            for (target, slot) in edges {
+                if !self.needed[target.index()] {
+                    continue;
+                }
+                // mul(x, x) has two edges to x: each takes the gradient of its own slot.
+                let grad = passed
+                    .iter()
+                    .position(|(s, _)| *s == slot)
+                    .map(|k| passed.swap_remove(k).1);
+                if let Some(grad) = grad {
+                    let op = self.graph[index].0.meta.op;
+                    accumulate(&mut self.grads[target.index()], grad, op)?;
+                }
+                self.waiting[target.index()] -= 1;
+                if self.waiting[target.index()] == 0 {
+                    ready.push(Ready {
+                        seq: self.graph[target].0.seq,
+                        index: target,
+                    });
+                }
+            }
+        }
+        Ok((captured, report))
+    }
+
+    /// Runs one node on its total gradient; returns `(slot, gradient)` for its needed inputs.
+    fn visit(
+        &mut self,
+        index: NodeIndex,
+        grad: G,
+        captured: &mut [Option<G>],
+        report: &mut BackwardReport,
+    ) -> Result<SmallVec<[(usize, G); 2]>, GraphError> {
+        let handle = self.graph[index].clone();
+        let node = &handle.0;
+        let op = node.meta.op;
+        report.visited += 1;
+        let mut hook_notes = Vec::new();
+        let grad = run_hooks(&handle, grad, self.options.trace, &mut hook_notes)?;
+        let mut step = self.options.trace.then(|| TraceStep {
+            meta: node.meta.clone(),
+            received: grad.describe(),
+            passed: Vec::new(),
+            hooks: hook_notes,
+        });
+        if let Some(targets) = &self.targets {
+            for (k, t) in targets.iter().enumerate() {
+                if *t == index {
+                    captured[k] = Some(grad.clone());
+                }
+            }
+        }
+        let mut out = SmallVec::new();
+        if let Some(slot) = &node.leaf_grad {
+            if self.targets.is_none() {
+                let total = {
+                    let mut slot = slot.lock();
+                    keep(&mut slot, grad, op)?;
+                    slot.clone().expect("just accumulated")
+                };
+                report.leaves_reached += 1;
+                let hooks: Vec<_> = node
+                    .hooks
+                    .lock()
+                    .post_accumulate
+                    .iter()
+                    .map(|(_, h)| h.clone())
+                    .collect();
+                for hook in hooks {
+                    hook(&total).map_err(|source| GraphError::Hook { op, source })?;
+                    if let Some(step) = &mut step {
+                        step.hooks.push("post-accumulate hook ran".into());
+                    }
+                }
+            }
+        } else {
+            let mut wanted: SmallVec<[bool; 4]> = SmallVec::from_elem(false, node.edges.len());
+            for edge in self.graph.edges(index) {
+                if self.needed[edge.target().index()] {
+                    wanted[*edge.weight()] = true;
+                }
+            }
+            if wanted.iter().any(|&w| w) {
+                out = self.run_rule(&handle, &grad, &wanted, report)?;
+                if let Some(step) = &mut step {
+                    step.passed = out.iter().map(|(s, g)| (*s, g.describe())).collect();
+                    step.passed.sort_by_key(|(s, _)| *s);
+                }
+            }
+        }
+        report.trace.extend(step);
+        Ok(out)
+    }
+
+    fn run_rule(
+        &self,
+        handle: &NodeHandle<G>,
+        grad: &G,
+        wanted: &[bool],
+        report: &mut BackwardReport,
+    ) -> Result<SmallVec<[(usize, G); 2]>, GraphError> {
+        let node = &handle.0;
+        let op = node.meta.op;
+        // Without retain_graph the rule leaves the node now, and what it saved goes when it
+        // has run: peak memory in backward is not every saved buffer at once.
+        let rule = {
+            let mut slot = node.rule.lock();
+            match &*slot {
+                RuleSlot::Leaf => unreachable!("leaves have no rule"),
+                RuleSlot::Freed => return Err(GraphError::BuffersFreed { op }),
+                // A rule that saved nothing keeps only shapes and scalars: it stays, so a second
+                // backward through it works, as in PyTorch.
+                RuleSlot::Ready(rule, saved) if self.options.retain_graph || saved.is_empty() => {
+                    rule.clone()
+                }
+                RuleSlot::Ready(..) => {
+                    let RuleSlot::Ready(rule, saved) =
+                        std::mem::replace(&mut *slot, RuleSlot::Freed)
+                    else {
+                        unreachable!()
+                    };
+                    node.group.with_state(|s| s.release(&saved));
+                    report.freed_bytes += saved.iter().map(|b| b.bytes).sum::<usize>();
+                    rule
+                }
+            }
+        };
+        let ctx = BackwardContext {
+            node: handle,
+            create_graph: self.options.create_graph,
+        };
+        let grads = rule
+            .backward(&ctx, grad, wanted)
+            .map_err(|source| GraphError::Backward { op, source })?;
+        drop(rule);
+        if grads.len() != node.edges.len() {
+            return Err(GraphError::GradientArity {
+                op,
+                expected: node.edges.len(),
+                got: grads.len(),
+            });
+        }
+        Ok(grads
+            .into_iter()
+            .enumerate()
+            .filter_map(|(slot, g)| Some((slot, g?)).filter(|_| wanted[slot]))
+            .collect())
+    }
+}
+
+/// Nodes from which a target can be reached (targets included).
+fn needed_for<G>(graph: &DiGraph<G, usize>, targets: &[NodeIndex]) -> Vec<bool> {
+    let mut needed = vec![false; graph.node_count()];
+    let mut stack: Vec<NodeIndex> = targets
+        .iter()
+        .copied()
+        .filter(|t| t.index() < graph.node_count())
+        .collect();
+    while let Some(i) = stack.pop() {
+        if std::mem::replace(&mut needed[i.index()], true) {
+            continue;
+        }
+        stack.extend(graph.neighbors_directed(i, Direction::Incoming));
+    }
+    needed
+}
+
+fn run_hooks<G: GradValue>(
+    handle: &NodeHandle<G>,
+    mut grad: G,
+    trace: bool,
+    notes: &mut Vec<String>,
+) -> Result<G, GraphError> {
+    let op = handle.0.meta.op;
+    let (hooks, retained) = {
+        let hooks = handle.0.hooks.lock();
+        if hooks.is_empty() {
+            return Ok(grad);
+        }
+        let list: SmallVec<[_; 2]> = hooks.grad.iter().map(|(_, h)| h.clone()).collect();
+        (list, hooks.retained.clone())
+    };
+    for hook in hooks {
+        match hook(&grad).map_err(|source| GraphError::Hook { op, source })? {
+            Some(replaced) => {
+                if trace {
+                    notes.push(format!(
+                        "hook replaced the gradient with {}",
+                        replaced.describe()
+                    ));
+                }
+                grad = replaced;
+            }
+            None => {
+                if trace {
+                    notes.push("hook observed the gradient".into());
+                }
+            }
+        }
+    }
+    if let Some(slot) = retained {
+        keep(&mut slot.lock(), grad.clone(), op)?;
+        if trace {
+            notes.push("gradient retained".into());
+        }
+    }
+    Ok(grad)
+}
+
+/// Accumulates into a kept gradient (`.grad`, a retained slot).
+fn keep<G: GradValue>(slot: &mut Option<G>, grad: G, op: &'static str) -> Result<(), GraphError> {
+    match slot {
+        Some(_) => accumulate(slot, grad, op),
+        None => {
+            *slot = Some(
+                grad.into_kept()
+                    .map_err(|source| GraphError::Backward { op, source })?,
+            );
+            Ok(())
+        }
+    }
+}
+
+fn accumulate<G: GradValue>(
     slot: &mut Option<G>,
     grad: G,
     op: &'static str,
@@ -199,28 +433,4 @@ fn accumulate_into<G: GradValue>(
             Ok(())
         }
     }
-}
-
-fn reverse_postorder<G>(state: &GraphState<G>, root: NodeIndex) -> Vec<NodeIndex> {
-    let mut visited = HashSet::new();
-    let mut postorder = Vec::new();
-    // (node, whether its children have been pushed)
-    let mut stack = vec![(root, false)];
-    while let Some((node, expanded)) = stack.pop() {
-        if expanded {
-            postorder.push(node);
-            continue;
-        }
-        if !visited.insert(node) {
-            continue;
-        }
-        stack.push((node, true));
-        for edge in state.graph.edges(node) {
-            if !visited.contains(&edge.target()) {
-                stack.push((edge.target(), false));
-            }
-        }
-    }
-    postorder.reverse();
-    postorder
 }

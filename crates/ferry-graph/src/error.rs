@@ -35,4 +35,13 @@ pub enum GraphError {
         #[source]
         source: BoxError,
     },
+    /// A hook registered on a node failed.
+    #[error("a hook on `{op}` failed: {source}")]
+    Hook {
+        /// The node's op.
+        op: &'static str,
+        /// What the hook returned.
+        #[source]
+        source: BoxError,
+    },
 }

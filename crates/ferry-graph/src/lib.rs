@@ -7,11 +7,15 @@
 //! its inputs and carry the input slot. Leaves that require grad have an accumulate node whose
 //! gradient lands in a shared [`GradSlot`].
 //!
-//! The key decision is **reference-counted pruning**. A node lives while a [`NodeHandle`] (held
-//! by a tensor) or a live downstream node refers to it; when the last reference goes, the node
-//! and everything only it kept alive leave the graph, and the buffers their rules saved are
-//! freed at once. That makes `detach` and dropping a tensor cheap and observable:
-//! [`Graph::live_nodes`] and [`Graph::saved_bytes`] show the graph shrink.
+//! The key decision is **per-node ownership with per-graph accounting**. Each node is
+//! reference-counted and owns the handles of its inputs' nodes: recording an op allocates one
+//! node and takes no lock shared with other graphs, and dropping the last tensor that refers to
+//! a node frees it and everything only it kept alive, with the buffers their rules saved. The
+//! counts (live nodes, saved bytes, recorded, pruned) belong to the connected graph a node is
+//! in ([`Graph`]), behind that graph's own lock, so threads training their own models never
+//! contend, and [`Graph::stats`] describes exactly the caller's graph. petgraph serves where a
+//! whole graph is needed at once: planning backward and drawing. docs/architecture.md has the
+//! measurements behind the choice.
 //!
 //! # A scalar autograd engine in a few lines
 //!
@@ -25,13 +29,13 @@
 //!     grad: Option<GradSlot<f64>>,
 //! }
 //!
-//! fn leaf(g: &Graph<f64>, data: f64) -> Value {
+//! fn leaf(g: &Graph, data: f64) -> Value {
 //!     let grad = GradSlot::default();
 //!     let node = g.leaf(NodeMeta::scalar("leaf"), grad.clone());
 //!     Value { data, node: Some(node), grad: Some(grad) }
 //! }
 //!
-//! fn op(g: &Graph<f64>, name: &'static str, data: f64, inputs: &[&Value], local: Vec<f64>) -> Value {
+//! fn op(g: &Graph, name: &'static str, data: f64, inputs: &[&Value], local: Vec<f64>) -> Value {
 //!     // Chain rule: each input receives the output's gradient times its local derivative.
 //!     let rule = move |grad: &f64, _wanted: &[bool]| -> Result<InputGrads<f64>, BoxError> {
 //!         Ok(local.iter().map(|d| Some(grad * d)).collect())
@@ -41,9 +45,9 @@
 //!     Value { data, node: Some(node), grad: None }
 //! }
 //!
-//! let add = |g: &Graph<f64>, a: &Value, b: &Value| op(g, "add", a.data + b.data, &[a, b], vec![1.0, 1.0]);
-//! let mul = |g: &Graph<f64>, a: &Value, b: &Value| op(g, "mul", a.data * b.data, &[a, b], vec![b.data, a.data]);
-//! let tanh = |g: &Graph<f64>, a: &Value| {
+//! let add = |g: &Graph, a: &Value, b: &Value| op(g, "add", a.data + b.data, &[a, b], vec![1.0, 1.0]);
+//! let mul = |g: &Graph, a: &Value, b: &Value| op(g, "mul", a.data * b.data, &[a, b], vec![b.data, a.data]);
+//! let tanh = |g: &Graph, a: &Value| {
 //!     let t = a.data.tanh();
 //!     op(g, "tanh", t, &[a], vec![1.0 - t * t]) // d tanh(a)/da = 1 - tanh²(a)
 //! };
@@ -71,16 +75,24 @@ mod dot;
 mod engine;
 mod error;
 mod graph;
+mod group;
+mod hooks;
 mod mode;
 mod node;
 
-pub use dot::DetachCut;
-pub use engine::{BackwardOptions, BackwardReport, TraceStep};
+pub use dot::{DetachCut, dot};
+pub use engine::{BackwardOptions, BackwardReport, TraceStep, backward, grad};
 pub use error::{BoxError, GraphError};
-pub use graph::{GradEdge, GradSlot, Graph, NodeHandle};
-pub use mode::{GradModeGuard, enable_grad, is_grad_enabled, no_grad, with_no_grad};
-pub use node::{Backward, GradValue, InputGrads, NodeKind, NodeMeta};
-pub use petgraph::stable_graph::NodeIndex;
+pub use graph::{GradEdge, GradSlot, Graph, NodeHandle, WeakNode, pruned_on_this_thread, record};
+pub use group::GraphStats;
+pub use hooks::{GradHook, HookHandle, PostAccumulateHook};
+pub use mode::{
+    GradMode, GradModeGuard, enable_grad, inference_mode, is_grad_enabled, is_inference_mode,
+    no_grad, with_no_grad,
+};
+pub use node::{
+    Backward, BackwardContext, GradValue, InputGrads, NodeKind, NodeMeta, SavedBuffer, SavedBuffers,
+};
 
 #[cfg(test)]
 mod tests;

@@ -1,8 +1,11 @@
-//! What a node is: its backward rule, its description, and the gradient-value trait.
+//! What a node is made of: its backward rule, what the rule saved, its description, and the
+//! gradient-value trait.
 
+use ferry_memory::Device;
 use smallvec::SmallVec;
 
 use crate::BoxError;
+use crate::graph::NodeHandle;
 
 /// Gradients returned by a backward rule, one per input slot (`None` where not wanted).
 pub type InputGrads<G> = SmallVec<[Option<G>; 2]>;
@@ -13,6 +16,13 @@ pub trait GradValue: Clone + Send + Sync + 'static {
     fn accumulate(&mut self, other: Self) -> Result<(), BoxError>;
     /// A short description for traces: shape and norm for tensors, the value for scalars.
     fn describe(&self) -> String;
+
+    /// The gradient as a leaf's `.grad` (or a retained gradient) first keeps it. Tensors give
+    /// broadcast views and buffers other gradients share a buffer of their own here, so gradients
+    /// can flow as cheap views and an in-place update of one `.grad` never reaches another.
+    fn into_kept(self) -> Result<Self, BoxError> {
+        Ok(self)
+    }
 }
 
 impl GradValue for f64 {
@@ -26,26 +36,76 @@ impl GradValue for f64 {
     }
 }
 
+/// One buffer a rule keeps alive for backward, as the graph's accounting sees it.
+///
+/// Buffers with a `key` (the address of the storage, for tensors) are counted once per graph
+/// however many nodes save them: `tanh` and the `matmul` after it both save tanh's output, but
+/// it is kept alive once. Buffers without a key are counted every time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SavedBuffer {
+    /// Identity of the underlying buffer, shared by every view of it.
+    pub key: Option<usize>,
+    /// Bytes the buffer holds (the whole buffer, not the part a view sees: that is what stays
+    /// allocated).
+    pub bytes: usize,
+}
+
+/// The buffers one rule saved.
+pub type SavedBuffers = SmallVec<[SavedBuffer; 2]>;
+
+/// What a rule may ask of the engine while it runs.
+pub struct BackwardContext<'a, G: GradValue> {
+    pub(crate) node: &'a NodeHandle<G>,
+    pub(crate) create_graph: bool,
+}
+
+impl<G: GradValue> BackwardContext<'_, G> {
+    /// The node whose rule runs. A rule that saved its own output re-attaches it to this node
+    /// when [`create_graph`](Self::create_graph) is on, so the second derivative flows through
+    /// the output's history without the node ever holding a reference to itself.
+    pub fn node(&self) -> &NodeHandle<G> {
+        self.node
+    }
+
+    /// Whether this backward records its own graph (higher-order gradients).
+    pub fn create_graph(&self) -> bool {
+        self.create_graph
+    }
+}
+
 /// The backward rule of one recorded op.
-pub trait Backward<G>: Send + Sync {
+pub trait Backward<G: GradValue>: Send + Sync {
     /// Given the gradient of the op's output, returns the gradient of each input.
     ///
     /// `wanted[i]` says whether input `i` needs a gradient; a rule may skip the others and
-    /// return `None` for them.
-    fn backward(&self, grad: &G, wanted: &[bool]) -> Result<InputGrads<G>, BoxError>;
+    /// return `None` for them. When [`BackwardContext::create_graph`] is on, grad mode is on
+    /// while the rule runs, so a rule written in recorded ops is itself differentiable.
+    fn backward(
+        &self,
+        ctx: &BackwardContext<'_, G>,
+        grad: &G,
+        wanted: &[bool],
+    ) -> Result<InputGrads<G>, BoxError>;
 
-    /// Bytes of tensors this rule saved from the forward pass.
-    fn saved_bytes(&self) -> usize {
-        0
+    /// The buffers this rule keeps alive until it is freed; the graph's `saved_bytes` is built
+    /// from these, so they must be exactly what the rule owns.
+    fn saved(&self) -> SavedBuffers {
+        SavedBuffers::new()
     }
 }
 
 /// Any closure of the right shape is a backward rule that saves nothing visible.
 impl<G, F> Backward<G> for F
 where
+    G: GradValue,
     F: Fn(&G, &[bool]) -> Result<InputGrads<G>, BoxError> + Send + Sync,
 {
-    fn backward(&self, grad: &G, wanted: &[bool]) -> Result<InputGrads<G>, BoxError> {
+    fn backward(
+        &self,
+        _ctx: &BackwardContext<'_, G>,
+        grad: &G,
+        wanted: &[bool],
+    ) -> Result<InputGrads<G>, BoxError> {
         self(grad, wanted)
     }
 }
@@ -60,9 +120,9 @@ pub enum NodeKind {
     /// A device move; its backward sends the gradient back to `from`.
     Transfer {
         /// Source device of the move.
-        from: String,
+        from: Device,
         /// Target device of the move.
-        to: String,
+        to: Device,
     },
 }
 
@@ -76,31 +136,26 @@ pub struct NodeMeta {
     /// Dtype of the op's output.
     pub dtype: &'static str,
     /// Device of the op's output.
-    pub device: String,
+    pub device: Device,
     /// Op, leaf or transfer.
     pub kind: NodeKind,
 }
 
 impl NodeMeta {
     /// An op node describing an output of `shape`, `dtype` on `device`.
-    pub fn op(
-        op: &'static str,
-        shape: &[usize],
-        dtype: &'static str,
-        device: impl Into<String>,
-    ) -> Self {
+    pub fn op(op: &'static str, shape: &[usize], dtype: &'static str, device: Device) -> Self {
         Self {
             op,
             shape: shape.into(),
             dtype,
-            device: device.into(),
+            device,
             kind: NodeKind::Op,
         }
     }
 
     /// A scalar `f64` op node on the CPU, as the teaching examples use.
     pub fn scalar(op: &'static str) -> Self {
-        Self::op(op, &[], "f64", "cpu")
+        Self::op(op, &[], "f64", Device::Cpu)
     }
 
     /// The same description, as a leaf.

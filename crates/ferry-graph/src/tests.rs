@@ -17,7 +17,12 @@ struct Scale {
 }
 
 impl Backward<f64> for Scale {
-    fn backward(&self, grad: &f64, wanted: &[bool]) -> Result<InputGrads<f64>, BoxError> {
+    fn backward(
+        &self,
+        _ctx: &BackwardContext<'_, f64>,
+        grad: &f64,
+        wanted: &[bool],
+    ) -> Result<InputGrads<f64>, BoxError> {
         Ok(self
             .local
             .iter()
@@ -26,12 +31,19 @@ impl Backward<f64> for Scale {
             .collect())
     }
 
-    fn saved_bytes(&self) -> usize {
-        self.bytes
+    fn saved(&self) -> SavedBuffers {
+        let mut saved = SavedBuffers::new();
+        if self.bytes > 0 {
+            saved.push(SavedBuffer {
+                key: None,
+                bytes: self.bytes,
+            });
+        }
+        saved
     }
 }
 
-fn leaf(g: &Graph<f64>, x: f64) -> (V, GradSlot<f64>) {
+fn leaf(g: &Graph, x: f64) -> (V, GradSlot<f64>) {
     let slot = GradSlot::default();
     let node = g.leaf(NodeMeta::scalar("leaf"), slot.clone());
     (
@@ -47,7 +59,7 @@ fn constant(x: f64) -> V {
     V { x, node: None }
 }
 
-fn mul(g: &Graph<f64>, a: &V, b: &V) -> V {
+fn mul(g: &Graph, a: &V, b: &V) -> V {
     let rule = Scale {
         local: vec![b.x, a.x], // d(ab)/da = b, d(ab)/db = a
         bytes: 16,
@@ -240,10 +252,10 @@ fn dot_snapshot() {
     let g = Graph::new();
     let (a, _) = leaf(&g, 2.0);
     let b = mul(&g, &a, &a);
-    let mut meta = NodeMeta::op("to_device", &[2, 3], "f32", "cpu");
+    let mut meta = NodeMeta::op("to_device", &[2, 3], "f32", ferry_memory::Device::Cpu);
     meta.kind = NodeKind::Transfer {
-        from: "cuda:0".into(),
-        to: "cpu".into(),
+        from: ferry_memory::Device::Cuda(0),
+        to: ferry_memory::Device::Cpu,
     };
     let rule = Scale {
         local: vec![1.0],
@@ -252,9 +264,9 @@ fn dot_snapshot() {
     let moved = g.record(meta, Arc::new(rule), &[b.node.as_ref()]);
     let cut = DetachCut {
         label: "b.detach()".into(),
-        node: b.node.as_ref().unwrap().index(),
+        node: b.node.clone().unwrap(),
     };
-    let dot = g.dot_from(&[&moved], &[cut]);
+    let dot = dot(&[&moved], &[cut]);
     let expected = r##"digraph autograd {
   rankdir=BT;
   node [fontname="monospace", fontsize=10];
@@ -269,7 +281,7 @@ fn dot_snapshot() {
 }
 "##;
     assert_eq!(dot, expected);
-    assert_eq!(g.to_dot().matches(" -> n").count(), 3);
+    assert_eq!(moved.to_dot().matches(" -> n").count(), 3);
 }
 
 #[test]
@@ -290,4 +302,186 @@ fn the_graph_is_usable_from_several_threads() {
     let y = mul(&g, &x, &constant(2.0));
     run(&y).unwrap();
     assert_eq!(grad(&dx), Some(2.0));
+}
+
+#[test]
+fn independent_graphs_count_apart_and_merge_when_an_op_joins_them() {
+    let (g1, g2) = (Graph::new(), Graph::new());
+    let (a, _) = leaf(&g1, 2.0);
+    let (b, _) = leaf(&g2, 3.0);
+    let a2 = mul(&g1, &a, &constant(2.0));
+    assert_eq!((g1.live_nodes(), g2.live_nodes()), (2, 1));
+    assert!(!g1.same_graph(&g2));
+    let joined = record(
+        NodeMeta::scalar("add"),
+        Arc::new(Scale {
+            local: vec![1.0, 1.0],
+            bytes: 8,
+        }),
+        &[a2.node.as_ref(), b.node.as_ref()],
+    );
+    assert!(g1.same_graph(&g2), "an op on both merges them");
+    assert_eq!(g1.stats(), g2.stats());
+    assert_eq!(g1.live_nodes(), 4);
+    assert_eq!(g1.saved_bytes(), 16 + 8);
+    assert_eq!(Graph::stats_of(&[g1.clone(), g2.clone()]).live_nodes, 4);
+    drop(joined);
+    assert_eq!((g1.live_nodes(), g1.stats().pruned), (3, 1));
+}
+
+#[test]
+fn a_buffer_saved_by_two_nodes_counts_once() {
+    struct Keyed(usize);
+    impl Backward<f64> for Keyed {
+        fn backward(
+            &self,
+            _: &BackwardContext<'_, f64>,
+            grad: &f64,
+            _: &[bool],
+        ) -> Result<InputGrads<f64>, BoxError> {
+            Ok(smallvec::smallvec![Some(*grad)])
+        }
+        fn saved(&self) -> SavedBuffers {
+            smallvec::smallvec![SavedBuffer {
+                key: Some(self.0),
+                bytes: 400,
+            }]
+        }
+    }
+    let g = Graph::new();
+    let (x, _) = leaf(&g, 1.0);
+    let first = g.record(
+        NodeMeta::scalar("tanh"),
+        Arc::new(Keyed(7)),
+        &[x.node.as_ref()],
+    );
+    let second = g.record(
+        NodeMeta::scalar("matmul"),
+        Arc::new(Keyed(7)),
+        &[Some(&first)],
+    );
+    assert_eq!(g.saved_bytes(), 400);
+    assert_eq!(
+        first.saved_bytes() + second.saved_bytes(),
+        800,
+        "each node says what it holds"
+    );
+    drop(second);
+    assert_eq!(g.saved_bytes(), 400, "the first node still holds it");
+    drop(first);
+    assert_eq!(g.saved_bytes(), 0);
+}
+
+#[test]
+fn a_long_chain_frees_without_recursing() {
+    let g = Graph::new();
+    let (x, _) = leaf(&g, 1.0);
+    let mut y = mul(&g, &x, &constant(1.0));
+    for _ in 0..200_000 {
+        y = mul(&g, &y, &constant(1.0));
+    }
+    let before = pruned_on_this_thread();
+    // A thread with a small stack: a recursive drop of 200k nodes would overflow it.
+    std::thread::Builder::new()
+        .stack_size(64 << 10)
+        .spawn(move || drop(y))
+        .unwrap()
+        .join()
+        .unwrap();
+    assert_eq!(g.live_nodes(), 1);
+    assert_eq!(
+        pruned_on_this_thread(),
+        before,
+        "the other thread did the pruning"
+    );
+}
+
+#[test]
+fn pruned_on_this_thread_counts_what_a_drop_freed() {
+    let g = Graph::new();
+    let (x, _) = leaf(&g, 1.0);
+    let y = mul(&g, &mul(&g, &x, &constant(2.0)), &constant(3.0));
+    let before = pruned_on_this_thread();
+    drop(y);
+    assert_eq!(pruned_on_this_thread() - before, 2);
+}
+
+#[test]
+fn grad_returns_gradients_of_chosen_nodes_and_leaves_grad_untouched() {
+    let g = Graph::new();
+    let (a, da) = leaf(&g, 2.0);
+    let (b, db) = leaf(&g, 5.0);
+    let c = mul(&g, &a, &constant(3.0)); // c = 3a
+    let d = mul(&g, &c, &b); // d = 3ab
+    let (grads, report) = crate::grad(
+        &[(d.node.as_ref().unwrap(), 1.0)],
+        &[c.node.as_ref().unwrap(), a.node.as_ref().unwrap()],
+        BackwardOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(grads, vec![Some(5.0), Some(15.0)]); // dd/dc = b, dd/da = 3b
+    assert_eq!((grad_of(&da), grad_of(&db)), (None, None));
+    assert_eq!(report.visited, 3, "b's leaf is not on a path to the inputs");
+}
+
+fn grad_of(slot: &GradSlot<f64>) -> Option<f64> {
+    *slot.lock()
+}
+
+#[test]
+fn hooks_observe_replace_retain_and_run_after_accumulation() {
+    let g = Graph::new();
+    let (x, dx) = leaf(&g, 2.0);
+    let y = mul(&g, &x, &constant(3.0));
+    let z = mul(&g, &y, &constant(4.0));
+    let y_node = y.node.clone().unwrap();
+    let doubled = y_node.register_hook(|g: &f64| Ok(Some(g * 2.0)));
+    let retained = y_node.retain_grad();
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let seen_in_hook = Arc::clone(&seen);
+    let _after = x
+        .node
+        .as_ref()
+        .unwrap()
+        .register_post_accumulate_hook(move |total: &f64| {
+            seen_in_hook.lock().push(*total);
+            Ok(())
+        });
+    let keep = BackwardOptions {
+        retain_graph: true,
+        trace: true,
+        ..Default::default()
+    };
+    let report = z.node.as_ref().unwrap().backward(1.0, keep).unwrap();
+    assert_eq!(
+        *retained.lock(),
+        Some(8.0),
+        "dz/dy = 4, doubled by the hook"
+    );
+    assert_eq!(grad_of(&dx), Some(24.0));
+    assert_eq!(report.trace[1].hooks.len(), 2, "{:?}", report.trace[1]);
+    assert!(doubled.remove());
+    z.node.as_ref().unwrap().backward(1.0, keep).unwrap();
+    assert_eq!(grad_of(&dx), Some(36.0), "12 more without the hook");
+    assert_eq!(*seen.lock(), vec![24.0, 36.0]);
+    assert_eq!(*retained.lock(), Some(12.0));
+}
+
+#[test]
+fn backward_frees_each_node_as_it_goes() {
+    let g = Graph::new();
+    let (x, _) = leaf(&g, 2.0);
+    let y = mul(&g, &x, &x);
+    let z = mul(&g, &y, &y);
+    assert_eq!(g.saved_bytes(), 32);
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let (seen2, g2) = (Arc::clone(&seen), g.clone());
+    // When y's gradient arrives, z has run: its saved bytes are already gone.
+    let _h = y.node.as_ref().unwrap().register_hook(move |_| {
+        seen2.lock().push(g2.saved_bytes());
+        Ok(None)
+    });
+    let report = run(&z).unwrap();
+    assert_eq!(*seen.lock(), vec![16]);
+    assert_eq!((report.freed_bytes, g.saved_bytes()), (32, 0));
 }

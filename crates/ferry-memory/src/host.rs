@@ -1,10 +1,19 @@
-//! Pageable host buffers: zero-initialised, aligned for SIMD and DMA.
+//! Pageable host buffers: zero-initialised, aligned for SIMD and DMA, and counted.
+//!
+//! Every [`HostBuffer`] adds its bytes to process-wide counters ([`host_stats`]) while it
+//! lives: the host-side twin of the device allocator's statistics. Library code reads them but
+//! never calls [`reset_host_peak`], whose peak belongs to the user.
 
 use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
 
+use self::counters::HostCounters;
+
 use crate::{Element, MemoryError};
+
+mod counters;
+mod recycle;
 
 /// Alignment of every host buffer: a cache line, enough for any SIMD load.
 const ALIGN: usize = 64;
@@ -22,6 +31,9 @@ pub struct HostBuffer {
     backing: Backing,
     /// Returns to the [`HostPool`] on drop instead of to the OS.
     pooled: bool,
+    /// Bytes this buffer adds to [`host_stats`]' `allocated_bytes`: its length, its pool block
+    /// when pooled, 0 while it waits in the pool's cache.
+    counted: usize,
 }
 
 /// Where the bytes came from, so drop gives them back the same way.
@@ -45,9 +57,42 @@ unsafe impl Sync for HostBuffer {}
 impl HostBuffer {
     /// A zeroed buffer of `len` bytes. Large buffers come from the OS as untouched zero pages.
     pub fn zeroed(len: usize) -> Result<Self, MemoryError> {
+        Ok(Self::zeroed_uncounted(len)?.counted_as(len))
+    }
+
+    /// A buffer of `len` bytes whose contents are unspecified (initialised, but not zero): for
+    /// outputs a kernel overwrites entirely. Small buffers come from this thread's cache of
+    /// freed blocks when one fits, skipping the allocator and the zeroing; others are zeroed.
+    pub fn for_overwrite(len: usize) -> Result<Self, MemoryError> {
+        if len <= recycle::MAX_BLOCK
+            && let Ok(layout) = Self::heap_layout(len)
+            && let Some(ptr) = recycle::take(layout)
+        {
+            let buffer = Self {
+                ptr,
+                len,
+                backing: Backing::Heap(layout),
+                pooled: false,
+                counted: 0,
+            };
+            return Ok(buffer.counted_as(len));
+        }
+        Self::zeroed(len)
+    }
+
+    fn heap_layout(len: usize) -> Result<Layout, MemoryError> {
         let align = if len >= PAGE_ALIGN_FROM { PAGE } else { ALIGN };
-        let layout = Layout::from_size_align(len.max(1), align)
-            .map_err(|_| MemoryError::HostOutOfMemory { bytes: len })?;
+        Layout::from_size_align(len.max(1), align)
+            .map_err(|_| MemoryError::HostOutOfMemory { bytes: len })
+    }
+
+    /// Frees the blocks this thread keeps for [`HostBuffer::for_overwrite`].
+    pub fn release_thread_cache() {
+        recycle::clear();
+    }
+
+    fn zeroed_uncounted(len: usize) -> Result<Self, MemoryError> {
+        let layout = Self::heap_layout(len)?;
         // SAFETY: `layout` has non-zero size.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or(MemoryError::HostOutOfMemory { bytes: len })?;
@@ -56,6 +101,7 @@ impl HostBuffer {
             len,
             backing: Backing::Heap(layout),
             pooled: false,
+            counted: 0,
         })
     }
 
@@ -64,8 +110,15 @@ impl HostBuffer {
     /// fresh memory otherwise pays one page fault per 4 KiB on a single thread, which is slower
     /// than the PCIe link; this moves that cost up front and spreads it over every core.
     pub fn prefaulted(len: usize) -> Result<Self, MemoryError> {
+        Ok(Self::prefaulted_uncounted(len)?.counted_as(len))
+    }
+
+    /// [`HostBuffer::prefaulted`], left out of [`host_stats`]: for memory accounted elsewhere
+    /// (the host pool counts its blocks by size class; the pinned pool registers its large
+    /// blocks and counts them as pinned memory).
+    pub(crate) fn prefaulted_uncounted(len: usize) -> Result<Self, MemoryError> {
         if len < HUGE_PAGE {
-            return Self::zeroed(len);
+            return Self::zeroed_uncounted(len);
         }
         let oom = || MemoryError::HostOutOfMemory { bytes: len };
         let map_len = len.checked_add(HUGE_PAGE).ok_or_else(oom)?;
@@ -95,6 +148,7 @@ impl HostBuffer {
             len,
             backing: Backing::Mapped { base, len: map_len },
             pooled: false,
+            counted: 0,
         };
         use rayon::prelude::*;
         // Anonymous pages read as zero; writing a zero to each faults it in without changing
@@ -112,6 +166,14 @@ impl HostBuffer {
         let mut buffer = Self::zeroed(bytes.len())?;
         buffer.as_bytes_mut().copy_from_slice(bytes);
         Ok(buffer)
+    }
+
+    /// Counts the buffer in [`host_stats`] as `bytes` until it drops.
+    fn counted_as(mut self, bytes: usize) -> Self {
+        debug_assert_eq!(self.counted, 0);
+        HOST_COUNTERS.allocated(bytes);
+        self.counted = bytes;
+        self
     }
 
     /// Length in bytes.
@@ -149,20 +211,29 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
+        if self.counted > 0 {
+            HOST_COUNTERS.freed(self.counted);
+        }
         if self.pooled {
             let buffer = HostBuffer {
                 ptr: self.ptr,
                 len: self.len,
                 backing: std::mem::replace(&mut self.backing, Backing::Gone),
                 pooled: false,
+                counted: 0,
             };
             HOST_POOL.give_back(buffer);
             return;
         }
         match self.backing {
             Backing::Gone => {}
-            // SAFETY: allocated in `zeroed` with exactly this layout.
-            Backing::Heap(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) },
+            Backing::Heap(layout) => {
+                if let Err(ptr) = recycle::keep(layout, self.ptr) {
+                    // SAFETY: allocated in `zeroed` with exactly this layout; the recycler
+                    // declined it, so it is freed here, once.
+                    unsafe { alloc::dealloc(ptr.as_ptr(), layout) }
+                }
+            }
             Backing::Mapped { base, len } => {
                 // SAFETY: the mapping made in `prefaulted`, unmapped exactly once. A failure
                 // leaks address space only; there is nothing better to do in drop.
@@ -177,8 +248,14 @@ impl Drop for HostBuffer {
 /// 4 KiB on first write, slower than the PCIe link itself.
 #[derive(Debug)]
 pub struct HostPool {
-    cached: parking_lot::Mutex<std::collections::HashMap<usize, Vec<HostBuffer>>>,
-    stats: parking_lot::Mutex<HostPoolStats>,
+    state: parking_lot::Mutex<PoolState>,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    /// Idle buffers by size class; they are not counted in [`host_stats`].
+    cached: std::collections::HashMap<usize, Vec<HostBuffer>>,
+    stats: HostPoolStats,
 }
 
 /// Counters of the [`HostPool`], in bytes of whole (huge-page rounded) buffers.
@@ -192,9 +269,15 @@ pub struct HostPoolStats {
     pub cache_hits: u64,
 }
 
+impl HostPoolStats {
+    /// Bytes of idle buffers kept for reuse; [`HostPool::empty_cache`] returns them.
+    pub fn cached_bytes(&self) -> usize {
+        self.reserved_bytes - self.allocated_bytes
+    }
+}
+
 static HOST_POOL: std::sync::LazyLock<HostPool> = std::sync::LazyLock::new(|| HostPool {
-    cached: Default::default(),
-    stats: Default::default(),
+    state: Default::default(),
 });
 
 impl HostPool {
@@ -205,49 +288,104 @@ impl HostPool {
 
     /// A prefaulted buffer of `len` bytes, reused when one of its size is cached. Reused
     /// buffers hold their previous bytes (initialised, but not zero): for destinations that a
-    /// copy overwrites whole.
+    /// copy overwrites whole. Buffers below 2 MiB are plain [`HostBuffer::zeroed`] ones.
     pub fn alloc(&self, len: usize) -> Result<HostBuffer, MemoryError> {
         if len < HUGE_PAGE {
             return HostBuffer::zeroed(len);
         }
         let class = len.next_multiple_of(HUGE_PAGE);
-        let reused = self.cached.lock().get_mut(&class).and_then(Vec::pop);
-        let mut stats = self.stats.lock();
-        let mut buffer = match reused {
-            Some(buffer) => {
-                stats.cache_hits += 1;
-                buffer
+        let reused = {
+            let mut state = self.state.lock();
+            let reused = state.cached.get_mut(&class).and_then(Vec::pop);
+            if reused.is_some() {
+                state.stats.cache_hits += 1;
+                state.stats.allocated_bytes += class;
             }
+            reused
+        };
+        let mut buffer = match reused {
+            Some(buffer) => buffer,
             None => {
-                let buffer = HostBuffer::prefaulted(class)?;
-                stats.reserved_bytes += class;
+                // Faulting in the pages is the work; the lock only guards the counts.
+                let buffer = HostBuffer::prefaulted_uncounted(class)?;
+                let mut state = self.state.lock();
+                state.stats.reserved_bytes += class;
+                state.stats.allocated_bytes += class;
                 buffer
             }
         };
-        stats.allocated_bytes += class;
         buffer.len = len;
         buffer.pooled = true;
-        Ok(buffer)
+        Ok(buffer.counted_as(class))
     }
 
     fn give_back(&self, mut buffer: HostBuffer) {
         let class = buffer.len.next_multiple_of(HUGE_PAGE);
         buffer.len = class;
-        self.stats.lock().allocated_bytes -= class;
-        self.cached.lock().entry(class).or_default().push(buffer);
+        let mut state = self.state.lock();
+        state.stats.allocated_bytes -= class;
+        state.cached.entry(class).or_default().push(buffer);
     }
 
     /// The pool's counters.
     pub fn stats(&self) -> HostPoolStats {
-        *self.stats.lock()
+        self.state.lock().stats
     }
 
     /// Returns every cached buffer to the OS.
     pub fn empty_cache(&self) {
-        let drained: Vec<HostBuffer> = self.cached.lock().drain().flat_map(|(_, v)| v).collect();
-        self.stats.lock().reserved_bytes -= drained.iter().map(HostBuffer::len).sum::<usize>();
+        let drained: Vec<HostBuffer> = {
+            let mut state = self.state.lock();
+            let drained: Vec<HostBuffer> = state.cached.drain().flat_map(|(_, v)| v).collect();
+            state.stats.reserved_bytes -= drained.iter().map(HostBuffer::len).sum::<usize>();
+            drained
+        };
+        // Unmapping is the work: outside the lock.
+        drop(drained);
     }
 }
+
+/// Process-wide counters of host memory in [`HostBuffer`]s; [`host_stats`] reads them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HostStats {
+    /// Bytes in live host buffers: each buffer's length, or for a buffer from the
+    /// [`HostPool`] the pool block (its 2 MiB size class) it occupies. Buffers idle in the
+    /// pool's cache are not counted (see `pool`).
+    pub allocated_bytes: usize,
+    /// Highest `allocated_bytes` since the process started or the last [`reset_host_peak`].
+    pub peak_allocated_bytes: usize,
+    /// Host buffers made since the process started (pooled and empty ones included).
+    pub allocations: u64,
+    /// The [`HostPool`]'s own counters: reserved bytes are handed out plus cached.
+    pub pool: HostPoolStats,
+}
+
+/// The counters of every [`HostBuffer`] in the process: bytes alive now, the peak, and the
+/// number made; with the [`HostPool`]'s reserved and cached bytes.
+///
+/// The numbers are exact: `allocated_bytes` is the sum of the sizes of the buffers alive at
+/// one instant, and the peak is the highest such sum there ever was (not an estimate). They
+/// are process-wide: other threads' buffers move them too. Keeping them costs one atomic add
+/// per allocation and per free on a cache line all threads share; the `counters` module has
+/// the measurements behind that choice.
+pub fn host_stats() -> HostStats {
+    let counts = HOST_COUNTERS.read();
+    HostStats {
+        allocated_bytes: counts.live,
+        peak_allocated_bytes: counts.peak,
+        allocations: counts.allocations,
+        pool: HOST_POOL.stats(),
+    }
+}
+
+/// Restarts peak tracking from what is allocated now. The peak is the user's: ferry itself
+/// never calls this (measure with differences of `allocated_bytes`, or a peak of your own).
+pub fn reset_host_peak() {
+    HOST_COUNTERS.reset_peak();
+}
+
+static HOST_COUNTERS: HostCounters = HostCounters::new();
 
 impl fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -261,8 +399,78 @@ impl fmt::Debug for HostBuffer {
 mod tests {
     use super::*;
 
+    /// Host statistics are process-wide: the tests here that make buffers take turns (no other
+    /// module of this crate makes host buffers without a GPU).
+    static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+    #[test]
+    fn host_buffers_are_counted_while_they_live() {
+        let _serial = SERIAL.lock();
+        let before = host_stats();
+        let a = HostBuffer::zeroed(1000).unwrap();
+        let b = HostBuffer::from_slice(&[1.0f64; 3]).unwrap();
+        let empty = HostBuffer::zeroed(0).unwrap();
+        let now = host_stats();
+        assert_eq!(now.allocated_bytes, before.allocated_bytes + 1024);
+        assert_eq!(now.allocations, before.allocations + 3);
+        assert!(now.peak_allocated_bytes >= now.allocated_bytes);
+        drop((a, b, empty));
+        assert_eq!(host_stats().allocated_bytes, before.allocated_bytes);
+        reset_host_peak();
+        assert_eq!(host_stats().peak_allocated_bytes, before.allocated_bytes);
+        let big = HostBuffer::prefaulted((2 << 20) + 1).unwrap();
+        drop(big);
+        let after = host_stats();
+        assert_eq!(after.allocated_bytes, before.allocated_bytes);
+        assert_eq!(
+            after.peak_allocated_bytes,
+            before.allocated_bytes + (2 << 20) + 1
+        );
+    }
+
+    #[test]
+    fn pooled_buffers_count_their_block_and_idle_ones_do_not() {
+        let _serial = SERIAL.lock();
+        let pool = HostPool::global();
+        pool.empty_cache();
+        let before = host_stats();
+        assert_eq!(before.pool.cached_bytes(), 0);
+        let len = (4 << 20) + 7; // a 6 MiB block
+        let buffer = pool.alloc(len).unwrap();
+        let now = host_stats();
+        assert_eq!(now.allocated_bytes, before.allocated_bytes + (6 << 20));
+        assert_eq!(
+            now.pool.allocated_bytes,
+            before.pool.allocated_bytes + (6 << 20)
+        );
+        drop(buffer);
+        let idle = host_stats();
+        assert_eq!(
+            idle.allocated_bytes, before.allocated_bytes,
+            "cached, not live"
+        );
+        assert_eq!(idle.pool.cached_bytes(), 6 << 20);
+        let again = pool.alloc(len).unwrap();
+        assert_eq!(
+            host_stats().allocated_bytes,
+            before.allocated_bytes + (6 << 20)
+        );
+        assert_eq!(host_stats().pool.cached_bytes(), 0);
+        drop(again);
+        pool.empty_cache();
+        let after = host_stats();
+        assert_eq!(after.pool.reserved_bytes, before.pool.reserved_bytes);
+        assert_eq!(after.allocated_bytes, before.allocated_bytes);
+        // Small requests are plain buffers: counted at their length, never cached.
+        let small = pool.alloc(10).unwrap();
+        assert_eq!(host_stats().allocated_bytes, before.allocated_bytes + 10);
+        drop(small);
+        assert_eq!(host_stats().pool, after.pool);
+    }
+
     #[test]
     fn prefaulted_buffers_are_zeroed_huge_page_aligned_and_writable() {
+        let _serial = SERIAL.lock();
         let len = (5 << 20) + 123;
         let mut buffer = HostBuffer::prefaulted(len).unwrap();
         assert_eq!(buffer.len(), len);
@@ -275,6 +483,7 @@ mod tests {
 
     #[test]
     fn the_host_pool_reuses_buffers_of_a_size_class() {
+        let _serial = SERIAL.lock();
         let pool = HostPool::global();
         let mut first = pool.alloc(3 << 20).unwrap();
         first.as_bytes_mut()[17] = 9;
@@ -294,6 +503,7 @@ mod tests {
 
     #[test]
     fn buffers_are_zeroed_aligned_and_typed() {
+        let _serial = SERIAL.lock();
         for len in [0, 3, 64, 1 << 20] {
             let buffer = HostBuffer::zeroed(len).unwrap();
             assert_eq!(buffer.len(), len);

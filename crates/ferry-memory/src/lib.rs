@@ -21,4 +21,4 @@ pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::MemoryError;
 pub use half::{bf16, f16};
-pub use host::{HostBuffer, HostPool, HostPoolStats};
+pub use host::{HostBuffer, HostPool, HostPoolStats, HostStats, host_stats, reset_host_peak};

@@ -1,26 +1,267 @@
-//! Tensors in the graph: the process-wide graph, leaves, recording ops, and backward.
+//! Tensors in the graph: what a rule may save and how it gets it back, recording ops, and
+//! inference data.
+//!
+//! A gradient rule is data, not a closure over whatever the forward pass had at hand: a
+//! [`Save`] naming which inputs (and whether the output) it keeps, a state of shapes and scalars
+//! ([`RuleState`], which no tensor implements), and a plain `fn` for the backward. So a node
+//! keeps alive exactly what its rule declares, and the graph's saved-byte count is built from
+//! the same declaration.
 
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 
 use ferry_graph::{
-    Backward, BackwardOptions, BackwardReport, BoxError, DetachCut, GradSlot, GradValue, Graph,
-    InputGrads, NodeHandle, NodeKind, NodeMeta, is_grad_enabled,
+    Backward, BackwardContext, BoxError, GradSlot, Graph, InputGrads, NodeHandle, NodeKind,
+    NodeMeta, SavedBuffer, SavedBuffers, is_grad_enabled, is_inference_mode,
 };
+use ferry_memory::{DType, Device};
+use smallvec::SmallVec;
 
+use crate::layout::Shape;
+use crate::ops::{BinaryOp, UnaryOp};
 use crate::tensor::{Autograd, Inner};
 use crate::{Result, Tensor, TensorError};
 
-static GRAPH: LazyLock<Graph<Tensor>> = LazyLock::new(Graph::new);
+pub use crate::backward::{GradOptions, grad};
 
-/// The graph every tensor op records into. Its counts show pruning at work.
-pub fn graph() -> &'static Graph<Tensor> {
-    &GRAPH
+/// Which tensors of the forward pass a rule keeps for backward: some inputs, the output, or
+/// nothing (shapes and scalars travel in the rule's state).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Save(u8);
+
+impl Save {
+    const OUTPUT_BIT: u8 = 1 << 7;
+    /// Keeps no tensor.
+    pub const NOTHING: Save = Save(0);
+    /// Keeps the output.
+    pub const OUTPUT: Save = Save(Self::OUTPUT_BIT);
+
+    /// Keeps input `i` (of at most seven).
+    pub const fn input(i: usize) -> Save {
+        assert!(i < 7, "a rule saves inputs 0..7");
+        Save(1 << i)
+    }
+
+    /// Keeps these inputs as well.
+    pub const fn and(self, other: Save) -> Save {
+        Save(self.0 | other.0)
+    }
+
+    /// Keeps input `i` only `when` (a rule saves what the wanted gradients need).
+    pub const fn input_if(i: usize, when: bool) -> Save {
+        if when { Save::input(i) } else { Save::NOTHING }
+    }
+
+    fn has_input(self, i: usize) -> bool {
+        i < 7 && self.0 & (1 << i) != 0
+    }
+
+    fn has_output(self) -> bool {
+        self.0 & Self::OUTPUT_BIT != 0
+    }
 }
 
-impl GradValue for Tensor {
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// What a rule may keep besides its declared tensors: shapes, axes, scalars, dtypes and
+/// devices. Tensors do not implement it, so a rule cannot hold one by accident.
+pub trait RuleState: sealed::Sealed + Send + Sync + 'static {}
+
+macro_rules! rule_state {
+    ($($t:ty),* $(,)?) => {
+        $(impl sealed::Sealed for $t {} impl RuleState for $t {})*
+    };
+}
+
+rule_state!(
+    (),
+    bool,
+    usize,
+    isize,
+    f64,
+    DType,
+    Device,
+    Shape,
+    Vec<usize>,
+    BinaryOp,
+    UnaryOp
+);
+
+impl<A: RuleState, B: RuleState> sealed::Sealed for (A, B) {}
+impl<A: RuleState, B: RuleState> RuleState for (A, B) {}
+impl<A: RuleState, B: RuleState, C: RuleState> sealed::Sealed for (A, B, C) {}
+impl<A: RuleState, B: RuleState, C: RuleState> RuleState for (A, B, C) {}
+
+/// The backward of a rule: the saved tensors, the state, the output's gradient and which
+/// inputs want one; returns a gradient per input.
+pub type BackwardFn<S> = fn(&Saved<'_>, &S, &Tensor, &[bool]) -> Result<InputGrads<Tensor>>;
+
+/// A gradient rule as ops declare it (see the module docs).
+pub struct Rule<S: RuleState> {
+    save: Save,
+    aux: Option<Tensor>,
+    state: S,
+    backward: BackwardFn<S>,
+}
+
+impl<S: RuleState> Rule<S> {
+    /// A rule that keeps the tensors `save` names and `state`.
+    pub fn new(save: Save, state: S, backward: BackwardFn<S>) -> Self {
+        Self {
+            save,
+            aux: None,
+            state,
+            backward,
+        }
+    }
+
+    /// Also keeps `aux`, a tensor the forward computed for the backward alone (the indices of
+    /// a maximum, the targets of a loss); it counts as saved like the others.
+    pub fn with_aux(mut self, aux: Tensor) -> Self {
+        self.aux = Some(aux.detach());
+        self
+    }
+}
+
+/// Which saved tensor: an input slot, the output, or the auxiliary tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    Input(usize),
+    Output,
+    Aux,
+}
+
+/// A tensor a rule kept, with the version of its storage at the time.
+struct SavedTensor {
+    /// Inputs keep their history (their node is the node's own edge anyway); the output is kept
+    /// without it (its node is the node that saves it) and re-attached in a create-graph
+    /// backward.
+    tensor: Tensor,
+    version: u64,
+    slot: Slot,
+}
+
+/// The tensors a rule saved, handed back to its backward.
+pub struct Saved<'a> {
+    op: &'static str,
+    tensors: &'a [SavedTensor],
+    ctx: &'a BackwardContext<'a, Tensor>,
+}
+
+impl Saved<'_> {
+    fn find(&self, slot: Slot) -> Result<&SavedTensor> {
+        let saved = self
+            .tensors
+            .iter()
+            .find(|s| s.slot == slot)
+            .ok_or_else(|| TensorError::InvalidArgument {
+                op: self.op,
+                message: format!(
+                    "the gradient rule reads {} but did not declare it saved (a bug in the rule)",
+                    describe_slot(slot)
+                ),
+            })?;
+        let now = saved.tensor.storage().version();
+        if now != saved.version {
+            return Err(TensorError::ModifiedInPlace {
+                op: self.op,
+                tensor: describe_slot(slot),
+                shape: saved.tensor.dims(),
+                saved_version: saved.version,
+                version: now,
+            });
+        }
+        Ok(saved)
+    }
+
+    /// Input `i` as the forward pass saw it (with its history, for higher-order gradients).
+    pub fn input(&self, i: usize) -> Result<Tensor> {
+        Ok(self.find(Slot::Input(i))?.tensor.clone())
+    }
+
+    /// The auxiliary tensor of [`Rule::with_aux`].
+    pub fn aux(&self) -> Result<Tensor> {
+        Ok(self.find(Slot::Aux)?.tensor.clone())
+    }
+
+    /// The output; in a create-graph backward it is re-attached to its own node, so the second
+    /// derivative flows through it.
+    pub fn output(&self) -> Result<Tensor> {
+        let saved = &self.find(Slot::Output)?.tensor;
+        if self.ctx.create_graph() {
+            Ok(saved.attach(Autograd {
+                node: self.ctx.node().clone(),
+                grad: None,
+            }))
+        } else {
+            Ok(saved.clone())
+        }
+    }
+}
+
+fn describe_slot(slot: Slot) -> String {
+    match slot {
+        Slot::Input(i) => format!("input {i}"),
+        Slot::Output => "the output".to_string(),
+        Slot::Aux => "the auxiliary tensor".to_string(),
+    }
+}
+
+/// A declared rule with its saved tensors: what a node owns.
+struct TensorRule<S: RuleState> {
+    op: &'static str,
+    saved: SmallVec<[SavedTensor; 2]>,
+    state: S,
+    backward: BackwardFn<S>,
+}
+
+impl<S: RuleState> Backward<Tensor> for TensorRule<S> {
+    fn backward(
+        &self,
+        ctx: &BackwardContext<'_, Tensor>,
+        grad: &Tensor,
+        wanted: &[bool],
+    ) -> std::result::Result<InputGrads<Tensor>, BoxError> {
+        let saved = Saved {
+            op: self.op,
+            tensors: &self.saved,
+            ctx,
+        };
+        Ok((self.backward)(&saved, &self.state, grad, wanted)?)
+    }
+
+    fn saved(&self) -> SavedBuffers {
+        let mut buffers = SavedBuffers::new();
+        for s in &self.saved {
+            let key = Arc::as_ptr(s.tensor.storage()) as usize;
+            // mul(x, x) keeps one storage once.
+            if !buffers.iter().any(|b: &SavedBuffer| b.key == Some(key)) {
+                buffers.push(SavedBuffer {
+                    key: Some(key),
+                    bytes: s.tensor.storage().bytes(),
+                });
+            }
+        }
+        buffers
+    }
+}
+
+impl ferry_graph::GradValue for Tensor {
     fn accumulate(&mut self, other: Self) -> std::result::Result<(), BoxError> {
         *self = self.add(&other)?;
         Ok(())
+    }
+
+    fn into_kept(self) -> std::result::Result<Self, BoxError> {
+        // Alone in its buffer and dense: keep it as is. Otherwise a copy of its own (a stride-0
+        // view from `sum`'s backward, or one buffer `add`'s backward passed to both inputs).
+        let alone = Arc::strong_count(&self.0) == 1 && Arc::strong_count(self.storage()) == 1;
+        if alone && self.is_contiguous() && self.layout().offset() == 0 {
+            Ok(self)
+        } else {
+            Ok(self.copy()?)
+        }
     }
 
     fn describe(&self) -> String {
@@ -38,88 +279,129 @@ impl GradValue for Tensor {
     }
 }
 
-/// A backward rule built from a closure over the tensors it saved.
-struct Rule<F> {
-    saved_bytes: usize,
-    f: F,
-}
-
-impl<F> Backward<Tensor> for Rule<F>
-where
-    F: Fn(&Tensor, &[bool]) -> Result<InputGrads<Tensor>> + Send + Sync,
-{
-    fn backward(
-        &self,
-        grad: &Tensor,
-        wanted: &[bool],
-    ) -> std::result::Result<InputGrads<Tensor>, BoxError> {
-        Ok((self.f)(grad, wanted)?)
-    }
-
-    fn saved_bytes(&self) -> usize {
-        self.saved_bytes
-    }
-}
-
-/// A backward rule whose closure keeps `saved_bytes` of tensors alive (see [`saved_bytes`]).
-pub fn rule<F>(saved_bytes: usize, f: F) -> Arc<dyn Backward<Tensor>>
-where
-    F: Fn(&Tensor, &[bool]) -> Result<InputGrads<Tensor>> + Send + Sync + 'static,
-{
-    Arc::new(Rule { saved_bytes, f })
-}
-
-/// Bytes of the tensors a rule saves.
-pub fn saved_bytes(saved: &[&Tensor]) -> usize {
-    saved.iter().map(|t| t.nbytes()).sum()
-}
-
-/// Whether an op on `inputs` must record a node right now.
+/// Whether an op on `inputs` must record a node right now: grad mode is on, an input requires
+/// grad, and none is inference data.
 pub fn should_record(inputs: &[&Tensor]) -> bool {
-    is_grad_enabled() && inputs.iter().any(|t| t.requires_grad())
+    is_grad_enabled()
+        && inputs.iter().any(|t| t.requires_grad())
+        && !inputs.iter().any(|t| t.is_inference())
 }
 
-/// Records `output` as the result of `op` on `inputs`, when any input requires grad and grad
-/// mode is on; `make_rule` runs only then, so nothing is saved otherwise.
-pub fn record(
+/// Records `output` as the result of `op` on `inputs` when [`should_record`] says so;
+/// `make_rule` runs only then, so nothing is saved otherwise. An output computed from
+/// inference data is inference data too, on whichever thread computed it.
+pub fn record<S: RuleState>(
     output: Tensor,
     op: &'static str,
     inputs: &[&Tensor],
-    make_rule: impl FnOnce() -> Arc<dyn Backward<Tensor>>,
+    make_rule: impl FnOnce() -> Rule<S>,
 ) -> Tensor {
     record_kind(output, op, NodeKind::Op, inputs, make_rule)
 }
 
+/// [`record`] for a rule whose making can fail (it computes what it keeps, like the indices of
+/// a maximum); it runs only when recording.
+pub fn try_record<S: RuleState>(
+    output: Tensor,
+    op: &'static str,
+    inputs: &[&Tensor],
+    make_rule: impl FnOnce() -> Result<Rule<S>>,
+) -> Result<Tensor> {
+    if !should_record(inputs) {
+        return Ok(record_kind(
+            output,
+            op,
+            NodeKind::Op,
+            inputs,
+            || -> Rule<S> { unreachable!("record_kind makes no rule when not recording") },
+        ));
+    }
+    let rule = make_rule()?;
+    Ok(record_kind(output, op, NodeKind::Op, inputs, || rule))
+}
+
 /// [`record`] with an explicit node kind (transfers draw differently).
-pub fn record_kind(
+pub fn record_kind<S: RuleState>(
     output: Tensor,
     op: &'static str,
     kind: NodeKind,
     inputs: &[&Tensor],
-    make_rule: impl FnOnce() -> Arc<dyn Backward<Tensor>>,
+    make_rule: impl FnOnce() -> Rule<S>,
 ) -> Tensor {
     if !should_record(inputs) {
+        if !output.is_inference() && inputs.iter().any(|t| t.is_inference()) {
+            return output.into_inference();
+        }
         return output;
     }
-    let mut meta = NodeMeta::op(
+    let Rule {
+        save,
+        aux,
+        state,
+        backward,
+    } = make_rule();
+    let mut saved = SmallVec::new();
+    for (i, input) in inputs.iter().enumerate() {
+        if save.has_input(i) {
+            saved.push(SavedTensor {
+                tensor: (*input).clone(),
+                version: input.storage().version(),
+                slot: Slot::Input(i),
+            });
+        }
+    }
+    if save.has_output() {
+        saved.push(SavedTensor {
+            tensor: output.detach(),
+            version: output.storage().version(),
+            slot: Slot::Output,
+        });
+    }
+    if let Some(aux) = aux {
+        saved.push(SavedTensor {
+            version: aux.storage().version(),
+            tensor: aux,
+            slot: Slot::Aux,
+        });
+    }
+    let rule = TensorRule {
         op,
-        output.shape(),
-        output.dtype().name(),
-        output.device().to_string(),
-    );
+        saved,
+        state,
+        backward,
+    };
+    let mut meta = NodeMeta::op(op, output.shape(), output.dtype().name(), output.device());
     meta.kind = kind;
-    let nodes: Vec<Option<&NodeHandle<Tensor>>> = inputs.iter().map(|t| t.node()).collect();
-    let node = GRAPH.record(meta, make_rule(), &nodes);
+    let nodes: SmallVec<[Option<&NodeHandle<Tensor>>; 4]> =
+        inputs.iter().map(|t| t.node()).collect();
+    let node = ferry_graph::record(meta, Arc::new(rule), &nodes);
     output.attach(Autograd { node, grad: None })
 }
 
 impl Tensor {
-    fn attach(self, autograd: Autograd) -> Tensor {
+    pub(crate) fn attach(&self, autograd: Autograd) -> Tensor {
         Tensor(Arc::new(Inner {
             storage: Arc::clone(&self.0.storage),
             layout: self.0.layout.clone(),
             autograd: Some(autograd),
+            inference: self.0.inference,
         }))
+    }
+
+    fn into_inference(self) -> Tensor {
+        Tensor(Arc::new(Inner {
+            storage: Arc::clone(&self.0.storage),
+            layout: self.0.layout.clone(),
+            autograd: None,
+            inference: true,
+        }))
+    }
+
+    /// Whether this is inference data: made inside [`ferry_graph::inference_mode`], or computed
+    /// from such data. No op that reads it records a node, on any thread. [`Tensor::copy`]
+    /// outside the scope is the way back to a normal tensor.
+    pub fn is_inference(&self) -> bool {
+        self.0.inference
     }
 
     /// Whether gradients flow to or through this tensor.
@@ -127,21 +409,25 @@ impl Tensor {
         self.0.autograd.is_some()
     }
 
-    /// A leaf over the same data that requires grad; only float tensors can.
+    /// A leaf over the same data that requires grad, in a graph of its own; only float tensors
+    /// can, and not inference data (copy it outside the inference scope first).
     pub fn with_grad(&self) -> Result<Tensor> {
         if !self.dtype().is_float() {
             return Err(TensorError::NotDifferentiable {
                 dtype: self.dtype(),
             });
         }
+        if self.is_inference() || is_inference_mode() {
+            return Err(TensorError::InvalidArgument {
+                op: "with_grad",
+                message: "inference data cannot require grad: outside `inference_mode`, make a \
+                          normal tensor with `.copy()?` and call `.with_grad()` on that"
+                    .into(),
+            });
+        }
         let slot = GradSlot::default();
-        let meta = NodeMeta::op(
-            "leaf",
-            self.shape(),
-            self.dtype().name(),
-            self.device().to_string(),
-        );
-        let node = GRAPH.leaf(meta, slot.clone());
+        let meta = NodeMeta::op("leaf", self.shape(), self.dtype().name(), self.device());
+        let node = Graph::new().leaf(meta, slot.clone());
         Ok(self.detach().attach(Autograd {
             node,
             grad: Some(slot),
@@ -158,87 +444,36 @@ impl Tensor {
         self.0.autograd.as_ref().map(|a| &a.node)
     }
 
-    /// The accumulated gradient of a leaf.
-    pub fn grad(&self) -> Option<Tensor> {
-        self.grad_slot().and_then(|slot| slot.lock().clone())
+    /// The graph this tensor belongs to, when it has history: its counts (live nodes, saved
+    /// bytes, recorded, pruned) describe this tensor's graph alone.
+    pub fn graph(&self) -> Option<Graph> {
+        self.node().map(NodeHandle::graph)
     }
 
-    /// Replaces a leaf's gradient (`None` frees it, like `zero_grad(set_to_none=True)`).
+    /// The accumulated gradient of a leaf, or of a non-leaf after [`Tensor::retain_grad`].
+    pub fn grad(&self) -> Option<Tensor> {
+        let autograd = self.0.autograd.as_ref()?;
+        match &autograd.grad {
+            Some(slot) => slot.lock().clone(),
+            None => autograd.node.grad_slot()?.lock().clone(),
+        }
+    }
+
+    /// Replaces the kept gradient (`None` frees it, like `zero_grad(set_to_none=True)`).
     pub fn set_grad(&self, grad: Option<Tensor>) {
-        if let Some(slot) = self.grad_slot() {
+        let Some(autograd) = self.0.autograd.as_ref() else {
+            return;
+        };
+        let slot = match &autograd.grad {
+            Some(slot) => Some(Arc::clone(slot)),
+            None => autograd.node.grad_slot(),
+        };
+        if let Some(slot) = slot {
             *slot.lock() = grad;
         }
     }
 
-    fn grad_slot(&self) -> Option<&GradSlot<Tensor>> {
-        self.0.autograd.as_ref().and_then(|a| a.grad.as_ref())
+    pub(crate) fn requires_node(&self, op: &'static str) -> Result<&NodeHandle<Tensor>> {
+        self.node().ok_or(TensorError::NoGraphFor { op })
     }
-
-    /// Backward from a one-element tensor, with gradient 1.
-    pub fn backward(&self) -> Result<BackwardReport> {
-        if self.numel() != 1 {
-            return Err(TensorError::NonScalarBackward { shape: self.dims() });
-        }
-        let ones = Tensor::ones(self.shape(), self.dtype(), self.device())?;
-        self.backward_with(ones, BackwardOptions::default())
-    }
-
-    /// Backward from a one-element tensor that also reports every node visited, in order, with
-    /// the gradient it received and what it passed on (see [`BackwardReport::trace`]).
-    pub fn backward_traced(&self) -> Result<BackwardReport> {
-        if self.numel() != 1 {
-            return Err(TensorError::NonScalarBackward { shape: self.dims() });
-        }
-        let ones = Tensor::ones(self.shape(), self.dtype(), self.device())?;
-        let options = BackwardOptions {
-            trace: true,
-            ..BackwardOptions::default()
-        };
-        self.backward_with(ones, options)
-    }
-
-    /// Backward with an explicit output gradient and options (retain_graph, trace).
-    pub fn backward_with(&self, grad: Tensor, options: BackwardOptions) -> Result<BackwardReport> {
-        let node = self.node().ok_or(TensorError::NoGraph)?;
-        if grad.device() != self.device() {
-            return Err(TensorError::DeviceMismatch {
-                op: "backward",
-                lhs: self.device(),
-                rhs: grad.device(),
-            });
-        }
-        if grad.dtype() != self.dtype() {
-            return Err(TensorError::dtype_mismatch(
-                "backward",
-                grad.dtype(),
-                self.dtype(),
-            ));
-        }
-        if grad.shape() != self.shape() {
-            return Err(TensorError::ShapeMismatch {
-                op: "backward",
-                lhs: self.dims(),
-                rhs: grad.dims(),
-                hint: "the gradient must have the output's shape",
-            });
-        }
-        Ok(node.backward(grad.detach(), options)?)
-    }
-}
-
-/// The graph behind `roots` in Graphviz DOT: op, shape, dtype, device and saved bytes per node,
-/// transfer nodes and edges drawn distinctly, and each `(label, source)` in `cuts` drawn as a
-/// detach cut into the node of `source` (the tensor that was detached).
-pub fn to_dot(roots: &[&Tensor], cuts: &[(&str, &Tensor)]) -> String {
-    let nodes: Vec<&NodeHandle<Tensor>> = roots.iter().filter_map(|t| t.node()).collect();
-    let cuts: Vec<DetachCut> = cuts
-        .iter()
-        .filter_map(|(label, source)| {
-            source.node().map(|n| DetachCut {
-                label: (*label).to_string(),
-                node: n.index(),
-            })
-        })
-        .collect();
-    GRAPH.dot_from(&nodes, &cuts)
 }

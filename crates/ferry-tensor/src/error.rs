@@ -140,6 +140,49 @@ pub enum TensorError {
         "backward: this tensor does not require grad and has no graph node; mark a leaf with `.with_grad()?` before computing it, outside `no_grad`"
     )]
     NoGraph,
+    /// An op that needs the tensor's graph node, on a tensor without one.
+    #[error(
+        "{op}: this tensor does not require grad and has no graph node; mark a leaf with `.with_grad()?` before computing it, outside `no_grad`"
+    )]
+    NoGraphFor {
+        /// The op.
+        op: &'static str,
+    },
+    /// `autograd::grad` asked for the gradient of a tensor that does not require grad.
+    #[error(
+        "{op}: input {index} does not require grad, so it has no gradient; pass tensors made with `.with_grad()?` or computed from them"
+    )]
+    InputWithoutGrad {
+        /// The op.
+        op: &'static str,
+        /// Position of the input.
+        index: usize,
+    },
+    /// `autograd::grad` found no path from the outputs to an input.
+    #[error(
+        "grad: input {index} was not used to compute the outputs; pass `allow_unused: true` to get `None` for it instead"
+    )]
+    UnusedInput {
+        /// Position of the input.
+        index: usize,
+    },
+    /// A tensor a gradient rule saved was written in place before backward used it.
+    #[error(
+        "{tensor} of `{op}` (shape {shape:?}), saved for the gradient, was modified in place since (version {version}, saved at {saved_version}); \
+         the gradient would be wrong. Write into a copy (`.copy()?`) instead, or run the in-place update after backward"
+    )]
+    ModifiedInPlace {
+        /// The op whose rule saved the tensor.
+        op: &'static str,
+        /// Which tensor: `input 1`, `the output`.
+        tensor: String,
+        /// Its shape.
+        shape: Shape,
+        /// Version of its storage when it was saved.
+        saved_version: u64,
+        /// Version now.
+        version: u64,
+    },
     /// Gradients asked of a dtype that cannot carry them.
     #[error(
         "requires_grad: {dtype} tensors cannot require grad; only float tensors can (cast with `.to_dtype(DType::F32)`)"

@@ -2,17 +2,20 @@
 //! and `gradcheck`.
 //!
 //! A [`Tensor`] is storage (bytes on one device) seen through a [`Layout`] (shape, strides,
-//! offset), plus autograd metadata: a node in the process-wide graph ([`graph`]) when it
-//! requires grad. Views (transpose, narrow, chunk, broadcast, reshape of contiguous data)
+//! offset), plus autograd metadata: a node in its graph ([`Tensor::graph`]) when it requires
+//! grad. Views (transpose, narrow, chunk, broadcast, reshape of contiguous data)
 //! share storage and copy nothing.
 //!
 //! This crate never moves bytes between devices: ops on tensors from two devices are an error
 //! that names both. Moving is ferry-transfer's job, so that what a move cost and what it
 //! recorded are answerable in one place.
 //!
-//! Key decision: every gradient rule lives in one module (`rules`), written with tensor ops, so
-//! each rule is a few lines, runs on every device, and composite ops (mean, softmax,
-//! cross-entropy) are built from primitives and need no rule of their own.
+//! Key decision: a gradient rule declares what it saves ([`Save`]: inputs, the output, or
+//! nothing but shapes and scalars) and is otherwise plain data and a `fn`, so a node keeps alive
+//! exactly what its rule declares and the graph's saved-byte count is exact. Rules live in one
+//! module (`rules`), written with tensor ops: each is a few lines, runs on every device, and is
+//! itself differentiable (higher-order gradients). Composite ops (mean, cross-entropy) are built
+//! from primitives and need no rule of their own.
 //!
 //! ```
 //! use ferry_tensor::{DType, Device, Tensor};
@@ -25,8 +28,9 @@
 //! ```
 #![warn(missing_docs)]
 
-mod autograd;
+pub mod autograd;
 mod backend;
+mod backward;
 mod cpu;
 mod cuda;
 mod error;
@@ -37,10 +41,14 @@ mod rules;
 mod storage;
 mod tensor;
 
-pub use autograd::{graph, record, record_kind, rule, saved_bytes, should_record, to_dot};
+pub use autograd::{Rule, RuleState, Save, Saved, record, record_kind, should_record, try_record};
+pub use backward::to_dot;
 pub use cuda::{KERNEL_MODULES, compile_kernels};
 pub use error::{Result, TensorError};
-pub use ferry_graph::{BackwardOptions, BackwardReport, no_grad, with_no_grad};
+pub use ferry_graph::{
+    BackwardOptions, BackwardReport, Graph, GraphStats, HookHandle, inference_mode, no_grad,
+    with_no_grad,
+};
 pub use ferry_memory::{DType, Device};
 pub use layout::{Layout, Shape, broadcast_shapes};
 pub use ops::create::manual_seed;

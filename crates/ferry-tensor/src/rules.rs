@@ -1,21 +1,20 @@
-//! Every gradient rule in one place. Each takes what the forward pass saw and returns the
-//! backward closure; tensors it keeps are detached, so a node never holds its own history.
+//! Every gradient rule of ferry-tensor's primitives in one place (the device move's rule lives
+//! with the move, in ferry-transfer). Each says what it saves, as PyTorch's rules do: an input
+//! only when the gradient of *another* input needs it, the output where the derivative is
+//! cheapest from it (exp, tanh, sigmoid, sqrt, relu, softmax), and otherwise shapes alone.
 //!
-//! Rules are written with tensor ops, so the same rule runs on every device. Composite ops
-//! (mean, softmax, cross-entropy, ...) are built from these primitives and need no rule.
+//! Rules are written with tensor ops, so the same rule runs on every device, and under
+//! `create_graph` the backward records its own graph: every rule is itself differentiable.
+//! Composite ops (mean, cross-entropy's pieces, ...) are built from these and need no rule.
 
-use std::sync::Arc;
-
-use ferry_graph::{Backward, InputGrads};
+use ferry_graph::InputGrads;
 use ferry_memory::DType;
 use smallvec::smallvec;
 
-use crate::autograd::{rule, saved_bytes};
+use crate::autograd::{Rule, Save};
 use crate::layout::Shape;
 use crate::ops::{BinaryOp, UnaryOp};
 use crate::{Result, Tensor};
-
-type Rule = Arc<dyn Backward<Tensor>>;
 
 impl Tensor {
     /// Sums a broadcast gradient back down to `shape` (the inverse of broadcasting).
@@ -35,184 +34,247 @@ impl Tensor {
     }
 }
 
-/// `a ∘ b`: the chain rule per element, then sum over what broadcasting repeated.
-pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Rule {
-    let (a, b) = (a.detach(), b.detach());
-    let saved: &[&Tensor] = match op {
-        BinaryOp::Add | BinaryOp::Sub => &[],
-        BinaryOp::Mul | BinaryOp::Div => &[&a, &b],
-    };
-    rule(saved_bytes(saved), move |g, wanted| {
-        let (da, db) = match op {
-            // d(a+b) = da + db;  d(a-b) = da - db
-            BinaryOp::Add => (
-                lazy(wanted[0], || Ok(g.clone())),
-                lazy(wanted[1], || Ok(g.clone())),
-            ),
-            BinaryOp::Sub => (
-                lazy(wanted[0], || Ok(g.clone())),
-                lazy(wanted[1], || g.neg()),
-            ),
-            // d(ab) = b da + a db
-            BinaryOp::Mul => (lazy(wanted[0], || g.mul(&b)), lazy(wanted[1], || g.mul(&a))),
-            // d(a/b) = da / b - a db / b²
-            BinaryOp::Div => (
-                lazy(wanted[0], || g.div(&b)),
-                lazy(wanted[1], || g.mul(&a)?.div(&b.mul(&b)?)?.neg()),
-            ),
-        };
-        Ok(smallvec![
-            da?.map(|d| d.sum_to(a.shape())).transpose()?,
-            db?.map(|d| d.sum_to(b.shape())).transpose()?,
-        ])
-    })
-}
-
-fn lazy(wanted: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
+fn want(wanted: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
     wanted.then(f).transpose()
 }
 
-/// `f(x)` elementwise, given the input `x` and the output `y = f(x)`.
-pub(crate) fn unary(op: UnaryOp, x: &Tensor, y: &Tensor) -> Rule {
-    let (x, y) = (x.detach(), y.detach());
-    let saved: Vec<&Tensor> = match op {
-        UnaryOp::Exp | UnaryOp::Tanh | UnaryOp::Sigmoid | UnaryOp::Sqrt => vec![&y],
-        UnaryOp::Log | UnaryOp::Relu | UnaryOp::Abs | UnaryOp::PowScalar(_) => vec![&x],
-        _ => vec![],
+fn reduced(g: Option<Tensor>, shape: &[usize]) -> Result<Option<Tensor>> {
+    g.map(|d| d.sum_to(shape)).transpose()
+}
+
+/// `a ∘ b`: the chain rule per element, then a sum over what broadcasting repeated.
+pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Rule<(BinaryOp, Shape, Shape)> {
+    let (ga, gb) = (a.requires_grad(), b.requires_grad());
+    let save = match op {
+        BinaryOp::Add | BinaryOp::Sub => Save::NOTHING,
+        // d(ab) = b da + a db: a is needed only for db, b only for da.
+        BinaryOp::Mul => Save::input_if(0, gb).and(Save::input_if(1, ga)),
+        // d(a/b) = da / b - a db / b²
+        BinaryOp::Div => Save::input(1).and(Save::input_if(0, gb)),
+        // f(g, y) is linear in g: dg needs y; dy needs g and y (none for relu's, a step).
+        BinaryOp::ReluBackward => Save::input_if(1, ga),
+        BinaryOp::TanhBackward | BinaryOp::SigmoidBackward => {
+            Save::input(1).and(Save::input_if(0, gb))
+        }
     };
-    rule(saved_bytes(&saved), move |g, _| {
-        let dx = match op {
-            UnaryOp::Neg => g.neg()?,                                     // d(-x) = -1
-            UnaryOp::Exp => g.mul(&y)?,                                   // d eˣ = eˣ
-            UnaryOp::Log => g.div(&x)?,                                   // d ln x = 1/x
-            UnaryOp::Relu => g.mul(&x.step()?)?,                          // 1 where x > 0
-            UnaryOp::Tanh => g.mul(&y.mul(&y)?.neg()?.add_scalar(1.0)?)?, // 1 - tanh²
-            UnaryOp::Sigmoid => g.mul(&y.mul(&y.neg()?.add_scalar(1.0)?)?)?, // σ(1 - σ)
-            UnaryOp::Sqrt => g.div(&y.mul_scalar(2.0)?)?,                 // 1 / (2√x)
-            UnaryOp::Abs => g.mul(&x.step()?.sub(&x.neg()?.step()?)?)?,   // sign(x)
+    Rule::new(
+        save,
+        (op, a.dims(), b.dims()),
+        |saved, (op, sa, sb), g, wanted| {
+            let (da, db) = match op {
+                BinaryOp::Add => (
+                    want(wanted[0], || Ok(g.clone()))?,
+                    want(wanted[1], || Ok(g.clone()))?,
+                ),
+                BinaryOp::Sub => (
+                    want(wanted[0], || Ok(g.clone()))?,
+                    want(wanted[1], || g.neg())?,
+                ),
+                BinaryOp::Mul => (
+                    want(wanted[0], || g.mul(&saved.input(1)?))?,
+                    want(wanted[1], || g.mul(&saved.input(0)?))?,
+                ),
+                BinaryOp::Div => {
+                    let b = saved.input(1)?;
+                    (
+                        want(wanted[0], || g.div(&b))?,
+                        want(wanted[1], || {
+                            g.mul(&saved.input(0)?)?.div(&b.mul(&b)?)?.neg()
+                        })?,
+                    )
+                }
+                // r = a where y > 0: piecewise linear in y, so no gradient reaches y.
+                BinaryOp::ReluBackward => {
+                    (want(wanted[0], || g.relu_backward(&saved.input(1)?))?, None)
+                }
+                // r = a (1 - y²): dr/da = 1 - y², dr/dy = -2ay
+                BinaryOp::TanhBackward => {
+                    let y = saved.input(1)?;
+                    (
+                        want(wanted[0], || g.tanh_backward(&y))?,
+                        want(wanted[1], || {
+                            g.mul(&saved.input(0)?)?.mul(&y)?.mul_scalar(-2.0)
+                        })?,
+                    )
+                }
+                // r = a y (1 - y): dr/da = y (1 - y), dr/dy = a (1 - 2y)
+                BinaryOp::SigmoidBackward => {
+                    let y = saved.input(1)?;
+                    (
+                        want(wanted[0], || g.sigmoid_backward(&y))?,
+                        want(wanted[1], || {
+                            g.mul(&saved.input(0)?)?
+                                .mul(&y.mul_scalar(-2.0)?.add_scalar(1.0)?)
+                        })?,
+                    )
+                }
+            };
+            Ok(smallvec![reduced(da, sa)?, reduced(db, sb)?])
+        },
+    )
+}
+
+/// `y = f(x)` elementwise.
+pub(crate) fn unary(op: UnaryOp) -> Rule<UnaryOp> {
+    let save = match op {
+        UnaryOp::Exp | UnaryOp::Tanh | UnaryOp::Sigmoid | UnaryOp::Sqrt | UnaryOp::Relu => {
+            Save::OUTPUT
+        }
+        UnaryOp::Log | UnaryOp::Abs | UnaryOp::PowScalar(_) => Save::input(0),
+        UnaryOp::Neg | UnaryOp::Step | UnaryOp::AddScalar(_) | UnaryOp::MulScalar(_) => {
+            Save::NOTHING
+        }
+    };
+    Rule::new(save, op, |saved, op, g, _| {
+        let dx = match *op {
+            UnaryOp::Neg => g.neg()?,                 // d(-x) = -1
+            UnaryOp::Exp => g.mul(&saved.output()?)?, // d eˣ = eˣ
+            UnaryOp::Log => g.div(&saved.input(0)?)?, // d ln x = 1/x
+            // These three run fused kernels (one pass, no temporaries), ops with rules of
+            // their own, so their second derivatives still flow.
+            UnaryOp::Relu => g.relu_backward(&saved.output()?)?, // 1 where y = relu(x) > 0
+            UnaryOp::Tanh => g.tanh_backward(&saved.output()?)?, // 1 - tanh²
+            UnaryOp::Sigmoid => g.sigmoid_backward(&saved.output()?)?, // σ(1 - σ)
+            UnaryOp::Sqrt => g.div(&saved.output()?.mul_scalar(2.0)?)?, // 1 / (2√x)
+            UnaryOp::Abs => {
+                let x = saved.input(0)?; // sign(x)
+                g.mul(&x.step()?.sub(&x.neg()?.step()?)?)?
+            }
             UnaryOp::Step => g.zeros_like()?,
             UnaryOp::AddScalar(_) => g.clone(),
             UnaryOp::MulScalar(c) => g.mul_scalar(c)?,
-            UnaryOp::PowScalar(p) => g.mul(&x.powf(p - 1.0)?.mul_scalar(p)?)?, // p xᵖ⁻¹
+            UnaryOp::PowScalar(p) => g.mul(&saved.input(0)?.powf(p - 1.0)?.mul_scalar(p)?)?, // p xᵖ⁻¹
         };
         Ok(smallvec![Some(dx)])
     })
 }
 
 /// Sum of everything: every element gets the (scalar) gradient.
-pub(crate) fn sum_all(x: &Tensor) -> Rule {
-    let shape: Shape = x.dims();
-    rule(0, move |g, _| {
-        Ok(smallvec![Some(g.broadcast_to(&shape)?.contiguous()?)])
+pub(crate) fn sum_all(x: &Tensor) -> Rule<Shape> {
+    Rule::new(Save::NOTHING, x.dims(), |_, shape, g, _| {
+        Ok(smallvec![Some(g.broadcast_to(shape)?.contiguous()?)])
     })
 }
 
 /// Sum along `axis` (removed from the output): the gradient repeats along it.
-pub(crate) fn sum_axis(x: &Tensor, axis: usize) -> Rule {
-    let shape: Shape = x.dims();
-    rule(0, move |g, _| {
+pub(crate) fn sum_axis(x: &Tensor, axis: usize) -> Rule<(Shape, usize)> {
+    Rule::new(Save::NOTHING, (x.dims(), axis), |_, (shape, axis), g, _| {
         Ok(smallvec![Some(
-            g.unsqueeze(axis as isize)?
-                .broadcast_to(&shape)?
+            g.unsqueeze(*axis as isize)?
+                .broadcast_to(shape)?
                 .contiguous()?
         )])
     })
 }
 
 /// Broadcasting: what was repeated sums back.
-pub(crate) fn broadcast(x: &Tensor) -> Rule {
-    let shape: Shape = x.dims();
-    rule(0, move |g, _| Ok(smallvec![Some(g.sum_to(&shape)?)]))
+pub(crate) fn broadcast(x: &Tensor) -> Rule<Shape> {
+    Rule::new(Save::NOTHING, x.dims(), |_, shape, g, _| {
+        Ok(smallvec![Some(g.sum_to(shape)?)])
+    })
 }
 
-/// Max along an axis: the gradient goes to the (first) maximal element only.
-pub(crate) fn max_axis(x: &Tensor, axis: usize) -> Rule {
-    let x = x.detach();
-    rule(saved_bytes(&[&x]), move |g, _| {
-        let index = x.argmax(axis as isize, false)?;
-        let len = x.shape()[axis];
+/// Max along an axis: the gradient goes to the (first) maximal element only, found from the
+/// indices the forward kept (one `i64` per output element, not the whole input).
+pub(crate) fn max_axis(x: &Tensor, axis: usize, index: Tensor) -> Rule<(usize, usize)> {
+    let len = x.shape()[axis];
+    Rule::new(Save::NOTHING, (axis, len), |saved, &(axis, len), g, _| {
         // one_hot puts classes last; move that axis to where it was reduced.
-        let mut mask = Tensor::one_hot(&index, len, x.dtype())?;
+        let mut mask = Tensor::one_hot(&saved.aux()?, len, g.dtype())?;
         let last = mask.ndim() - 1;
         for to in (axis..last).rev() {
             mask = mask.transpose(to as isize + 1, to as isize)?;
         }
         Ok(smallvec![Some(g.unsqueeze(axis as isize)?.mul(&mask)?)])
     })
+    .with_aux(index)
 }
 
-/// `a · b`: da = g · bᵀ, db = aᵀ · g, summed over broadcast batch dimensions.
-pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Rule {
-    let (a, b) = (a.detach(), b.detach());
-    rule(saved_bytes(&[&a, &b]), move |g, wanted| {
-        let da = lazy(wanted[0], || g.matmul(&b.t()?)?.sum_to(a.shape()))?;
-        let db = lazy(wanted[1], || a.t()?.matmul(g)?.sum_to(b.shape()))?;
+/// `a · b`: da = g · bᵀ needs b, db = aᵀ · g needs a; summed over broadcast batch dimensions.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Rule<(Shape, Shape)> {
+    let save = Save::input_if(1, a.requires_grad()).and(Save::input_if(0, b.requires_grad()));
+    Rule::new(save, (a.dims(), b.dims()), |saved, (sa, sb), g, wanted| {
+        let da = want(wanted[0], || g.matmul(&saved.input(1)?.t()?)?.sum_to(sa))?;
+        let db = want(wanted[1], || saved.input(0)?.t()?.matmul(g)?.sum_to(sb))?;
         Ok(smallvec![da, db])
     })
 }
 
 /// Swapping axes back.
-pub(crate) fn transpose(a: usize, b: usize) -> Rule {
-    rule(0, move |g, _| {
+pub(crate) fn transpose(a: usize, b: usize) -> Rule<(usize, usize)> {
+    Rule::new(Save::NOTHING, (a, b), |_, &(a, b), g, _| {
         Ok(smallvec![Some(g.transpose(a as isize, b as isize)?)])
     })
 }
 
 /// Viewing the gradient in the input's shape.
-pub(crate) fn reshape(x: &Tensor) -> Rule {
-    let shape: Shape = x.dims();
-    rule(0, move |g, _| Ok(smallvec![Some(g.reshape(&shape)?)]))
+pub(crate) fn reshape(x: &Tensor) -> Rule<Shape> {
+    Rule::new(Save::NOTHING, x.dims(), |_, shape, g, _| {
+        Ok(smallvec![Some(g.reshape(shape)?)])
+    })
 }
 
 /// A copy: the gradient passes through unchanged.
-pub(crate) fn identity() -> Rule {
-    rule(0, |g, _| Ok(smallvec![Some(g.clone())]))
+pub(crate) fn identity() -> Rule<()> {
+    Rule::new(Save::NOTHING, (), |_, _, g, _| {
+        Ok(smallvec![Some(g.clone())])
+    })
 }
 
 /// A narrowed view: the gradient, padded with zeros where the view did not reach.
-pub(crate) fn narrow(x: &Tensor, axis: usize, start: usize) -> Rule {
-    let shape: Shape = x.dims();
-    rule(0, move |g, _| {
-        let len = g.shape()[axis];
-        let pad = |n: usize| {
-            let mut s = shape.to_vec();
-            s[axis] = n;
-            Tensor::zeros(&s, g.dtype(), g.device())
-        };
-        let (before, after) = (pad(start)?, pad(shape[axis] - start - len)?);
-        Ok(smallvec![Some(Tensor::cat(
-            &[&before, g, &after],
-            axis as isize
-        )?)])
-    })
+pub(crate) fn narrow(x: &Tensor, axis: usize, start: usize) -> Rule<(Shape, usize, usize)> {
+    Rule::new(
+        Save::NOTHING,
+        (x.dims(), axis, start),
+        |_, (shape, axis, start), g, _| {
+            let (axis, start) = (*axis, *start);
+            let len = g.shape()[axis];
+            let pad = |n: usize| {
+                let mut s = shape.to_vec();
+                s[axis] = n;
+                Tensor::zeros(&s, g.dtype(), g.device())
+            };
+            let (before, after) = (pad(start)?, pad(shape[axis] - start - len)?);
+            Ok(smallvec![Some(Tensor::cat(
+                &[&before, g, &after],
+                axis as isize
+            )?)])
+        },
+    )
 }
 
 /// Concatenation: each input gets its slice of the gradient.
-pub(crate) fn cat(parts: &[&Tensor], axis: usize) -> Rule {
+pub(crate) fn cat(parts: &[&Tensor], axis: usize) -> Rule<(Vec<usize>, usize)> {
     let sizes: Vec<usize> = parts.iter().map(|p| p.shape()[axis]).collect();
-    rule(0, move |g, wanted| {
-        let mut start = 0;
-        let mut grads = InputGrads::new();
-        for (&size, &want) in sizes.iter().zip(wanted) {
-            grads.push(lazy(want, || {
-                g.narrow(axis as isize, start, size)?.contiguous()
-            })?);
-            start += size;
-        }
-        Ok(grads)
-    })
+    Rule::new(
+        Save::NOTHING,
+        (sizes, axis),
+        |_, (sizes, axis), g, wanted| {
+            let mut start = 0;
+            let mut grads = InputGrads::new();
+            for (&size, &w) in sizes.iter().zip(wanted) {
+                grads.push(want(w, || {
+                    g.narrow(*axis as isize, start, size)?.contiguous()
+                })?);
+                start += size;
+            }
+            Ok(grads)
+        },
+    )
 }
 
 /// A dtype conversion: the gradient converts back.
-pub(crate) fn cast(from: DType) -> Rule {
-    rule(0, move |g, _| Ok(smallvec![Some(g.to_dtype(from)?)]))
+pub(crate) fn cast(from: DType) -> Rule<DType> {
+    Rule::new(Save::NOTHING, from, |_, &from, g, _| {
+        Ok(smallvec![Some(g.to_dtype(from)?)])
+    })
 }
 
-/// Softmax over the last axis, given its output y: dx = y ⊙ (g − Σ g⊙y).
-/// Log-softmax: dx = g − eʸ ⊙ Σ g.
-pub(crate) fn softmax(y: &Tensor, log: bool) -> Rule {
-    let y = y.detach();
-    rule(saved_bytes(&[&y]), move |g, _| {
+/// Softmax over the last axis, from its output y: dx = y ⊙ (g − Σ g⊙y).
+/// Log-softmax, from its output y: dx = g − eʸ ⊙ Σ g.
+pub(crate) fn softmax(log: bool) -> Rule<bool> {
+    Rule::new(Save::OUTPUT, log, |saved, &log, g, _| {
+        let y = saved.output()?;
         let dx = if log {
             g.sub(&y.exp()?.mul(&g.sum_axis(-1, true)?)?)?
         } else {
@@ -220,4 +282,16 @@ pub(crate) fn softmax(y: &Tensor, log: bool) -> Rule {
         };
         Ok(smallvec![Some(dx)])
     })
+}
+
+/// `-mean(logp[i, targets[i]])`: the gradient is `-g / n` at each row's target, zero elsewhere.
+/// Keeps the targets (one `i64` per row), not a one-hot matrix.
+pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Rule<usize> {
+    Rule::new(Save::NOTHING, logp.shape()[1], |saved, &classes, g, _| {
+        let targets = saved.aux()?;
+        let one_hot = Tensor::one_hot(&targets, classes, g.dtype())?;
+        let scale = g.div_scalar(-(targets.numel() as f64))?;
+        Ok(smallvec![Some(one_hot.mul(&scale)?)])
+    })
+    .with_aux(targets.clone())
 }

@@ -1,5 +1,7 @@
 //! Storage: the bytes behind one or more tensors, on one device, of one dtype.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use ferry_memory::cuda::{DeviceBuffer, PinnedBuffer};
 use ferry_memory::{DType, Device, Element, HostBuffer};
 use parking_lot::{
@@ -56,20 +58,28 @@ impl Buffer {
 
 /// Bytes shared by a tensor and its views. The lock lets optimizers update parameters in place
 /// while views and saved copies keep reading consistent data.
+///
+/// Every write access bumps the storage's version: a gradient rule notes the versions of the
+/// tensors it saves, and backward refuses to use one that was written in place since, where
+/// it would otherwise compute a wrong gradient without a word.
 #[derive(Debug)]
 pub struct Storage {
     buffer: RwLock<Buffer>,
     device: Device,
     dtype: DType,
+    len: usize,
+    version: AtomicU64,
 }
 
 impl Storage {
     /// Wraps a buffer holding elements of `dtype`.
     pub fn new(buffer: Buffer, dtype: DType, device: Device) -> Self {
         Self {
+            len: buffer.len(),
             buffer: RwLock::new(buffer),
             device,
             dtype,
+            version: AtomicU64::new(0),
         }
     }
 
@@ -97,7 +107,12 @@ impl Storage {
 
     /// Size in bytes.
     pub fn bytes(&self) -> usize {
-        self.buffer.read().len()
+        self.len
+    }
+
+    /// How many times the bytes were opened for writing; saved tensors compare it.
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
     }
 
     /// Shared access to the buffer.
@@ -105,8 +120,9 @@ impl Storage {
         self.buffer.read()
     }
 
-    /// Unique access to the buffer.
+    /// Unique access to the buffer; counts as an in-place write (see [`Storage::version`]).
     pub fn write(&self) -> RwLockWriteGuard<'_, Buffer> {
+        self.version.fetch_add(1, Ordering::AcqRel);
         self.buffer.write()
     }
 
@@ -128,7 +144,7 @@ impl Storage {
         op: &'static str,
     ) -> Result<MappedRwLockWriteGuard<'_, [T]>> {
         self.check::<T>(op)?;
-        RwLockWriteGuard::try_map(self.buffer.write(), |b| {
+        RwLockWriteGuard::try_map(self.write(), |b| {
             b.host_bytes_mut().map(bytemuck::cast_slice_mut::<u8, T>)
         })
         .map_err(|_| TensorError::NotOnHost {

@@ -21,6 +21,8 @@ pub(crate) struct Inner {
     pub(crate) storage: Arc<Storage>,
     pub(crate) layout: Layout,
     pub(crate) autograd: Option<Autograd>,
+    /// Made in an inference scope, or computed from such data (see `Tensor::is_inference`).
+    pub(crate) inference: bool,
 }
 
 /// A tensor's place in the graph: its node, and for leaves where its gradient lands.
@@ -36,6 +38,7 @@ impl Tensor {
             storage,
             layout,
             autograd: None,
+            inference: ferry_graph::is_inference_mode(),
         }))
     }
 
@@ -185,12 +188,18 @@ impl Tensor {
     /// A tensor over the same data with no gradient history: records nothing, and when this was
     /// the last reference to its node, that node and what only it kept alive are pruned.
     pub fn detach(&self) -> Tensor {
-        Tensor::from_storage(Arc::clone(&self.0.storage), self.0.layout.clone())
+        self.with_layout(self.0.layout.clone())
     }
 
-    /// The same tensor viewed through another layout, keeping no history.
+    /// The same tensor viewed through another layout, keeping no history (inference data stays
+    /// inference data).
     pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
-        Tensor::from_storage(Arc::clone(&self.0.storage), layout)
+        Tensor(Arc::new(Inner {
+            storage: Arc::clone(&self.0.storage),
+            layout,
+            autograd: None,
+            inference: self.0.inference || ferry_graph::is_inference_mode(),
+        }))
     }
 
     pub(crate) fn from_shape(storage: Storage, shape: &[usize]) -> Tensor {

@@ -2,10 +2,10 @@
 
 use std::time::Instant;
 
-use ferry_graph::NodeKind;
+use ferry_graph::{NodeKind, pruned_on_this_thread};
 use ferry_memory::cuda::Stream;
 use ferry_memory::{DType, Device};
-use ferry_tensor::{Result, Tensor, graph, record_kind, rule, should_record, with_no_grad};
+use ferry_tensor::{Result, Rule, Save, Tensor, record_kind, should_record, with_no_grad};
 use smallvec::smallvec;
 
 use crate::chunked::{ChunkSpec, to_chunked};
@@ -100,19 +100,25 @@ pub(crate) fn record_transfer(
     if should_record(&[src]) {
         report.nodes_recorded = 1;
     }
-    let (from_device, from_dtype) = (src.device(), src.dtype());
     let kind = NodeKind::Transfer {
-        from: from_device.to_string(),
-        to: to.to_string(),
+        from: src.device(),
+        to,
     };
+    // Saves nothing: the source's device and dtype are all the way home needs. Under
+    // `create_graph` the move back records a transfer node of its own, so second derivatives
+    // come home too.
     record_kind(moved, op, kind, &[src], || {
-        rule(0, move |g, _| {
-            let back = MoveOptions {
-                dtype: Some(from_dtype),
-                non_blocking: false,
-            };
-            Ok(smallvec![Some(g.to_with(from_device, back)?.0)])
-        })
+        Rule::new(
+            Save::NOTHING,
+            (src.device(), src.dtype()),
+            |_, &(device, dtype), g, _| {
+                let back = MoveOptions {
+                    dtype: Some(dtype),
+                    non_blocking: false,
+                };
+                Ok(smallvec![Some(g.to_with(device, back)?.0)])
+            },
+        )
     })
 }
 
@@ -154,19 +160,22 @@ impl DeviceMove for Tensor {
     }
 
     fn into_device(self, device: Device) -> Result<(Tensor, TransferReport)> {
-        let before = graph().live_nodes();
         let (out, mut report) = self.to_with(device, MoveOptions::default())?;
+        // Counted on this thread: exactly what dropping the source freed, whatever other
+        // threads prune meanwhile.
+        let before = pruned_on_this_thread();
         drop(self);
-        report.nodes_pruned = before.saturating_sub(graph().live_nodes());
+        report.nodes_pruned = (pruned_on_this_thread() - before) as usize;
         Ok((out, report))
     }
 
     fn detach_into(self, device: Device) -> Result<(Tensor, TransferReport)> {
-        let before = graph().live_nodes();
         let detached = self.detach();
+        let before = pruned_on_this_thread();
         drop(self);
+        let pruned = (pruned_on_this_thread() - before) as usize;
         let (out, mut report) = detached.to_with(device, MoveOptions::default())?;
-        report.nodes_pruned = before.saturating_sub(graph().live_nodes());
+        report.nodes_pruned = pruned;
         Ok((out, report))
     }
 

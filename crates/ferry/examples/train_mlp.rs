@@ -38,7 +38,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = mlp(device)?;
     let mut opt = Adam::new(model.parameters(), 0.02)?;
 
-    let watch = GraphWatch::new();
+    let params = model.parameters();
+    let watch = GraphWatch::new(&params);
     for epoch in 1..=300 {
         opt.zero_grad();
         let loss = nn::cross_entropy(&model.forward(&x)?, &y)?;

@@ -3,8 +3,9 @@
 //! The autograd graph frees a step's nodes, and the activations they saved, when the last
 //! tensor referring to them drops. A loop that keeps such a tensor, most often
 //! `total = total.add(&loss)?` to average the loss, keeps every step's graph: memory grows
-//! each step until the process runs out. [`GraphWatch`] notes the graph's size when it is
-//! created and [`GraphWatch::check`] reports what is still alive beyond it.
+//! each step until the process runs out. [`GraphWatch`] notes the size of the graph a model's
+//! parameters belong to (every step's graph joins it) and [`GraphWatch::check`] reports what is
+//! still alive beyond it.
 //!
 //! ```
 //! use ferry::debug::GraphWatch;
@@ -12,7 +13,7 @@
 //!
 //! let w = Tensor::randn(&[4, 1], DType::F32, Device::Cpu)?.with_grad()?;
 //! let x = Tensor::rand(&[8, 4], DType::F32, Device::Cpu)?;
-//! let watch = GraphWatch::new();
+//! let watch = GraphWatch::new([&w]);
 //! let mut total = 0.0;
 //! for _ in 0..3 {
 //!     let loss = x.matmul(&w)?.powf(2.0)?.mean()?;
@@ -24,19 +25,19 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! The graph is shared by the whole process: a watch sees nodes that other threads create
-//! meanwhile too, so check at a point where only the loop being debugged runs.
+//! A watch counts the graphs of the tensors it was given and nothing else: other threads
+//! training their own models meanwhile do not disturb it.
 
 use std::fmt;
 
-use ferry_tensor::graph;
+use ferry_graph::{Graph, GraphStats};
+use ferry_tensor::Tensor;
 
-/// The graph's size at a point in time; [`GraphWatch::check`] compares against it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The size of some graphs at a point in time; [`GraphWatch::check`] compares against it.
+#[derive(Debug, Clone)]
 pub struct GraphWatch {
-    live_nodes: usize,
-    saved_bytes: usize,
-    recorded: u64,
+    graphs: Vec<Graph>,
+    start: GraphStats,
 }
 
 /// What happened in the graph since a [`GraphWatch`] was made.
@@ -59,24 +60,22 @@ pub struct GraphLeak {
 }
 
 impl GraphWatch {
-    /// Notes the graph's current size (call it after creating the model and optimizer: their
-    /// parameters are leaf nodes that are meant to stay).
-    pub fn new() -> Self {
-        let g = graph();
-        Self {
-            live_nodes: g.live_nodes(),
-            saved_bytes: g.saved_bytes(),
-            recorded: g.recorded_total(),
-        }
+    /// Notes the current size of the graphs `tensors` belong to: pass a model's parameters.
+    /// Their leaves are meant to stay; everything a training step records joins their graph,
+    /// so what a step leaves behind shows up there. Tensors without history are skipped.
+    pub fn new<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Self {
+        let graphs: Vec<Graph> = tensors.into_iter().filter_map(Tensor::graph).collect();
+        let start = Graph::stats_of(&graphs);
+        Self { graphs, start }
     }
 
     /// What changed since [`GraphWatch::new`].
     pub fn delta(&self) -> GraphDelta {
-        let g = graph();
+        let now = Graph::stats_of(&self.graphs);
         GraphDelta {
-            live_nodes: g.live_nodes() as isize - self.live_nodes as isize,
-            saved_bytes: g.saved_bytes() as isize - self.saved_bytes as isize,
-            recorded: g.recorded_total() - self.recorded,
+            live_nodes: now.live_nodes as isize - self.start.live_nodes as isize,
+            saved_bytes: now.saved_bytes as isize - self.start.saved_bytes as isize,
+            recorded: now.recorded - self.start.recorded,
         }
     }
 
@@ -90,12 +89,6 @@ impl GraphWatch {
         } else {
             Ok(delta)
         }
-    }
-}
-
-impl Default for GraphWatch {
-    fn default() -> Self {
-        Self::new()
     }
 }
 

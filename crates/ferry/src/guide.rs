@@ -28,3 +28,7 @@ pub struct Leaks;
 /// Chapter 6: gradcheck.
 #[doc = include_str!("../../../docs/guide/06-gradcheck.md")]
 pub struct Gradcheck;
+
+/// Chapter 7: higher-order gradients, hooks and in-place safety.
+#[doc = include_str!("../../../docs/guide/07-higher-order-hooks-inplace.md")]
+pub struct HigherOrderHooksInPlace;

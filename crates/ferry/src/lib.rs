@@ -4,7 +4,7 @@
 //! one roof; each layer lives in its own crate (memory <- graph <- tensor <- transfer <- ferry)
 //! so that unsafe code, the graph engine and device moves each sit in one place. Of its own it
 //! adds what sits at the edge of ferry: ndarray and `.npy` interop ([`to_ndarray`],
-//! [`from_ndarray`], [`save_npy`], [`load_npy`]) and memory statistics ([`cuda`]).
+//! [`from_ndarray`], [`save_npy`], [`load_npy`]) and memory statistics ([`cuda`], [`host`]).
 //!
 //! ```
 //! use ferry::prelude::*;
@@ -22,6 +22,7 @@ mod array;
 pub mod checkpoint;
 pub mod cuda;
 pub mod debug;
+pub mod host;
 pub mod nn;
 pub mod optim;
 
@@ -32,9 +33,20 @@ pub use ferry_memory as memory;
 pub use ferry_tensor as tensor;
 pub use ferry_tensor::gradcheck;
 pub use ferry_tensor::{
-    BackwardOptions, BackwardReport, DType, Device, Layout, Result, Tensor, TensorError,
-    manual_seed, no_grad, with_no_grad,
+    BackwardOptions, BackwardReport, DType, Device, Graph, GraphStats, HookHandle, Layout, Result,
+    Tensor, TensorError, inference_mode, manual_seed, no_grad, with_no_grad,
 };
+
+/// Gradients beyond `backward`: [`grad`](autograd::grad) returns them instead of
+/// accumulating (with `create_graph` for higher orders), grad modes, and the hooks' types.
+pub mod autograd {
+    pub use ferry_graph::{
+        GradMode, GradModeGuard, enable_grad, inference_mode, is_grad_enabled, is_inference_mode,
+        no_grad, with_no_grad,
+    };
+    pub use ferry_tensor::autograd::{GradOptions, grad};
+    pub use ferry_tensor::gradcheck::{gradcheck, gradgradcheck};
+}
 pub use ferry_transfer::{
     ChunkPlan, ChunkSpec, DeviceMove, MoveOptions, PendingTensor, StateDict, TransferPath,
     TransferReport, move_state_dict, pinned_block_size,

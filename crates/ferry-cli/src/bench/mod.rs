@@ -1,13 +1,17 @@
 //! `ferry bench`: ferry measured side by side with PyTorch on the same machine, in one run.
 //!
-//! Each benchmark lives in its own module (`transfer`, `train`) and shares the statistics and
-//! formatting in `report`, so every table reads the same way: medians, ratios to PyTorch and
-//! whether the project's target was met.
+//! Each benchmark lives in its own module (`transfer`, `train`, `autograd`) and shares the
+//! statistics and formatting in `report`, so every table reads the same way: medians, ratios to
+//! PyTorch and whether the project's target was met.
 
 use std::error::Error;
 
 use clap::{Args, Subcommand};
 
+mod autograd;
+mod autograd_chains;
+mod autograd_json;
+mod autograd_output;
 mod ferry_cases;
 mod pytorch;
 mod report;
@@ -33,11 +37,15 @@ enum BenchCommand {
     /// Training steps (forward, cross-entropy, backward, Adam) of the digits MLP and a
     /// 1024-4096-4096-10 MLP and, with --compare-pytorch, of the same in PyTorch, interleaved.
     Train(train::TrainBenchArgs),
+    /// The autograd core: device memory kept by standard chains and peak during backward,
+    /// CPU thread scaling and per-op overhead; with --compare-pytorch, PyTorch's alongside.
+    Autograd(autograd::AutogradArgs),
 }
 
 pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
     match args.command {
         BenchCommand::Transfer(args) => transfer::run(args),
         BenchCommand::Train(args) => train::run(args),
+        BenchCommand::Autograd(args) => autograd::run(args),
     }
 }

@@ -1,4 +1,4 @@
-//! PyTorch's side: a bench script (bench/transfer.py, bench/train.py) in `--serve` mode, a
+//! PyTorch's side: a bench script (bench/transfer.py, train.py, autograd.py) in `--serve` mode, a
 //! long-lived child that runs one sample per request, so ferry's and PyTorch's samples interleave
 //! in one run on one machine.
 //!
@@ -90,14 +90,20 @@ impl PyTorch {
 
     /// One timed sample of `case`, in milliseconds.
     pub fn sample(&mut self, case: &str) -> Result<f64, String> {
-        writeln!(self.stdin, "{case}")
-            .and_then(|()| self.stdin.flush())
-            .map_err(|e| format!("the PyTorch script stopped taking requests: {e}"))?;
-        let reply = self.read_reply()?;
+        let reply = self.request(case)?;
         reply
             .get("ms")
             .and_then(Value::as_f64)
             .ok_or_else(|| format!("the PyTorch script answered {reply} to `{case}`"))
+    }
+
+    /// Sends one request line and returns the JSON object that answers it (an `error` reply
+    /// becomes `Err`).
+    pub fn request(&mut self, line: &str) -> Result<Value, String> {
+        writeln!(self.stdin, "{line}")
+            .and_then(|()| self.stdin.flush())
+            .map_err(|e| format!("the PyTorch script stopped taking requests: {e}"))?;
+        self.read_reply()
     }
 
     /// Whether the child is still running (a failed sample may have ended it).

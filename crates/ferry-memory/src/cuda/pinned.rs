@@ -193,7 +193,8 @@ impl PinnedPool {
             }
             .result()
         };
-        let mut mapping = crate::HostBuffer::prefaulted(class)?;
+        // Counted by the pinned pool's statistics, not the host's: each byte in one place.
+        let mut mapping = crate::HostBuffer::prefaulted_uncounted(class)?;
         if let Err(e) = register(&mut mapping) {
             if e.0 != CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                 return Err(driver("cuMemHostRegister")(e));

@@ -86,13 +86,17 @@ pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tens
     })
 }
 
+/// A fresh host tensor whose every element `fill` writes (the buffer starts unspecified).
 fn build_bits<B: bytemuck::Pod>(
     dtype: DType,
     shape: &[usize],
     fill: impl FnOnce(&mut [B]),
 ) -> Result<Tensor> {
-    let numel: usize = shape.iter().product();
-    let mut buffer = HostBuffer::zeroed(numel * dtype.size())?;
+    let numel = crate::layout::checked_numel("copy", shape)?;
+    let bytes = numel
+        .checked_mul(dtype.size())
+        .ok_or(ferry_memory::MemoryError::HostOutOfMemory { bytes: usize::MAX })?;
+    let mut buffer = HostBuffer::for_overwrite(bytes)?;
     fill(bytemuck::cast_slice_mut(buffer.as_bytes_mut()));
     Tensor::from_host_buffer(buffer, dtype, shape)
 }

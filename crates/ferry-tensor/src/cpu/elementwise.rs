@@ -1,14 +1,14 @@
-//! Elementwise kernels: unary maps, broadcast binary ops, comparisons and casts.
+//! Elementwise kernels: unary maps, broadcast binary ops, comparisons and casts. Each op's
+//! function comes from the op table (`ops`), handed to a loop once per call.
 
 use ferry_memory::{DType, Element};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use num_traits::Float;
 use rayon::prelude::*;
 
 use super::{CHUNK, PARALLEL_THRESHOLD, any_dispatch, build, float_dispatch};
 use crate::layout::Layout;
-use crate::ops::{BinaryOp, CmpOp, UnaryOp};
+use crate::ops::{BinaryLoop, BinaryOp, CmpOp, UnaryLoop, UnaryOp};
 use crate::{Result, Tensor};
 
 /// `out[i] = f(x[i])` over a strided input, parallel for large contiguous inputs.
@@ -81,24 +81,56 @@ fn zip_map<T: Element, U: Element>(
     }
 }
 
+/// A unary op's loop: `out[i] = f(x[i])`.
+struct Map<'a, T> {
+    x: &'a [T],
+    layout: &'a Layout,
+    out: &'a mut [T],
+}
+
+impl<T: Element> UnaryLoop<T> for Map<'_, T> {
+    type Output = ();
+    fn run(self, f: impl Fn(T) -> T + Sync) {
+        map(self.x, self.layout, self.out, f)
+    }
+}
+
+/// A binary op's loop: `out[i] = f(a[i], b[i])`.
+struct Zip<'a, T, U> {
+    a: &'a [T],
+    la: &'a Layout,
+    b: &'a [T],
+    lb: &'a Layout,
+    out: &'a mut [U],
+}
+
+impl<T: Element> BinaryLoop<T, T> for Zip<'_, T, T> {
+    type Output = ();
+    fn run(self, f: impl Fn(T, T) -> T + Sync) {
+        zip_map(self.a, self.la, self.b, self.lb, self.out, f)
+    }
+}
+
+/// A comparison's loop: `out[i] = f(a[i], b[i])` as 1 or 0.
+struct ZipBool<'a, T>(Zip<'a, T, u8>);
+
+impl<T: Element> BinaryLoop<T, bool> for ZipBool<'_, T> {
+    type Output = ();
+    fn run(self, f: impl Fn(T, T) -> bool + Sync) {
+        let z = self.0;
+        zip_map(z.a, z.la, z.b, z.lb, z.out, |p, q| f(p, q) as u8)
+    }
+}
+
 pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     float_dispatch!(x.dtype(), op.name(), |T| {
         let src = x.storage().host::<T>(op.name())?;
-        let c = |v: f64| <T as Element>::from_f64(v);
-        let (zero, one) = (<T as Element>::from_f64(0.0), <T as Element>::from_f64(1.0));
-        build::<T>(x.shape(), |out| match op {
-            UnaryOp::Neg => map(&src, x.layout(), out, |v| -v),
-            UnaryOp::Exp => map(&src, x.layout(), out, |v| v.exp()),
-            UnaryOp::Log => map(&src, x.layout(), out, |v| v.ln()),
-            UnaryOp::Relu => map(&src, x.layout(), out, |v| if v > zero { v } else { zero }),
-            UnaryOp::Tanh => map(&src, x.layout(), out, |v| v.tanh()),
-            UnaryOp::Sigmoid => map(&src, x.layout(), out, |v| one / (one + (-v).exp())),
-            UnaryOp::Sqrt => map(&src, x.layout(), out, |v| v.sqrt()),
-            UnaryOp::Abs => map(&src, x.layout(), out, |v| v.abs()),
-            UnaryOp::Step => map(&src, x.layout(), out, |v| if v > zero { one } else { zero }),
-            UnaryOp::AddScalar(s) => map(&src, x.layout(), out, |v| v + c(s)),
-            UnaryOp::MulScalar(s) => map(&src, x.layout(), out, |v| v * c(s)),
-            UnaryOp::PowScalar(p) => map(&src, x.layout(), out, |v| v.powf(c(p))),
+        build::<T>(x.shape(), |out| {
+            op.dispatch(Map {
+                x: &src,
+                layout: x.layout(),
+                out,
+            })
         })
     })
 }
@@ -115,11 +147,14 @@ pub(crate) fn binary(
             a.storage().host::<T>(op.name())?,
             b.storage().host::<T>(op.name())?,
         );
-        build::<T>(la.shape(), |out| match op {
-            BinaryOp::Add => zip_map(&x, la, &y, lb, out, |p, q| p + q),
-            BinaryOp::Sub => zip_map(&x, la, &y, lb, out, |p, q| p - q),
-            BinaryOp::Mul => zip_map(&x, la, &y, lb, out, |p, q| p * q),
-            BinaryOp::Div => zip_map(&x, la, &y, lb, out, |p, q| p / q),
+        build::<T>(la.shape(), |out| {
+            op.dispatch(Zip {
+                a: &x,
+                la,
+                b: &y,
+                lb,
+                out,
+            })
         })
     })
 }
@@ -136,16 +171,14 @@ pub(crate) fn compare(
             a.storage().host::<T>(op.name())?,
             b.storage().host::<T>(op.name())?,
         );
-        let f: fn(&T, &T) -> bool = match op {
-            CmpOp::Eq => T::eq,
-            CmpOp::Ne => T::ne,
-            CmpOp::Lt => T::lt,
-            CmpOp::Le => T::le,
-            CmpOp::Gt => T::gt,
-            CmpOp::Ge => T::ge,
-        };
         build::<u8>(la.shape(), |out| {
-            zip_map(&x, la, &y, lb, out, |p, q| f(&p, &q) as u8)
+            op.dispatch::<T, _>(ZipBool(Zip {
+                a: &x,
+                la,
+                b: &y,
+                lb,
+                out,
+            }))
         })
     })
 }

@@ -80,10 +80,20 @@ use ferry_memory::{DType, Element};
 use crate::storage::Storage;
 use crate::{Result, Tensor};
 
-/// A fresh contiguous host tensor of `shape`, filled by `fill` writing every element.
+/// A fresh contiguous host tensor of `shape`, filled by `fill`, which must write every element:
+/// the buffer starts with unspecified contents (a recycled block, to skip the allocator and
+/// the zeroing on small outputs).
 pub(crate) fn build<T: Element>(shape: &[usize], fill: impl FnOnce(&mut [T])) -> Result<Tensor> {
     let numel = crate::layout::checked_numel("build", shape)?;
-    let storage = Storage::host_zeroed(numel, T::DTYPE)?;
+    let bytes = numel
+        .checked_mul(T::DTYPE.size())
+        .ok_or(ferry_memory::MemoryError::HostOutOfMemory { bytes: usize::MAX })?;
+    let buffer = ferry_memory::HostBuffer::for_overwrite(bytes)?;
+    let storage = Storage::new(
+        crate::Buffer::Host(buffer),
+        T::DTYPE,
+        ferry_memory::Device::Cpu,
+    );
     fill(&mut storage.host_mut::<T>("build")?);
     Ok(Tensor::from_shape(storage, shape))
 }

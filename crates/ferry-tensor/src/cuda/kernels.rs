@@ -1,4 +1,8 @@
 //! The kernel modules (sources from kernels/, embedded) and a typed id for every kernel.
+//!
+//! Each module is compiled as kernels/common.cuh, then the CUDA C that the op table generates
+//! (`ferry_unary`, `ferry_binary`, `ferry_compare`, `reduce_op`: see `crate::ops`), then the
+//! module's own source.
 
 use ferry_memory::DType;
 use ferry_memory::cuda::{CudaDevice, CudaFunction, KernelModule};
@@ -11,6 +15,8 @@ macro_rules! module {
             name: $name,
             source: concat!(
                 include_str!("../../../../kernels/common.cuh"),
+                "\n",
+                crate::ops::cuda_op_table!(),
                 "\n",
                 include_str!(concat!("../../../../kernels/", $name, ".cu"))
             ),
@@ -171,6 +177,41 @@ mod tests {
     use ferry_memory::cuda::{compile_ptx, nvrtc_present, nvrtc_version};
 
     use super::*;
+
+    /// Op codes reach kernels only through the table's functions, which trap on an unknown code;
+    /// a hand-written `case 3:` or `op == 2` in kernels/ could compute another op instead.
+    #[test]
+    fn kernels_take_op_codes_from_the_table_only() {
+        let table = crate::ops::cuda_op_table!();
+        for module in ALL {
+            let (_, own) = module
+                .source
+                .split_once(table)
+                .unwrap_or_else(|| panic!("{} lacks the op table", module.name));
+            assert!(
+                !own.contains(table),
+                "{} has the op table twice",
+                module.name
+            );
+            for line in own.lines() {
+                let code = line.split_once("//").map_or(line, |(code, _)| code);
+                let words: Vec<&str> = code.split_whitespace().collect();
+                for w in words.windows(3) {
+                    let literal = w[2].starts_with(|c: char| c.is_ascii_digit());
+                    assert!(
+                        !(w[0].ends_with("op") && ["==", "!="].contains(&w[1]) && literal),
+                        "{}: op compared with a number: {line}",
+                        module.name
+                    );
+                }
+                assert!(
+                    !words.contains(&"case"),
+                    "{}: a switch on codes by hand: {line}",
+                    module.name
+                );
+            }
+        }
+    }
 
     /// CI runs this with NVRTC 13.0 on the library path (see .ci/run); without NVRTC it says it
     /// was skipped, so a plain `cargo test` on a fresh machine still passes.

@@ -111,23 +111,6 @@ fn launch<'a>(
     dev.launch(f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
 }
 
-fn unary_code(op: UnaryOp) -> (i32, f64) {
-    match op {
-        UnaryOp::Neg => (0, 0.0),
-        UnaryOp::Exp => (1, 0.0),
-        UnaryOp::Log => (2, 0.0),
-        UnaryOp::Relu => (3, 0.0),
-        UnaryOp::Tanh => (4, 0.0),
-        UnaryOp::Sigmoid => (5, 0.0),
-        UnaryOp::Sqrt => (6, 0.0),
-        UnaryOp::Abs => (7, 0.0),
-        UnaryOp::Step => (8, 0.0),
-        UnaryOp::AddScalar(c) => (9, c),
-        UnaryOp::MulScalar(c) => (10, c),
-        UnaryOp::PowScalar(p) => (11, p),
-    }
-}
-
 fn float_only(op: &'static str, dtype: DType) -> Result<()> {
     if dtype.is_float() {
         Ok(())
@@ -146,12 +129,11 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     let n = x.numel();
     let mut out = alloc(&dev, n, x.dtype())?;
     let f = Kernel::Unary(x.dtype()).load(&dev)?;
-    let (code, scalar) = unary_code(op);
     let lx = KernelLayout::of(op.name(), x.layout())?;
     let src = buffer(x)?;
     launch(&dev, &f, n)
-        .arg_i32(code)
-        .arg_f64(scalar)
+        .arg_i32(op.code())
+        .arg_f64(op.scalar())
         .arg_buffer(&src)
         .arg_pod(&lx)
         .arg_buffer_mut(&mut out)
@@ -168,19 +150,13 @@ pub(crate) fn binary(
     op: BinaryOp,
 ) -> Result<Tensor> {
     float_only(op.name(), a.dtype())?;
-    let code = match op {
-        BinaryOp::Add => 0,
-        BinaryOp::Sub => 1,
-        BinaryOp::Mul => 2,
-        BinaryOp::Div => 3,
-    };
     zip(
         a,
         la,
         b,
         lb,
         Kernel::Binary(a.dtype()),
-        code,
+        op.code(),
         a.dtype(),
         op.name(),
     )
@@ -193,21 +169,13 @@ pub(crate) fn compare(
     lb: &Layout,
     op: CmpOp,
 ) -> Result<Tensor> {
-    let code = match op {
-        CmpOp::Eq => 0,
-        CmpOp::Ne => 1,
-        CmpOp::Lt => 2,
-        CmpOp::Le => 3,
-        CmpOp::Gt => 4,
-        CmpOp::Ge => 5,
-    };
     zip(
         a,
         la,
         b,
         lb,
         Kernel::Compare(a.dtype()),
-        code,
+        op.code(),
         DType::U8,
         op.name(),
     )
@@ -504,11 +472,7 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
         });
     }
     let mut out = alloc(&dev, outputs, out_dtype)?;
-    let code = match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Max => 1,
-        ReduceOp::ArgMax => 2,
-    };
+    let code = op.code();
     let src = buffer(&x)?;
     // The kernel's unused output pointer is null; op decides which one it writes.
     let (values, indices) = if op == ReduceOp::ArgMax {

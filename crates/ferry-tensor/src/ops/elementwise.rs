@@ -45,10 +45,7 @@ impl Tensor {
         if op == UnaryOp::Step {
             return Ok(out); // piecewise constant: no gradient to carry
         }
-        let saved_out = out.clone();
-        Ok(record(out, op.name(), &[self], || {
-            rules::unary(op, self, &saved_out)
-        }))
+        Ok(record(out, op.name(), &[self], || rules::unary(op)))
     }
 
     /// `self + rhs`, broadcasting.
@@ -69,6 +66,21 @@ impl Tensor {
     /// `self / rhs`, elementwise, broadcasting.
     pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary(rhs, BinaryOp::Div)
+    }
+
+    /// relu's backward from its output `y`: `self` where `y > 0`, else 0.
+    pub(crate) fn relu_backward(&self, y: &Tensor) -> Result<Tensor> {
+        self.binary(y, BinaryOp::ReluBackward)
+    }
+
+    /// tanh's backward from its output `y`: `self (1 - y²)`.
+    pub(crate) fn tanh_backward(&self, y: &Tensor) -> Result<Tensor> {
+        self.binary(y, BinaryOp::TanhBackward)
+    }
+
+    /// sigmoid's backward from its output `y`: `self y (1 - y)`.
+    pub(crate) fn sigmoid_backward(&self, y: &Tensor) -> Result<Tensor> {
+        self.binary(y, BinaryOp::SigmoidBackward)
     }
 
     /// `self + c`.

@@ -28,8 +28,7 @@ impl Tensor {
                 .transpose(axis as isize, last as isize);
         }
         let out = backend::softmax(self, log)?;
-        let saved = out.clone();
-        Ok(record(out, op, &[self], || rules::softmax(&saved, log)))
+        Ok(record(out, op, &[self], || rules::softmax(log)))
     }
 
     /// Mean cross-entropy of `[n, classes]` logits against `[n]` class indices (`i64`).
@@ -51,9 +50,20 @@ impl Tensor {
         }
         let classes = self.shape()[1];
         check_classes(targets, classes)?;
-        let one_hot = Tensor::one_hot(targets, classes, self.dtype())?;
-        let picked = self.log_softmax(1)?.mul(&one_hot)?.sum()?;
-        picked.div_scalar(-(self.shape()[0] as f64))
+        self.log_softmax(1)?.nll(targets)
+    }
+
+    /// `-mean(self[i, targets[i]])` of `[n, classes]` log-probabilities; keeps only the targets
+    /// for backward, as PyTorch's `nll_loss` does.
+    fn nll(&self, targets: &Tensor) -> Result<Tensor> {
+        let value = ferry_graph::with_no_grad(|| {
+            let one_hot = Tensor::one_hot(targets, self.shape()[1], self.dtype())?;
+            self.detach()
+                .mul(&one_hot)?
+                .sum()?
+                .div_scalar(-(self.shape()[0] as f64))
+        })?;
+        Ok(record(value, "nll", &[self], || rules::nll(self, targets)))
     }
 
     /// `[n]` class indices to `[n, classes]` rows of 0 and 1 in `dtype`. Indices outside

@@ -2,7 +2,7 @@
 
 use ferry_memory::DType;
 
-use crate::autograd::record;
+use crate::autograd::{record, try_record};
 use crate::ops::ReduceOp;
 use crate::{Result, Tensor, TensorError, backend, rules};
 
@@ -40,7 +40,10 @@ impl Tensor {
     pub fn max_axis(&self, axis: isize, keepdim: bool) -> Result<Tensor> {
         let axis = self.nonempty_axis("max", axis)?;
         let out = backend::reduce(self, axis, ReduceOp::Max)?;
-        let out = record(out, "max", &[self], || rules::max_axis(self, axis));
+        let out = try_record(out, "max", &[self], || {
+            let index = backend::reduce(self, axis, ReduceOp::ArgMax)?;
+            Ok(rules::max_axis(self, axis, index))
+        })?;
         if keepdim {
             out.unsqueeze(axis as isize)
         } else {

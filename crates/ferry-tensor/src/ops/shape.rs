@@ -59,8 +59,14 @@ impl Tensor {
 
     /// A new tensor with storage of its own holding these elements, contiguous (a copy even when
     /// `self` is contiguous; the gradient passes through).
+    ///
+    /// Outside an inference scope, a copy of inference data is a normal tensor: the way out
+    /// that `with_grad`'s error names.
     pub fn copy(&self) -> Result<Tensor> {
         let out = backend::contiguous(self)?;
+        if self.is_inference() && !ferry_graph::is_inference_mode() {
+            return Ok(out); // made outside the scope: not inference data, and nothing to record
+        }
         Ok(record(out, "copy", &[self], rules::identity))
     }
 

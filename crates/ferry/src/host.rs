@@ -1,0 +1,53 @@
+//! Memory statistics of the host: the pageable buffers behind CPU tensors (and behind the
+//! results of moves into pageable memory), named like their CUDA twins in [`crate::cuda`].
+//! Page-locked memory has its own counters in [`crate::cuda::pinned`].
+//!
+//! The counts are process-wide and exact: `memory_allocated` is the sum of the sizes of the
+//! host buffers alive right now, whichever thread made them. ferry never resets the peak; it is
+//! yours to reset.
+//!
+//! ```
+//! use ferry::prelude::*;
+//!
+//! let before = ferry::host::memory_allocated();
+//! let x = Tensor::zeros(&[1024], DType::F32, Device::Cpu)?;
+//! assert_eq!(ferry::host::memory_allocated(), before + 4096);
+//! drop(x);
+//! assert_eq!(ferry::host::memory_allocated(), before);
+//! assert!(ferry::host::max_memory_allocated() >= before + 4096);
+//! # Ok::<(), ferry::TensorError>(())
+//! ```
+
+use ferry_memory::{HostPool, host_stats, reset_host_peak};
+pub use ferry_memory::{HostPoolStats, HostStats};
+
+/// All host counters: allocated and peak bytes, buffers made, and the host pool's counters.
+pub fn stats() -> HostStats {
+    host_stats()
+}
+
+/// Bytes in host buffers alive now (a pooled buffer counts its whole pool block).
+pub fn memory_allocated() -> usize {
+    host_stats().allocated_bytes
+}
+
+/// The most bytes allocated at once since start or the last [`reset_peak`].
+pub fn max_memory_allocated() -> usize {
+    host_stats().peak_allocated_bytes
+}
+
+/// Bytes held: allocated, plus the idle buffers the host pool keeps for reuse.
+pub fn memory_reserved() -> usize {
+    let stats = host_stats();
+    stats.allocated_bytes + stats.pool.cached_bytes()
+}
+
+/// Restarts peak tracking from what is allocated now.
+pub fn reset_peak() {
+    reset_host_peak();
+}
+
+/// Returns the host pool's idle buffers to the OS.
+pub fn empty_cache() {
+    HostPool::global().empty_cache();
+}
