@@ -171,7 +171,7 @@ impl HostBuffer {
     /// Counts the buffer in [`host_stats`] as `bytes` until it drops.
     fn counted_as(mut self, bytes: usize) -> Self {
         debug_assert_eq!(self.counted, 0);
-        HOST_COUNTERS.allocated(bytes);
+        counters::count_allocation(bytes);
         self.counted = bytes;
         self
     }
@@ -212,7 +212,7 @@ impl HostBuffer {
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         if self.counted > 0 {
-            HOST_COUNTERS.freed(self.counted);
+            counters::count_free(self.counted);
         }
         if self.pooled {
             let buffer = HostBuffer {
@@ -364,12 +364,14 @@ pub struct HostStats {
 /// The counters of every [`HostBuffer`] in the process: bytes alive now, the peak, and the
 /// number made; with the [`HostPool`]'s reserved and cached bytes.
 ///
-/// The numbers are exact: `allocated_bytes` is the sum of the sizes of the buffers alive at
-/// one instant, and the peak is the highest such sum there ever was (not an estimate). They
-/// are process-wide: other threads' buffers move them too. Keeping them costs one atomic add
-/// per allocation and per free on a cache line all threads share; the `counters` module has
-/// the measurements behind that choice.
+/// The numbers are process-wide (other threads' buffers move them too) and exact for the calling
+/// thread's buffers: `allocated_bytes` is the sum of the sizes of the buffers alive, and the
+/// peak the highest such sum. Buffers under 64 KiB are counted per thread and reach the shared
+/// counters in batches of up to 1 MiB, so another thread's most recent small buffers may be
+/// missing, by less than 1 MiB per thread (shared counters updated on every small buffer held
+/// back thread scaling: the `counters` module has the measurements).
 pub fn host_stats() -> HostStats {
+    counters::flush_this_thread();
     let counts = HOST_COUNTERS.read();
     HostStats {
         allocated_bytes: counts.live,
@@ -382,6 +384,7 @@ pub fn host_stats() -> HostStats {
 /// Restarts peak tracking from what is allocated now. The peak is the user's: ferry itself
 /// never calls this (measure with differences of `allocated_bytes`, or a peak of your own).
 pub fn reset_host_peak() {
+    counters::flush_this_thread();
     HOST_COUNTERS.reset_peak();
 }
 

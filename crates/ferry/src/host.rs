@@ -2,9 +2,11 @@
 //! results of moves into pageable memory), named like their CUDA twins in [`crate::cuda`].
 //! Page-locked memory has its own counters in [`crate::cuda::pinned`].
 //!
-//! The counts are process-wide and exact: `memory_allocated` is the sum of the sizes of the
-//! host buffers alive right now, whichever thread made them. ferry never resets the peak; it is
-//! yours to reset.
+//! The counts are process-wide: `memory_allocated` is the sum of the sizes of the host buffers
+//! alive right now, whichever thread made them, exact for the calling thread's buffers; buffers
+//! under 64 KiB are counted per thread in batches, so another thread's most recent small buffers
+//! (less than 1 MiB of them) may not show yet. ferry never resets the peak; it is yours to
+//! reset.
 //!
 //! ```
 //! use ferry::prelude::*;
