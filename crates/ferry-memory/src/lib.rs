@@ -16,6 +16,7 @@ mod dtype;
 mod error;
 pub mod gemm;
 mod host;
+pub mod simd;
 
 pub use device::Device;
 pub use dtype::{DType, Element};

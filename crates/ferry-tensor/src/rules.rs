@@ -149,20 +149,19 @@ pub(crate) fn unary(op: UnaryOp) -> Rule<UnaryOp> {
     })
 }
 
-/// Sum of everything: every element gets the (scalar) gradient.
+/// Sum of everything: every element gets the (scalar) gradient, as a broadcast view (no copy:
+/// the ops that consume it read stride-0 views, and a leaf's `.grad` densifies it).
 pub(crate) fn sum_all(x: &Tensor) -> Rule<Shape> {
     Rule::new(Save::NOTHING, x.dims(), |_, shape, g, _| {
-        Ok(smallvec![Some(g.broadcast_to(shape)?.contiguous()?)])
+        Ok(smallvec![Some(g.broadcast_to(shape)?)])
     })
 }
 
-/// Sum along `axis` (removed from the output): the gradient repeats along it.
+/// Sum along `axis` (removed from the output): the gradient repeats along it, as a view.
 pub(crate) fn sum_axis(x: &Tensor, axis: usize) -> Rule<(Shape, usize)> {
     Rule::new(Save::NOTHING, (x.dims(), axis), |_, (shape, axis), g, _| {
         Ok(smallvec![Some(
-            g.unsqueeze(*axis as isize)?
-                .broadcast_to(shape)?
-                .contiguous()?
+            g.unsqueeze(*axis as isize)?.broadcast_to(shape)?
         )])
     })
 }

@@ -1,6 +1,7 @@
 //! Elementwise kernels: unary maps, broadcast binary ops, comparisons and casts. Each op's
 //! function comes from the op table (`ops`), handed to a loop once per call.
 
+use ferry_memory::simd::vectorized;
 use ferry_memory::{DType, Element};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -15,12 +16,14 @@ use crate::{Result, Tensor};
 fn map<T: Element, U: Element>(x: &[T], layout: &Layout, out: &mut [U], f: impl Fn(T) -> U + Sync) {
     if layout.is_contiguous() {
         let x = &x[layout.offset()..layout.offset() + out.len()];
+        let run =
+            |o: &mut [U], x: &[T]| vectorized(|| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
         if out.len() >= PARALLEL_THRESHOLD {
             out.par_chunks_mut(CHUNK)
                 .zip(x.par_chunks(CHUNK))
-                .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
+                .for_each(|(o, x)| run(o, x));
         } else {
-            out.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x));
+            run(out, x);
         }
     } else {
         let (len, stride) = layout.row();
@@ -50,18 +53,19 @@ fn zip_map<T: Element, U: Element>(
             &a[la.offset()..la.offset() + n],
             &b[lb.offset()..lb.offset() + n],
         );
+        let run = |o: &mut [U], a: &[T], b: &[T]| {
+            vectorized(|| {
+                o.iter_mut()
+                    .zip(a.iter().zip(b))
+                    .for_each(|(o, (&a, &b))| *o = f(a, b))
+            })
+        };
         if n >= PARALLEL_THRESHOLD {
             out.par_chunks_mut(CHUNK)
                 .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-                .for_each(|(o, (a, b))| {
-                    o.iter_mut()
-                        .zip(a.iter().zip(b))
-                        .for_each(|(o, (&a, &b))| *o = f(a, b))
-                });
+                .for_each(|(o, (a, b))| run(o, a, b));
         } else {
-            out.iter_mut()
-                .zip(a.iter().zip(b))
-                .for_each(|(o, (&a, &b))| *o = f(a, b));
+            run(out, a, b);
         }
     } else if lb.strides().iter().all(|&s| s == 0) {
         let b = b[lb.offset()];

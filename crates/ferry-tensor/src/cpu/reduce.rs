@@ -130,13 +130,15 @@ pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
 /// Sum in f64 with eight independent accumulators, so the adds pipeline (and vectorise)
 /// instead of waiting on one another.
 fn sum_f64<T: Element>(values: &[T]) -> f64 {
-    let mut lanes = [0.0f64; 8];
-    let chunks = values.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|v| v.to_f64()).sum();
-    for chunk in chunks {
-        for (lane, v) in lanes.iter_mut().zip(chunk) {
-            *lane += v.to_f64();
+    ferry_memory::simd::vectorized(|| {
+        let mut lanes = [0.0f64; 8];
+        let chunks = values.chunks_exact(8);
+        let tail: f64 = chunks.remainder().iter().map(|v| v.to_f64()).sum();
+        for chunk in chunks {
+            for (lane, v) in lanes.iter_mut().zip(chunk) {
+                *lane += v.to_f64();
+            }
         }
-    }
-    lanes.iter().sum::<f64>() + tail
+        lanes.iter().sum::<f64>() + tail
+    })
 }

@@ -25,16 +25,21 @@ impl Tensor {
 
     fn binary(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
         self.same_kind(op.name(), rhs)?;
-        let shape = broadcast_shapes(op.name(), self.shape(), rhs.shape())?;
-        let la = self
-            .layout()
-            .broadcast_to(&shape)
-            .expect("broadcast_shapes checked it");
-        let lb = rhs
-            .layout()
-            .broadcast_to(&shape)
-            .expect("broadcast_shapes checked it");
-        let out = backend::binary(self, &la, rhs, &lb, op)?;
+        let out = if self.shape() == rhs.shape() {
+            // The common case, with nothing to broadcast.
+            backend::binary(self, self.layout(), rhs, rhs.layout(), op)?
+        } else {
+            let shape = broadcast_shapes(op.name(), self.shape(), rhs.shape())?;
+            let la = self
+                .layout()
+                .broadcast_to(&shape)
+                .expect("broadcast_shapes checked it");
+            let lb = rhs
+                .layout()
+                .broadcast_to(&shape)
+                .expect("broadcast_shapes checked it");
+            backend::binary(self, &la, rhs, &lb, op)?
+        };
         Ok(record(out, op.name(), &[self, rhs], || {
             rules::binary(op, self, rhs)
         }))
