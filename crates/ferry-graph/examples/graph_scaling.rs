@@ -2,7 +2,9 @@
 //! leaf, run backward and drop it, on `f64` values. It measures recording, pruning and the
 //! engine, and how they scale with threads (docs/architecture.md has the figures).
 //!
-//! `cargo run --release -p ferry-graph --example graph_scaling -- [threads...]`
+//! `cargo run --release -p ferry-graph --example graph_scaling -- [threads...]`; with
+//! `FERRY_PLAIN_LOOP=1` each thread runs plain arithmetic on data of its own instead (no
+//! allocation, no sharing): the machine's own scaling, the ceiling for any library.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,8 +15,27 @@ fn scale(by: f64) -> impl Fn(&f64, &[bool]) -> Result<InputGrads<f64>, BoxError>
     move |g: &f64, _: &[bool]| Ok(smallvec::smallvec![Some(g * by)])
 }
 
+/// Steps per second of one thread of plain arithmetic: four passes over 4096 floats, about
+/// what a 64x64 step's kernels do, with nothing allocated or shared.
+fn plain(steps: usize) -> f64 {
+    let mut data = vec![1.0f32; 4096];
+    let start = Instant::now();
+    for step in 0..steps {
+        for pass in 0..4 {
+            let k = (step + pass) as f32 * 1e-9;
+            data.iter_mut().for_each(|v| *v = *v * 0.999 + k);
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    assert!(std::hint::black_box(data[7]).is_finite());
+    steps as f64 / elapsed
+}
+
 /// Steps per second of one thread: a leaf, four ops on it, backward, drop.
 fn run(steps: usize) -> f64 {
+    if std::env::var_os("FERRY_PLAIN_LOOP").is_some() {
+        return plain(steps / 10);
+    }
     let g = Graph::new();
     let slot = GradSlot::default();
     let leaf = g.leaf(NodeMeta::scalar("leaf"), slot.clone());
