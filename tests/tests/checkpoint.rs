@@ -224,3 +224,388 @@ fn unsupported_dtypes_and_garbage_are_errors() {
     assert!(matches!(missing, CheckpointError::Io { .. }) && missing.to_string().contains("nope"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The CRC32 of `bytes` (IEEE, reflected, as zlib computes it), written out here so the test
+/// checks ferry's checksums against an implementation of its own.
+fn zlib_crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    !crc
+}
+
+/// The JSON header of a safetensors file and where its data section starts.
+fn header(path: &Path) -> (serde_json::Value, usize) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    (serde_json::from_slice(&bytes[8..8 + n]).unwrap(), 8 + n)
+}
+
+/// The byte range of tensor `key` in the file.
+fn tensor_bytes(path: &Path, key: &str) -> std::ops::Range<usize> {
+    let (h, data) = header(path);
+    let offsets = &h[key]["data_offsets"];
+    let at = |i: usize| data + offsets[i].as_u64().unwrap() as usize;
+    at(0)..at(1)
+}
+
+fn damage(path: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+    let mut bytes = std::fs::read(path).unwrap();
+    f(&mut bytes);
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_saved_file_carries_the_crc32_of_every_tensor() {
+    let dir = scratch("crc");
+    let path = dir.join("m.safetensors");
+    let state = mlp(DType::F32, Device::Cpu).unwrap().state_dict();
+    checkpoint::save(&path, &state).unwrap();
+    let (h, _) = header(&path);
+    let record: serde_json::Value = serde_json::from_str(
+        h["__metadata__"][checkpoint::CHECKSUM_KEY]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let sums = record["tensors"].as_object().unwrap();
+    assert_eq!(sums.len(), state.len());
+    let file = std::fs::read(&path).unwrap();
+    for (key, _) in &state {
+        let expected = format!("{:08x}", zlib_crc32(&file[tensor_bytes(&path, key)]));
+        assert_eq!(sums[key], expected.as_str(), "{key}");
+    }
+    assert_eq!(record["header"].as_str().unwrap().len(), 8);
+    // The record is ferry's own: a loaded checkpoint does not show it, and saves again.
+    let back = Checkpoint::load(&path).unwrap();
+    assert_eq!(back.metadata(checkpoint::CHECKSUM_KEY), None);
+    back.save(&path).unwrap();
+    assert_eq!(checkpoint::load(&path).unwrap().len(), state.len());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_flipped_bit_names_the_file_and_the_tensor_and_loads_nothing() {
+    let mut model = mlp(DType::F32, Device::Cpu).unwrap();
+    for key in ["0.weight", "2.bias"] {
+        refused(
+            &format!("flip-{key}"),
+            |p| {
+                let range = tensor_bytes(p, key);
+                damage(p, |b| b[range.start + range.len() / 2] ^= 0x04);
+            },
+            &mut model,
+            &[
+                "m.safetensors",
+                &format!("tensor {key:?} is corrupted"),
+                "CRC32",
+            ],
+        );
+    }
+    let dir = scratch("flip-structured");
+    let path = dir.join("m.safetensors");
+    checkpoint::save(&path, &model.state_dict()).unwrap();
+    let range = tensor_bytes(&path, "2.weight");
+    damage(&path, |b| b[range.end - 1] ^= 0x80);
+    match checkpoint::load(&path) {
+        Err(CheckpointError::ChecksumMismatch {
+            path: p,
+            key,
+            expected,
+            found,
+        }) => {
+            assert_eq!((p, key.as_str()), (path.clone(), "2.weight"));
+            assert_ne!(expected, found);
+        }
+        other => panic!("expected a checksum mismatch, got {other:?}"),
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_changed_header_is_caught_too() {
+    let dir = scratch("header");
+    let path = dir.join("m.safetensors");
+    let mut ck = Checkpoint::new();
+    ck.insert_section(
+        "t",
+        vec![(
+            "x".into(),
+            Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap(),
+        )],
+    );
+    ck.set_metadata("epoch", "12");
+    ck.save(&path).unwrap();
+    // Same length, still valid JSON and a valid safetensors header: only the checksum knows.
+    for (from, to) in [(&b"\"12\""[..], &b"\"13\""[..]), (b"[2,2]", b"[1,4]")] {
+        let original = std::fs::read(&path).unwrap();
+        damage(&path, |b| {
+            let at = b.windows(from.len()).position(|w| w == from).unwrap();
+            b[at..at + to.len()].copy_from_slice(to);
+        });
+        let err = checkpoint::load(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("m.safetensors") && err.contains("its header") && err.contains("CRC32"),
+            "{err}"
+        );
+        std::fs::write(&path, original).unwrap();
+    }
+    assert!(checkpoint::load(&path).is_ok());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Names of the files in `dir`.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .is_some_and(|ids| ids.split_whitespace().nth(1) == Some("0"))
+    })
+}
+
+#[test]
+fn no_temporary_file_is_left_after_a_save_or_a_failed_one() {
+    let dir = scratch("temp");
+    let state = mlp(DType::F32, Device::Cpu).unwrap().state_dict();
+    checkpoint::save(dir.join("m.safetensors"), &state).unwrap();
+    checkpoint::save(dir.join("m.safetensors"), &state).unwrap();
+    assert_eq!(listing(&dir), ["m.safetensors"]);
+    // The rename fails (the name is a non-empty directory) after the data was written.
+    std::fs::create_dir_all(dir.join("taken.safetensors/inside")).unwrap();
+    let err = checkpoint::save(dir.join("taken.safetensors"), &state).unwrap_err();
+    assert!(matches!(err, CheckpointError::Io { .. }), "{err}");
+    assert!(err.to_string().contains("taken.safetensors"), "{err}");
+    assert_eq!(listing(&dir), ["m.safetensors", "taken.safetensors"]);
+    // A directory the process cannot write to (root writes anywhere, so only for others).
+    #[cfg(unix)]
+    if !running_as_root() {
+        use std::os::unix::fs::PermissionsExt;
+        let locked = dir.join("locked");
+        std::fs::create_dir(&locked).unwrap();
+        std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o555)).unwrap();
+        let err = checkpoint::save(locked.join("m.safetensors"), &state).unwrap_err();
+        assert!(err.to_string().contains("locked"), "{err}");
+        assert!(listing(&locked).is_empty());
+        std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    // A refused save leaves the previous file as it was.
+    let before = std::fs::read(dir.join("m.safetensors")).unwrap();
+    let mut twice = state.clone();
+    twice.push(state[0].clone());
+    assert!(checkpoint::save(dir.join("m.safetensors"), &twice).is_err());
+    assert_eq!(std::fs::read(dir.join("m.safetensors")).unwrap(), before);
+    assert_eq!(listing(&dir), ["m.safetensors", "taken.safetensors"]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Run in a child process whose umask is 027 (by `saves_follow_the_umask`): saves a file and
+/// prints its mode.
+#[test]
+#[ignore = "run by saves_follow_the_umask in a child process with its own umask"]
+fn umask_child() {
+    let Some(dir) = std::env::var_os("FERRY_UMASK_CHILD_DIR") else {
+        return;
+    };
+    let path = Path::new(&dir).join("m.safetensors");
+    checkpoint::save(&path, &[("x".into(), Tensor::scalar(1.0f32))]).unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        println!("FERRY_MODE={mode:o}");
+    }
+}
+
+#[test]
+#[cfg(unix)]
+fn saves_follow_the_umask() {
+    let dir = scratch("umask");
+    // umask is process-wide: a child process of this binary gets its own, touching no other test.
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("umask 027 && exec \"$0\" --ignored --exact checkpoint::umask_child --nocapture --test-threads 1")
+        .arg(std::env::current_exe().unwrap())
+        .env("FERRY_UMASK_CHILD_DIR", &dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // 0666 less 027: neither the 0644 ferry used to force nor the 0600 of a private temp file.
+    assert!(stdout.contains("FERRY_MODE=640"), "{stdout}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn repeated_and_reserved_names_are_errors_and_write_nothing() {
+    let dir = scratch("names");
+    let path = dir.join("m.safetensors");
+    let state = mlp(DType::F32, Device::Cpu).unwrap().state_dict();
+    let mut ck = Checkpoint::new();
+    ck.insert_section("model", state.clone());
+    ck.insert_section("model", state.clone());
+    let err = ck.save(&path).unwrap_err();
+    assert!(
+        matches!(&err, CheckpointError::DuplicateName { key } if key == "model.0.weight"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("insert_section") && err.to_string().contains("own name"));
+    let reserved = vec![("__metadata__".to_string(), Tensor::scalar(1.0f32))];
+    let err = checkpoint::save(&path, &reserved).unwrap_err();
+    assert!(matches!(&err, CheckpointError::ReservedName { key, .. } if key == "__metadata__"));
+    assert!(err.to_string().contains("rename the tensor"), "{err}");
+    let mut ck = Checkpoint::from_tensors(state);
+    ck.set_metadata(checkpoint::CHECKSUM_KEY, "mine");
+    let err = ck.save(&path).unwrap_err();
+    assert!(err.to_string().contains("another key"), "{err}");
+    assert!(listing(&dir).is_empty(), "{:?}", listing(&dir));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_file_without_checksums_still_loads() {
+    // As Python's safetensors writes it: no `__metadata__`, F32 then U8, aligned.
+    let dir = scratch("plain");
+    let header = br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[3],"data_offsets":[8,11]}}"#;
+    let mut header = header.to_vec();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&header);
+    bytes.extend_from_slice(&1.5f32.to_le_bytes());
+    bytes.extend_from_slice(&(-2.0f32).to_le_bytes());
+    bytes.extend_from_slice(&[7, 8, 9]);
+    let path = dir.join("plain.safetensors");
+    std::fs::write(&path, &bytes).unwrap();
+    let state = checkpoint::load(&path).unwrap();
+    assert_eq!(state[0].0, "a");
+    assert_eq!(state[0].1.to_vec::<f32>().unwrap(), [1.5, -2.0]);
+    assert_eq!(state[1].1.to_vec::<u8>().unwrap(), [7, 8, 9]);
+    // Trailing bytes and a short file are still refused without checksums.
+    std::fs::write(&path, [bytes.as_slice(), &[0]].concat()).unwrap();
+    assert!(
+        checkpoint::load(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("trailing")
+    );
+    std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+    assert!(
+        matches!(checkpoint::load(&path), Err(CheckpointError::Truncated { key, .. }) if key == "b")
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Peak memory of a load, measured alone in a child process (`load_takes_about_the_file_size`).
+#[test]
+#[ignore = "run by load_takes_about_the_file_size in a child process"]
+fn load_peak_child() {
+    let Some(dir) = std::env::var_os("FERRY_PEAK_CHILD_DIR") else {
+        return;
+    };
+    let mb: usize = std::env::var("FERRY_CKPT_PEAK_MB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
+    let path = Path::new(&dir).join("big.safetensors");
+    {
+        // Four tensors of mb/4 MiB each, written and dropped before measuring.
+        let n = mb * (1 << 20) / 16;
+        let state: Vec<(String, Tensor)> = (0..4)
+            .map(|i| {
+                (
+                    format!("t{i}"),
+                    Tensor::full(&[n], i as f64, DType::F32, Device::Cpu).unwrap(),
+                )
+            })
+            .collect();
+        let start = std::time::Instant::now();
+        checkpoint::save(&path, &state).unwrap();
+        println!(
+            "FERRY_SAVE {mb} MiB saved durably (fsync of file and directory) in {:.3} s",
+            start.elapsed().as_secs_f64()
+        );
+    }
+    let file_len = std::fs::metadata(&path).unwrap().len() as f64;
+    let status = |field: &str| -> f64 {
+        let text = std::fs::read_to_string("/proc/self/status").unwrap();
+        let kb: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap();
+        kb * 1024.0
+    };
+    // Reset the high-water mark of resident memory to what is resident now (Linux >= 4.0).
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    ferry::host::reset_peak();
+    let (rss_before, host_before) = (status("VmRSS:"), ferry::host::memory_allocated() as f64);
+    let start = std::time::Instant::now();
+    let state = checkpoint::load(&path).unwrap();
+    let took = start.elapsed().as_secs_f64();
+    let rss_peak = status("VmHWM:") - rss_before;
+    let host_peak = ferry::host::max_memory_allocated() as f64 - host_before;
+    assert_eq!(state.len(), 4);
+    let mib = |b: f64| b / f64::from(1 << 20);
+    println!(
+        "FERRY_PEAK file {:.1} MiB, load {took:.3} s, host buffers peak +{:.1} MiB ({:.3}x), resident peak +{:.1} MiB ({:.3}x)",
+        mib(file_len),
+        mib(host_peak),
+        host_peak / file_len,
+        mib(rss_peak),
+        rss_peak / file_len
+    );
+    // Reading the whole file and then copying it, as loads used to, peaks at twice its size.
+    assert!(
+        host_peak <= file_len * 1.01,
+        "host peak {host_peak} for a {file_len}-byte file"
+    );
+    assert!(
+        rss_peak <= file_len * 1.1 + 8e6,
+        "resident peak {rss_peak} for a {file_len}-byte file"
+    );
+}
+
+#[test]
+fn load_takes_about_the_file_size() {
+    let dir = scratch("peak");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "checkpoint::load_peak_child",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("FERRY_PEAK_CHILD_DIR", &dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| Some(&l[l.find("FERRY_PEAK")?..]))
+        .expect("the child reports its figures");
+    eprintln!("{line}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,5 +1,7 @@
 //! ferry checkpoints open in Python's safetensors, and files written from Python load into
-//! ferry models, checked by running both models on the same input (tests/torch/checkpoint_interop.py).
+//! ferry models, checked by running both models on the same input (tests/torch/checkpoint_interop.py);
+//! files written from Python carry no checksums and still load, and Python finds `zlib.crc32` of
+//! every tensor in the checksum record of ferry's files.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -126,5 +128,57 @@ fn ferry_and_pytorch_safetensors_read_each_other() {
     let dir = scratch("torch");
     let device = std::env::var("FERRY_TORCH_DEVICE").unwrap_or_else(|_| "cuda".into());
     round_trip(&dir, None, &["--torch", "--device", &device]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Python reads ferry's checksum record from the metadata and finds `zlib.crc32` of every
+/// tensor's bytes in it: the record means what docs/reliability.md says it means.
+const CRC_CHECK: &str = r#"
+import json, sys, zlib
+from safetensors import safe_open
+from safetensors.numpy import load_file
+path = sys.argv[1]
+with safe_open(path, "np") as f:
+    record = json.loads(f.metadata()["ferry.crc32"])
+state = load_file(path)
+assert set(state) == set(record["tensors"]), (sorted(state), sorted(record["tensors"]))
+for key, value in state.items():
+    crc = format(zlib.crc32(value.tobytes()) & 0xFFFFFFFF, "08x")
+    assert crc == record["tensors"][key], (key, crc, record["tensors"][key])
+print(f"{len(state)} checksums match zlib.crc32")
+"#;
+
+#[test]
+fn python_finds_zlib_crc32_of_each_tensor_in_ferrys_record() {
+    let packages = match python_packages() {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("SKIPPED python_finds_zlib_crc32_of_each_tensor_in_ferrys_record: {why}");
+            return;
+        }
+    };
+    let dir = scratch("crc");
+    let path = dir.join("dtypes.safetensors");
+    ferry_tests::fresh_seed();
+    let base = Tensor::randn(&[3, 5], DType::F64, Device::Cpu).unwrap();
+    // numpy has no bfloat16, so the record is checked on every other dtype.
+    let state: Vec<(String, Tensor)> = [DType::F32, DType::F64, DType::F16, DType::I64, DType::U8]
+        .into_iter()
+        .map(|d| (d.name().to_string(), base.to_dtype(d).unwrap()))
+        .collect();
+    checkpoint::save(&path, &state).unwrap();
+    let out = Command::new("python3")
+        .args(["-c", CRC_CHECK])
+        .arg(&path)
+        .env("PYTHONPATH", &packages)
+        .output()
+        .expect("running python3");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("5 checksums match"));
     std::fs::remove_dir_all(&dir).ok();
 }

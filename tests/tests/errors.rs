@@ -108,7 +108,7 @@ fn labelled_cuda(shape: &[usize]) -> Tensor {
         DType::F32,
         Device::Cuda(0),
     );
-    Tensor::from_storage(Arc::new(storage), Layout::contiguous(shape))
+    Tensor::from_storage(Arc::new(storage), Layout::contiguous(shape)).unwrap()
 }
 
 #[test]
@@ -295,12 +295,25 @@ fn invalid_argument() {
     expect_err(x.cross_entropy(&negative), is, &["outside 0..3"]);
     expect_err(f32s(&[2, 0]).max_axis(1, false), is, &["max", "empty"]);
     expect_err(f32s(&[0]).argmax(0, false), is, &["argmax", "empty"]);
-    // Shapes whose element count overflows are refused before anything is allocated.
+}
+
+#[test]
+fn too_large() {
+    // Shapes whose bytes overflow are refused before anything is allocated, naming the op,
+    // the shape and the dtype (tests/tests/sizes.rs covers every allocating path on both
+    // devices).
+    let is = |e: &TensorError| matches!(e, TensorError::TooLarge { .. });
     let huge = [usize::MAX, 2];
     expect_err(
         Tensor::zeros(&huge, DType::F32, Device::Cpu),
         is,
-        &["full", "more elements than memory"],
+        &[
+            "zeros",
+            "[18446744073709551615, 2]",
+            "f32",
+            "overflows",
+            "isize::MAX",
+        ],
     );
     expect_err(
         Tensor::randn(&huge, DType::F32, Device::Cpu),
@@ -310,6 +323,98 @@ fn invalid_argument() {
     expect_err(f32s(&[1]).broadcast_to(&huge), is, &["broadcast_to"]);
     expect_err(f32s(&[2]).reshape(&huge), is, &["reshape"]);
     expect_err(Tensor::from_slice::<f32>(&[], &huge), is, &["from_slice"]);
+    // Counting works, bytes do not: 2^62 elements of 8 bytes.
+    expect_err(
+        Tensor::zeros(&[1 << 62], DType::F64, Device::Cpu),
+        is,
+        &["[4611686018427387904]", "f64", "8 bytes"],
+    );
+    expect_err(
+        Tensor::arange(0.0, 1e300, DType::F64, Device::Cpu),
+        is,
+        &["arange"],
+    );
+    let message = Tensor::zeros(&[(1 << 61) + 1], DType::F64, Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    for misleading in [
+        "could not allocate",
+        "free some memory",
+        "18446744073709551615",
+    ] {
+        assert!(!message.contains(misleading), "{message}");
+    }
+}
+
+#[test]
+fn bad_layout() {
+    let is = |e: &TensorError| matches!(e, TensorError::BadLayout { .. });
+    let storage = Arc::new(Storage::new(
+        Buffer::Host(HostBuffer::zeroed(40).unwrap()),
+        DType::F64,
+        Device::Cpu,
+    )); // 5 elements
+    let layout = |shape: &[usize], strides: &[usize], offset| {
+        Layout::new(shape.into(), strides.into(), offset).unwrap()
+    };
+    // One element too many: [2, 3] contiguous needs 6.
+    expect_err(
+        Tensor::from_storage(storage.clone(), Layout::contiguous(&[2, 3])),
+        is,
+        &[
+            "from_storage",
+            "[2, 3]",
+            "needs 48 bytes",
+            "holds 40 bytes (5 elements)",
+        ],
+    );
+    // An offset that pushes a fitting shape past the end, and strides that do.
+    expect_err(
+        Tensor::from_storage(storage.clone(), layout(&[2], &[1], 4)),
+        is,
+        &["offset 4"],
+    );
+    expect_err(
+        Tensor::from_storage(storage.clone(), layout(&[2, 2], &[3, 2], 0)),
+        is,
+        &["strides [3, 2]"],
+    );
+    // An empty view may start at the end, not beyond it.
+    assert!(Tensor::from_storage(storage.clone(), layout(&[0], &[1], 5)).is_ok());
+    expect_err(
+        Tensor::from_storage(storage.clone(), layout(&[0], &[1], 6)),
+        is,
+        &["offset 6"],
+    );
+    // Stride 0 fits (a broadcast view), and so does a transposed one.
+    let view = Tensor::from_storage(storage.clone(), layout(&[3, 2], &[0, 2], 0)).unwrap();
+    assert_eq!(view.shape(), [3, 2]);
+    assert!(Tensor::from_storage(storage.clone(), layout(&[2, 2], &[1, 3], 0)).is_ok());
+    // A stride-0 view whose elements could not be addressed: too large, not a bad layout.
+    expect_err(
+        Tensor::from_storage(storage.clone(), layout(&[1 << 61], &[0], 0)),
+        |e| matches!(e, TensorError::TooLarge { .. }),
+        &["from_storage", "[2305843009213693952]"],
+    );
+    // Layout::new refuses what no storage could hold: mismatched ranks, overflowing reach.
+    expect_err(
+        Layout::new([2, 2].as_slice().into(), [1].as_slice().into(), 0),
+        is,
+        &["Layout::new", "2 dimension(s) but 1 stride(s)"],
+    );
+    expect_err(
+        Layout::new([3].as_slice().into(), [usize::MAX].as_slice().into(), 0),
+        is,
+        &["past usize::MAX"],
+    );
+    expect_err(
+        Layout::new([2].as_slice().into(), [1].as_slice().into(), usize::MAX),
+        is,
+        &["past usize::MAX"],
+    );
+    // The storage is untouched and still usable.
+    let ok = Tensor::from_storage(storage, Layout::contiguous(&[5])).unwrap();
+    assert_eq!(ok.to_vec::<f64>().unwrap(), [0.0; 5]);
 }
 
 #[test]
@@ -366,16 +471,6 @@ fn memory_errors_pass_through() {
         |e: &TensorError| matches!(e, TensorError::Memory(MemoryError::HostOutOfMemory { .. }));
     expect_err(
         Tensor::zeros(&[1 << 60], DType::U8, Device::Cpu),
-        is,
-        &["host memory"],
-    );
-    expect_err(
-        Tensor::zeros(&[1 << 62], DType::F64, Device::Cpu),
-        is,
-        &["host memory"],
-    ); // bytes overflow
-    expect_err(
-        Tensor::arange(0.0, 1e300, DType::F64, Device::Cpu),
         is,
         &["host memory"],
     );

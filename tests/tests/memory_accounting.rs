@@ -9,6 +9,8 @@ use ferry_tensor::{DType, Device, Result, Tensor, no_grad};
 
 // Graph counts, pinned-pool and allocator statistics of the transfer methods.
 mod transfer_accounting;
+// The pinned budget: results stay pinned only within it, moves beyond it go pageable.
+mod pinned_budget;
 // Every recording op allocates only what its rule keeps (allocator or host statistics).
 mod saved_state_memory;
 

@@ -28,6 +28,10 @@ mod dtypes;
 mod errors;
 // 0-dimensional and empty tensors, stride-0 inputs, shapes too large to count.
 mod edge_cases;
+// Shapes too large to address: refused before allocating, named, and the process goes on.
+mod sizes;
+// One storage read twice, or several written, while other threads write: no deadlock.
+mod deadlocks;
 // Device moves: gradients go home, dtypes fuse, copies are exact and carry no .grad.
 mod transfer;
 // Modules: Linear, Sequential names, Dropout, Kaiming/Xavier init, losses, leaves kept by `to`.
@@ -38,6 +42,8 @@ mod optim;
 mod checkpoint;
 // Checkpoints read by Python's safetensors (numpy here, PyTorch on the GPU machine) and back.
 mod checkpoint_interop;
+// 100,000 damaged or made-up checkpoint and .npy files (FERRY_FUZZ_CASES): errors, no panics.
+mod fuzz_loading;
 // Chunk plans, reports, chunked/async/batched moves: bit-identity and the gradient path.
 mod transfer_methods;
 // ndarray and .npy interop: round trips, and errors that name the fix.

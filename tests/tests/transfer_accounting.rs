@@ -1,9 +1,12 @@
 //! What moves record, prune and stage, read from process-wide counts (graph nodes, saved
 //! bytes, pinned-pool and allocator statistics): run serialised behind the binary's lock.
 
-use ferry::memory::cuda::PinnedPool;
-use ferry::{ChunkPlan, ChunkSpec, DeviceMove, MoveOptions, move_state_dict, pinned_block_size};
-use ferry_tensor::{DType, Device, Graph, Tensor, no_grad};
+use ferry::memory::cuda::{CudaDevice, DeviceBuffer, KernelModule, PinnedPool, Stream};
+use ferry::{
+    ChunkPlan, ChunkSpec, DeviceMove, MoveOptions, TransferPath, move_state_dict, pinned_block_size,
+};
+use ferry_tensor::ops::optim::AdamStep;
+use ferry_tensor::{DType, Device, Graph, Result, Tensor, no_grad};
 
 use super::run;
 
@@ -113,6 +116,8 @@ fn an_async_move_dropped_unread_returns_its_block_to_the_pool() {
         let pool = PinnedPool::global()?;
         let stream = ferry::memory::cuda::CudaDevice::get(0)?.new_stream()?;
         let x = Tensor::randn(&[2048, 1024], DType::F32, GPU)?;
+        // Nothing cached that the request could take (a block of the class above would).
+        pool.empty_cache()?;
         let baseline = pool.stats().allocated_bytes;
         let pending = x.to_async(Device::Cpu, &stream)?;
         assert_eq!(
@@ -168,6 +173,8 @@ fn the_facade_memory_helpers_follow_the_allocator() {
         assert_eq!(cuda::max_memory_allocated(GPU)?, before + (4 << 20));
         assert!(cuda::memory_reserved(GPU)? >= before + (4 << 20));
         cuda::empty_cache(GPU)?;
+        // Nothing cached that a 4 MiB request could take (a block of the class above would).
+        cuda::pinned::empty_cache()?;
         cuda::pinned::reset_peak()?;
         let pinned = cuda::pinned::memory_allocated()?;
         let host = Tensor::randn(&[1 << 20], DType::F32, GPU)?.cpu()?; // 4 MiB: lands pinned
@@ -179,6 +186,198 @@ fn the_facade_memory_helpers_follow_the_allocator() {
             cuda::pinned::memory_reserved()?,
             cuda::pinned::memory_allocated()?
         );
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn moves_leave_the_users_peak_statistics_alone() {
+    run(|| {
+        let dev = CudaDevice::get(0)?;
+        let pool = PinnedPool::global()?;
+        let x = Tensor::randn(&[1000, 1000], DType::F32, GPU)?; // 4 MB
+        let host = Tensor::randn(&[8192, 1024], DType::F32, Device::Cpu)?; // 32 MiB: pipelined
+        let dict: Vec<(String, Tensor)> = (0..4)
+            .map(|i| Ok((format!("p{i}"), Tensor::randn(&[100, 37], DType::F32, GPU)?)))
+            .collect::<ferry::Result<_>>()?;
+        let host_dict: Vec<(String, Tensor)> = dict
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), t.cpu()?)))
+            .collect::<ferry::Result<_>>()?;
+        let stream = dev.new_stream()?;
+        // The user's high-water marks, above anything the moves below use.
+        drop(pool.alloc(256 << 20)?);
+        drop(dev.alloc(512 << 20, dev.default_stream())?);
+        drop(Tensor::zeros(&[64 << 20], DType::F32, Device::Cpu)?);
+        let peaks = || {
+            (
+                pool.stats().peak_allocated_bytes,
+                dev.memory_stats().peak_allocated_bytes,
+                ferry::host::max_memory_allocated(),
+            )
+        };
+        let before = peaks();
+        type Move<'a> = Box<dyn Fn() -> ferry::Result<()> + 'a>;
+        let moves: Vec<(&str, Move<'_>)> = vec![
+            (
+                "to_chunked to the host",
+                Box::new(|| x.to_chunked(Device::Cpu, ChunkSpec::Count(4)).map(drop)),
+            ),
+            (
+                "to_chunked of a transposed view",
+                Box::new(|| {
+                    x.t()?
+                        .to_chunked(Device::Cpu, ChunkSpec::Count(8))
+                        .map(drop)
+                }),
+            ),
+            (
+                "to_chunked to the GPU",
+                Box::new(|| host.to_chunked(GPU, ChunkSpec::Count(4)).map(drop)),
+            ),
+            ("a pipelined upload", Box::new(|| host.to(GPU).map(drop))),
+            (
+                "move_state_dict to the host",
+                Box::new(|| move_state_dict(&dict, Device::Cpu).map(drop)),
+            ),
+            (
+                "move_state_dict to the GPU",
+                Box::new(|| move_state_dict(&host_dict, GPU).map(drop)),
+            ),
+            (
+                "to_async + wait",
+                Box::new(|| x.to_async(Device::Cpu, &stream)?.wait().map(drop)),
+            ),
+        ];
+        for (what, run_move) in &moves {
+            run_move()?;
+            assert_eq!(peaks(), before, "{what} changed the user's peak statistics");
+        }
+        Ok(())
+    });
+}
+
+/// One thread spins for `cycles` clock ticks: holds a stream so that work queued behind it runs
+/// late, and work on other streams not ordered after it runs first.
+static SPIN: KernelModule = KernelModule {
+    name: "transfer_accounting_spin",
+    source: r#"
+extern "C" __global__ void spin(float *out, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    out[0] = 1.0f;
+}
+"#,
+};
+
+/// Queues a spin of about 200 ms (at the H200's ~2 GHz) on `stream`; the buffer it writes is
+/// returned so it outlives the launch.
+fn hold(stream: &Stream) -> ferry::Result<DeviceBuffer> {
+    let dev = CudaDevice::get(0)?;
+    let spin = dev.function(&SPIN, "spin")?;
+    let mut out = dev.alloc(4, stream)?;
+    dev.launch(&spin, (1, 1, 1), (1, 1, 1), 0, stream)
+        .arg_buffer_mut(&mut out)
+        .arg_i64(400_000_000)
+        .run()?;
+    Ok(out)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_async_move_reads_its_source_before_a_later_in_place_write() {
+    run(|| {
+        let dev = CudaDevice::get(0)?;
+        let stream = dev.new_stream()?;
+        let x = Tensor::randn(&[1024, 1024], DType::F32, GPU)?;
+        let old = x.to_vec::<f32>()?;
+        // The copy is queued behind a 200 ms spin on its stream; the write right after it.
+        let _held = hold(&stream)?;
+        let pending = x.to_async(Device::Cpu, &stream)?;
+        x.assign(&Tensor::zeros(x.shape(), DType::F32, GPU)?)?;
+        assert!(
+            !pending.is_ready(),
+            "the copy finished before the write was queued: lengthen the spin"
+        );
+        let (moved, _) = pending.wait()?;
+        assert_eq!(
+            moved.to_vec::<f32>()?,
+            old,
+            "the async move saw an assign issued after it"
+        );
+        assert!(
+            x.to_vec::<f32>()?.iter().all(|&v| v == 0.0),
+            "the assign ran"
+        );
+
+        // An optimizer step writes its parameter in place the same way.
+        let p = Tensor::randn(&[1024, 1024], DType::F32, GPU)?;
+        let (g, m, v) = (
+            Tensor::ones(p.shape(), DType::F32, GPU)?,
+            p.zeros_like()?,
+            p.zeros_like()?,
+        );
+        let old = p.to_vec::<f32>()?;
+        let step = AdamStep {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            bias_correction1: 0.1,
+            bias_correction2: 0.001,
+            decoupled: 0,
+            pad: 0,
+        };
+        // Load the Adam kernel first: loading a module may wait for the whole device, which
+        // would let the held copy finish before the step is queued.
+        let scratch = || p.zeros_like();
+        no_grad_scope(|| scratch()?.adam_update(&scratch()?, &scratch()?, &scratch()?, &step))?;
+        let _held = hold(&stream)?;
+        let pending = p.to_async(Device::Cpu, &stream)?;
+        no_grad_scope(|| p.adam_update(&g, &m, &v, &step))?;
+        assert!(
+            !pending.is_ready(),
+            "the copy finished before the step was queued"
+        );
+        let (moved, _) = pending.wait()?;
+        assert_eq!(
+            moved.to_vec::<f32>()?,
+            old,
+            "the async move saw a later adam_update"
+        );
+        assert_ne!(p.to_vec::<f32>()?, old, "the step ran");
+        Ok(())
+    });
+}
+
+fn no_grad_scope<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let _guard = no_grad();
+    f()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_move_beyond_the_pinned_budget_lands_in_pageable_memory_with_the_same_values() {
+    run(|| {
+        let pool = PinnedPool::global()?;
+        let x = Tensor::randn(&[1000, 1000], DType::F32, GPU)?;
+        let old_budget = pool.budget();
+        pool.empty_cache()?;
+        pool.set_budget(pool.stats().allocated_bytes + (1 << 20))?;
+        let moved = x.to_with(Device::Cpu, MoveOptions::default());
+        pool.set_budget(old_budget)?;
+        let (y, report) = moved?;
+        assert!(
+            matches!(report.path, TransferPath::Chunked { .. }),
+            "{report}"
+        );
+        assert!(matches!(
+            &*y.storage().read(),
+            ferry::tensor::Buffer::Host(_)
+        ));
+        assert_eq!(y.to_vec::<f32>()?, x.to_vec::<f32>()?);
         Ok(())
     });
 }

@@ -3,7 +3,8 @@
 //!
 //! Each epoch writes `epoch-NNN.safetensors` (model under `model.`, optimizer under
 //! `optimizer.`, the history so far in the metadata) and `model.safetensors` (the model alone,
-//! PyTorch's key names), then redraws `curves.png`. `--resume` loads the newest epoch file and
+//! PyTorch's key names), then redraws `curves.png`. `--resume` loads the newest epoch file that
+//! is whole (a truncated or damaged one is skipped, with a warning naming it and why) and
 //! continues up to `--epochs` in total. Shuffling and dropout are seeded per epoch from
 //! `--seed`, so a resumed run repeats exactly what an uninterrupted one would have done.
 //!
@@ -13,11 +14,10 @@
 //! dropout and the decay the same MLP overfits to about 0.91.
 
 use std::error::Error;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
-use ferry::checkpoint::Checkpoint;
 use ferry::debug::GraphWatch;
 use ferry::nn::{Linear, Module, ReLU, Sequential};
 use ferry::optim::{AdamW, Optimizer};
@@ -29,7 +29,10 @@ use rand::seq::SliceRandom;
 use crate::plot;
 
 mod digits;
+mod resume;
 use digits::{CLASSES, DIGITS_CSV_GZ, FEATURES, load_digits};
+pub use resume::Skipped;
+use resume::save_epoch;
 
 const HIDDEN: usize = 128;
 
@@ -104,6 +107,8 @@ pub struct TrainSummary {
     pub trained_now: usize,
     /// Test accuracy of the final model.
     pub test_accuracy: f64,
+    /// Epoch files `--resume` passed over because they could not be loaded, newest first.
+    pub skipped: Vec<Skipped>,
 }
 
 /// The MLP 64-128-10 (with dropout `p` after the hidden layer when `dropout > 0`), on
@@ -163,8 +168,12 @@ pub fn run(args: TrainArgs) -> Result<(), Box<dyn Error>> {
     let start = Instant::now();
     let summary = train(&args)?;
     if !args.quiet {
+        let skipped = match summary.skipped.len() {
+            0 => String::new(),
+            n => format!(" (resumed past {n} unusable checkpoint(s), see the warnings above)"),
+        };
         println!(
-            "trained {} epoch(s) of {} on {} in {:.2} s; checkpoints and curves.png in {}",
+            "trained {} epoch(s) of {} on {} in {:.2} s{skipped}; checkpoints and curves.png in {}",
             summary.trained_now,
             summary.history.len(),
             args.device,
@@ -194,22 +203,29 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     let mut model = digits_model(args.device, args.dropout)?;
     let mut opt = AdamW::new(model.parameters(), args.lr)?.weight_decay(args.weight_decay);
     let mut history = Vec::new();
+    let mut skipped = Vec::new();
     if args.resume {
-        match latest_checkpoint(&args.out)? {
-            Some((epoch, path)) => {
-                history = restore(&path, &mut model, &mut opt)?;
-                if history.len() != epoch {
-                    return Err(format!(
-                        "{}: its history has {} epochs, its name says {epoch}",
-                        path.display(),
-                        history.len()
-                    )
-                    .into());
+        match resume::resume(&args.out, &mut model, &mut opt)? {
+            Some(resumed) => {
+                // Said even with --quiet: a checkpoint passed over is news the user needs.
+                for s in &resumed.skipped {
+                    eprintln!(
+                        "warning: --resume skipped {} (epoch {}): {}",
+                        s.path.display(),
+                        s.epoch,
+                        s.reason
+                    );
                 }
                 say(
                     args,
-                    &format!("resuming from {} (epoch {epoch})", path.display()),
+                    &format!(
+                        "resuming from {} (epoch {})",
+                        resumed.path.display(),
+                        resumed.history.len()
+                    ),
                 );
+                history = resumed.history;
+                skipped = resumed.skipped;
             }
             None => say(args, "no checkpoint to resume from: starting fresh"),
         }
@@ -287,6 +303,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
         trained_now: history.len() - done_before,
         history,
         test_accuracy,
+        skipped,
     })
 }
 
@@ -308,101 +325,10 @@ fn progress_bar(args: &TrainArgs, len: u64) -> ProgressBar {
     bar
 }
 
-fn epoch_file(dir: &Path, epoch: usize) -> PathBuf {
-    dir.join(format!("epoch-{epoch:03}.safetensors"))
-}
-
-/// The newest `epoch-NNN.safetensors` in `dir`, with its epoch.
-fn latest_checkpoint(dir: &Path) -> Result<Option<(usize, PathBuf)>, Box<dyn Error>> {
-    let mut best = None;
-    for entry in std::fs::read_dir(dir)? {
-        let name = entry?.file_name();
-        let epoch = name.to_str().and_then(|n| {
-            n.strip_prefix("epoch-")?
-                .strip_suffix(".safetensors")?
-                .parse()
-                .ok()
-        });
-        if let Some(epoch) = epoch
-            && best.as_ref().is_none_or(|(b, _)| epoch > *b)
-        {
-            best = Some((epoch, epoch_file(dir, epoch)));
-        }
-    }
-    Ok(best)
-}
-
-fn save_epoch(
-    dir: &Path,
-    epoch: usize,
-    model: &dyn Module,
-    opt: &dyn Optimizer,
-    history: &[EpochStats],
-) -> Result<(), Box<dyn Error>> {
-    let mut ck = Checkpoint::new();
-    ck.insert_section("model", model.state_dict());
-    ck.insert_section("optimizer", opt.state_dict());
-    ck.set_metadata("epoch", epoch.to_string());
-    ck.set_metadata("history", encode_history(history));
-    ck.save(epoch_file(dir, epoch))?;
-    ferry::checkpoint::save(dir.join("model.safetensors"), &model.state_dict())?;
-    Ok(())
-}
-
-/// Loads model and optimizer state from an epoch file: both are checked before either changes.
-fn restore(
-    path: &Path,
-    model: &mut dyn Module,
-    opt: &mut dyn Optimizer,
-) -> Result<Vec<EpochStats>, Box<dyn Error>> {
-    let ck = Checkpoint::load(path)?;
-    let history = decode_history(ck.metadata("history").unwrap_or(""))
-        .ok_or_else(|| format!("{}: the history metadata is damaged", path.display()))?;
-    let model_state = ck.section("model");
-    ferry::nn::check_state("model", &model.named_parameters(), &model_state)?;
-    let before = model.state_dict();
-    let snapshot = with_no_grad(|| {
-        before
-            .iter()
-            .map(|(k, t)| Ok((k.clone(), t.copy()?)))
-            .collect::<ferry::Result<Vec<_>>>()
-    })?;
-    model.load_state_dict(&model_state)?;
-    if let Err(e) = opt.load_state_dict(&ck.section("optimizer")) {
-        // Keep "a failed load changes nothing" for the pair, not only for each half.
-        model.load_state_dict(&snapshot)?;
-        return Err(e.into());
-    }
-    Ok(history)
-}
-
-fn encode_history(history: &[EpochStats]) -> String {
-    history
-        .iter()
-        .map(|s| format!("{}:{}:{}", s.loss, s.train_accuracy, s.test_accuracy))
-        .collect::<Vec<_>>()
-        .join(";")
-}
-
-fn decode_history(text: &str) -> Option<Vec<EpochStats>> {
-    if text.is_empty() {
-        return Some(Vec::new());
-    }
-    text.split(';')
-        .map(|e| {
-            let mut parts = e.split(':').map(str::parse::<f64>);
-            let stats = EpochStats {
-                loss: parts.next()?.ok()?,
-                train_accuracy: parts.next()?.ok()?,
-                test_accuracy: parts.next()?.ok()?,
-            };
-            parts.next().is_none().then_some(stats)
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     fn scratch(name: &str) -> PathBuf {
@@ -497,17 +423,72 @@ mod tests {
         std::fs::remove_dir_all(&out).ok();
     }
 
+    /// Flips one bit in the data section of `file` (its last byte, part of the last tensor).
+    fn flip_last_byte(file: &Path) {
+        let mut bytes = std::fs::read(file).unwrap();
+        *bytes.last_mut().unwrap() ^= 0x10;
+        std::fs::write(file, bytes).unwrap();
+    }
+
     #[test]
-    fn history_round_trips_through_metadata() {
-        let h = vec![
-            EpochStats {
-                loss: 0.5,
-                train_accuracy: 0.8,
-                test_accuracy: 0.75,
-            };
-            3
-        ];
-        assert_eq!(decode_history(&encode_history(&h)).unwrap(), h);
-        assert!(decode_history("0.5:0.1").is_none());
+    fn resume_falls_back_past_a_damaged_newest_epoch() {
+        let out = scratch("fallback");
+        let straight = train(&args(&out, 3)).unwrap();
+        flip_last_byte(&out.join("epoch-003.safetensors"));
+        let resumed = train(&TrainArgs {
+            resume: true,
+            ..args(&out, 3)
+        })
+        .unwrap();
+        assert_eq!(resumed.skipped.len(), 1, "{:?}", resumed.skipped);
+        let skipped = &resumed.skipped[0];
+        assert!(skipped.path.ends_with("epoch-003.safetensors"));
+        assert!(
+            skipped.reason.contains("is corrupted") && skipped.reason.contains("tensor \""),
+            "{}",
+            skipped.reason
+        );
+        assert_eq!(resumed.trained_now, 1, "epoch 3 again, from epoch 2");
+        for (a, b) in resumed.history.iter().zip(&straight.history) {
+            assert!((a.loss - b.loss).abs() < 1e-6, "{a:?} vs {b:?}");
+        }
+        assert_eq!(resumed.test_accuracy, straight.test_accuracy);
+        // Epoch 3 was written anew, whole: the next resume skips nothing.
+        let again = train(&TrainArgs {
+            resume: true,
+            ..args(&out, 3)
+        })
+        .unwrap();
+        assert!(again.skipped.is_empty() && again.trained_now == 0);
+        std::fs::remove_dir_all(&out).ok();
+    }
+
+    #[test]
+    fn resume_with_no_good_epoch_names_the_directory_and_every_file() {
+        let out = scratch("all-bad");
+        train(&args(&out, 3)).unwrap();
+        let file = |e| out.join(format!("epoch-00{e}.safetensors"));
+        flip_last_byte(&file(3));
+        let whole = std::fs::read(file(2)).unwrap();
+        std::fs::write(file(2), &whole[..whole.len() / 2]).unwrap();
+        std::fs::write(file(1), b"not a checkpoint").unwrap();
+        let err = train(&TrainArgs {
+            resume: true,
+            ..args(&out, 3)
+        })
+        .expect_err("resumed from damaged files")
+        .to_string();
+        for needed in [
+            format!("no usable checkpoint in {}", out.display()),
+            format!("{}: ", file(3).display()),
+            "is corrupted".into(),
+            format!("{}: ", file(2).display()),
+            "truncated".into(),
+            format!("{}: ", file(1).display()),
+            "without --resume".into(),
+        ] {
+            assert!(err.contains(&needed), "{needed:?} not in: {err}");
+        }
+        std::fs::remove_dir_all(&out).ok();
     }
 }

@@ -1,6 +1,6 @@
 use thiserror::Error;
 
-use crate::cuda::{MemoryStats, PinnedStats};
+use crate::cuda::{DeviceMemoryInfo, MemoryStats, PinnedStats};
 use crate::{DType, Device};
 
 /// Errors from devices, buffers and allocators.
@@ -51,29 +51,57 @@ pub enum MemoryError {
         message: String,
     },
     /// The device allocator could not find memory even after emptying its cache.
-    #[error(
-        "CUDA out of memory on {device}: tried to allocate {}; ferry has {} allocated and {} reserved (cached blocks were already released and the allocation retried). \
-         Free tensors you no longer need, call CudaDevice::empty_cache(), or move the data in chunks (a chunked move bounds device staging)",
-        human_bytes(*.requested), human_bytes(.stats.allocated_bytes), human_bytes(.stats.reserved_bytes)
-    )]
+    #[error("{}", device_oom(*.device, *.requested, .stats, .memory))]
     DeviceOutOfMemory {
         /// The device that ran out.
         device: Device,
         /// Bytes asked for.
         requested: usize,
-        /// The allocator's statistics at the time of the failure.
-        stats: MemoryStats,
+        /// The allocator's statistics at the time of the failure (boxed: errors stay small).
+        stats: Box<MemoryStats>,
+        /// Free and total memory as the driver saw it then (every process's use included);
+        /// `None` when the driver could not say.
+        memory: Option<DeviceMemoryInfo>,
     },
     /// The pinned host pool could not get page-locked memory even after emptying its cache.
     #[error(
-        "could not page-lock {} of host memory ({} pinned by ferry, {} reserved): call PinnedPool::empty_cache(), drop pinned buffers, or use a chunked move with smaller staging",
+        "could not page-lock {} of host memory ({} pinned by ferry in live buffers, {} reserved; cached blocks were already released and the request retried): \
+         the OS refused to lock more RAM. Drop pinned results you no longer need (CPU tensors moved from a GPU) and call ferry::cuda::pinned::empty_cache(), \
+         or lower ferry::cuda::pinned::set_budget(bytes) so that moves beyond it land in pageable memory",
         human_bytes(*.requested), human_bytes(.stats.allocated_bytes), human_bytes(.stats.reserved_bytes)
     )]
     PinnedOutOfMemory {
         /// Bytes asked for.
         requested: usize,
-        /// The pool's statistics at the time of the failure.
-        stats: PinnedStats,
+        /// The pool's statistics at the time of the failure (boxed: errors stay small).
+        stats: Box<PinnedStats>,
+    },
+    /// A pinned request does not fit the pinned-memory budget even with the cache trimmed: live
+    /// pinned buffers fill it. Moves handle this themselves (they land in pageable memory); this
+    /// reaches code that asks the pool directly.
+    #[error(
+        "the pinned-memory budget of {} is full: {} is held by live pinned buffers and {} more was asked for (idle cached blocks were already trimmed). \
+         Drop pinned buffers you no longer need, raise the budget with ferry::cuda::pinned::set_budget(bytes) or FERRY_PINNED_BUDGET (e.g. FERRY_PINNED_BUDGET=16G), \
+         or call ferry::cuda::pinned::empty_cache() to give back blocks still in flight",
+        human_bytes(*.budget), human_bytes(.stats.allocated_bytes), human_bytes(*.requested)
+    )]
+    PinnedBudgetExceeded {
+        /// Bytes asked for.
+        requested: usize,
+        /// The budget at the time.
+        budget: usize,
+        /// The pool's statistics at the time (boxed: errors stay small).
+        stats: Box<PinnedStats>,
+    },
+    /// An environment variable meant to hold a memory budget does not hold a size.
+    #[error(
+        "{variable}=`{value}` is not a size: write a number of bytes, optionally with K, M, G or T (binary units), e.g. {variable}=8G, or unset it for the default"
+    )]
+    BadBudget {
+        /// The variable (`FERRY_PINNED_BUDGET`, `FERRY_HOST_POOL_BUDGET`).
+        variable: &'static str,
+        /// What it held.
+        value: String,
     },
     /// Source and destination of a copy have different lengths.
     #[error(
@@ -214,13 +242,28 @@ pub enum MemoryError {
         /// The argument's device.
         actual: Device,
     },
-    /// A CUDA call failed inside a destructor, where it could not be returned; reported here at
-    /// the next checked call, as cudarc does.
-    #[error("an earlier {what} failed while being dropped: {source}")]
+    /// A CUDA call failed where no error can be returned (a destructor, a read through `Deref`,
+    /// ordering a buffer's use); it is reported by the next checked call on the same device or
+    /// pool, as cudarc does, and that call did not run.
+    #[error(
+        "this call did not run: an earlier step failed where it could not return an error, while {what}: {source}. \
+         If the device keeps failing (an earlier kernel may have faulted), restart the process; otherwise retry the call"
+    )]
     FailedInDrop {
-        /// What was being dropped.
-        what: &'static str,
+        /// What failed, and on what (the buffer's size and device, the stream).
+        what: String,
         /// The failure.
+        source: Box<MemoryError>,
+    },
+    /// Waiting on a copy into pinned host memory failed: the bytes it was to bring never came.
+    #[error(
+        "{op}: the copy into pinned host memory that this data waits for failed, so its values never arrived ({source}); \
+         move the source again, and if the device keeps failing (an earlier kernel may have faulted) restart the process"
+    )]
+    PendingCopyFailed {
+        /// The operation that read the data.
+        op: &'static str,
+        /// Why the wait failed.
         source: Box<MemoryError>,
     },
     /// A matrix operand does not fit the slice it was given.
@@ -237,6 +280,42 @@ pub enum MemoryError {
         /// Elements available.
         len: usize,
     },
+}
+
+/// The out-of-memory message: what was asked, what the device has, what ferry holds, and what
+/// is left for the rest (other processes, this process's CUDA context and libraries).
+fn device_oom(
+    device: Device,
+    requested: usize,
+    stats: &MemoryStats,
+    memory: &Option<DeviceMemoryInfo>,
+) -> String {
+    let device_line = match memory {
+        Some(m) => format!(
+            "{device} has {} in total and {} free; ferry holds {} allocated and {} reserved, so {} is used outside ferry's allocator \
+             (other processes, and this process's CUDA context and libraries)",
+            human_bytes(m.total_bytes),
+            human_bytes(m.free_bytes),
+            human_bytes(stats.allocated_bytes),
+            human_bytes(stats.reserved_bytes),
+            human_bytes(
+                m.total_bytes
+                    .saturating_sub(m.free_bytes)
+                    .saturating_sub(stats.reserved_bytes)
+            ),
+        ),
+        None => format!(
+            "ferry holds {} allocated and {} reserved on {device} (the driver could not say what else uses it)",
+            human_bytes(stats.allocated_bytes),
+            human_bytes(stats.reserved_bytes),
+        ),
+    };
+    format!(
+        "CUDA out of memory on {device}: tried to allocate {}; {device_line}. Cached blocks were already released and the allocation retried. \
+         Free tensors you no longer need, call ferry::cuda::empty_cache(device), stop other processes using the GPU (nvidia-smi lists them), \
+         or move the data in chunks (a chunked move bounds device staging)",
+        human_bytes(requested)
+    )
 }
 
 /// Bytes as a short human figure (`1.50 GiB`), for error messages.
@@ -260,6 +339,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn errors_stay_small() {
+        // TensorError holds a MemoryError inline; large statistics are boxed so results stay
+        // cheap to return (and clippy's large-error lint stays quiet for every crate above).
+        assert!(
+            size_of::<MemoryError>() <= 80,
+            "{}",
+            size_of::<MemoryError>()
+        );
+    }
+
+    #[test]
     fn byte_figures_are_readable() {
         assert_eq!(human_bytes(512), "512 B");
         assert_eq!(human_bytes(3 << 20), "3.00 MiB");
@@ -276,26 +366,114 @@ mod tests {
         let err = MemoryError::DeviceOutOfMemory {
             device: Device::Cuda(0),
             requested: 200 << 30,
-            stats,
+            stats: Box::new(stats),
+            memory: Some(DeviceMemoryInfo {
+                free_bytes: 1 << 30,
+                total_bytes: 140 << 30,
+            }),
         };
         let text = err.to_string();
+        // 140 GiB total - 1 GiB free - 1.5 GiB reserved by ferry = 137.5 GiB used elsewhere.
         for needle in [
             "cuda:0",
             "200.00 GiB",
+            "140.00 GiB in total",
+            "1.00 GiB free",
             "1.00 GiB allocated",
             "1.50 GiB reserved",
-            "empty_cache",
+            "137.50 GiB is used outside ferry's allocator (other processes",
+            "ferry::cuda::empty_cache(device)",
             "chunks",
         ] {
             assert!(text.contains(needle), "`{needle}` missing from: {text}");
         }
+        let unknown = MemoryError::DeviceOutOfMemory {
+            device: Device::Cuda(1),
+            requested: 1 << 20,
+            stats: Box::new(stats),
+            memory: None,
+        };
+        let text = unknown.to_string();
+        assert!(
+            text.contains("cuda:1") && text.contains("could not say what else uses it"),
+            "{text}"
+        );
         let pinned = MemoryError::PinnedOutOfMemory {
             requested: 4096,
-            stats: PinnedStats::default(),
+            stats: Box::default(),
         };
         assert!(
-            pinned.to_string().contains("PinnedPool::empty_cache"),
+            pinned
+                .to_string()
+                .contains("ferry::cuda::pinned::empty_cache()"),
             "{pinned}"
         );
+    }
+
+    #[test]
+    fn the_pinned_budget_error_names_the_budget_and_how_to_change_it() {
+        let err = MemoryError::PinnedBudgetExceeded {
+            requested: 400 << 20,
+            budget: 8 << 30,
+            stats: Box::new(PinnedStats {
+                allocated_bytes: 7 << 30,
+                ..PinnedStats::default()
+            }),
+        };
+        let text = err.to_string();
+        for needle in [
+            "budget of 8.00 GiB",
+            "7.00 GiB is held by live pinned buffers",
+            "400.00 MiB more",
+            "ferry::cuda::pinned::set_budget(bytes)",
+            "FERRY_PINNED_BUDGET",
+            "ferry::cuda::pinned::empty_cache()",
+        ] {
+            assert!(text.contains(needle), "`{needle}` missing from: {text}");
+        }
+    }
+
+    #[test]
+    fn an_error_from_a_destructor_names_what_failed_and_that_the_call_did_not_run() {
+        let err = MemoryError::FailedInDrop {
+            what: "returning a 4.00 MiB device buffer on cuda:0 to the allocator".into(),
+            source: Box::new(MemoryError::Driver {
+                call: "cuEventRecord",
+                message: "an illegal memory access was encountered".into(),
+            }),
+        };
+        let text = err.to_string();
+        for needle in [
+            "this call did not run",
+            "while returning a 4.00 MiB device buffer on cuda:0 to the allocator",
+            "cuEventRecord",
+            "illegal memory access",
+            "restart the process",
+        ] {
+            assert!(text.contains(needle), "`{needle}` missing from: {text}");
+        }
+    }
+
+    #[test]
+    fn a_failed_pending_copy_says_the_values_never_arrived() {
+        let err = MemoryError::PendingCopyFailed {
+            op: "to_vec",
+            source: Box::new(MemoryError::Driver {
+                call: "cuEventSynchronize",
+                message: "an illegal memory access was encountered".into(),
+            }),
+        };
+        let text = err.to_string();
+        for needle in [
+            "to_vec",
+            "copy into pinned host memory",
+            "never arrived",
+            "cuEventSynchronize",
+            "illegal memory access",
+            "move the source again",
+        ] {
+            assert!(text.contains(needle), "`{needle}` missing from: {text}");
+        }
+        assert!(!text.contains("move it first"), "{text}");
     }
 }

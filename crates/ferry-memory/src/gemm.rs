@@ -38,9 +38,42 @@ impl GemmElement for f16 {
     const ONE: Self = f16::ONE;
 }
 
-/// Last element index an `rows x cols` operand touches, or `None` when it is empty.
-fn last_index<T>(m: &MatRef<'_, T>, rows: usize, cols: usize) -> Option<usize> {
-    (rows > 0 && cols > 0).then(|| m.offset + (rows - 1) * m.row_stride + (cols - 1) * m.col_stride)
+/// Last element index an `rows x cols` operand touches: `Ok(None)` when it is empty, an error
+/// when the index cannot be computed in a `usize` (strides or offset too large).
+fn last_index<T>(
+    what: &'static str,
+    m: &MatRef<'_, T>,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<usize>, MemoryError> {
+    if rows == 0 || cols == 0 {
+        return Ok(None);
+    }
+    (rows - 1)
+        .checked_mul(m.row_stride)
+        .and_then(|r| (cols - 1).checked_mul(m.col_stride)?.checked_add(r))
+        .and_then(|reach| reach.checked_add(m.offset))
+        .map(Some)
+        .ok_or_else(|| MemoryError::GemmArgument {
+            argument: what,
+            reason: format!(
+                "of {rows}x{cols} with offset {}, row stride {} and column stride {} reaches past usize::MAX elements; check the strides",
+                m.offset, m.row_stride, m.col_stride
+            ),
+        })
+}
+
+/// A stride as the GEMM kernel takes it. One too large for an `isize` is an error unless its
+/// dimension has a single index, where it is never stepped.
+fn kernel_stride(what: &'static str, stride: usize, dim: usize) -> Result<isize, MemoryError> {
+    match isize::try_from(stride) {
+        Ok(s) => Ok(s),
+        Err(_) if dim <= 1 => Ok(0),
+        Err(_) => Err(MemoryError::GemmArgument {
+            argument: what,
+            reason: format!("stride {stride} exceeds isize::MAX"),
+        }),
+    }
 }
 
 fn check<T>(
@@ -49,7 +82,7 @@ fn check<T>(
     rows: usize,
     cols: usize,
 ) -> Result<(), MemoryError> {
-    match last_index(m, rows, cols) {
+    match last_index(what, m, rows, cols)? {
         Some(last) if last >= m.data.len() => Err(MemoryError::OperandOutOfBounds {
             operand: what,
             rows,
@@ -72,7 +105,7 @@ pub fn matmul<T: GemmElement>(
 ) -> Result<(), MemoryError> {
     check("lhs", &lhs, m, k)?;
     check("rhs", &rhs, k, n)?;
-    if dst.len() != m * n {
+    if m.checked_mul(n) != Some(dst.len()) {
         return Err(MemoryError::OperandOutOfBounds {
             operand: "dst",
             rows: m,
@@ -87,14 +120,24 @@ pub fn matmul<T: GemmElement>(
         dst.fill(T::ZERO);
         return Ok(());
     }
+    let (lhs_rows, lhs_cols) = (
+        kernel_stride("lhs", lhs.row_stride, m)?,
+        kernel_stride("lhs", lhs.col_stride, k)?,
+    );
+    let (rhs_rows, rhs_cols) = (
+        kernel_stride("rhs", rhs.row_stride, k)?,
+        kernel_stride("rhs", rhs.col_stride, n)?,
+    );
     let parallelism = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: `check` proved every element each operand touches lies inside its slice, and
-    // `dst` is exactly m x n, contiguous and uniquely borrowed; `read_dst` is false, so its
-    // previous contents are never read.
+    // SAFETY: `check` proved, in checked arithmetic, that every element each operand touches
+    // lies inside its slice (so every stride that is stepped, times the element size, fits an
+    // isize, as `kernel_stride` also checked); `dst` holds exactly m x n elements (so n fits an
+    // isize), contiguous and uniquely borrowed; `read_dst` is false, so its previous contents are never
+    // read.
     unsafe {
         gemm::gemm(
             m,
@@ -105,11 +148,11 @@ pub fn matmul<T: GemmElement>(
             n as isize,
             false,
             lhs.data.as_ptr().add(lhs.offset),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
+            lhs_cols,
+            lhs_rows,
             rhs.data.as_ptr().add(rhs.offset),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
+            rhs_cols,
+            rhs_rows,
             T::ZERO,
             T::ONE,
             false,
@@ -167,6 +210,52 @@ mod tests {
             1,
         )
         .unwrap_err();
+        assert!(
+            matches!(err, MemoryError::OperandOutOfBounds { operand: "lhs", .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn sizes_that_wrap_are_errors_not_writes() {
+        // m·n = 2^64 wraps to 0, which an unchecked comparison took for this empty `dst`; with
+        // stride-0 operands the input checks pass, so only the product check stands between
+        // this call and a write of 2^64 elements.
+        let one = [1.0f64];
+        let broadcast = MatRef {
+            data: &one[..],
+            offset: 0,
+            row_stride: 0,
+            col_stride: 0,
+        };
+        let err = matmul(1 << 33, 1 << 31, 1, broadcast, broadcast, &mut [], 1).unwrap_err();
+        assert!(
+            matches!(err, MemoryError::OperandOutOfBounds { operand: "dst", .. }),
+            "{err}"
+        );
+        // A reach that overflows usize is refused and says which operand.
+        let huge_stride = MatRef {
+            row_stride: usize::MAX,
+            ..broadcast
+        };
+        let err = matmul(3, 1, 1, huge_stride, broadcast, &mut [0.0; 3], 1).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                MemoryError::GemmArgument {
+                    argument: "lhs",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("usize::MAX"), "{err}");
+        // An offset at the end of usize: no overflow, and out of bounds.
+        let far = MatRef {
+            offset: usize::MAX,
+            ..broadcast
+        };
+        let err = matmul(1, 1, 1, far, broadcast, &mut [0.0], 1).unwrap_err();
         assert!(
             matches!(err, MemoryError::OperandOutOfBounds { operand: "lhs", .. }),
             "{err}"

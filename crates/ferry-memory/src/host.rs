@@ -12,8 +12,13 @@ use self::counters::HostCounters;
 
 use crate::{Element, MemoryError};
 
+pub(crate) mod budget;
 mod counters;
+mod pool;
 mod recycle;
+
+use pool::HOST_POOL;
+pub use pool::{HostPool, HostPoolStats};
 
 /// Alignment of every host buffer: a cache line, enough for any SIMD load.
 const ALIGN: usize = 64;
@@ -215,9 +220,10 @@ impl Drop for HostBuffer {
             counters::count_free(self.counted);
         }
         if self.pooled {
+            // A pooled buffer is counted as its pool block: `counted` is the block's size.
             let buffer = HostBuffer {
                 ptr: self.ptr,
-                len: self.len,
+                len: self.counted,
                 backing: std::mem::replace(&mut self.backing, Backing::Gone),
                 pooled: false,
                 counted: 0,
@@ -243,114 +249,12 @@ impl Drop for HostBuffer {
     }
 }
 
-/// Large pageable buffers kept with their pages faulted in, for results that are written
-/// once by a copy (chunked moves land here): fresh pageable memory costs a page fault per
-/// 4 KiB on first write, slower than the PCIe link itself.
-#[derive(Debug)]
-pub struct HostPool {
-    state: parking_lot::Mutex<PoolState>,
-}
-
-#[derive(Debug, Default)]
-struct PoolState {
-    /// Idle buffers by size class; they are not counted in [`host_stats`].
-    cached: std::collections::HashMap<usize, Vec<HostBuffer>>,
-    stats: HostPoolStats,
-}
-
-/// Counters of the [`HostPool`], in bytes of whole (huge-page rounded) buffers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct HostPoolStats {
-    /// Bytes in buffers handed out.
-    pub allocated_bytes: usize,
-    /// Bytes held: handed out plus cached.
-    pub reserved_bytes: usize,
-    /// Requests served from the cache.
-    pub cache_hits: u64,
-}
-
-impl HostPoolStats {
-    /// Bytes of idle buffers kept for reuse; [`HostPool::empty_cache`] returns them.
-    pub fn cached_bytes(&self) -> usize {
-        self.reserved_bytes - self.allocated_bytes
-    }
-}
-
-static HOST_POOL: std::sync::LazyLock<HostPool> = std::sync::LazyLock::new(|| HostPool {
-    state: Default::default(),
-});
-
-impl HostPool {
-    /// The process-wide pool.
-    pub fn global() -> &'static HostPool {
-        &HOST_POOL
-    }
-
-    /// A prefaulted buffer of `len` bytes, reused when one of its size is cached. Reused
-    /// buffers hold their previous bytes (initialised, but not zero): for destinations that a
-    /// copy overwrites whole. Buffers below 2 MiB are plain [`HostBuffer::zeroed`] ones.
-    pub fn alloc(&self, len: usize) -> Result<HostBuffer, MemoryError> {
-        if len < HUGE_PAGE {
-            return HostBuffer::zeroed(len);
-        }
-        let class = len.next_multiple_of(HUGE_PAGE);
-        let reused = {
-            let mut state = self.state.lock();
-            let reused = state.cached.get_mut(&class).and_then(Vec::pop);
-            if reused.is_some() {
-                state.stats.cache_hits += 1;
-                state.stats.allocated_bytes += class;
-            }
-            reused
-        };
-        let mut buffer = match reused {
-            Some(buffer) => buffer,
-            None => {
-                // Faulting in the pages is the work; the lock only guards the counts.
-                let buffer = HostBuffer::prefaulted_uncounted(class)?;
-                let mut state = self.state.lock();
-                state.stats.reserved_bytes += class;
-                state.stats.allocated_bytes += class;
-                buffer
-            }
-        };
-        buffer.len = len;
-        buffer.pooled = true;
-        Ok(buffer.counted_as(class))
-    }
-
-    fn give_back(&self, mut buffer: HostBuffer) {
-        let class = buffer.len.next_multiple_of(HUGE_PAGE);
-        buffer.len = class;
-        let mut state = self.state.lock();
-        state.stats.allocated_bytes -= class;
-        state.cached.entry(class).or_default().push(buffer);
-    }
-
-    /// The pool's counters.
-    pub fn stats(&self) -> HostPoolStats {
-        self.state.lock().stats
-    }
-
-    /// Returns every cached buffer to the OS.
-    pub fn empty_cache(&self) {
-        let drained: Vec<HostBuffer> = {
-            let mut state = self.state.lock();
-            let drained: Vec<HostBuffer> = state.cached.drain().flat_map(|(_, v)| v).collect();
-            state.stats.reserved_bytes -= drained.iter().map(HostBuffer::len).sum::<usize>();
-            drained
-        };
-        // Unmapping is the work: outside the lock.
-        drop(drained);
-    }
-}
-
 /// Process-wide counters of host memory in [`HostBuffer`]s; [`host_stats`] reads them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct HostStats {
     /// Bytes in live host buffers: each buffer's length, or for a buffer from the
-    /// [`HostPool`] the pool block (its 2 MiB size class) it occupies. Buffers idle in the
+    /// [`HostPool`] the pool block (its size class) it occupies. Buffers idle in the
     /// pool's cache are not counted (see `pool`).
     pub allocated_bytes: usize,
     /// Highest `allocated_bytes` since the process started or the last [`reset_host_peak`].
@@ -402,9 +306,9 @@ impl fmt::Debug for HostBuffer {
 mod tests {
     use super::*;
 
-    /// Host statistics are process-wide: the tests here that make buffers take turns (no other
-    /// module of this crate makes host buffers without a GPU).
-    static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    /// Host statistics are process-wide: the tests here and in the pool's module that make
+    /// buffers take turns (no other module of this crate makes host buffers without a GPU).
+    pub(super) static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
     #[test]
     fn host_buffers_are_counted_while_they_live() {
@@ -432,46 +336,6 @@ mod tests {
     }
 
     #[test]
-    fn pooled_buffers_count_their_block_and_idle_ones_do_not() {
-        let _serial = SERIAL.lock();
-        let pool = HostPool::global();
-        pool.empty_cache();
-        let before = host_stats();
-        assert_eq!(before.pool.cached_bytes(), 0);
-        let len = (4 << 20) + 7; // a 6 MiB block
-        let buffer = pool.alloc(len).unwrap();
-        let now = host_stats();
-        assert_eq!(now.allocated_bytes, before.allocated_bytes + (6 << 20));
-        assert_eq!(
-            now.pool.allocated_bytes,
-            before.pool.allocated_bytes + (6 << 20)
-        );
-        drop(buffer);
-        let idle = host_stats();
-        assert_eq!(
-            idle.allocated_bytes, before.allocated_bytes,
-            "cached, not live"
-        );
-        assert_eq!(idle.pool.cached_bytes(), 6 << 20);
-        let again = pool.alloc(len).unwrap();
-        assert_eq!(
-            host_stats().allocated_bytes,
-            before.allocated_bytes + (6 << 20)
-        );
-        assert_eq!(host_stats().pool.cached_bytes(), 0);
-        drop(again);
-        pool.empty_cache();
-        let after = host_stats();
-        assert_eq!(after.pool.reserved_bytes, before.pool.reserved_bytes);
-        assert_eq!(after.allocated_bytes, before.allocated_bytes);
-        // Small requests are plain buffers: counted at their length, never cached.
-        let small = pool.alloc(10).unwrap();
-        assert_eq!(host_stats().allocated_bytes, before.allocated_bytes + 10);
-        drop(small);
-        assert_eq!(host_stats().pool, after.pool);
-    }
-
-    #[test]
     fn prefaulted_buffers_are_zeroed_huge_page_aligned_and_writable() {
         let _serial = SERIAL.lock();
         let len = (5 << 20) + 123;
@@ -482,26 +346,6 @@ mod tests {
         buffer.as_bytes_mut()[len - 1] = 7;
         assert_eq!(buffer.as_bytes()[len - 1], 7);
         assert_eq!(HostBuffer::prefaulted(100).unwrap().len(), 100);
-    }
-
-    #[test]
-    fn the_host_pool_reuses_buffers_of_a_size_class() {
-        let _serial = SERIAL.lock();
-        let pool = HostPool::global();
-        let mut first = pool.alloc(3 << 20).unwrap();
-        first.as_bytes_mut()[17] = 9;
-        let address = first.as_bytes().as_ptr();
-        drop(first);
-        let hits = pool.stats().cache_hits;
-        // Same 2 MiB class: the same pages come back, faulted in and holding their old bytes.
-        let reused = pool.alloc((3 << 20) + 5).unwrap();
-        assert_eq!(reused.len(), (3 << 20) + 5);
-        assert_eq!(pool.stats().cache_hits, hits + 1);
-        assert_eq!(reused.as_bytes().as_ptr(), address);
-        assert_eq!(reused.as_bytes()[17], 9);
-        drop(reused);
-        pool.empty_cache();
-        assert_eq!(pool.stats().reserved_bytes, pool.stats().allocated_bytes);
     }
 
     #[test]

@@ -17,6 +17,7 @@ mod error;
 pub mod gemm;
 mod host;
 pub mod simd;
+pub mod size;
 
 pub use device::Device;
 pub use dtype::{DType, Element};

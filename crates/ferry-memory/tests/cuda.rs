@@ -110,17 +110,28 @@ fn an_impossible_request_is_an_error_and_the_device_keeps_working() {
     match dev.alloc(requested, stream) {
         Err(err @ MemoryError::DeviceOutOfMemory { .. }) => {
             let MemoryError::DeviceOutOfMemory {
-                requested: asked, ..
+                requested: asked,
+                memory,
+                ..
             } = &err
             else {
                 unreachable!()
             };
             assert_eq!(*asked, requested);
+            let memory = memory.expect("the driver reports free and total memory");
+            assert!(memory.total_bytes >= 1 << 30, "{memory:?}");
+            assert!(memory.free_bytes <= memory.total_bytes, "{memory:?}");
             let text = err.to_string();
-            assert!(
-                text.contains("200.00 GiB") && text.contains("empty_cache"),
-                "{text}"
-            );
+            for needle in [
+                "200.00 GiB",
+                "in total",
+                "free",
+                "used outside ferry's allocator (other processes",
+                "ferry::cuda::empty_cache",
+            ] {
+                assert!(text.contains(needle), "`{needle}` missing from: {text}");
+            }
+            println!("the out-of-memory message on this GPU: {text}");
         }
         other => panic!("expected DeviceOutOfMemory, got {other:?}"),
     }
@@ -474,4 +485,260 @@ fn a_pinned_batch_gathers_and_scatters_regions_with_one_event() {
     da.copy_to_host(&mut back, stream).unwrap();
     assert_eq!(&back[..2500], &b[2500..]);
     assert_eq!(&back[2500..], &a[2500..]);
+}
+
+/// Every thread spins for `cycles` clock ticks, then writes `value`: a producer slow enough
+/// that a copy not ordered after it reads what was there before.
+static SPIN: KernelModule = KernelModule {
+    name: "test_spin",
+    source: r#"
+extern "C" __global__ void spin_then_fill(float *out, float value, unsigned int n, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = value;
+}
+"#,
+};
+
+/// About 50 ms per wave of blocks at the H200's ~2 GHz.
+const SPIN_CYCLES: i64 = 100_000_000;
+
+fn floats(bytes: &[u8]) -> &[f32] {
+    bytemuck::cast_slice(bytes)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn copies_on_another_stream_read_what_a_slow_producer_wrote() {
+    let (_lock, dev) = gpu();
+    let pool = PinnedPool::global().unwrap();
+    let spin = dev.function(&SPIN, "spin_then_fill").unwrap();
+    let (producer, copier) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let n = 1 << 20;
+    // Allocated on the producer's stream: that is the source's home.
+    let mut src = dev.alloc_zeroed(n * 4, &producer).unwrap();
+    dev.launch(&spin, (blocks_for(n, 256), 1, 1), (256, 1, 1), 0, &producer)
+        .arg_buffer_mut(&mut src)
+        .arg_f32(7.5)
+        .arg_u32(n as u32)
+        .arg_i64(SPIN_CYCLES)
+        .run()
+        .unwrap();
+    // Three copies queued on the copier while the producer still spins; none may run early.
+    let mut peer = dev.alloc_zeroed(n * 4, &copier).unwrap();
+    let mut region = dev.alloc_zeroed(n * 4, &copier).unwrap();
+    let mut pinned = pool.alloc(n * 4).unwrap();
+    copier.synchronize().unwrap();
+    peer.copy_from_peer(&src, &copier).unwrap();
+    region.copy_region(0, &src, 0, n * 4, &copier).unwrap();
+    src.copy_to_pinned_async(&mut pinned, &copier).unwrap();
+    assert!(
+        !producer.record().unwrap().query().unwrap(),
+        "the producer finished before the copies were queued: raise SPIN_CYCLES"
+    );
+    for (what, buffer) in [("copy_from_peer", &peer), ("copy_region", &region)] {
+        let mut back = vec![0u8; n * 4];
+        buffer.copy_to_host(&mut back, &copier).unwrap();
+        let wrong = floats(&back).iter().filter(|&&v| v != 7.5).count();
+        assert_eq!(
+            wrong, 0,
+            "{what} on another stream read {wrong} values before the producer wrote them"
+        );
+    }
+    let wrong = floats(pinned.as_bytes().unwrap())
+        .iter()
+        .filter(|&&v| v != 7.5)
+        .count();
+    assert_eq!(wrong, 0, "copy_to_pinned_async read {wrong} stale values");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_write_on_the_home_stream_waits_for_a_read_still_queued_on_another() {
+    let (_lock, dev) = gpu();
+    let pool = PinnedPool::global().unwrap();
+    let spin = dev.function(&SPIN, "spin_then_fill").unwrap();
+    let home = dev.default_stream();
+    let side = dev.new_stream().unwrap();
+    let data = random_bytes(16 << 20, 21);
+    let mut buffer = dev.alloc(data.len(), home).unwrap();
+    buffer.copy_from_host(&data, home).unwrap();
+    // Hold the side stream in a slow kernel (one thread), then queue a read of `buffer` there.
+    let mut scratch = dev.alloc(4, &side).unwrap();
+    dev.launch(&spin, (1, 1, 1), (1, 1, 1), 0, &side)
+        .arg_buffer_mut(&mut scratch)
+        .arg_f32(1.0)
+        .arg_u32(1)
+        .arg_i64(4 * SPIN_CYCLES)
+        .run()
+        .unwrap();
+    let mut pinned = pool.alloc(data.len()).unwrap();
+    buffer.copy_to_pinned_async(&mut pinned, &side).unwrap();
+    // An in-place write on the home stream: it must wait for the read queued on `side`.
+    buffer.memset_zero(home).unwrap();
+    assert!(
+        !side.record().unwrap().query().unwrap(),
+        "the side stream finished before the write was queued: raise the spin"
+    );
+    assert_eq!(
+        pinned.as_bytes().unwrap(),
+        &data[..],
+        "the read queued before the write saw the write"
+    );
+    let mut back = vec![0xff; data.len()];
+    buffer.copy_to_host(&mut back, home).unwrap();
+    assert!(back.iter().all(|&b| b == 0), "the write did not happen");
+}
+
+/// Sets the pinned pool's budget for a test; puts it back (emptying the cache) on drop.
+struct PinnedBudget {
+    pool: &'static PinnedPool,
+    old: usize,
+}
+
+impl PinnedBudget {
+    fn set(bytes: usize) -> Self {
+        let pool = PinnedPool::global().unwrap();
+        pool.empty_cache().unwrap();
+        let old = pool.budget();
+        pool.set_budget(bytes).unwrap();
+        Self { pool, old }
+    }
+}
+
+impl Drop for PinnedBudget {
+    fn drop(&mut self) {
+        let _ = self.pool.empty_cache();
+        let _ = self.pool.set_budget(self.old);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_pinned_block_serves_a_request_one_class_smaller_but_not_two() {
+    let (_lock, _dev) = gpu();
+    let pool = PinnedPool::global().unwrap();
+    let _budget = PinnedBudget::set(1 << 30);
+    // From 8 MiB to 16 MiB the classes are 1 MiB apart (8, 9, 10, ..); below 8 MiB, 512 KiB
+    // apart (.., 7, 7.5 MiB).
+    drop(pool.alloc(9 << 20).unwrap());
+    let before = pool.stats();
+    // One class smaller: an 8 MiB request takes the cached 9 MiB block.
+    let eight = pool.alloc(8 << 20).unwrap();
+    assert_eq!(eight.block_size(), 9 << 20);
+    assert_eq!(pool.stats().cache_hits, before.cache_hits + 1);
+    assert_eq!(
+        pool.stats().allocated_bytes,
+        before.allocated_bytes + (9 << 20)
+    );
+    drop(eight);
+    // Two classes smaller (7.5 MiB) does not.
+    let smaller = pool.alloc((15 << 20) / 2).unwrap();
+    assert_eq!(smaller.block_size(), (15 << 20) / 2);
+    assert_eq!(pool.stats().cache_hits, before.cache_hits + 1);
+    drop(smaller);
+    // Staging that must stay within a bound takes its own class only.
+    let exact = pool.alloc_exact(8 << 20).unwrap();
+    assert_eq!(exact.block_size(), 8 << 20);
+    assert_eq!(pool.stats().cache_hits, before.cache_hits + 1);
+    drop(exact);
+    let stats = pool.stats();
+    assert_eq!(
+        stats.reserved_bytes,
+        stats.allocated_bytes + stats.cached_bytes
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_pinned_budget_trims_the_oldest_block_and_refuses_what_live_blocks_leave_no_room_for() {
+    let (_lock, _dev) = gpu();
+    let pool = PinnedPool::global().unwrap();
+    let _budget = PinnedBudget::set(40 << 20);
+    let before = pool.stats();
+    assert_eq!(before.budget_bytes, 40 << 20);
+    // 12 MiB blocks (granule 1 MiB): a, b, c cached in that order, 36 of 40 MiB.
+    let (a, b, c) = (
+        pool.alloc(12 << 20).unwrap(),
+        pool.alloc(12 << 20).unwrap(),
+        pool.alloc(12 << 20).unwrap(),
+    );
+    let mut kept = [b.as_ptr(), c.as_ptr()];
+    drop((a, b, c));
+    // 16 MiB more needs 12 MiB of room: the least recently cached, a, goes.
+    let d = pool.alloc(16 << 20).unwrap();
+    let stats = pool.stats();
+    assert_eq!(stats.trimmed_blocks, before.trimmed_blocks + 1);
+    assert_eq!(stats.reserved_bytes, 40 << 20);
+    let (e, f) = (pool.alloc(12 << 20).unwrap(), pool.alloc(12 << 20).unwrap());
+    let mut got = [e.as_ptr(), f.as_ptr()];
+    got.sort();
+    kept.sort();
+    assert_eq!(
+        got, kept,
+        "a block other than the least recently used one was trimmed"
+    );
+    // Live blocks fill the budget: the pool refuses, naming the budget and the fix.
+    match pool.alloc(4 << 20) {
+        Err(err @ MemoryError::PinnedBudgetExceeded { .. }) => {
+            let text = err.to_string();
+            assert!(
+                text.contains("set_budget") && text.contains("40.00 MiB"),
+                "{text}"
+            );
+        }
+        other => panic!("expected PinnedBudgetExceeded, got {other:?}"),
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.budget_refusals, before.budget_refusals + 1);
+    assert!(stats.reserved_bytes <= stats.budget_bytes, "{stats:?}");
+    // Lowering the budget trims idle blocks once they are back.
+    drop((d, e, f));
+    pool.set_budget(20 << 20).unwrap();
+    let stats = pool.stats();
+    assert!(stats.reserved_bytes <= 20 << 20, "{stats:?}");
+}
+
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn a_peer_copy_waits_for_the_producer_on_the_source_gpu() {
+    let (_lock, first) = gpu();
+    let Ok(second) = CudaDevice::get(1) else {
+        eprintln!("skipped: a peer copy needs two CUDA devices; this machine has one");
+        return;
+    };
+    let _ = first.enable_peer_access(&second);
+    let spin = first.function(&SPIN, "spin_then_fill").unwrap();
+    let n = 1 << 20;
+    let mut src = first.alloc_zeroed(n * 4, first.default_stream()).unwrap();
+    first
+        .launch(
+            &spin,
+            (blocks_for(n, 256), 1, 1),
+            (256, 1, 1),
+            0,
+            first.default_stream(),
+        )
+        .arg_buffer_mut(&mut src)
+        .arg_f32(3.25)
+        .arg_u32(n as u32)
+        .arg_i64(SPIN_CYCLES)
+        .run()
+        .unwrap();
+    // Queued on the second GPU's stream while the first still spins.
+    let mut dst = second.alloc_zeroed(n * 4, second.default_stream()).unwrap();
+    dst.copy_from_peer(&src, second.default_stream()).unwrap();
+    assert!(
+        !first.default_stream().record().unwrap().query().unwrap(),
+        "the producer finished before the copy was queued: raise SPIN_CYCLES"
+    );
+    let mut back = vec![0u8; n * 4];
+    dst.copy_to_host(&mut back, second.default_stream())
+        .unwrap();
+    let wrong = floats(&back).iter().filter(|&&v| v != 3.25).count();
+    assert_eq!(
+        wrong, 0,
+        "the peer copy read {wrong} values before the source GPU wrote them"
+    );
 }

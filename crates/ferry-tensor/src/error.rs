@@ -2,7 +2,7 @@ use ferry_graph::GraphError;
 use ferry_memory::{DType, Device, MemoryError};
 use thiserror::Error;
 
-use crate::layout::Shape;
+use crate::layout::{Layout, Shape};
 
 /// Result of tensor operations.
 pub type Result<T, E = TensorError> = std::result::Result<T, E>;
@@ -119,6 +119,35 @@ pub enum TensorError {
         /// Elements the shape holds.
         numel: usize,
     },
+    /// A shape whose bytes cannot be addressed: the element count times the element size
+    /// overflows, or passes `isize::MAX` (the most one allocation may hold). Refused before
+    /// anything is allocated.
+    #[error(
+        "{op}: a tensor of shape {shape:?} and dtype {dtype} is too large: its element count times {size} bytes overflows the limit of {limit} bytes (isize::MAX); use smaller dimensions, or split the data",
+        size = .dtype.size(),
+        limit = ferry_memory::size::MAX_BYTES
+    )]
+    TooLarge {
+        /// The op.
+        op: &'static str,
+        /// The shape asked for.
+        shape: Shape,
+        /// Its dtype.
+        dtype: DType,
+    },
+    /// A layout that reaches outside its storage, or whose extent cannot be computed.
+    #[error(
+        "{op}: a layout of shape {:?}, strides {:?} and offset {} {problem}; make views with narrow, transpose or broadcast_to, or fix the strides and offset",
+        .layout.shape(), .layout.strides(), .layout.offset()
+    )]
+    BadLayout {
+        /// The op.
+        op: &'static str,
+        /// The layout refused (boxed: errors stay small).
+        layout: Box<Layout>,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// An argument out of its domain (a chunk count of zero, a negative class index, ...).
     #[error("{op}: {message}")]
     InvalidArgument {
@@ -214,6 +243,14 @@ pub enum TensorError {
 }
 
 impl TensorError {
+    pub(crate) fn too_large(op: &'static str, shape: &[usize], dtype: DType) -> Self {
+        TensorError::TooLarge {
+            op,
+            shape: shape.into(),
+            dtype,
+        }
+    }
+
     pub(crate) fn dtype_mismatch(op: &'static str, lhs: DType, rhs: DType) -> Self {
         TensorError::DTypeMismatch {
             op,

@@ -25,9 +25,36 @@ impl Layout {
         }
     }
 
-    /// A layout from its parts.
-    pub fn new(shape: Shape, strides: Shape, offset: usize) -> Self {
-        debug_assert_eq!(shape.len(), strides.len());
+    /// A layout from its parts: one stride per dimension, and an element count and a last
+    /// index that can be computed in a `usize`. Whether it fits a storage is checked where it
+    /// meets one ([`Tensor::from_storage`](crate::Tensor::from_storage)).
+    pub fn new(shape: Shape, strides: Shape, offset: usize) -> Result<Self> {
+        let layout = Self::from_parts(shape, strides, offset);
+        match layout.defect() {
+            Some(problem) => Err(layout.bad("Layout::new", problem)),
+            None => Ok(layout),
+        }
+    }
+
+    /// What makes this layout unusable whatever its storage, if anything.
+    fn defect(&self) -> Option<String> {
+        if self.shape.len() != self.strides.len() {
+            Some(format!(
+                "has {} dimension(s) but {} stride(s)",
+                self.shape.len(),
+                self.strides.len()
+            ))
+        } else if ferry_memory::size::checked_numel(&self.shape).is_none() {
+            Some("has more elements than a usize can count".to_string())
+        } else if self.last_index().is_none() {
+            Some("reaches past usize::MAX elements (a stride or the offset is too large)".into())
+        } else {
+            None
+        }
+    }
+
+    /// A layout from parts derived from a valid one (a view of it): nothing to check.
+    pub(crate) fn from_parts(shape: Shape, strides: Shape, offset: usize) -> Self {
         Self {
             shape,
             strides,
@@ -55,7 +82,9 @@ impl Layout {
         self.shape.len()
     }
 
-    /// Number of elements.
+    /// Number of elements (`usize::MAX` when they cannot be counted, which no tensor's layout
+    /// reaches: allocations and [`Tensor::from_storage`](crate::Tensor::from_storage) refuse
+    /// such shapes).
     pub fn numel(&self) -> usize {
         numel(&self.shape)
     }
@@ -67,23 +96,76 @@ impl Layout {
             if dim != 1 && stride != expected {
                 return false;
             }
-            expected *= dim;
+            expected = expected.saturating_mul(dim);
         }
         true
     }
 
     /// Storage span `[offset, end)` this layout can touch; `None` when it has no elements.
+    /// Saturates at `usize::MAX` for a layout whose reach cannot be computed.
     pub fn span(&self) -> Option<(usize, usize)> {
         if self.numel() == 0 {
             return None;
         }
-        let last: usize = self
-            .shape
+        let last = self.last_index().unwrap_or(usize::MAX);
+        Some((self.offset, last.saturating_add(1)))
+    }
+
+    /// Storage index of the last element this layout reaches (`offset` when it is empty), or
+    /// `None` when a stride or the offset makes it overflow.
+    fn last_index(&self) -> Option<usize> {
+        if numel(&self.shape) == 0 {
+            return Some(self.offset);
+        }
+        self.shape
             .iter()
             .zip(&self.strides)
-            .map(|(d, s)| (d - 1) * s)
-            .sum();
-        Some((self.offset, self.offset + last + 1))
+            .try_fold(self.offset, |end, (&d, &s)| {
+                (d - 1).checked_mul(s)?.checked_add(end)
+            })
+    }
+
+    /// Checks that this layout, read as elements of `dtype`, stays inside a storage of
+    /// `storage_bytes` bytes, and that its shape is small enough to allocate.
+    pub(crate) fn check_fits(
+        &self,
+        op: &'static str,
+        dtype: ferry_memory::DType,
+        storage_bytes: usize,
+    ) -> Result<()> {
+        shape_bytes(op, &self.shape, dtype)?;
+        if let Some(problem) = self.defect() {
+            return Err(self.bad(op, problem));
+        }
+        let last = self.last_index().unwrap_or(usize::MAX);
+        // An empty layout touches nothing but may start at the end of its storage.
+        let end = if self.numel() == 0 {
+            last
+        } else {
+            last.saturating_add(1)
+        };
+        let size = dtype.size();
+        match end.checked_mul(size) {
+            Some(end_bytes) if end_bytes <= storage_bytes => Ok(()),
+            _ => {
+                let reach = end
+                    .checked_mul(size)
+                    .map_or_else(|| "past usize::MAX".to_string(), |b| format!("{b}"));
+                let problem = format!(
+                    "needs {reach} bytes of {dtype} storage, but the storage holds {storage_bytes} bytes ({} elements)",
+                    storage_bytes / size
+                );
+                Err(self.bad(op, problem))
+            }
+        }
+    }
+
+    fn bad(&self, op: &'static str, problem: String) -> TensorError {
+        TensorError::BadLayout {
+            op,
+            layout: Box::new(self.clone()),
+            problem,
+        }
     }
 
     /// Swaps two dimensions (a view).
@@ -97,7 +179,10 @@ impl Layout {
     /// Keeps `len` indices of `axis` starting at `start` (a view).
     pub fn narrow(&self, axis: usize, start: usize, len: usize) -> Self {
         let mut out = self.clone();
-        out.offset += start * self.strides[axis];
+        // Saturating: an out-of-range start gives a layout no storage accepts, never a wrap.
+        out.offset = out
+            .offset
+            .saturating_add(start.saturating_mul(self.strides[axis]));
         out.shape[axis] = len;
         out
     }
@@ -116,7 +201,7 @@ impl Layout {
                 _ => return None,
             }
         }
-        Some(Self::new(shape.into(), strides, self.offset))
+        Some(Self::from_parts(shape.into(), strides, self.offset))
     }
 
     /// The same elements with a new shape, without copying, when the strides allow it.
@@ -138,8 +223,8 @@ impl Layout {
     /// row with a plain stride, which costs far less per element than a full index walk.
     pub fn row_starts(&self) -> StridedOffsets<'static> {
         let outer = match self.shape.len() {
-            0 => Layout::new(Shape::new(), Shape::new(), self.offset),
-            n => Layout::new(
+            0 => Layout::from_parts(Shape::new(), Shape::new(), self.offset),
+            n => Layout::from_parts(
                 self.shape[..n - 1].into(),
                 self.strides[..n - 1].into(),
                 self.offset,
@@ -157,36 +242,32 @@ impl Layout {
     }
 }
 
-/// Elements in `shape`; a zero dimension makes it 0 even when the others would overflow.
+/// Elements in `shape`; a zero dimension makes it 0 even when the others would overflow, and
+/// a count that overflows saturates at `usize::MAX` (which every allocation refuses).
 pub(crate) fn numel(shape: &[usize]) -> usize {
-    if shape.contains(&0) {
-        0
-    } else {
-        shape.iter().product()
-    }
+    ferry_memory::size::checked_numel(shape).unwrap_or(usize::MAX)
 }
 
-/// Elements in a shape a caller asked for, or an error when they cannot be counted in a `usize`.
-pub(crate) fn checked_numel(op: &'static str, shape: &[usize]) -> Result<usize> {
-    if shape.contains(&0) {
-        return Ok(0);
-    }
-    shape
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .ok_or_else(|| TensorError::InvalidArgument {
-            op,
-            message: format!(
-                "shape {shape:?} has more elements than memory can address; use smaller dimensions"
-            ),
-        })
+/// Bytes a contiguous tensor of `shape` and `dtype` takes, or [`TensorError::TooLarge`] naming
+/// the shape when the element count times the element size overflows (or passes
+/// [`MAX_BYTES`](ferry_memory::size::MAX_BYTES)). Every allocation of a tensor sizes itself
+/// here, before asking for memory.
+pub(crate) fn shape_bytes(
+    op: &'static str,
+    shape: &[usize],
+    dtype: ferry_memory::DType,
+) -> Result<usize> {
+    ferry_memory::size::shape_bytes(shape, dtype)
+        .ok_or_else(|| TensorError::too_large(op, shape, dtype))
 }
 
 /// Row-major strides of a contiguous tensor of `shape`.
 pub fn contiguous_strides(shape: &[usize]) -> Shape {
     let mut strides: Shape = SmallVec::from_elem(1, shape.len());
     for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1];
+        // Saturating: only a shape with a zero dimension (no elements to step over) or one
+        // that no allocation accepts reaches the limit.
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
     }
     strides
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ferry_graph::{GradSlot, NodeHandle};
 use ferry_memory::{DType, Device, Element, HostBuffer};
 
-use crate::layout::{Layout, Shape, checked_numel};
+use crate::layout::{Layout, Shape, shape_bytes};
 use crate::storage::{Buffer, Storage};
 use crate::{Result, TensorError};
 
@@ -33,7 +33,19 @@ pub(crate) struct Autograd {
 
 impl Tensor {
     /// A tensor over `storage` seen through `layout`, with no gradient history.
-    pub fn from_storage(storage: Arc<Storage>, layout: Layout) -> Self {
+    ///
+    /// The layout must stay inside the storage: every element it reaches, read as the
+    /// storage's dtype, lies within the storage's bytes, and its shape is small enough to
+    /// allocate. Anything else is [`TensorError::BadLayout`] (or [`TensorError::TooLarge`]):
+    /// kernels trust a tensor's layout, and on a GPU a layout past the end of its buffer would
+    /// read or write other memory.
+    pub fn from_storage(storage: Arc<Storage>, layout: Layout) -> Result<Self> {
+        layout.check_fits("from_storage", storage.dtype(), storage.bytes())?;
+        Ok(Self::over(storage, layout))
+    }
+
+    /// A tensor over a layout already known to fit its storage.
+    fn over(storage: Arc<Storage>, layout: Layout) -> Self {
         Tensor(Arc::new(Inner {
             storage,
             layout,
@@ -42,22 +54,19 @@ impl Tensor {
         }))
     }
 
-    /// A contiguous host tensor owning `buffer`.
+    /// A contiguous host tensor owning `buffer`, which must hold exactly the shape's bytes.
     pub fn from_host_buffer(buffer: HostBuffer, dtype: DType, shape: &[usize]) -> Result<Self> {
-        let numel = checked_numel("from_host_buffer", shape)?;
-        if numel.checked_mul(dtype.size()) != Some(buffer.len()) {
+        let bytes = shape_bytes("from_host_buffer", shape, dtype)?;
+        if bytes != buffer.len() {
             return Err(TensorError::LengthMismatch {
                 op: "from_host_buffer",
                 len: buffer.len() / dtype.size(),
                 shape: shape.into(),
-                numel,
+                numel: bytes / dtype.size(),
             });
         }
         let storage = Storage::new(Buffer::Host(buffer), dtype, Device::Cpu);
-        Ok(Self::from_storage(
-            Arc::new(storage),
-            Layout::contiguous(shape),
-        ))
+        Ok(Self::from_shape(storage, shape))
     }
 
     /// A host tensor holding `data` in row-major order.
@@ -67,7 +76,7 @@ impl Tensor {
 
     /// A host tensor holding a copy of `data` in row-major order.
     pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Self> {
-        let numel = checked_numel("from_slice", shape)?;
+        let numel = shape_bytes("from_slice", shape, T::DTYPE)? / T::DTYPE.size();
         if data.len() != numel {
             return Err(TensorError::LengthMismatch {
                 op: "from_slice",
@@ -124,9 +133,10 @@ impl Tensor {
         &self.0.storage
     }
 
-    /// Bytes the elements take (not the storage, which views may share).
+    /// Bytes the elements take (not the storage, which views may share). Exact: every tensor's
+    /// shape passed the checked size computation when it was made.
     pub fn nbytes(&self) -> usize {
-        self.numel() * self.dtype().size()
+        self.numel().saturating_mul(self.dtype().size())
     }
 
     /// Whether the elements are row-major without gaps.
@@ -202,8 +212,16 @@ impl Tensor {
         }))
     }
 
+    /// A contiguous tensor over storage just allocated for `shape` (its size came from
+    /// [`shape_bytes`], so the layout fits by construction).
     pub(crate) fn from_shape(storage: Storage, shape: &[usize]) -> Tensor {
-        Tensor::from_storage(Arc::new(storage), Layout::contiguous(shape))
+        let layout = Layout::contiguous(shape);
+        debug_assert!(
+            layout
+                .check_fits("from_shape", storage.dtype(), storage.bytes())
+                .is_ok()
+        );
+        Tensor::over(Arc::new(storage), layout)
     }
 
     pub(crate) fn dims(&self) -> Shape {

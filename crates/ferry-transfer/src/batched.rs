@@ -5,12 +5,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferry_memory::cuda::{PinnedBuffer, PinnedPool, Stream};
+use ferry_memory::cuda::{CudaDevice, PinnedBuffer, PinnedPool, Stream};
 use ferry_memory::{DType, Device};
 use ferry_tensor::{Buffer, Layout, Result, Storage, Tensor, TensorError, with_no_grad};
 
 use crate::copy::{cuda, dense, move_bytes};
-use crate::pipeline::copy_bytes;
+use crate::pipeline::{StagingMeter, copy_bytes, within_budget};
 use crate::report::{TransferPath, TransferReport};
 
 /// Named tensors, in order: a model's parameters and buffers.
@@ -31,6 +31,11 @@ const PACK_UP_TO: usize = 2 << 30;
 /// the host waits once at the end. The results are views into the arena (no further copy), so
 /// the arena is freed when the last of them drops. Host to GPU is symmetric: one pinned staging
 /// arena per dtype, uploaded in one copy into one device arena per dtype.
+///
+/// A group whose arena would not fit the pinned budget (`ferry::cuda::pinned::set_budget`)
+/// moves tensor by tensor instead, each landing pinned while it fits and in pageable memory
+/// beyond. `report.staging_peak_bytes` is what the move itself held (staging arenas and device
+/// scratch), counted by the move; the pools' statistics are left alone.
 ///
 /// A state dict is data: the results carry no gradient history (the move detaches, and
 /// records nothing). Tensors already on `device` are returned detached, without a copy.
@@ -56,28 +61,17 @@ pub fn move_state_dict(
     let mut report = TransferReport::new(TransferPath::Batched { tensors: 0 }, 0);
     let mut to_sync: Vec<Stream> = Vec::new();
     let mut keep = Scratch::default();
-    // Host to GPU stages through pinned arenas: measure them from the pool.
-    let pinned_baseline = if device.is_cuda() && !groups.is_empty() {
-        let pool = PinnedPool::global()?;
-        pool.reset_peak();
-        Some((pool, pool.stats().allocated_bytes))
-    } else {
-        None
-    };
+    // Staging (pinned arenas, device scratch) counted by this move, not read from the pools.
+    let mut meter = StagingMeter::default();
     with_no_grad(|| -> Result<()> {
         for (from, dtype, indices) in groups.values() {
             let group: Vec<&Tensor> = indices.iter().map(|&i| &tensors[i].1).collect();
             let outs = match (*from, device) {
-                (Device::Cuda(ordinal), Device::Cpu) => download_group(
-                    &group,
-                    *dtype,
-                    ordinal,
-                    &mut to_sync,
-                    &mut keep,
-                    &mut report,
-                )?,
+                (Device::Cuda(ordinal), Device::Cpu) => {
+                    download_group(&group, *dtype, ordinal, &mut to_sync, &mut keep, &mut meter)?
+                }
                 (Device::Cpu, Device::Cuda(ordinal)) => {
-                    upload_group(&group, *dtype, ordinal, &mut to_sync, &mut keep)?
+                    upload_group(&group, *dtype, ordinal, &mut to_sync, &mut keep, &mut meter)?
                 }
                 _ => group
                     .iter()
@@ -97,9 +91,7 @@ pub fn move_state_dict(
         Ok(())
     })?;
     drop(keep);
-    if let Some((pool, baseline)) = pinned_baseline {
-        report.staging_peak_bytes += pool.stats().peak_allocated_bytes.saturating_sub(baseline);
-    }
+    report.staging_peak_bytes = meter.peak();
     report.path = TransferPath::Batched {
         tensors: groups.values().map(|(_, _, ix)| ix.len()).sum(),
     };
@@ -119,22 +111,41 @@ struct Scratch {
     staging: Vec<PinnedBuffer>,
 }
 
-/// Byte offsets of each tensor in an arena, aligned, and the arena's length.
-fn arena_offsets(group: &[&Tensor]) -> (Vec<usize>, usize) {
+/// Byte offsets of each tensor in an arena, aligned, and the arena's length; an arena too
+/// large to address is an error naming the group's element count.
+fn arena_offsets(group: &[&Tensor], dtype: DType) -> Result<(Vec<usize>, usize)> {
     let mut end = 0usize;
-    let offsets = group
-        .iter()
-        .map(|t| {
-            let at = end.next_multiple_of(ALIGN);
-            end = at + t.nbytes();
-            at
-        })
-        .collect();
-    (offsets, end)
+    let mut offsets = Vec::with_capacity(group.len());
+    for t in group {
+        let placed = end
+            .checked_next_multiple_of(ALIGN)
+            .and_then(|at| Some((at, at.checked_add(t.nbytes())?)))
+            .filter(|&(_, next)| next <= ferry_memory::size::MAX_BYTES);
+        let Some((at, next)) = placed else {
+            let elements = group
+                .iter()
+                .map(|t| t.numel())
+                .fold(0, usize::saturating_add);
+            return Err(TensorError::TooLarge {
+                op: "move_state_dict",
+                shape: [elements].as_slice().into(),
+                dtype,
+            });
+        };
+        offsets.push(at);
+        end = next;
+    }
+    Ok((offsets, end))
 }
 
-/// Views of `storage` at the arena offsets, shaped like the sources.
-fn views(storage: Arc<Storage>, group: &[&Tensor], offsets: &[usize], dtype: DType) -> Vec<Tensor> {
+/// Views of `storage` at the arena offsets, shaped like the sources (the arena was sized by
+/// `arena_offsets`, so each fits; `from_storage` checks it all the same).
+fn views(
+    storage: Arc<Storage>,
+    group: &[&Tensor],
+    offsets: &[usize],
+    dtype: DType,
+) -> Result<Vec<Tensor>> {
     group
         .iter()
         .zip(offsets)
@@ -144,7 +155,7 @@ fn views(storage: Arc<Storage>, group: &[&Tensor], offsets: &[usize], dtype: DTy
                 contiguous.shape().into(),
                 contiguous.strides().into(),
                 at / dtype.size(),
-            );
+            )?;
             Tensor::from_storage(Arc::clone(&storage), layout)
         })
         .collect()
@@ -156,12 +167,14 @@ fn download_group(
     ordinal: usize,
     to_sync: &mut Vec<Stream>,
     keep: &mut Scratch,
-    report: &mut TransferReport,
+    meter: &mut StagingMeter,
 ) -> Result<Vec<Tensor>> {
     let dev = cuda(ordinal)?;
     let stream = dev.default_stream().clone();
-    let (offsets, len) = arena_offsets(group);
-    let mut arena = PinnedPool::global()?.alloc(len)?;
+    let (offsets, len) = arena_offsets(group, dtype)?;
+    let Some(mut arena) = within_budget(PinnedPool::global()?.alloc(len))? else {
+        return one_by_one(group, Device::Cpu, meter);
+    };
     if group.len() > 1 && len <= PACK_UP_TO {
         // Many small copies cost a few microseconds each: gather the group on the device in a
         // few kernel launches, then move it as one DMA.
@@ -172,7 +185,8 @@ fn download_group(
                 .zip(&offsets)
                 .all(|(e, o)| e * dtype.size() == *o)
         );
-        report.staging_peak_bytes += packed.nbytes();
+        // Device scratch, held until the one synchronization.
+        meter.hold(CudaDevice::block_size(packed.nbytes()));
         {
             let guard = packed.storage().read();
             let Buffer::Cuda(from) = &*guard else {
@@ -196,8 +210,8 @@ fn download_group(
                 dense(t)?
             };
             if !t.is_contiguous() {
-                // Made contiguous on the device first: scratch.
-                report.staging_peak_bytes += t.nbytes();
+                // Made contiguous on the device first: scratch, held until the synchronization.
+                meter.hold(CudaDevice::block_size(t.nbytes()));
             }
             let guard = src.storage().read();
             let Buffer::Cuda(from) = &*guard else {
@@ -214,7 +228,7 @@ fn download_group(
     }
     to_sync.push(stream);
     let storage = Arc::new(Storage::new(Buffer::Pinned(arena), dtype, Device::Cpu));
-    Ok(views(storage, group, &offsets, dtype))
+    views(storage, group, &offsets, dtype)
 }
 
 fn upload_group(
@@ -223,11 +237,16 @@ fn upload_group(
     ordinal: usize,
     to_sync: &mut Vec<Stream>,
     keep: &mut Scratch,
+    meter: &mut StagingMeter,
 ) -> Result<Vec<Tensor>> {
     let dev = cuda(ordinal)?;
     let stream = dev.default_stream().clone();
-    let (offsets, len) = arena_offsets(group);
-    let mut staging = PinnedPool::global()?.alloc(len)?;
+    let (offsets, len) = arena_offsets(group, dtype)?;
+    let Some(mut staging) = within_budget(PinnedPool::global()?.alloc(len))? else {
+        return one_by_one(group, Device::Cuda(ordinal), meter);
+    };
+    // Held until the one synchronization.
+    meter.hold(staging.block_size());
     {
         let bytes = staging.as_bytes_mut()?;
         for (t, &at) in group.iter().zip(&offsets) {
@@ -237,10 +256,7 @@ fn upload_group(
                 t.detach().copy()?
             };
             let guard = src.storage().read();
-            let host = guard.host_bytes().ok_or(TensorError::NotOnHost {
-                op: "move_state_dict",
-                device: src.device(),
-            })?;
+            let host = guard.host_slice("move_state_dict", src.device())?;
             let from = src.layout().offset() * dtype.size();
             copy_bytes(
                 &mut bytes[at..at + src.nbytes()],
@@ -264,5 +280,20 @@ fn upload_group(
         dtype,
         Device::Cuda(ordinal),
     ));
-    Ok(views(storage, group, &offsets, dtype))
+    views(storage, group, &offsets, dtype)
+}
+
+/// A group whose arena does not fit the pinned budget: each tensor on its own, blocking (each
+/// lands pinned while it fits, else in pageable memory through bounded staging).
+fn one_by_one(group: &[&Tensor], device: Device, meter: &mut StagingMeter) -> Result<Vec<Tensor>> {
+    group
+        .iter()
+        .map(|t| {
+            let (moved, _, staging) = move_bytes(t, device, false)?;
+            // Each move's staging is gone when it returns.
+            meter.hold(staging);
+            meter.release(staging);
+            Ok(moved)
+        })
+        .collect()
 }

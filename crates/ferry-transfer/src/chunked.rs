@@ -202,7 +202,7 @@ pub(crate) fn to_chunked(
             }
             // Device to device needs no host staging: one peer copy.
             _ => {
-                let (moved, path) = move_bytes(&detached, device, false)?;
+                let (moved, path, _) = move_bytes(&detached, device, false)?;
                 Ok((moved, TransferReport::new(path, src.nbytes())))
             }
         }

@@ -6,6 +6,8 @@ use ferry_memory::cuda::{CudaDevice, PinnedPool};
 use ferry_memory::{Device, HostBuffer};
 use ferry_tensor::{Buffer, Layout, Result, Storage, Tensor, TensorError};
 
+use crate::chunked::{ChunkPlan, ChunkSpec};
+use crate::pipeline::{self, within_budget};
 use crate::report::TransferPath;
 
 /// Device-to-host copies of at least this many bytes land in pooled pinned memory. Measured on
@@ -32,28 +34,34 @@ pub(crate) fn cuda(ordinal: usize) -> Result<CudaDevice> {
     Ok(CudaDevice::get(ordinal)?)
 }
 
-/// A contiguous tensor over `buffer` on `device`.
+/// A contiguous tensor over `buffer` on `device`; `buffer` was just allocated with `like`'s
+/// `nbytes()`, so the layout fits it.
 pub(crate) fn wrap(buffer: Buffer, like: &Tensor, device: Device) -> Tensor {
     let storage = Storage::new(buffer, like.dtype(), device);
     Tensor::from_storage(Arc::new(storage), Layout::contiguous(like.shape()))
+        .expect("a buffer of like.nbytes() holds a contiguous tensor of like's shape")
 }
 
-/// Moves `src`'s elements to `device`. `non_blocking` lets a GPU-to-host copy return before
-/// the bytes arrive: the result lives in pinned memory whose reads wait for the copy.
+/// Moves `src`'s elements to `device`, returning the moved tensor, the path taken and the
+/// staging it held at most (pinned staging and scratch, when it went through the pipeline).
+///
+/// `non_blocking` lets a GPU-to-host copy return before the bytes arrive: the result lives in
+/// pinned memory whose reads wait for the copy. A result that does not fit the pinned budget
+/// lands in pooled pageable memory through the staging pipeline instead, blocking (so
+/// `non_blocking` is a request, not a promise; the path says which happened).
 pub(crate) fn move_bytes(
     src: &Tensor,
     device: Device,
     non_blocking: bool,
-) -> Result<(Tensor, TransferPath)> {
+) -> Result<(Tensor, TransferPath, usize)> {
     match (src.device(), device) {
-        (from, to) if from == to => Ok((src.detach(), TransferPath::SameDevice)),
-        (Device::Cpu, Device::Cuda(ordinal)) => {
-            Ok((host_to_device(src, ordinal)?, TransferPath::HostToDevice))
-        }
+        (from, to) if from == to => Ok((src.detach(), TransferPath::SameDevice, 0)),
+        (Device::Cpu, Device::Cuda(ordinal)) => host_to_device(src, ordinal),
         (Device::Cuda(_), Device::Cpu) => device_to_host(src, non_blocking),
         (Device::Cuda(_), Device::Cuda(ordinal)) => Ok((
             device_to_device(src, ordinal)?,
             TransferPath::DeviceToDevice,
+            0,
         )),
         (Device::Cpu, Device::Cpu) => unreachable!("equal devices handled above"),
     }
@@ -63,50 +71,55 @@ pub(crate) fn move_bytes(
 /// own pageable path reaches about 6 GB/s on the H200 host, the pipeline the link's ~55 GB/s
 /// less the host copy into staging.
 const PIPELINE_FROM_BYTES: usize = 16 << 20;
-/// Pinned staging the pipeline may hold (two 32 MiB buffers).
-const PIPELINE_STAGING_BYTES: usize = 64 << 20;
+/// Pinned staging the pipeline may hold (two 32 MiB buffers); moves beyond the pinned budget
+/// stage through this much too.
+pub(crate) const PIPELINE_STAGING_BYTES: usize = 64 << 20;
 
-fn host_to_device(src: &Tensor, ordinal: usize) -> Result<Tensor> {
+fn host_to_device(src: &Tensor, ordinal: usize) -> Result<(Tensor, TransferPath, usize)> {
     let src = dense(src)?;
     let pageable = matches!(&*src.storage().read(), Buffer::Host(_));
     if pageable && src.nbytes() >= PIPELINE_FROM_BYTES {
-        let spec = crate::chunked::ChunkSpec::MaxStagingBytes(PIPELINE_STAGING_BYTES);
-        if let Ok(plan) = crate::chunked::ChunkPlan::new(src.shape(), src.dtype(), spec)
+        let spec = ChunkSpec::MaxStagingBytes(PIPELINE_STAGING_BYTES);
+        if let Ok(plan) = ChunkPlan::new(src.shape(), src.dtype(), spec)
             && plan.len() > 1
         {
-            return Ok(crate::pipeline::host_to_device(&src, ordinal, &plan)?.0);
+            let (moved, report) = pipeline::host_to_device(&src, ordinal, &plan)?;
+            return Ok((moved, TransferPath::HostToDevice, report.staging_peak_bytes));
         }
     }
     let dev = cuda(ordinal)?;
     let stream = dev.default_stream();
     let mut out = dev.alloc(src.nbytes(), stream)?;
     let guard = src.storage().read();
-    let bytes = guard.host_bytes().ok_or(TensorError::NotOnHost {
-        op: "to",
-        device: src.device(),
-    })?;
+    let bytes = guard.host_slice("to", src.device())?;
     out.copy_from_host(bytes, stream)?;
     drop(guard);
-    Ok(wrap(Buffer::Cuda(out), &src, Device::Cuda(ordinal)))
+    Ok((
+        wrap(Buffer::Cuda(out), &src, Device::Cuda(ordinal)),
+        TransferPath::HostToDevice,
+        0,
+    ))
 }
 
-fn device_to_host(src: &Tensor, non_blocking: bool) -> Result<(Tensor, TransferPath)> {
+fn device_to_host(src: &Tensor, non_blocking: bool) -> Result<(Tensor, TransferPath, usize)> {
     let src = dense(src)?;
     let Device::Cuda(ordinal) = src.device() else {
         unreachable!("a CUDA source")
     };
     let dev = cuda(ordinal)?;
     let stream = dev.default_stream();
-    let guard = src.storage().read();
-    let Buffer::Cuda(from) = &*guard else {
-        return Err(TensorError::UnsupportedDevice {
-            op: "to",
-            device: src.device(),
-        });
-    };
     let bytes = src.nbytes();
     if bytes >= PINNED_FROM_BYTES || non_blocking {
-        let mut pinned = PinnedPool::global()?.alloc(bytes)?;
+        let Some(mut pinned) = within_budget(PinnedPool::global()?.alloc(bytes))? else {
+            return beyond_budget(&src, ordinal);
+        };
+        let guard = src.storage().read();
+        let Buffer::Cuda(from) = &*guard else {
+            return Err(TensorError::UnsupportedDevice {
+                op: "to",
+                device: src.device(),
+            });
+        };
         from.copy_to_pinned_async(&mut pinned, stream)?;
         if !non_blocking {
             pinned.wait()?;
@@ -115,15 +128,35 @@ fn device_to_host(src: &Tensor, non_blocking: bool) -> Result<(Tensor, TransferP
         return Ok((
             wrap(Buffer::Pinned(pinned), &src, Device::Cpu),
             TransferPath::DeviceToPinned,
+            0,
         ));
     }
+    let guard = src.storage().read();
+    let Buffer::Cuda(from) = &*guard else {
+        return Err(TensorError::UnsupportedDevice {
+            op: "to",
+            device: src.device(),
+        });
+    };
     let mut host = HostBuffer::zeroed(bytes)?;
     from.copy_to_host(host.as_bytes_mut(), stream)?;
     drop(guard);
     Ok((
         wrap(Buffer::Host(host), &src, Device::Cpu),
         TransferPath::DeviceToPageable,
+        0,
     ))
+}
+
+/// A GPU-to-host move of a dense `src` whose result does not fit the pinned budget: through at
+/// most [`PIPELINE_STAGING_BYTES`] of pinned staging (or one row's, if more) into pooled,
+/// prefaulted pageable memory; when even the staging does not fit, through the driver's
+/// pageable path. Blocking.
+pub(crate) fn beyond_budget(src: &Tensor, ordinal: usize) -> Result<(Tensor, TransferPath, usize)> {
+    let bound = PIPELINE_STAGING_BYTES.max(ChunkPlan::min_staging_bytes(src.shape(), src.dtype()));
+    let plan = ChunkPlan::new(src.shape(), src.dtype(), ChunkSpec::MaxStagingBytes(bound))?;
+    let (moved, report) = pipeline::device_to_host(src, ordinal, &plan)?;
+    Ok((moved, report.path, report.staging_peak_bytes))
 }
 
 fn device_to_device(src: &Tensor, ordinal: usize) -> Result<Tensor> {
@@ -138,6 +171,7 @@ fn device_to_device(src: &Tensor, ordinal: usize) -> Result<Tensor> {
     let mut out = target.alloc(src.nbytes(), target.default_stream())?;
     // Peer access is an optimisation; without it the driver stages through the host.
     let _ = target.enable_peer_access(from.cuda_device());
+    // The peer copy waits for the source's producers on its own device's stream.
     out.copy_from_peer(from, target.default_stream())?;
     target.default_stream().synchronize()?;
     drop(guard);

@@ -20,7 +20,9 @@ pub struct MoveOptions {
     /// and the backward casts the gradient back.
     pub dtype: Option<DType>,
     /// Return before a GPU-to-host copy finishes. The result's bytes sit in pinned memory and
-    /// every read of them waits for the copy, so reading too early is not possible.
+    /// every read of them waits for the copy, so reading too early is not possible. Beyond
+    /// the pinned budget the move blocks instead (into pageable memory; `report.path` says
+    /// so).
     pub non_blocking: bool,
 }
 
@@ -47,6 +49,11 @@ pub trait DeviceMove: Sized {
     /// A copy on `device` (the tensor itself when it is already there). When the source
     /// requires grad and grad mode is on, records a transfer node whose backward moves the
     /// gradient back to the source device.
+    ///
+    /// GPU to host, the result lands in page-locked memory (DMA straight into it) while the
+    /// pinned pool stays within its budget (`ferry::cuda::pinned::set_budget`, 1/8 of RAM by
+    /// default); beyond it, in pooled pageable memory through bounded pinned staging
+    /// (`report.path` is then `Chunked`).
     fn to(&self, device: Device) -> Result<Tensor>;
 
     /// [`DeviceMove::to`] with options, returning what the move did.
@@ -76,15 +83,25 @@ pub trait DeviceMove: Sized {
     /// to [`DeviceMove::to`]; non-contiguous sources are made contiguous a piece at a time.
     /// Records one transfer node for the whole move when the source requires grad.
     ///
-    /// `report.staging_peak_bytes` is read from the pinned pool's (and, for device scratch, the
-    /// allocator's) statistics, whose peaks this restarts. A zero count, or a bound smaller
+    /// `report.staging_peak_bytes` is what the move itself held at once (staging blocks as the
+    /// pinned pool sizes them, and scratch pieces), counted by the move: the pools' statistics
+    /// and their peaks are left alone. When the pinned budget has no room for the staging, the
+    /// pieces go through the driver's pageable path instead. A zero count, or a bound smaller
     /// than one row, is an error naming the smallest valid value. Between two GPUs this is a
     /// plain peer copy; on one device it is the identity.
     fn to_chunked(&self, device: Device, spec: ChunkSpec) -> Result<(Tensor, TransferReport)>;
 
     /// Queues the move on `stream` (of the GPU side of the move) and returns at once. GPU to
     /// host lands in pinned memory; the copy is ordered after the work already queued on the
-    /// default stream, where the source was produced. See [`PendingTensor`].
+    /// default stream, where the source was produced, and an in-place write of the source
+    /// issued afterwards (`assign`, an optimizer step) waits for the copy on the device, so the
+    /// moved values are the ones the source held when the move was issued. See
+    /// [`PendingTensor`].
+    ///
+    /// When the pinned buffer would not fit the pinned budget
+    /// (`ferry::cuda::pinned::set_budget`), the move runs blocking instead, through the
+    /// staging pipeline into pageable memory, and the pending tensor is ready at once
+    /// (`report.path` says `Chunked`).
     fn to_async(&self, device: Device, stream: &Stream) -> Result<PendingTensor>;
 }
 
@@ -144,13 +161,15 @@ impl DeviceMove for Tensor {
             } else {
                 src.nbytes()
             };
-            let (moved, path) = move_bytes(&src, device, options.non_blocking)?;
+            let (moved, path, staging) = move_bytes(&src, device, options.non_blocking)?;
             let moved = moved.to_dtype(to_dtype)?;
             let mut report = TransferReport::new(path, bytes);
-            // A cast before the move, or a non-dense source made dense on its own device first,
-            // is scratch memory on the source side.
+            // Pinned staging and scratch of a move beyond the pinned budget, plus (held all
+            // the while) a cast before the move, or a non-dense source made dense on its own
+            // device first: scratch memory on the source side.
+            report.staging_peak_bytes = staging;
             if bytes > 0 && (cast_first || dense_copies(&src)) {
-                report.staging_peak_bytes = src.nbytes();
+                report.staging_peak_bytes += src.nbytes();
             }
             Ok((moved, report))
         })?;

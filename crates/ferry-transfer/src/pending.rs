@@ -9,9 +9,9 @@ use ferry_memory::cuda::{Event, PinnedBuffer, PinnedPool, Stream};
 use ferry_memory::{DType, Device, MemoryError};
 use ferry_tensor::{Buffer, Result, Tensor, TensorError, should_record, with_no_grad};
 
-use crate::copy::{cuda, dense, move_bytes, wrap};
+use crate::copy::{beyond_budget, cuda, dense, move_bytes, wrap};
 use crate::moves::record_transfer;
-use crate::pipeline::after_default;
+use crate::pipeline::{after_default, within_budget};
 use crate::report::{TransferPath, TransferReport};
 
 /// A move in flight. It keeps the source alive until it is waited for or dropped, and it has no
@@ -21,6 +21,11 @@ use crate::report::{TransferPath, TransferReport};
 /// Dropping it unread is safe: the destination's pinned block carries the copy's event, and the
 /// pinned pool does not hand the block out again before that event completes; device blocks the
 /// copy used are marked used on its stream, so the allocator orders their reuse after it too.
+///
+/// The copy reads the source as it was when the move was issued: it waits for the source's
+/// producers on the default stream, and a later in-place write of the source (`assign`,
+/// `adam_update`, an optimizer step) waits for the copy on the device, because the source's
+/// buffer records the copy's event and ferry's kernels wait for such events before using it.
 ///
 /// Peeking at the data without waiting does not compile:
 ///
@@ -135,8 +140,16 @@ pub(crate) fn to_async(src: &Tensor, device: Device, stream: &Stream) -> Result<
                 check_stream(stream, src.device())?;
                 let dev = cuda(ordinal)?;
                 let dense = dense(src)?;
+                let Some(mut pinned) = within_budget(PinnedPool::global()?.alloc(dense.nbytes()))?
+                else {
+                    // Beyond the pinned budget: a blocking move into pageable memory, ready now.
+                    let (moved, path, staging) = beyond_budget(&dense, ordinal)?;
+                    pending.result = moved;
+                    pending.report = TransferReport::new(path, dense.nbytes());
+                    pending.report.staging_peak_bytes = staging;
+                    return Ok(());
+                };
                 after_default(&dev, stream)?;
-                let mut pinned = PinnedPool::global()?.alloc(dense.nbytes())?;
                 {
                     let guard = dense.storage().read();
                     let Buffer::Cuda(from) = &*guard else {
@@ -156,13 +169,18 @@ pub(crate) fn to_async(src: &Tensor, device: Device, stream: &Stream) -> Result<
                 check_stream(stream, device)?;
                 let dev = cuda(ordinal)?;
                 let dense = dense(src)?;
-                let mut staging = PinnedPool::global()?.alloc(dense.nbytes())?;
+                let Some(mut staging) = within_budget(PinnedPool::global()?.alloc(dense.nbytes()))?
+                else {
+                    // Beyond the pinned budget: a blocking move, ready now.
+                    let (moved, path, staging) = move_bytes(&dense, device, false)?;
+                    pending.result = moved;
+                    pending.report = TransferReport::new(path, dense.nbytes());
+                    pending.report.staging_peak_bytes = staging;
+                    return Ok(());
+                };
                 {
                     let guard = dense.storage().read();
-                    let bytes = guard.host_bytes().ok_or(TensorError::NotOnHost {
-                        op: "to_async",
-                        device: dense.device(),
-                    })?;
+                    let bytes = guard.host_slice("to_async", dense.device())?;
                     staging.as_bytes_mut()?.copy_from_slice(bytes);
                 }
                 let mut out = dev.alloc(dense.nbytes(), dev.default_stream())?;
@@ -171,12 +189,12 @@ pub(crate) fn to_async(src: &Tensor, device: Device, stream: &Stream) -> Result<
                 pending.done = Some(stream.record()?);
                 pending.result = wrap(Buffer::Cuda(out), &dense, device);
                 pending.report = TransferReport::new(TransferPath::HostToDevice, dense.nbytes());
-                pending.report.staging_peak_bytes = staging.len();
+                pending.report.staging_peak_bytes = staging.block_size();
                 pending._staging = Some(staging);
             }
             // Between GPUs: a peer copy, finished before this returns.
             _ => {
-                let (moved, path) = move_bytes(src, device, false)?;
+                let (moved, path, _) = move_bytes(src, device, false)?;
                 pending.result = moved;
                 pending.report = TransferReport::new(path, src.nbytes());
             }

@@ -18,13 +18,14 @@
 //! ```
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io::{self, BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use ferry_memory::{Element, HostBuffer};
 use ferry_tensor::{DType, Result, Tensor, TensorError};
-use ndarray::{ArrayBase, ArrayD, ArrayViewD, Data, Dimension, IxDyn};
-use ndarray_npy::{ViewElement, ViewNpyError, ViewNpyExt, WritableElement, WriteNpyError};
+use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
+use ndarray_npy::npy::header::{Header, Layout};
+use ndarray_npy::{WritableElement, WriteNpyError};
 
 /// Errors reading or writing `.npy` files.
 #[derive(Debug, thiserror::Error)]
@@ -50,12 +51,12 @@ pub enum NpyError {
         source: WriteNpyError,
     },
     /// The file is not a well-formed `.npy` file (bad magic, header, length, ...).
-    #[error("{} is not a valid .npy file: {source}", path.display())]
+    #[error("{} is not a valid .npy file: {reason}", path.display())]
     Invalid {
         /// The file.
         path: PathBuf,
         /// What is wrong with it.
-        source: ViewNpyError,
+        reason: String,
     },
     /// A well-formed file whose element type ferry does not read.
     #[error(
@@ -143,52 +144,183 @@ pub fn save_npy(t: &Tensor, path: impl AsRef<Path>) -> Result<(), NpyError> {
     }
 }
 
-/// Tries to view `bytes` as an `.npy` file of `T`; `Ok(None)` when the element type differs.
-fn view<T: Element + ViewElement>(bytes: &[u8], path: &Path) -> Result<Option<Tensor>, NpyError> {
-    match ArrayViewD::<T>::view_npy(bytes) {
-        Ok(array) => Ok(Some(from_ndarray(&array)?)),
-        Err(ViewNpyError::WrongDescriptor(_)) => Ok(None),
-        Err(source) => Err(NpyError::Invalid {
-            path: path.into(),
-            source,
-        }),
-    }
-}
+/// The largest header ferry reads: NumPy itself writes a few hundred bytes, and refuses to
+/// read headers over 10,000 bytes by default.
+const MAX_NPY_HEADER: usize = 1 << 20;
+/// Deepest bracket nesting accepted in a header (NumPy's deepest: a structured dtype of a few
+/// levels): the dictionary parser recurses once per level.
+const MAX_NPY_NESTING: usize = 32;
+/// Bytes read at a time into the tensor.
+const READ_CHUNK: usize = 4 << 20;
 
 /// Reads an `.npy` file (f32, f64, i64 or u8, little-endian, C or Fortran order) into a host
-/// tensor. A malformed or truncated file is an error, never a panic.
+/// tensor. A malformed or truncated file is an error, never a panic, and nothing is allocated
+/// for the data before the header's shape is checked against the file's length. C-order data
+/// (NumPy's default) is read straight into the tensor's buffer: no second copy.
 pub fn load_npy(path: impl AsRef<Path>) -> Result<Tensor, NpyError> {
     let path = path.as_ref();
     let io_error = |source| NpyError::Io {
         path: path.into(),
         source,
     };
-    let mut file = File::open(path).map_err(io_error)?;
-    let len = file.metadata().map_err(io_error)?.len();
-    // An aligned buffer, so the data can be viewed in place however long the header is, and no
-    // allocation sized by the header's claims before they are checked against the file.
-    let mut bytes = HostBuffer::zeroed(usize::try_from(len).unwrap_or(usize::MAX))
-        .map_err(TensorError::from)?;
-    file.read_exact(bytes.as_bytes_mut()).map_err(io_error)?;
-    let bytes = bytes.as_bytes();
-    if let Some(t) = view::<f32>(bytes, path)? {
-        return Ok(t);
-    }
-    if let Some(t) = view::<f64>(bytes, path)? {
-        return Ok(t);
-    }
-    if let Some(t) = view::<i64>(bytes, path)? {
-        return Ok(t);
-    }
-    if let Some(t) = view::<u8>(bytes, path)? {
-        return Ok(t);
-    }
-    let descr = match ArrayViewD::<f32>::view_npy(bytes) {
-        Err(ViewNpyError::WrongDescriptor(descr)) => descr.to_string(),
-        _ => "unknown".into(),
-    };
-    Err(NpyError::UnsupportedElement {
+    let invalid = |reason: String| NpyError::Invalid {
         path: path.into(),
-        descr,
+        reason,
+    };
+    let file = File::open(path).map_err(io_error)?;
+    let file_len = file.metadata().map_err(io_error)?.len();
+    let mut file = BufReader::with_capacity(1 << 16, file);
+    let (header, data_start) = read_npy_header(&mut file, file_len, path)?;
+
+    let descr = header.type_descriptor.to_string();
+    let dtype = header
+        .type_descriptor
+        .as_string()
+        .and_then(|d| npy_dtype(d))
+        .ok_or_else(|| NpyError::UnsupportedElement {
+            path: path.into(),
+            descr: descr.clone(),
+        })?;
+    let shape = header.shape;
+    // Every non-zero dimension counts: an empty array's strides must be addressable too.
+    let nbytes = shape
+        .iter()
+        .filter(|&&d| d != 0)
+        .try_fold(dtype.size(), |n, &d| n.checked_mul(d))
+        .map(|n| if shape.contains(&0) { 0 } else { n })
+        .ok_or_else(|| {
+            invalid(format!(
+                "shape {shape:?} of {descr} holds more bytes than can be counted"
+            ))
+        })?;
+    let available = file_len - data_start;
+    if nbytes as u64 != available {
+        let what = if (nbytes as u64) > available {
+            "it is truncated"
+        } else {
+            "trailing bytes"
+        };
+        return Err(invalid(format!(
+            "shape {shape:?} of {descr} needs {nbytes} bytes of data, the file holds {available} ({what})"
+        )));
+    }
+    let mut buffer = HostBuffer::zeroed(nbytes).map_err(TensorError::from)?;
+    for chunk in buffer.as_bytes_mut().chunks_mut(READ_CHUNK) {
+        file.read_exact(chunk).map_err(io_error)?;
+    }
+    match header.layout {
+        Layout::Standard => Ok(Tensor::from_host_buffer(buffer, dtype, &shape)?),
+        Layout::Fortran => {
+            // Column-major data is the row-major data of the reversed shape with its axes
+            // reversed (first swapped with last, and so on inwards), then packed: one copy.
+            let reversed: Vec<usize> = shape.iter().rev().copied().collect();
+            let mut t = Tensor::from_host_buffer(buffer, dtype, &reversed)?;
+            let n = shape.len();
+            for i in 0..n / 2 {
+                t = t.transpose(i as isize, (n - 1 - i) as isize)?;
+            }
+            Ok(ferry_tensor::with_no_grad(|| t.contiguous())?)
+        }
+    }
+}
+
+/// Reads and parses the header of an `.npy` file of `file_len` bytes; returns it and where the
+/// data starts. Lengths are checked against the file before anything is read or allocated.
+fn read_npy_header(
+    file: &mut impl Read,
+    file_len: u64,
+    path: &Path,
+) -> Result<(Header, u64), NpyError> {
+    let io_error = |source| NpyError::Io {
+        path: path.into(),
+        source,
+    };
+    let invalid = |reason: String| NpyError::Invalid {
+        path: path.into(),
+        reason,
+    };
+    let short = |what: &str| {
+        invalid(format!(
+            "the file has {file_len} bytes, too few for {what} (it is truncated or not a .npy file)"
+        ))
+    };
+    // Magic string, version, then the header's length: 2 bytes in version 1, 4 in 2 and 3.
+    let mut preamble = [0u8; 12];
+    if file_len < 10 {
+        return Err(short("the magic string, version and header length"));
+    }
+    file.read_exact(&mut preamble[..10]).map_err(io_error)?;
+    if &preamble[..6] != b"\x93NUMPY" {
+        return Err(invalid(
+            "it does not start with the magic string \\x93NUMPY".into(),
+        ));
+    }
+    let (prefix, header_len) = match preamble[6] {
+        1 => (
+            10,
+            usize::from(u16::from_le_bytes([preamble[8], preamble[9]])),
+        ),
+        2 | 3 => {
+            if file_len < 12 {
+                return Err(short("a version 2 or 3 header length"));
+            }
+            file.read_exact(&mut preamble[10..]).map_err(io_error)?;
+            let len = u32::from_le_bytes([preamble[8], preamble[9], preamble[10], preamble[11]]);
+            (12, usize::try_from(len).unwrap_or(usize::MAX))
+        }
+        major => {
+            return Err(invalid(format!(
+                "format version {major}.{} is not one NumPy writes (1.0, 2.0, 3.0)",
+                preamble[7]
+            )));
+        }
+    };
+    if header_len > MAX_NPY_HEADER {
+        return Err(invalid(format!(
+            "its header claims {header_len} bytes, more than ferry reads ({MAX_NPY_HEADER}); NumPy writes a few hundred"
+        )));
+    }
+    let data_start = (prefix + header_len) as u64;
+    if data_start > file_len {
+        return Err(short(&format!("the {header_len}-byte header it declares")));
+    }
+    let mut head = preamble[..prefix].to_vec();
+    head.resize(prefix + header_len, 0);
+    file.read_exact(&mut head[prefix..]).map_err(io_error)?;
+    let nesting = head[prefix..]
+        .iter()
+        .scan(0usize, |depth, b| {
+            match b {
+                b'(' | b'[' | b'{' => *depth += 1,
+                b')' | b']' | b'}' => *depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            Some(*depth)
+        })
+        .max()
+        .unwrap_or(0);
+    if nesting > MAX_NPY_NESTING {
+        return Err(invalid(format!(
+            "its header nests brackets {nesting} deep (at most {MAX_NPY_NESTING} are read)"
+        )));
+    }
+    let header = Header::from_reader(&mut head.as_slice())
+        .map_err(|e| invalid(format!("its header: {e}")))?;
+    Ok((header, data_start))
+}
+
+/// ferry's dtype for a NumPy type descriptor: little-endian (`<`, or `=` on this
+/// little-endian host) or byte-sized (`|`).
+fn npy_dtype(descr: &str) -> Option<DType> {
+    let body = descr
+        .strip_prefix('<')
+        .or_else(|| descr.strip_prefix('='))
+        .or_else(|| descr.strip_prefix('|').filter(|b| *b == "u1"))?;
+    Some(match body {
+        "f4" => DType::F32,
+        "f8" => DType::F64,
+        "i8" => DType::I64,
+        "u1" => DType::U8,
+        _ => return None,
     })
 }

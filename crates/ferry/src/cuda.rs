@@ -61,6 +61,21 @@ pub fn synchronize(on: Device) -> Result<()> {
 }
 
 /// The process-wide pool of page-locked host memory that GPU-to-host copies land in.
+///
+/// Page-locked memory cannot be swapped, so the pool holds at most a budget of it: 1/8 of the
+/// machine's memory by default (or of the container's limit), `FERRY_PINNED_BUDGET` at start
+/// (bytes, or a size such as `8G`), or [`set_budget`](crate::cuda::pinned::set_budget). Within
+/// it, GPU-to-host results land pinned (DMA straight into them); beyond it, blocking moves land
+/// in pooled pageable memory through bounded pinned staging, and non-blocking ones
+/// (`non_blocking`, `to_async`) run blocking that way. Idle cached blocks are trimmed least
+/// recently used first, so reserved bytes stay within the budget.
+///
+/// ```no_run
+/// // Keep at most 8 GiB of host memory page-locked.
+/// ferry::cuda::pinned::set_budget(8 << 30)?;
+/// assert!(ferry::cuda::pinned::memory_reserved()? <= ferry::cuda::pinned::budget()?);
+/// # Ok::<(), ferry::TensorError>(())
+/// ```
 pub mod pinned {
     use super::*;
 
@@ -97,5 +112,17 @@ pub mod pinned {
     /// Unlocks and frees cached blocks.
     pub fn empty_cache() -> Result<()> {
         Ok(pool()?.empty_cache()?)
+    }
+
+    /// Sets the budget of page-locked bytes. Lowering it below what the pool holds frees idle
+    /// cached blocks (least recently used first) right away; live pinned tensors stay, and
+    /// moves land in pageable memory until they drop.
+    pub fn set_budget(bytes: usize) -> Result<()> {
+        Ok(pool()?.set_budget(bytes)?)
+    }
+
+    /// The budget of page-locked bytes now.
+    pub fn budget() -> Result<usize> {
+        Ok(pool()?.budget())
     }
 }

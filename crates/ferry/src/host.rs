@@ -53,3 +53,25 @@ pub fn reset_peak() {
 pub fn empty_cache() {
     HostPool::global().empty_cache();
 }
+
+/// The host pool's counters: bytes handed out and reserved, cache hits, its budget, buffers
+/// trimmed to stay within it, and requests served outside it.
+///
+/// The host pool keeps large pageable buffers (the results of moves beyond the pinned budget,
+/// chunked moves) with their pages faulted in, for reuse. It holds at most a budget of them:
+/// 1/4 of the machine's memory by default, `FERRY_HOST_POOL_BUDGET` at start, or
+/// [`set_pool_budget`]; idle buffers are trimmed least recently used first, and requests that
+/// live buffers leave no room for get plain buffers outside the pool.
+pub fn pool_stats() -> HostPoolStats {
+    HostPool::global().stats()
+}
+
+/// Sets the host pool's budget; lowering it frees idle buffers (least recently used first).
+pub fn set_pool_budget(bytes: usize) {
+    HostPool::global().set_budget(bytes);
+}
+
+/// The host pool's budget now.
+pub fn pool_budget() -> usize {
+    HostPool::global().budget()
+}

@@ -1,10 +1,14 @@
 //! The caching device allocator: raw `cuMemAlloc` blocks, kept after free in a small and a large
 //! pool keyed by size, reused on the stream that freed them at once and on other streams once the
 //! event recorded at free time has completed.
+//!
+//! The lock guards the pools' bookkeeping only: `cuMemAlloc`, and the device synchronization
+//! that must precede `cuMemFree` of cached blocks, run outside it, so a thread emptying the cache
+//! (or waiting out an out-of-memory retry) never holds up another thread's cache hit.
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUevent_flags, CUresult};
+use cudarc::driver::sys::{self, CUevent_flags, CUresult};
 use cudarc::driver::{CudaContext, CudaEvent, DriverError, result};
 use parking_lot::Mutex;
 
@@ -29,6 +33,16 @@ pub struct MemoryStats {
     pub device_allocations: u64,
     /// Blocks returned by dropped buffers.
     pub frees: u64,
+}
+
+/// Free and total memory of a device as the driver reports them (`cuMemGetInfo`): what every
+/// process and context on the device uses is taken into account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemoryInfo {
+    /// Bytes the driver could still hand out.
+    pub free_bytes: usize,
+    /// Bytes of memory on the device.
+    pub total_bytes: usize,
 }
 
 impl MemoryStats {
@@ -78,6 +92,8 @@ struct Pools {
     small: BlockCache<FreeBlock>,
     large: BlockCache<FreeBlock>,
     stats: MemoryStats,
+    /// Bytes reserved for `cuMemAlloc` calls in flight (counted in `reserved_bytes`).
+    making: usize,
 }
 
 impl Pools {
@@ -103,6 +119,7 @@ impl DeviceAllocator {
             small: BlockCache::new(),
             large: BlockCache::new(),
             stats: MemoryStats::default(),
+            making: 0,
         };
         Self {
             device,
@@ -115,7 +132,7 @@ impl DeviceAllocator {
         let pools = self.pools.lock();
         debug_assert_eq!(
             pools.stats.reserved_bytes,
-            pools.stats.allocated_bytes + pools.small.bytes() + pools.large.bytes()
+            pools.stats.allocated_bytes + pools.small.bytes() + pools.large.bytes() + pools.making
         );
         pools.stats
     }
@@ -128,45 +145,90 @@ impl DeviceAllocator {
     /// A block of at least `bytes` (> 0) usable on `stream` without further waiting.
     pub(crate) fn allocate(&self, bytes: usize, stream: &Stream) -> Result<Block, MemoryError> {
         let class = device_class(bytes);
-        let mut pools = self.pools.lock();
-        pools.stats.allocations += 1;
-        if let Some(free) = pools
-            .pool(class)
-            .take(class, largest_reusable(class), |b| b.usable_on(stream.id()))
         {
-            pools.stats.cache_hits += 1;
-            pools.stats.note_allocated(free.block.size);
-            return Ok(free.block);
-        }
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
-        let ptr = match malloc(class) {
-            Ok(ptr) => ptr,
-            Err(e) if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                // Cached blocks may be what fills the device: give them back and retry once.
-                self.release_cached(&mut pools)?;
-                match malloc(class) {
-                    Ok(ptr) => ptr,
-                    Err(e) if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                        return Err(MemoryError::DeviceOutOfMemory {
-                            device: self.device,
-                            requested: bytes,
-                            stats: pools.stats,
-                        });
-                    }
-                    Err(e) => return Err(driver("cuMemAlloc")(e)),
-                }
+            let mut pools = self.pools.lock();
+            pools.stats.allocations += 1;
+            if let Some(free) = pools
+                .pool(class)
+                .take(class, largest_reusable(class), |b| b.usable_on(stream.id()))
+            {
+                pools.stats.cache_hits += 1;
+                pools.stats.note_allocated(free.block.size);
+                return Ok(free.block);
             }
-            Err(e) => return Err(driver("cuMemAlloc")(e)),
+            // Counted before the driver call, which runs outside the lock.
+            pools.stats.reserved_bytes += class;
+            pools.making += class;
+        }
+        match self.malloc_retrying(class) {
+            Ok(ptr) => {
+                let mut pools = self.pools.lock();
+                pools.making -= class;
+                pools.stats.device_allocations += 1;
+                pools.stats.note_allocated(class);
+                Ok(Block {
+                    ptr,
+                    size: class,
+                    event: None,
+                })
+            }
+            Err(failure) => {
+                let stats = {
+                    let mut pools = self.pools.lock();
+                    pools.making -= class;
+                    pools.stats.reserved_bytes -= class;
+                    pools.stats
+                };
+                Err(match failure {
+                    MallocFailure::OutOfMemory => MemoryError::DeviceOutOfMemory {
+                        device: self.device,
+                        requested: bytes,
+                        stats: Box::new(stats),
+                        memory: self.memory_info(),
+                    },
+                    MallocFailure::Other(e) => e,
+                })
+            }
+        }
+    }
+
+    /// `cuMemAlloc`; on out-of-memory, gives the cached blocks back to the driver (they may be
+    /// what fills the device) and tries once more.
+    fn malloc_retrying(&self, class: usize) -> Result<u64, MallocFailure> {
+        let oom = |e: DriverError| {
+            if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                MallocFailure::OutOfMemory
+            } else {
+                MallocFailure::Other(driver("cuMemAlloc")(e))
+            }
         };
-        pools.stats.device_allocations += 1;
-        pools.stats.reserved_bytes += class;
-        pools.stats.note_allocated(class);
-        Ok(Block {
-            ptr,
-            size: class,
-            event: None,
+        let bind = || {
+            self.ctx
+                .bind_to_thread()
+                .map_err(|e| MallocFailure::Other(driver("cuCtxSetCurrent")(e)))
+        };
+        bind()?;
+        match malloc(class).map_err(oom) {
+            Err(MallocFailure::OutOfMemory) => {
+                self.release_cached(false).map_err(MallocFailure::Other)?;
+                bind()?;
+                malloc(class).map_err(oom)
+            }
+            other => other,
+        }
+    }
+
+    /// Free and total memory of the device, as the driver sees them now; `None` if it cannot say.
+    pub(crate) fn memory_info(&self) -> Option<DeviceMemoryInfo> {
+        self.ctx.bind_to_thread().ok()?;
+        let (mut free_bytes, mut total_bytes) = (0, 0);
+        // SAFETY: the device's context is bound; both out-pointers are valid for writes.
+        unsafe { sys::cuMemGetInfo_v2(&mut free_bytes, &mut total_bytes) }
+            .result()
+            .ok()?;
+        Some(DeviceMemoryInfo {
+            free_bytes,
+            total_bytes,
         })
     }
 
@@ -207,21 +269,33 @@ impl DeviceAllocator {
 
     /// Waits for the device, then returns every cached block to the driver.
     pub(crate) fn empty_cache(&self) -> Result<(), MemoryError> {
-        let mut pools = self.pools.lock();
-        self.release_cached(&mut pools)
+        self.release_cached(true)
     }
 
-    fn release_cached(&self, pools: &mut Pools) -> Result<(), MemoryError> {
+    /// Takes every cached block out under the lock; synchronizes the device and frees them
+    /// outside it. With nothing cached, synchronizes only if `always_wait`.
+    fn release_cached(&self, always_wait: bool) -> Result<(), MemoryError> {
+        let blocks: Vec<FreeBlock> = {
+            let mut pools = self.pools.lock();
+            let mut blocks = pools.small.drain();
+            blocks.extend(pools.large.drain());
+            // Leaving the cache either way; a block the driver refuses to free is not ours.
+            pools.stats.reserved_bytes -= blocks.iter().map(|b| b.block.size).sum::<usize>();
+            blocks
+        };
+        if blocks.is_empty() && !always_wait {
+            return Ok(());
+        }
+        #[cfg(test)]
+        super::test_hooks::slow_part(super::test_hooks::Slow::DeviceRelease);
         self.ctx
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
         // cuMemFree of a block a stream still uses would be a use-after-free on the device.
+        // (If this fails the blocks are leaked: freeing them could be exactly that.)
         self.ctx.synchronize().map_err(driver("cuCtxSynchronize"))?;
         let mut outcome = Ok(());
-        let blocks = pools.small.drain().into_iter().chain(pools.large.drain());
         for free in blocks {
-            // Leaving the cache either way; a block the driver refuses to free is not ours.
-            pools.stats.reserved_bytes -= free.block.size;
             // SAFETY: the block came from cuMemAlloc in this context, is in no live buffer
             // (it was cached), and the synchronize above finished all work touching it.
             if let Err(e) = unsafe { result::free_sync(free.block.ptr) } {
@@ -230,6 +304,12 @@ impl DeviceAllocator {
         }
         outcome
     }
+}
+
+/// Why `cuMemAlloc` failed.
+enum MallocFailure {
+    OutOfMemory,
+    Other(MemoryError),
 }
 
 fn malloc(bytes: usize) -> Result<u64, DriverError> {
@@ -251,4 +331,53 @@ fn record_free(
         ),
     };
     event.record(home.cudarc()).map_err(driver("cuEventRecord"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::thread;
+    use std::time::Duration;
+
+    use super::super::CudaDevice;
+    use super::super::test_hooks::{SERIAL, Slow, arm};
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn an_allocation_does_not_wait_for_another_thread_emptying_the_cache() {
+        let _serial = SERIAL.lock();
+        let dev = CudaDevice::get(0).unwrap();
+        // Something cached for empty_cache to free.
+        drop(dev.alloc(8 << 20, dev.default_stream()).unwrap());
+        let gate = arm(Slow::DeviceRelease);
+        let emptier = {
+            let dev = dev.clone();
+            thread::spawn(move || dev.empty_cache())
+        };
+        assert!(
+            gate.entered(Duration::from_secs(60)),
+            "empty_cache never reached its synchronize"
+        );
+        // The emptier holds the drained blocks and is about to synchronize the device.
+        let (done_tx, done_rx) = mpsc::channel();
+        let allocator = {
+            let dev = dev.clone();
+            thread::spawn(move || {
+                let len = dev.alloc(1 << 20, dev.default_stream()).map(|b| b.len());
+                let _ = done_tx.send(len);
+            })
+        };
+        let outcome = done_rx.recv_timeout(Duration::from_secs(30));
+        let emptier_done_first = emptier.is_finished();
+        gate.release();
+        emptier.join().unwrap().unwrap();
+        allocator.join().unwrap();
+        let len = outcome.expect(
+            "an allocation waited for another thread's empty_cache: the allocator's lock is held across the device synchronize",
+        );
+        assert!(!emptier_done_first, "the gate did not hold the emptier");
+        assert_eq!(len.unwrap(), 1 << 20);
+        let stats = dev.memory_stats();
+        assert!(stats.reserved_bytes >= stats.allocated_bytes, "{stats:?}");
+    }
 }

@@ -68,7 +68,8 @@ impl PinnedBatch<'_> {
         unsafe { result::memcpy_dtoh_async(dst, ptr, self.stream.cudarc().cu_stream()) }
             .map_err(driver("cuMemcpyDtoHAsync"))?;
         self.queued += 1;
-        Ok(())
+        // A later write of `src` on another stream waits for this read.
+        src.queued_on(self.stream)
     }
 
     /// Queues pinned bytes from `pinned_offset` into `dst[dst_offset..dst_offset + len]`.
@@ -90,7 +91,8 @@ impl PinnedBatch<'_> {
         unsafe { result::memcpy_htod_async(ptr, src, self.stream.cudarc().cu_stream()) }
             .map_err(driver("cuMemcpyHtoDAsync"))?;
         self.queued += 1;
-        Ok(())
+        // A later use of `dst` on another stream waits for this write.
+        dst.queued_on(self.stream)
     }
 
     /// Number of copies queued so far.

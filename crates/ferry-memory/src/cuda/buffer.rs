@@ -1,7 +1,27 @@
 //! `DeviceBuffer`: bytes in GPU memory, owned through the caching allocator, with copies that
 //! check lengths and devices before any driver call.
+//!
+//! # Ordering across streams
+//!
+//! A buffer's uses on one stream run in order. Across streams, ferry orders them itself:
+//!
+//! - A use on a stream other than the buffer's home stream (the one it was allocated on, where
+//!   ferry's kernels produce data) first waits, on the device, for the work queued on the home
+//!   stream so far: a copy on a copy stream, or a peer copy on the other GPU's stream, reads
+//!   what its producers wrote.
+//! - Every copy this crate queues on such a stream records an event after itself. Until that
+//!   event completes, any later use of the buffer on another stream (an in-place write on the
+//!   default stream: `assign`, an optimizer step) waits for it on the device, so an
+//!   asynchronous move reads the values it was issued on.
+//!
+//! Kernels that callers launch themselves on a stream other than the home stream are ordered
+//! after the home stream's work too, and their memory is not reused before they finish, but
+//! later uses are not ordered after them: record an event and wait on it
+//! ([`Stream::record`], [`Stream::wait_event`]).
 
 use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::result;
 use parking_lot::Mutex;
@@ -9,7 +29,8 @@ use parking_lot::Mutex;
 use super::allocator::Block;
 use super::device::CudaDevice;
 use super::pinned::PinnedBuffer;
-use super::stream::{Stream, driver};
+use super::stream::{Event, Stream, driver};
+use crate::error::human_bytes;
 use crate::{Device, MemoryError};
 
 /// Device memory. Dropping it returns the block to its device's cache, ordered after the work
@@ -22,8 +43,21 @@ pub struct DeviceBuffer {
     len: usize,
     /// The stream it was allocated on; the block's reuse is ordered on it.
     stream: Stream,
-    /// Other streams that touched it; at drop the home stream waits for them.
-    used_on: Mutex<Vec<Stream>>,
+    /// Its uses on other streams.
+    foreign: Mutex<ForeignUses>,
+    /// `foreign.in_flight.len()`, read without the lock: most buffers never leave home.
+    in_flight: AtomicUsize,
+}
+
+/// What a buffer knows of its uses on streams other than its home stream.
+#[derive(Default)]
+struct ForeignUses {
+    /// Streams that touched it; at drop the home stream waits for them before the block is
+    /// reused.
+    streams: Vec<Stream>,
+    /// Per stream (by id), an event recorded after the last copy queued there on this buffer;
+    /// uses on other streams wait for it until it completes.
+    in_flight: Vec<(u64, Arc<Event>)>,
 }
 
 impl DeviceBuffer {
@@ -33,7 +67,8 @@ impl DeviceBuffer {
             block: Some(block),
             len,
             stream,
-            used_on: Mutex::new(Vec::new()),
+            foreign: Mutex::new(ForeignUses::default()),
+            in_flight: AtomicUsize::new(0),
         }
     }
 
@@ -43,7 +78,8 @@ impl DeviceBuffer {
             block: None,
             len: 0,
             stream,
-            used_on: Mutex::new(Vec::new()),
+            foreign: Mutex::new(ForeignUses::default()),
+            in_flight: AtomicUsize::new(0),
         }
     }
 
@@ -77,16 +113,103 @@ impl DeviceBuffer {
         self.block.as_ref().map_or(0, |b| b.ptr)
     }
 
-    /// Notes that work on `stream` uses this buffer, so its memory is not reused before that
-    /// work finishes. Copies, launches and GEMMs in this crate call it for you.
+    /// Notes that work on `stream` is about to use this buffer, and orders it: on a stream
+    /// other than the buffer's own it waits for the work queued on the buffer's stream, and on
+    /// any stream it waits for copies still in flight on others (see the module docs). The
+    /// memory is not reused before that work finishes. Launches, GEMMs and copies in this crate
+    /// call it for you.
+    ///
+    /// Should the ordering fail (a broken context), it waits on the host instead; if even that
+    /// fails, the error is reported by the next call on the device.
     pub fn record_stream(&self, stream: &Stream) {
-        if *stream == self.stream {
-            return;
+        if self.order_use(stream).is_err()
+            && let Err(error) = self.order_on_host()
+        {
+            self.device.defer(
+                format!(
+                    "ordering a use of a {} device buffer on {} (stream {}) after its other uses",
+                    human_bytes(self.len),
+                    self.device(),
+                    stream.id()
+                ),
+                error,
+            );
         }
-        let mut used_on = self.used_on.lock();
-        if !used_on.contains(stream) {
-            used_on.push(stream.clone());
+    }
+
+    /// [`DeviceBuffer::record_stream`], returning the error.
+    fn order_use(&self, stream: &Stream) -> Result<(), MemoryError> {
+        if *stream != self.stream {
+            // The bytes' producers run on the home stream.
+            stream.wait_event(&self.stream.record()?)?;
+            let mut foreign = self.foreign.lock();
+            if !foreign.streams.contains(stream) {
+                foreign.streams.push(stream.clone());
+            }
         }
+        if self.in_flight.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        let waits: Vec<Arc<Event>> = {
+            let mut foreign = self.foreign.lock();
+            // Errors count as "not complete": the wait below surfaces them.
+            foreign.in_flight.retain(|(_, event)| !event.is_complete());
+            self.in_flight
+                .store(foreign.in_flight.len(), Ordering::Release);
+            foreign
+                .in_flight
+                .iter()
+                .filter(|(id, _)| *id != stream.id())
+                .map(|(_, event)| Arc::clone(event))
+                .collect()
+        };
+        for event in waits {
+            stream.wait_event(&event)?;
+        }
+        Ok(())
+    }
+
+    /// The ordering of `order_use`, done by waiting on the host for everything that could be
+    /// using the buffer.
+    fn order_on_host(&self) -> Result<(), MemoryError> {
+        self.stream.synchronize()?;
+        let events: Vec<Arc<Event>> = self
+            .foreign
+            .lock()
+            .in_flight
+            .iter()
+            .map(|(_, event)| Arc::clone(event))
+            .collect();
+        for event in events {
+            event.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// Records, after a copy just queued on `stream` used this buffer, the event later uses on
+    /// other streams wait for. Nothing to do on the home stream, whose order is the stream's.
+    fn note_queued(&self, stream: &Stream) -> Result<(), MemoryError> {
+        if *stream == self.stream || self.is_empty() {
+            return Ok(());
+        }
+        let event = match stream.record() {
+            Ok(event) => Arc::new(event),
+            // Without an event, waiting for the copy is the only way to order what follows.
+            Err(_) => return stream.synchronize(),
+        };
+        let mut foreign = self.foreign.lock();
+        match foreign
+            .in_flight
+            .iter_mut()
+            .find(|(id, _)| *id == stream.id())
+        {
+            // Later work on one stream completes after earlier work: the newer event covers both.
+            Some(slot) => slot.1 = event,
+            None => foreign.in_flight.push((stream.id(), event)),
+        }
+        self.in_flight
+            .store(foreign.in_flight.len(), Ordering::Release);
+        Ok(())
     }
 
     /// Copies all of `src` (pageable or not) into this buffer; returns when the copy is done.
@@ -172,12 +295,18 @@ impl DeviceBuffer {
         // destination distinct from `src`; both are marked used on `stream`, so neither block is
         // reused before the copy finishes.
         unsafe { result::memcpy_dtod_async(dst_ptr, src_ptr, len, stream.cudarc().cu_stream()) }
-            .map_err(driver("cuMemcpyDtoDAsync"))
+            .map_err(driver("cuMemcpyDtoDAsync"))?;
+        src.note_queued(stream)?;
+        self.note_queued(stream)
     }
 
     /// Queues a copy of all of `src`, which lives on another GPU, into this buffer. `stream` may
     /// belong to either device. Direct over NVLink/PCIe after
     /// [`CudaDevice::enable_peer_access`], staged through the host otherwise.
+    ///
+    /// The copy waits, on the device, for the work queued so far on both buffers' own streams
+    /// (where their data is produced), and later uses of either buffer on other streams wait
+    /// for the copy (see the module docs on ordering).
     pub fn copy_from_peer(
         &mut self,
         src: &DeviceBuffer,
@@ -196,8 +325,10 @@ impl DeviceBuffer {
         if self.is_empty() {
             return Ok(());
         }
-        self.record_stream(stream);
-        src.record_stream(stream);
+        // Records an event on the source's stream (on its own device) and makes the copy
+        // stream wait for it: the copy reads what the source's producers wrote.
+        src.order_use(stream)?;
+        self.order_use(stream)?;
         stream
             .cudarc()
             .context()
@@ -207,6 +338,22 @@ impl DeviceBuffer {
             self.device.inner.ctx.cu_ctx(),
             src.device.inner.ctx.cu_ctx(),
         );
+        if src.device() == self.device() {
+            // One device (two of its streams): an ordinary device copy.
+            // SAFETY: both blocks are live, `len` bytes each, in the bound context, distinct
+            // (`&mut self`), and marked used on `stream`.
+            unsafe {
+                result::memcpy_dtod_async(
+                    self.device_ptr(),
+                    src.device_ptr(),
+                    self.len,
+                    stream.cudarc().cu_stream(),
+                )
+            }
+            .map_err(driver("cuMemcpyDtoDAsync"))?;
+            src.note_queued(stream)?;
+            return self.note_queued(stream);
+        }
         // SAFETY: both pointers are live blocks of `len` bytes in their own contexts, both
         // marked used on `stream`; the contexts live as long as their devices.
         unsafe {
@@ -219,7 +366,9 @@ impl DeviceBuffer {
                 stream.cudarc().cu_stream(),
             )
         }
-        .map_err(driver("cuMemcpyPeerAsync"))
+        .map_err(driver("cuMemcpyPeerAsync"))?;
+        src.note_queued(stream)?;
+        self.note_queued(stream)
     }
 
     /// Queues a copy of all of `src` into this buffer and returns at once; `src` records an
@@ -250,7 +399,8 @@ impl DeviceBuffer {
         // `&mut` and the pool before reuse).
         unsafe { result::memcpy_htod_async(dst, src.raw_bytes(), stream.cudarc().cu_stream()) }
             .map_err(driver("cuMemcpyHtoDAsync"))?;
-        mark_pending(src, stream)
+        mark_pending(src, stream)?;
+        self.note_queued(stream)
     }
 
     /// Queues a copy of the whole buffer into `dst` and returns at once; `dst` cannot be read
@@ -280,7 +430,9 @@ impl DeviceBuffer {
         // until the event recorded below completes.
         unsafe { result::memcpy_dtoh_async(dst.raw_bytes_mut(), src, stream.cudarc().cu_stream()) }
             .map_err(driver("cuMemcpyDtoHAsync"))?;
-        mark_pending(dst, stream)
+        mark_pending(dst, stream)?;
+        // An in-place write of this buffer on another stream now waits for the copy.
+        self.note_queued(stream)
     }
 
     /// Queues setting every byte to zero.
@@ -291,7 +443,8 @@ impl DeviceBuffer {
         }
         // SAFETY: `ptr..ptr + len` is our live block, marked used on `stream`.
         unsafe { result::memset_d8_async(ptr, 0, self.len, stream.cudarc().cu_stream()) }
-            .map_err(driver("cuMemsetD8Async"))
+            .map_err(driver("cuMemsetD8Async"))?;
+        self.note_queued(stream)
     }
 
     fn expect_len(&self, op: &'static str, actual: usize) -> Result<(), MemoryError> {
@@ -326,8 +479,15 @@ impl DeviceBuffer {
             });
         }
         self.device.bind()?;
-        self.record_stream(stream);
+        self.order_use(stream)?;
+        // Waiting may have bound another context (an event's); the copy runs in ours.
+        self.device.bind()?;
         Ok(self.device_ptr() + offset as u64)
+    }
+
+    /// [`DeviceBuffer::note_queued`], for the pinned batch in this crate.
+    pub(crate) fn queued_on(&self, stream: &Stream) -> Result<(), MemoryError> {
+        self.note_queued(stream)
     }
 }
 
@@ -345,16 +505,29 @@ impl Drop for DeviceBuffer {
         let Some(block) = self.block.take() else {
             return;
         };
-        // Fold other streams' uses into the home stream, so "ordered on home" covers them all.
-        for other in self.used_on.get_mut().drain(..) {
+        let what = |doing: &str| {
+            format!(
+                "{doing} a {} device buffer on {} being dropped",
+                human_bytes(self.len),
+                self.device.device()
+            )
+        };
+        // Fold other streams' uses into the home stream, so "ordered on home" covers them all
+        // (copies still in flight on them included).
+        let foreign = std::mem::take(self.foreign.get_mut());
+        for other in foreign.streams {
             let joined = other
                 .record()
                 .and_then(|event| self.stream.wait_event(&event));
             if let Err(e) = joined {
-                self.device.defer(e);
+                self.device.defer(
+                    what("ordering the reuse (after its uses on other streams) of"),
+                    e,
+                );
                 // Without the join, waiting for the other stream is the only safe state.
                 if let Err(e) = other.synchronize() {
-                    self.device.defer(e);
+                    self.device
+                        .defer(what("waiting for another stream's use of"), e);
                 }
             }
         }
@@ -365,7 +538,10 @@ impl Drop for DeviceBuffer {
             .allocator
             .release(block, &self.stream, record)
         {
-            self.device.defer(e);
+            self.device.defer(
+                what("returning to the allocator (recording its free on its stream)"),
+                e,
+            );
         }
     }
 }

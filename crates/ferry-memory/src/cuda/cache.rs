@@ -33,6 +33,14 @@ pub(crate) fn pinned_class(bytes: usize) -> usize {
     bytes.div_ceil(granule) * granule
 }
 
+/// The pinned class after `class` (a class of [`pinned_class`]): the largest block the pinned
+/// pool hands out for a request of `class`. A block serves requests one class smaller than
+/// itself, so at most 1/4 of it goes unused (two granules of 1/8 of the request's power of two).
+pub(crate) fn next_pinned_class(class: usize) -> usize {
+    let class = class.max(PINNED_MIN);
+    class + (1usize << (class.ilog2() - 3))
+}
+
 /// The largest cached block the device allocator hands out for a request of class `class`: at
 /// most 1/8 of the block may go unused (block - class <= block / 8, i.e. block <= 8/7 class).
 pub(crate) fn largest_reusable(class: usize) -> usize {
@@ -45,10 +53,20 @@ pub(crate) trait Cached {
     fn size(&self) -> usize;
 }
 
+/// A cached block and when it was cached (a tick of the cache's own clock).
+struct Entry<B> {
+    age: u64,
+    block: B,
+}
+
 /// Free blocks by size. Each size keeps a stack so the most recently freed (cache-warm, and on
-/// the same stream most likely already complete) block is tried first.
+/// the same stream most likely already complete) block is tried first; a second index by age
+/// gives the least recently cached block, which is what a budget trims first.
 pub(crate) struct BlockCache<B> {
-    by_size: BTreeMap<usize, Vec<B>>,
+    by_size: BTreeMap<usize, Vec<Entry<B>>>,
+    /// Age -> size of the block cached at that tick.
+    by_age: BTreeMap<u64, usize>,
+    next_age: u64,
     bytes: usize,
 }
 
@@ -56,6 +74,8 @@ impl<B: Cached> BlockCache<B> {
     pub(crate) fn new() -> Self {
         Self {
             by_size: BTreeMap::new(),
+            by_age: BTreeMap::new(),
+            next_age: 0,
             bytes: 0,
         }
     }
@@ -65,8 +85,13 @@ impl<B: Cached> BlockCache<B> {
         self.bytes
     }
 
+    /// Blocks held in the cache.
+    pub(crate) fn len(&self) -> usize {
+        self.by_age.len()
+    }
+
     /// Takes the smallest block of `class..=largest` bytes that `usable` accepts (the caller's
-    /// stream and event rule).
+    /// stream and event rule), the most recently cached one among blocks of that size.
     pub(crate) fn take(
         &mut self,
         class: usize,
@@ -75,33 +100,60 @@ impl<B: Cached> BlockCache<B> {
     ) -> Option<B> {
         let mut found = None;
         for (&size, blocks) in self.by_size.range(class..=largest) {
-            if let Some(index) = blocks.iter().rposition(&mut usable) {
+            if let Some(index) = blocks.iter().rposition(|e| usable(&e.block)) {
                 found = Some((size, index));
                 break;
             }
         }
         let (size, index) = found?;
-        let blocks = self.by_size.get_mut(&size).expect("size found above");
-        let block = blocks.swap_remove(index);
+        Some(self.remove(size, index))
+    }
+
+    /// Takes the least recently cached block that `usable` accepts.
+    pub(crate) fn take_oldest(&mut self, mut usable: impl FnMut(&B) -> bool) -> Option<B> {
+        let (size, index) = self.by_age.iter().find_map(|(&age, &size)| {
+            let blocks = &self.by_size[&size];
+            let index = blocks
+                .iter()
+                .position(|e| e.age == age)
+                .expect("every age indexes a cached block");
+            usable(&blocks[index].block).then_some((size, index))
+        })?;
+        Some(self.remove(size, index))
+    }
+
+    fn remove(&mut self, size: usize, index: usize) -> B {
+        let blocks = self.by_size.get_mut(&size).expect("a cached size");
+        // `remove`, not `swap_remove`: the stack order is the recency order `take` relies on.
+        let entry = blocks.remove(index);
         if blocks.is_empty() {
             self.by_size.remove(&size);
         }
+        self.by_age.remove(&entry.age);
         self.bytes -= size;
-        Some(block)
+        entry.block
     }
 
     /// Returns a block to the cache.
     pub(crate) fn put(&mut self, block: B) {
-        self.bytes += block.size();
-        self.by_size.entry(block.size()).or_default().push(block);
+        let (size, age) = (block.size(), self.next_age);
+        self.next_age += 1;
+        self.bytes += size;
+        self.by_age.insert(age, size);
+        self.by_size
+            .entry(size)
+            .or_default()
+            .push(Entry { age, block });
     }
 
     /// Empties the cache, handing back every block.
     pub(crate) fn drain(&mut self) -> Vec<B> {
         self.bytes = 0;
+        self.by_age.clear();
         std::mem::take(&mut self.by_size)
             .into_values()
             .flatten()
+            .map(|e| e.block)
             .collect()
     }
 }
@@ -151,6 +203,62 @@ mod tests {
             }
             n *= 2;
         }
+    }
+
+    #[test]
+    fn a_pinned_block_serves_requests_one_class_smaller_wasting_under_a_quarter() {
+        // Classes from 4096: 4096, 4608, ..., 7680, 8192, 9216, ...
+        assert_eq!(next_pinned_class(4096), 4608);
+        assert_eq!(next_pinned_class(7680), 8192);
+        assert_eq!(next_pinned_class(8192), 9216);
+        // 384 MiB (the class of 400 MB): granule 32 MiB.
+        assert_eq!(next_pinned_class(12 << 25), 13 << 25);
+        let mut n = PINNED_MIN + 1;
+        while n < (1 << 40) {
+            for m in [n, n + 1, n * 3 / 2, 2 * n - 1] {
+                let class = pinned_class(m);
+                let next = next_pinned_class(class);
+                assert!(next > class, "{m}");
+                assert_eq!(pinned_class(next), next, "the next class is a class");
+                assert_eq!(pinned_class(class + 1), next, "no class lies between");
+                // Served by the next class up, a request leaves under 1/4 of the block unused.
+                assert!((next - m) * 4 < next, "{m} in a block of {next}");
+            }
+            n *= 2;
+        }
+    }
+
+    #[test]
+    fn the_oldest_usable_block_is_trimmed_first() {
+        let mut cache = BlockCache::new();
+        for (size, stream) in [(4096, 1), (8192, 2), (4096, 3), (4608, 4)] {
+            cache.put(Block { size, stream });
+        }
+        assert_eq!(cache.len(), 4);
+        // Stream 1's block is the oldest.
+        assert_eq!(cache.take_oldest(|_| true).map(|b| b.stream), Some(1));
+        // Skipping what the caller may not free (stream 2 still busy, say): the next oldest.
+        assert_eq!(
+            cache.take_oldest(|b| b.stream != 2).map(|b| b.stream),
+            Some(3)
+        );
+        // A block taken by size leaves the age order too.
+        assert_eq!(cache.take(8192, 8192, |_| true).map(|b| b.stream), Some(2));
+        assert_eq!(cache.take_oldest(|_| true).map(|b| b.stream), Some(4));
+        assert_eq!((cache.len(), cache.bytes()), (0, 0));
+        assert_eq!(cache.take_oldest(|_| true), None);
+        // Re-cached blocks count as new.
+        cache.put(Block {
+            size: 4096,
+            stream: 5,
+        });
+        cache.put(Block {
+            size: 4096,
+            stream: 6,
+        });
+        let five = cache.take(4096, 4096, |b| b.stream == 5).unwrap();
+        cache.put(five);
+        assert_eq!(cache.take_oldest(|_| true).map(|b| b.stream), Some(6));
     }
 
     #[test]

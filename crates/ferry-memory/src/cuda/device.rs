@@ -149,6 +149,16 @@ impl CudaDevice {
         self.inner.allocator.empty_cache()
     }
 
+    /// The block size (the allocator's size class) a request of `bytes` occupies in its
+    /// statistics: a multiple of 512 bytes below 1 MiB, of 2 MiB from there.
+    pub fn block_size(bytes: usize) -> usize {
+        if bytes == 0 {
+            0
+        } else {
+            super::cache::device_class(bytes)
+        }
+    }
+
     /// Free and total device memory in bytes, as the driver sees it (other processes included).
     pub fn mem_get_info(&self) -> Result<(usize, usize), MemoryError> {
         self.check()?;
@@ -230,21 +240,26 @@ impl CudaDevice {
         self.inner.multi_stream.load(Ordering::SeqCst)
     }
 
-    /// Reports an error a destructor recorded, once.
+    /// Reports an error a destructor recorded, once (as [`MemoryError::FailedInDrop`], naming
+    /// what failed).
     pub(crate) fn check(&self) -> Result<(), MemoryError> {
         match self.inner.deferred.lock().take() {
-            Some(source) => Err(MemoryError::FailedInDrop {
-                what: "CUDA resource",
-                source: Box::new(source),
-            }),
+            Some(error) => Err(error),
             None => Ok(()),
         }
     }
 
-    /// Keeps an error from a destructor for the next checked call (the first one wins: later
-    /// errors are usually its consequences).
-    pub(crate) fn defer(&self, error: MemoryError) {
-        self.inner.deferred.lock().get_or_insert(error);
+    /// Keeps an error raised where none can be returned (a destructor, ordering a buffer's use)
+    /// for the next checked call; `what` says what was being done, on what, so the report makes
+    /// sense on an unrelated call. The first one wins: later errors are usually its consequences.
+    pub(crate) fn defer(&self, what: String, error: MemoryError) {
+        self.inner
+            .deferred
+            .lock()
+            .get_or_insert(MemoryError::FailedInDrop {
+                what,
+                source: Box::new(error),
+            });
     }
 
     pub(crate) fn check_stream(

@@ -5,20 +5,28 @@
 //! entry point returns [`MemoryError::NoDriver`](crate::MemoryError::NoDriver) instead. Device
 //! memory is raw `cuMemAlloc` blocks, not cudarc's `CudaSlice`, because the allocator orders
 //! reuse itself (per-stream, with one event per block) and needs no per-slice events.
+//!
+//! Buffers order their uses across streams themselves (see [`DeviceBuffer`]): a copy on another
+//! stream waits for the buffer's producers, and later uses wait for copies still in flight.
+//! Page-locked memory is bounded by the [`PinnedPool`]'s budget. The pools' and the allocator's
+//! locks guard bookkeeping only: making, registering and freeing blocks, and synchronizing the
+//! device, happen outside them.
 
 mod allocator;
 mod batch;
 mod blas;
 mod buffer;
-mod cache;
+pub(crate) mod cache;
 mod device;
 mod discover;
 mod kernels;
 mod launch;
 mod pinned;
 mod stream;
+#[cfg(test)]
+pub(crate) mod test_hooks;
 
-pub use allocator::MemoryStats;
+pub use allocator::{DeviceMemoryInfo, MemoryStats};
 pub use batch::PinnedBatch;
 pub use blas::{GemmInput, GemmOutput, GemmSpec};
 pub use buffer::DeviceBuffer;

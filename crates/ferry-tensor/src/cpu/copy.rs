@@ -2,6 +2,7 @@
 
 use ferry_memory::{DType, HostBuffer};
 
+use crate::storage::Storage;
 use crate::{Result, Tensor};
 
 /// Runs `$body` with `$T` an unsigned integer as wide as `dtype`'s elements: copies move bits.
@@ -31,6 +32,7 @@ macro_rules! bits_dispatch {
 /// Raw-bit view of a storage, whatever its dtype.
 fn bits<T: bytemuck::Pod>(t: &Tensor) -> Result<parking_lot::MappedRwLockReadGuard<'_, [T]>> {
     let guard = t.storage().read();
+    guard.host_slice("copy", t.device())?; // waits for pinned bytes, or says why there are none
     parking_lot::RwLockReadGuard::try_map(guard, |b| {
         b.host_bytes().map(bytemuck::cast_slice::<u8, T>)
     })
@@ -92,27 +94,20 @@ fn build_bits<B: bytemuck::Pod>(
     shape: &[usize],
     fill: impl FnOnce(&mut [B]),
 ) -> Result<Tensor> {
-    let numel = crate::layout::checked_numel("copy", shape)?;
-    let bytes = numel
-        .checked_mul(dtype.size())
-        .ok_or(ferry_memory::MemoryError::HostOutOfMemory { bytes: usize::MAX })?;
+    let bytes = crate::layout::shape_bytes("copy", shape, dtype)?;
     let mut buffer = HostBuffer::for_overwrite(bytes)?;
     fill(bytemuck::cast_slice_mut(buffer.as_bytes_mut()));
     Tensor::from_host_buffer(buffer, dtype, shape)
 }
 
-/// Writes `src`'s elements (row-major) into `dst`'s storage where `dst`'s layout says.
+/// Writes `src`'s elements (row-major) into `dst`'s storage where `dst`'s layout says; `src`
+/// has storage of its own (the caller copies it otherwise).
 pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
     bits_dispatch!(dst.dtype(), |B| {
-        let values = bits::<B>(src)?;
-        let mut guard = dst.storage().write();
-        let bytes = guard
-            .host_bytes_mut()
-            .ok_or(crate::TensorError::NotOnHost {
-                op: "assign",
-                device: dst.device(),
-            })?;
-        let out: &mut [B] = bytemuck::cast_slice_mut(bytes);
+        let mut locks = Storage::lock_for_update("assign", &[dst.storage()], &[src.storage()])?;
+        let values: &[B] = bytemuck::cast_slice(locks.reads[0].host_slice("assign", src.device())?);
+        let out: &mut [B] =
+            bytemuck::cast_slice_mut(locks.writes[0].host_slice_mut("assign", dst.device())?);
         let ((len, sd), (_, ss)) = (dst.layout().row(), src.layout().row());
         for (rd, rs) in dst.layout().row_starts().zip(src.layout().row_starts()) {
             for j in 0..len {

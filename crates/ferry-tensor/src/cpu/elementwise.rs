@@ -16,6 +16,7 @@ use crate::{Result, Tensor};
 fn map<T: Element, U: Element>(x: &[T], layout: &Layout, out: &mut [U], f: impl Fn(T) -> U + Sync) {
     if layout.is_contiguous() {
         let x = &x[layout.offset()..layout.offset() + out.len()];
+        // Each contiguous run is compiled for AVX2 where the CPU has it (ferry_memory::simd).
         let run =
             |o: &mut [U], x: &[T]| vectorized(|| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
         if out.len() >= PARALLEL_THRESHOLD {
@@ -129,7 +130,7 @@ impl<T: Element> BinaryLoop<T, bool> for ZipBool<'_, T> {
 pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     float_dispatch!(x.dtype(), op.name(), |T| {
         let src = x.storage().host::<T>(op.name())?;
-        build::<T>(x.shape(), |out| {
+        build::<T>(op.name(), x.shape(), |out| {
             op.dispatch(Map {
                 x: &src,
                 layout: x.layout(),
@@ -151,7 +152,7 @@ pub(crate) fn binary(
             a.storage().host::<T>(op.name())?,
             b.storage().host::<T>(op.name())?,
         );
-        build::<T>(la.shape(), |out| {
+        build::<T>(op.name(), la.shape(), |out| {
             op.dispatch(Zip {
                 a: &x,
                 la,
@@ -175,7 +176,7 @@ pub(crate) fn compare(
             a.storage().host::<T>(op.name())?,
             b.storage().host::<T>(op.name())?,
         );
-        build::<u8>(la.shape(), |out| {
+        build::<u8>(op.name(), la.shape(), |out| {
             op.dispatch::<T, _>(ZipBool(Zip {
                 a: &x,
                 la,
@@ -189,46 +190,48 @@ pub(crate) fn compare(
 
 /// Converts every element to `dtype`; the 16-bit float paths use half's vectorised slices.
 pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    // Sized before `dense` copies a view: a result too large is refused without that copy.
+    crate::layout::shape_bytes("to_dtype", x.shape(), dtype)?;
     let x = super::dense(x)?;
     let n = x.numel();
     let off = x.layout().offset();
     match (x.dtype(), dtype) {
         (DType::F32, DType::F16) => {
             let src = x.storage().host::<f32>("cast")?;
-            build::<f16>(x.shape(), |out| {
+            build::<f16>("to_dtype", x.shape(), |out| {
                 par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s))
             })
         }
         (DType::F32, DType::BF16) => {
             let src = x.storage().host::<f32>("cast")?;
-            build::<bf16>(x.shape(), |out| {
+            build::<bf16>("to_dtype", x.shape(), |out| {
                 par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s))
             })
         }
         (DType::F16, DType::F32) => {
             let src = x.storage().host::<f16>("cast")?;
-            build::<f32>(x.shape(), |out| {
+            build::<f32>("to_dtype", x.shape(), |out| {
                 par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o))
             })
         }
         (DType::BF16, DType::F32) => {
             let src = x.storage().host::<bf16>("cast")?;
-            build::<f32>(x.shape(), |out| {
+            build::<f32>("to_dtype", x.shape(), |out| {
                 par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o))
             })
         }
         (from, to) => any_dispatch!(from, |S| {
             let src = x.storage().host::<S>("cast")?;
             let src = &src[off..off + n];
-            any_dispatch!(to, |D| build::<D>(x.shape(), |out| par_convert(
-                src,
-                out,
-                |o, s| {
+            any_dispatch!(to, |D| build::<D>(
+                "to_dtype",
+                x.shape(),
+                |out| par_convert(src, out, |o, s| {
                     o.iter_mut()
                         .zip(s)
                         .for_each(|(o, &s)| *o = <D as Element>::from_f64(s.to_f64()))
-                }
-            )))
+                })
+            ))
         }),
     }
 }

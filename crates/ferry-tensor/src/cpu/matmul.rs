@@ -48,19 +48,23 @@ fn typed<T: GemmElement + ferry_memory::Element>(
     let (m, k, n) = (la.shape()[nd - 2], la.shape()[nd - 1], lb.shape()[nd - 1]);
     let mut out_shape = batch.to_vec();
     out_shape.extend([m, n]);
+    // Sized first: the batch count below is a product that only a checked shape bounds.
+    if crate::layout::shape_bytes("matmul", &out_shape, T::DTYPE)? == 0 {
+        return build::<T>("matmul", &out_shape, |_| {});
+    }
     let (x, y) = (
         a.storage().host::<T>("matmul")?,
         b.storage().host::<T>("matmul")?,
     );
     let count: usize = batch.iter().product();
-    let threads = if m * n * k >= 1 << 18 {
+    let threads = if m.saturating_mul(n).saturating_mul(k) >= 1 << 18 {
         rayon::current_num_threads()
     } else {
         1
     };
     // Offsets of each batch's matrices: walk the batch dims of each layout.
     let batch_offsets = |l: &Layout| {
-        let batch_only = Layout::new(
+        let batch_only = Layout::from_parts(
             l.shape()[..nd - 2].into(),
             l.strides()[..nd - 2].into(),
             l.offset(),
@@ -69,7 +73,7 @@ fn typed<T: GemmElement + ferry_memory::Element>(
     };
     let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
     let mut result = Ok(());
-    let out = build::<T>(&out_shape, |out| {
+    let out = build::<T>("matmul", &out_shape, |out| {
         for i in 0..count {
             let lhs = MatRef {
                 data: &x,

@@ -83,18 +83,19 @@ use crate::{Result, Tensor};
 /// A fresh contiguous host tensor of `shape`, filled by `fill`, which must write every element:
 /// the buffer starts with unspecified contents (a recycled block, to skip the allocator and
 /// the zeroing on small outputs).
-pub(crate) fn build<T: Element>(shape: &[usize], fill: impl FnOnce(&mut [T])) -> Result<Tensor> {
-    let numel = crate::layout::checked_numel("build", shape)?;
-    let bytes = numel
-        .checked_mul(T::DTYPE.size())
-        .ok_or(ferry_memory::MemoryError::HostOutOfMemory { bytes: usize::MAX })?;
+pub(crate) fn build<T: Element>(
+    op: &'static str,
+    shape: &[usize],
+    fill: impl FnOnce(&mut [T]),
+) -> Result<Tensor> {
+    let bytes = crate::layout::shape_bytes(op, shape, T::DTYPE)?;
     let buffer = ferry_memory::HostBuffer::for_overwrite(bytes)?;
     let storage = Storage::new(
         crate::Buffer::Host(buffer),
         T::DTYPE,
         ferry_memory::Device::Cpu,
     );
-    fill(&mut storage.host_mut::<T>("build")?);
+    fill(&mut storage.host_mut::<T>(op)?);
     Ok(Tensor::from_shape(storage, shape))
 }
 
@@ -110,6 +111,6 @@ pub(crate) fn dense(x: &Tensor) -> Result<Tensor> {
 
 /// A contiguous host tensor of `dtype` with every element `value`.
 pub(crate) fn full(shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
-    any_dispatch!(dtype, |T| build::<T>(shape, |out| out
+    any_dispatch!(dtype, |T| build::<T>("full", shape, |out| out
         .fill(<T as Element>::from_f64(value))))
 }

@@ -28,7 +28,7 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
         let src = &src[off..off + x.numel()];
         let at = |o: usize, j: usize, i: usize| src[(o * len + j) * inner + i];
         match op {
-            ReduceOp::Sum => build::<T>(&out_shape, |out| {
+            ReduceOp::Sum => build::<T>(name, &out_shape, |out| {
                 fill(out, outer * len * inner, |k| {
                     let (o, i) = (k / inner.max(1), k % inner.max(1));
                     // Accumulate in f64: long f32 rows lose digits otherwise.
@@ -39,7 +39,7 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
                     })
                 })
             }),
-            ReduceOp::Max => build::<T>(&out_shape, |out| {
+            ReduceOp::Max => build::<T>(name, &out_shape, |out| {
                 fill(out, outer * len * inner, |k| {
                     let (o, i) = (k / inner.max(1), k % inner.max(1));
                     (0..len)
@@ -50,7 +50,7 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
                         )
                 })
             }),
-            ReduceOp::ArgMax => build::<i64>(&out_shape, |out| {
+            ReduceOp::ArgMax => build::<i64>(name, &out_shape, |out| {
                 fill(out, outer * len * inner, |k| {
                     let (o, i) = (k / inner.max(1), k % inner.max(1));
                     let mut best = 0;
@@ -87,7 +87,7 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
         } else {
             sum_f64(src)
         };
-        build::<T>(&[], |out| out[0] = <T as Element>::from_f64(total))
+        build::<T>("sum", &[], |out| out[0] = <T as Element>::from_f64(total))
     })
 }
 
@@ -99,7 +99,7 @@ pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
         let off = x.layout().offset();
         let src = x.storage().host::<T>("softmax")?;
         let src = &src[off..off + x.numel()];
-        build::<T>(x.shape(), |out| {
+        build::<T>("softmax", x.shape(), |out| {
             let row = |(o, r): (&mut [T], &[T])| {
                 let max = r
                     .iter()

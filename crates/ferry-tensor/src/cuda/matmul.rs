@@ -100,14 +100,15 @@ pub(crate) fn matmul(
     let dev = device_of(a)?;
     let nd = la.ndim();
     let (m, k, n) = (la.shape()[nd - 2], la.shape()[nd - 1], lb.shape()[nd - 1]);
-    let count: usize = batch.iter().product();
     let mut shape = batch.to_vec();
     shape.extend([m, n]);
-    if count == 0 || m == 0 || n == 0 || k == 0 {
+    // Sized first: `count` and the strides below are products only a checked shape bounds.
+    if crate::layout::shape_bytes("matmul", &shape, dtype)? == 0 || k == 0 {
         return Tensor::zeros(&shape, dtype, a.device());
     }
+    let count: usize = batch.iter().product();
     let (lhs, rhs) = (Operand::new(a, la)?, Operand::new(b, lb)?);
-    let mut out = alloc(&dev, count * m * n, dtype)?;
+    let mut out = alloc(&dev, "matmul", &shape, dtype)?;
     let (abuf, bbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?);
     // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: B goes first. A row-major operand read
     // column-major is already its transpose, so it needs no transpose flag.

@@ -93,8 +93,17 @@ fn buffer(t: &Tensor) -> Result<MappedRwLockReadGuard<'_, DeviceBuffer>> {
     })
 }
 
-fn alloc(dev: &CudaDevice, numel: usize, dtype: DType) -> Result<DeviceBuffer> {
-    Ok(dev.alloc(numel * dtype.size(), dev.default_stream())?)
+/// Device memory for a contiguous `shape` of `dtype`, sized by the checked helper: a shape too
+/// large to address is refused here, before a wrapped size could allocate a few bytes that a
+/// kernel then overruns.
+fn alloc(
+    dev: &CudaDevice,
+    op: &'static str,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<DeviceBuffer> {
+    let bytes = crate::layout::shape_bytes(op, shape, dtype)?;
+    Ok(dev.alloc(bytes, dev.default_stream())?)
 }
 
 fn wrap(dev: &CudaDevice, out: DeviceBuffer, dtype: DType, shape: &[usize]) -> Tensor {
@@ -127,7 +136,7 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     float_only(op.name(), x.dtype())?;
     let dev = device_of(x)?;
     let n = x.numel();
-    let mut out = alloc(&dev, n, x.dtype())?;
+    let mut out = alloc(&dev, op.name(), x.shape(), x.dtype())?;
     let f = Kernel::Unary(x.dtype()).load(&dev)?;
     let lx = KernelLayout::of(op.name(), x.layout())?;
     let src = buffer(x)?;
@@ -193,8 +202,8 @@ fn zip(
     op: &'static str,
 ) -> Result<Tensor> {
     let dev = device_of(a)?;
+    let mut out = alloc(&dev, op, la.shape(), out_dtype)?;
     let n = la.numel();
-    let mut out = alloc(&dev, n, out_dtype)?;
     let f = kernel.load(&dev)?;
     let (ka, kb) = (KernelLayout::of(op, la)?, KernelLayout::of(op, lb)?);
     let (x, y) = (buffer(a)?, buffer(b)?);
@@ -213,7 +222,7 @@ fn zip(
 pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     let dev = device_of(x)?;
     let n = x.numel();
-    let mut out = alloc(&dev, n, dtype)?;
+    let mut out = alloc(&dev, "to_dtype", x.shape(), dtype)?;
     let f = Kernel::Cast(x.dtype(), dtype).load(&dev)?;
     let lx = KernelLayout::of("to_dtype", x.layout())?;
     let src = buffer(x)?;
@@ -226,8 +235,15 @@ pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     Ok(wrap(&dev, out, dtype, x.shape()))
 }
 
-/// Copies `x`'s elements (in row-major order) to where `dst` says inside `out`.
-fn copy_into(dev: &CudaDevice, x: &Tensor, out: &mut DeviceBuffer, dst: &Layout) -> Result<()> {
+/// Copies `x`'s elements (in row-major order, from `src`, its buffer) to where `dst` says
+/// inside `out`.
+fn copy_into(
+    dev: &CudaDevice,
+    x: &Tensor,
+    src: &DeviceBuffer,
+    out: &mut DeviceBuffer,
+    dst: &Layout,
+) -> Result<()> {
     let n = x.numel();
     if n == 0 {
         return Ok(());
@@ -237,9 +253,8 @@ fn copy_into(dev: &CudaDevice, x: &Tensor, out: &mut DeviceBuffer, dst: &Layout)
         KernelLayout::of("copy", x.layout())?,
         KernelLayout::of("copy", dst)?,
     );
-    let src = buffer(x)?;
     launch(dev, &f, n)
-        .arg_buffer(&src)
+        .arg_buffer(src)
         .arg_pod(&lx)
         .arg_buffer_mut(out)
         .arg_pod(&lo)
@@ -248,30 +263,37 @@ fn copy_into(dev: &CudaDevice, x: &Tensor, out: &mut DeviceBuffer, dst: &Layout)
     Ok(())
 }
 
-/// Writes `src`'s elements into `dst`'s storage where `dst`'s layout says.
+/// Writes `src`'s elements into `dst`'s storage where `dst`'s layout says; `src` has storage of
+/// its own (the caller copies it otherwise).
 pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
     let dev = device_of(dst)?;
-    let mut guard = dst.storage().write();
-    let Buffer::Cuda(out) = &mut *guard else {
+    let mut locks = Storage::lock_for_update("assign", &[dst.storage()], &[src.storage()])?;
+    let (Buffer::Cuda(out), Buffer::Cuda(from)) = (&mut *locks.writes[0], &*locks.reads[0]) else {
         return Err(TensorError::UnsupportedDevice {
             op: "assign",
             device: dst.device(),
         });
     };
-    copy_into(&dev, src, out, dst.layout())
+    copy_into(&dev, src, from, out, dst.layout())
 }
 
 pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
     let dev = device_of(x)?;
-    let mut out = alloc(&dev, x.numel(), x.dtype())?;
-    copy_into(&dev, x, &mut out, &Layout::contiguous(x.shape()))?;
+    let mut out = alloc(&dev, "contiguous", x.shape(), x.dtype())?;
+    copy_into(
+        &dev,
+        x,
+        &*buffer(x)?,
+        &mut out,
+        &Layout::contiguous(x.shape()),
+    )?;
     Ok(wrap(&dev, out, x.dtype(), x.shape()))
 }
 
 pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tensor> {
     let dev = device_of(&parts[0])?;
     let dtype = parts[0].dtype();
-    let mut out = alloc(&dev, shape.iter().product(), dtype)?;
+    let mut out = alloc(&dev, "cat", shape, dtype)?;
     // With nothing before the axis, each part is one run of bytes in the output: gather them
     // all in a few launches (a state dict packs hundreds of tensors this way).
     let outer: usize = shape[..axis].iter().product();
@@ -283,7 +305,13 @@ pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tens
     let mut start = 0;
     for part in parts {
         let size = part.shape()[axis];
-        copy_into(&dev, part, &mut out, &whole.narrow(axis, start, size))?;
+        copy_into(
+            &dev,
+            part,
+            &*buffer(part)?,
+            &mut out,
+            &whole.narrow(axis, start, size),
+        )?;
         start += size;
     }
     Ok(wrap(&dev, out, dtype, shape))
@@ -371,13 +399,16 @@ pub(crate) fn adam(
     let dev = device_of(p)?;
     let f = Kernel::Adam(p.dtype()).load(&dev)?;
     let n = p.numel();
-    let grad = buffer(g)?;
-    let (mut pw, mut mw, mut vw) = (
-        p.storage().write(),
-        m.storage().write(),
-        v.storage().write(),
-    );
-    let (Buffer::Cuda(pb), Buffer::Cuda(mb), Buffer::Cuda(vb)) = (&mut *pw, &mut *mw, &mut *vw)
+    let mut locks = Storage::lock_for_update(
+        "adam_update",
+        &[p.storage(), m.storage(), v.storage()],
+        &[g.storage()],
+    )?;
+    let [pw, mw, vw] = &mut locks.writes[..] else {
+        unreachable!("three write locks were asked for")
+    };
+    let (Buffer::Cuda(pb), Buffer::Cuda(mb), Buffer::Cuda(vb), Buffer::Cuda(grad)) =
+        (&mut **pw, &mut **mw, &mut **vw, &*locks.reads[0])
     else {
         return Err(TensorError::UnsupportedDevice {
             op: "adam_update",
@@ -388,7 +419,7 @@ pub(crate) fn adam(
     launch(&dev, &f, n)
         .arg_buffer_mut(pb)
         .arg_u64(offset(p))
-        .arg_buffer(&grad)
+        .arg_buffer(grad)
         .arg_u64(offset(g))
         .arg_buffer_mut(mb)
         .arg_u64(offset(m))
@@ -402,8 +433,8 @@ pub(crate) fn adam(
 
 pub(crate) fn full(ordinal: usize, shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
     let dev = device(ordinal)?;
-    let n: usize = shape.iter().product();
-    let mut out = alloc(&dev, n, dtype)?;
+    let mut out = alloc(&dev, "full", shape, dtype)?;
+    let n = crate::layout::numel(shape);
     let f = Kernel::Fill(dtype).load(&dev)?;
     launch(&dev, &f, n)
         .arg_buffer_mut(&mut out)
@@ -415,7 +446,7 @@ pub(crate) fn full(ordinal: usize, shape: &[usize], dtype: DType, value: f64) ->
 
 pub(crate) fn arange(ordinal: usize, start: f64, len: usize, dtype: DType) -> Result<Tensor> {
     let dev = device(ordinal)?;
-    let mut out = alloc(&dev, len, dtype)?;
+    let mut out = alloc(&dev, "arange", &[len], dtype)?;
     let f = Kernel::Arange(dtype).load(&dev)?;
     launch(&dev, &f, len)
         .arg_buffer_mut(&mut out)
@@ -433,10 +464,11 @@ pub(crate) fn random(
     seed: u64,
     normal: bool,
 ) -> Result<Tensor> {
-    float_only(if normal { "randn" } else { "rand" }, dtype)?;
+    let op = if normal { "randn" } else { "rand" };
+    float_only(op, dtype)?;
     let dev = device(ordinal)?;
-    let n: usize = shape.iter().product();
-    let mut out = alloc(&dev, n, dtype)?;
+    let mut out = alloc(&dev, op, shape, dtype)?;
+    let n = crate::layout::numel(shape);
     let f = Kernel::Random(dtype).load(&dev)?;
     launch(&dev, &f, n)
         .arg_buffer_mut(&mut out)
@@ -471,7 +503,7 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
             message: "cannot take the maximum of an empty axis".into(),
         });
     }
-    let mut out = alloc(&dev, outputs, out_dtype)?;
+    let mut out = alloc(&dev, op.name(), &out_shape, out_dtype)?;
     let code = op.code();
     let src = buffer(&x)?;
     // The kernel's unused output pointer is null; op decides which one it writes.
@@ -529,7 +561,7 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
     let n = x.numel();
     let parts = blocks_for(n.max(1), THREADS).min(1024);
     let mut partials = dev.alloc(parts as usize * 8, dev.default_stream())?;
-    let mut out = alloc(&dev, 1, x.dtype())?;
+    let mut out = alloc(&dev, "sum", &[], x.dtype())?;
     let src = buffer(&x)?;
     let f = Kernel::SumPartial(x.dtype()).load(&dev)?;
     dev.launch(&f, (parts, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
@@ -553,7 +585,7 @@ pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
     let dev = device_of(&x)?;
     let cols = *x.shape().last().unwrap_or(&1);
     let rows = x.numel() / cols.max(1);
-    let mut out = alloc(&dev, x.numel(), x.dtype())?;
+    let mut out = alloc(&dev, "softmax", x.shape(), x.dtype())?;
     let src = buffer(&x)?;
     let f = Kernel::Softmax(x.dtype()).load(&dev)?;
     let blocks = (rows.max(1) as u32).min(65535);

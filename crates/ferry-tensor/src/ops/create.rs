@@ -8,7 +8,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
 use crate::cpu::{any_dispatch, build, float_dispatch};
-use crate::layout::checked_numel;
+use crate::layout::shape_bytes;
 use crate::{Result, Tensor, TensorError, backend, cuda};
 
 thread_local! {
@@ -23,18 +23,17 @@ pub fn manual_seed(seed: u64) {
 impl Tensor {
     /// Every element `value`, created on `device`.
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
-        checked_numel("full", shape)?;
-        backend::full(shape, dtype, device, value)
+        filled("full", shape, value, dtype, device)
     }
 
     /// All zeros.
     pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        Self::full(shape, 0.0, dtype, device)
+        filled("zeros", shape, 0.0, dtype, device)
     }
 
     /// All ones.
     pub fn ones(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        Self::full(shape, 1.0, dtype, device)
+        filled("ones", shape, 1.0, dtype, device)
     }
 
     /// Zeros with this tensor's shape, dtype and device.
@@ -55,9 +54,10 @@ impl Tensor {
                 message: format!("needs start <= end, got {start}..{end}"),
             });
         }
-        let len = (end - start).ceil() as usize;
+        let len = (end - start).ceil() as usize; // saturates: the size check refuses it
+        shape_bytes("arange", &[len], dtype)?;
         match device {
-            Device::Cpu => any_dispatch!(dtype, |T| build::<T>(&[len], |out| {
+            Device::Cpu => any_dispatch!(dtype, |T| build::<T>("arange", &[len], |out| {
                 out.iter_mut()
                     .enumerate()
                     .for_each(|(i, o)| *o = <T as Element>::from_f64(start + i as f64))
@@ -92,10 +92,10 @@ fn sample(
     /// generator seeded by (draw seed, block index), so a seed still fixes every value.
     const BLOCK: usize = 1 << 16;
     let op = if normal { "randn" } else { "rand" };
-    checked_numel(op, shape)?;
+    shape_bytes(op, shape, dtype)?;
     let seed = RNG.with(|rng| rng.borrow_mut().random::<u64>());
     match device {
-        Device::Cpu => float_dispatch!(dtype, op, |T| build::<T>(shape, |out| {
+        Device::Cpu => float_dispatch!(dtype, op, |T| build::<T>(op, shape, |out| {
             use rayon::prelude::*;
             out.par_chunks_mut(BLOCK)
                 .enumerate()
@@ -109,4 +109,16 @@ fn sample(
         })),
         Device::Cuda(ordinal) => cuda::random(ordinal, shape, dtype, seed, normal),
     }
+}
+
+/// Every element `value`: sized (and refused when too large) before anything is allocated.
+fn filled(
+    op: &'static str,
+    shape: &[usize],
+    value: f64,
+    dtype: DType,
+    device: Device,
+) -> Result<Tensor> {
+    shape_bytes(op, shape, dtype)?;
+    backend::full(shape, dtype, device, value)
 }

@@ -3,6 +3,7 @@
 use ferry_memory::{Device, Element};
 
 use crate::cpu::float_dispatch;
+use crate::storage::Storage;
 use crate::{Result, Tensor, TensorError, cuda};
 
 /// The scalars of one Adam step (`repr(C)`: the CUDA kernel reads it as a parameter).
@@ -67,7 +68,11 @@ impl Tensor {
                 message: "the parameter and both moments must be contiguous and have storage of their own".into(),
             });
         }
-        let grad = if grad.is_contiguous() {
+        // A gradient that shares storage with what this step writes (a parameter that is its
+        // own gradient, a view of a moment) would be read and written at once: its lock would
+        // wait on itself. Copy it first, as one for a strided gradient.
+        let aliased = [self, m, v].iter().any(|t| t.shares_storage(grad));
+        let grad = if grad.is_contiguous() && !aliased {
             grad.detach()
         } else {
             grad.detach().copy()?
@@ -81,12 +86,18 @@ impl Tensor {
 
 fn adam_cpu(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, s: &AdamStep) -> Result<()> {
     float_dispatch!(p.dtype(), "adam_update", |T| {
+        const OP: &str = "adam_update";
         let n = p.numel();
         let slice = |t: &Tensor| t.layout().offset()..t.layout().offset() + n;
-        let grads = g.storage().host::<T>("adam_update")?;
-        let mut params = p.storage().host_mut::<T>("adam_update")?;
-        let mut first = m.storage().host_mut::<T>("adam_update")?;
-        let mut second = v.storage().host_mut::<T>("adam_update")?;
+        let mut locks =
+            Storage::lock_for_update(OP, &[p.storage(), m.storage(), v.storage()], &[g.storage()])?;
+        let grads: &[T] = bytemuck::cast_slice(locks.reads[0].host_slice(OP, g.device())?);
+        let [pw, mw, vw] = &mut locks.writes[..] else {
+            unreachable!("three write locks were asked for")
+        };
+        let params: &mut [T] = bytemuck::cast_slice_mut(pw.host_slice_mut(OP, p.device())?);
+        let first: &mut [T] = bytemuck::cast_slice_mut(mw.host_slice_mut(OP, m.device())?);
+        let second: &mut [T] = bytemuck::cast_slice_mut(vw.host_slice_mut(OP, v.device())?);
         let items = params[slice(p)].iter_mut().zip(&grads[slice(g)]);
         let moments = first[slice(m)].iter_mut().zip(second[slice(v)].iter_mut());
         for ((p, g), (m, v)) in items.zip(moments) {

@@ -3,7 +3,7 @@
 use ferry_memory::Device;
 
 use crate::autograd::record;
-use crate::layout::{Shape, checked_numel};
+use crate::layout::{Shape, shape_bytes};
 use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
@@ -30,7 +30,7 @@ impl Tensor {
 
     /// The same elements in a new shape: a view when the data is contiguous, else a copy.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
-        let numel = checked_numel("reshape", shape)?;
+        let numel = shape_bytes("reshape", shape, self.dtype())? / self.dtype().size();
         if numel != self.numel() {
             return Err(TensorError::BadReshape {
                 from: self.dims(),
@@ -155,9 +155,20 @@ impl Tensor {
         let mut offsets = Vec::with_capacity(parts.len());
         for part in parts {
             first.same_kind("pack", part)?;
-            let at = end.next_multiple_of(align);
-            offsets.push(at);
-            end = at + part.nbytes();
+            let at = end.checked_next_multiple_of(align);
+            match at.and_then(|at| Some((at, at.checked_add(part.nbytes())?))) {
+                Some((at, part_end)) if part_end <= ferry_memory::size::MAX_BYTES => {
+                    offsets.push(at);
+                    end = part_end;
+                }
+                _ => {
+                    let total = [parts
+                        .iter()
+                        .map(|p| p.numel())
+                        .fold(0, usize::saturating_add)];
+                    return Err(TensorError::too_large("pack", &total, first.dtype()));
+                }
+            }
         }
         let dense: Vec<Tensor> = parts
             .iter()
@@ -204,16 +215,10 @@ impl Tensor {
                     hint: "every dimension but the joined one must match",
                 });
             }
-            shape[axis] = shape[axis].checked_add(part.shape()[axis]).ok_or_else(|| {
-                TensorError::InvalidArgument {
-                    op: "cat",
-                    message: format!(
-                        "the joined axis would exceed {} elements; join fewer or smaller tensors",
-                        usize::MAX
-                    ),
-                }
-            })?;
+            // Saturating: the size check below refuses a joined axis that overflows.
+            shape[axis] = shape[axis].saturating_add(part.shape()[axis]);
         }
+        shape_bytes("cat", &shape, first.dtype())?;
         let owned: Vec<Tensor> = parts.iter().map(|t| (*t).clone()).collect();
         let out = backend::cat(&owned, axis, &shape)?;
         Ok(record(out, "cat", parts, || rules::cat(parts, axis)))
@@ -221,7 +226,9 @@ impl Tensor {
 
     /// Repeats size-1 dimensions (and adds leading ones) to reach `shape`, as a view.
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
-        checked_numel("broadcast_to", shape)?;
+        // A view, but one whose elements could not be addressed is refused now rather than
+        // when something tries to allocate its copy.
+        shape_bytes("broadcast_to", shape, self.dtype())?;
         let layout =
             self.layout()
                 .broadcast_to(shape)
@@ -284,7 +291,7 @@ impl Tensor {
             });
         }
         let layout =
-            crate::layout::Layout::new(shape.into(), strides.into(), self.layout().offset());
+            crate::layout::Layout::from_parts(shape.into(), strides.into(), self.layout().offset());
         let out = self.with_layout(layout);
         Ok(record(out, "reshape", &[self], || rules::reshape(self)))
     }

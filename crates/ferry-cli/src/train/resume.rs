@@ -1,0 +1,208 @@
+//! Epoch checkpoints: writing them, and finding the newest one that loads for `--resume`.
+//!
+//! A bad newest file (truncated by a crash, damaged on disk, unreadable) does not end the run:
+//! `--resume` falls back to the newest good one and says which files it skipped and why. Only
+//! when none is good is it an error, naming the directory and every file tried.
+
+use std::error::Error;
+use std::path::{Path, PathBuf};
+
+use ferry::checkpoint::Checkpoint;
+use ferry::nn::Module;
+use ferry::optim::Optimizer;
+use ferry::with_no_grad;
+
+use super::EpochStats;
+
+/// An epoch file `--resume` passed over, and why.
+#[derive(Debug, Clone)]
+pub struct Skipped {
+    /// The file.
+    pub path: PathBuf,
+    /// Its epoch.
+    pub epoch: usize,
+    /// Why it could not be used.
+    pub reason: String,
+}
+
+/// Where a resumed run starts.
+#[derive(Debug)]
+pub struct Resumed {
+    /// The epoch file loaded.
+    pub path: PathBuf,
+    /// Every epoch so far, from its metadata.
+    pub history: Vec<EpochStats>,
+    /// Newer epoch files that could not be used.
+    pub skipped: Vec<Skipped>,
+}
+
+pub(super) fn epoch_file(dir: &Path, epoch: usize) -> PathBuf {
+    dir.join(format!("epoch-{epoch:03}.safetensors"))
+}
+
+/// The `epoch-NNN.safetensors` files in `dir`, newest first.
+fn epoch_files(dir: &Path) -> Result<Vec<(usize, PathBuf)>, Box<dyn Error>> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+    let mut found = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        let name = entry.file_name();
+        let epoch = name.to_str().and_then(|n| {
+            n.strip_prefix("epoch-")?
+                .strip_suffix(".safetensors")?
+                .parse::<usize>()
+                .ok()
+        });
+        if let Some(epoch) = epoch {
+            found.push((epoch, entry.path()));
+        }
+    }
+    found.sort_by(|a, b| b.cmp(a));
+    Ok(found)
+}
+
+/// Loads the newest epoch file of `dir` that is whole and fits `model` and `opt`; `None` when
+/// `dir` has no epoch file. A file that fails leaves `model` and `opt` as they were, and the
+/// next older one is tried.
+pub fn resume(
+    dir: &Path,
+    model: &mut dyn Module,
+    opt: &mut dyn Optimizer,
+) -> Result<Option<Resumed>, Box<dyn Error>> {
+    let mut skipped = Vec::new();
+    for (epoch, path) in epoch_files(dir)? {
+        match restore(&path, epoch, model, opt) {
+            Ok(history) => {
+                return Ok(Some(Resumed {
+                    path,
+                    history,
+                    skipped,
+                }));
+            }
+            Err(reason) => skipped.push(Skipped {
+                path,
+                epoch,
+                reason,
+            }),
+        }
+    }
+    if skipped.is_empty() {
+        return Ok(None);
+    }
+    Err(format!(
+        "no usable checkpoint in {} to resume from; tried, newest first:{}\nremove or repair these files, or run without --resume to start afresh",
+        dir.display(),
+        skipped
+            .iter()
+            .map(|s| format!("\n  - {}: {}", s.path.display(), s.reason))
+            .collect::<String>()
+    )
+    .into())
+}
+
+/// Writes the epoch file (model under `model.`, optimizer under `optimizer.`, the history in
+/// the metadata) and `model.safetensors` (the model alone, PyTorch's key names).
+pub(super) fn save_epoch(
+    dir: &Path,
+    epoch: usize,
+    model: &dyn Module,
+    opt: &dyn Optimizer,
+    history: &[EpochStats],
+) -> Result<(), Box<dyn Error>> {
+    let mut ck = Checkpoint::new();
+    ck.insert_section("model", model.state_dict());
+    ck.insert_section("optimizer", opt.state_dict());
+    ck.set_metadata("epoch", epoch.to_string());
+    ck.set_metadata("history", encode_history(history));
+    ck.save(epoch_file(dir, epoch))?;
+    ferry::checkpoint::save(dir.join("model.safetensors"), &model.state_dict())?;
+    Ok(())
+}
+
+/// Loads model and optimizer state from an epoch file: the file is verified and both are
+/// checked before either changes. The error leaves out the file's name, which the caller gives.
+fn restore(
+    path: &Path,
+    epoch: usize,
+    model: &mut dyn Module,
+    opt: &mut dyn Optimizer,
+) -> Result<Vec<EpochStats>, String> {
+    let ck = Checkpoint::load(path).map_err(|e| {
+        let text = e.to_string();
+        let named = format!("{}: ", path.display());
+        text.strip_prefix(&named)
+            .map_or(text.clone(), str::to_string)
+    })?;
+    let text = |e: &dyn std::fmt::Display| e.to_string();
+    let history = decode_history(ck.metadata("history").unwrap_or(""))
+        .ok_or("the history metadata is damaged")?;
+    if history.len() != epoch {
+        return Err(format!(
+            "its history has {} epochs, its name says {epoch}",
+            history.len()
+        ));
+    }
+    let model_state = ck.section("model");
+    ferry::nn::check_state("model", &model.named_parameters(), &model_state)
+        .map_err(|e| text(&e))?;
+    let before = model.state_dict();
+    let snapshot = with_no_grad(|| {
+        before
+            .iter()
+            .map(|(k, t)| Ok((k.clone(), t.copy()?)))
+            .collect::<ferry::Result<Vec<_>>>()
+    })
+    .map_err(|e| text(&e))?;
+    model.load_state_dict(&model_state).map_err(|e| text(&e))?;
+    if let Err(e) = opt.load_state_dict(&ck.section("optimizer")) {
+        // Keep "a failed load changes nothing" for the pair, not only for each half.
+        model.load_state_dict(&snapshot).map_err(|e| text(&e))?;
+        return Err(text(&e));
+    }
+    Ok(history)
+}
+
+fn encode_history(history: &[EpochStats]) -> String {
+    history
+        .iter()
+        .map(|s| format!("{}:{}:{}", s.loss, s.train_accuracy, s.test_accuracy))
+        .collect::<Vec<_>>()
+        .join(";")
+}
+
+fn decode_history(text: &str) -> Option<Vec<EpochStats>> {
+    if text.is_empty() {
+        return Some(Vec::new());
+    }
+    text.split(';')
+        .map(|e| {
+            let mut parts = e.split(':').map(str::parse::<f64>);
+            let stats = EpochStats {
+                loss: parts.next()?.ok()?,
+                train_accuracy: parts.next()?.ok()?,
+                test_accuracy: parts.next()?.ok()?,
+            };
+            parts.next().is_none().then_some(stats)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn history_round_trips_through_metadata() {
+        let h = vec![
+            EpochStats {
+                loss: 0.5,
+                train_accuracy: 0.8,
+                test_accuracy: 0.75,
+            };
+            3
+        ];
+        assert_eq!(decode_history(&encode_history(&h)).unwrap(), h);
+        assert!(decode_history("0.5:0.1").is_none());
+    }
+}

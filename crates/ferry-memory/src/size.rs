@@ -1,0 +1,56 @@
+//! Byte counts of shaped data, checked: the one place where an element count is multiplied by
+//! an element size. Every allocation of shaped data takes its size from here, so a shape too
+//! large to address is refused before any memory is asked for (a wrapped product would allocate
+//! a few bytes that a kernel then overruns).
+
+use crate::DType;
+
+/// The most bytes one buffer may hold: `isize::MAX`, the bound Rust puts on every allocation
+/// and on pointer offsets (and so on the strides handed to GEMM kernels).
+pub const MAX_BYTES: usize = isize::MAX as usize;
+
+/// Elements in `shape`: 0 when a dimension is 0 (whatever the others), `None` when the product
+/// overflows a `usize`.
+pub fn checked_numel(shape: &[usize]) -> Option<usize> {
+    if shape.contains(&0) {
+        return Some(0);
+    }
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
+/// Bytes `numel` elements of `dtype` take, or `None` beyond [`MAX_BYTES`].
+pub fn checked_bytes(numel: usize, dtype: DType) -> Option<usize> {
+    numel
+        .checked_mul(dtype.size())
+        .filter(|&bytes| bytes <= MAX_BYTES)
+}
+
+/// Bytes a contiguous `shape` of `dtype` takes, or `None` when the element count overflows or
+/// the bytes exceed [`MAX_BYTES`].
+pub fn shape_bytes(shape: &[usize], dtype: DType) -> Option<usize> {
+    checked_bytes(checked_numel(shape)?, dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn products_that_overflow_or_exceed_the_limit_are_refused() {
+        assert_eq!(shape_bytes(&[2, 3], DType::F32), Some(24));
+        assert_eq!(shape_bytes(&[], DType::F64), Some(8));
+        // A zero dimension makes the rest irrelevant, however large.
+        assert_eq!(
+            shape_bytes(&[usize::MAX, 0, usize::MAX], DType::F64),
+            Some(0)
+        );
+        // (2^61 + 1) * 8 wraps to 8 in unchecked arithmetic.
+        assert_eq!(shape_bytes(&[(1 << 61) + 1], DType::F64), None);
+        assert_eq!(shape_bytes(&[usize::MAX, 2], DType::U8), None);
+        // Counting works but the bytes pass isize::MAX.
+        assert_eq!(checked_numel(&[1 << 60]), Some(1 << 60));
+        assert_eq!(shape_bytes(&[1 << 60], DType::F64), None);
+        assert_eq!(shape_bytes(&[MAX_BYTES], DType::U8), Some(MAX_BYTES));
+        assert_eq!(shape_bytes(&[MAX_BYTES / 2 + 1], DType::F16), None);
+    }
+}

@@ -1,0 +1,187 @@
+//! What can go wrong with a checkpoint, each case naming the file, the tensor and the fix.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use ferry_tensor::{DType, TensorError};
+
+/// Why a checkpoint could not be written, read, or loaded into a model or optimizer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// The file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file (or, for a failed save, the temporary file or the directory).
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file ends before the data its header describes: the write was interrupted.
+    #[error(
+        "{}: the file is truncated: tensor {key:?} needs bytes {start}..{end} of the data section, which holds {available} bytes; the write was probably interrupted, use an earlier checkpoint",
+        path.display()
+    )]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// The first tensor whose bytes are missing.
+        key: String,
+        /// Start of its bytes in the data section.
+        start: usize,
+        /// End of its bytes in the data section.
+        end: usize,
+        /// Bytes the data section actually has.
+        available: usize,
+    },
+    /// A tensor's bytes differ from the checksum ferry wrote beside them: the file was damaged
+    /// after it was written (disk, copy, transfer). Nothing was loaded.
+    #[error(
+        "{}: tensor {key:?} is corrupted: its bytes have CRC32 {found:08x}, but {expected:08x} was recorded when the file was written; the file was damaged after it was saved (disk, copy or transfer), use another checkpoint",
+        path.display()
+    )]
+    ChecksumMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor whose bytes changed.
+        key: String,
+        /// The CRC32 recorded at save time.
+        expected: u32,
+        /// The CRC32 of the bytes in the file now.
+        found: u32,
+    },
+    /// The file is not a safetensors file (or its header is damaged).
+    #[error("{}: not a valid safetensors file: {reason}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What the parser found.
+        reason: String,
+    },
+    /// A tensor of a dtype ferry has no counterpart for.
+    #[error(
+        "{}: tensor {key:?} has dtype {dtype}, which ferry does not support (F32, F64, F16, BF16, I64, U8): convert it before saving, e.g. `t.float()` in PyTorch",
+        path.display()
+    )]
+    UnsupportedDType {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        key: String,
+        /// Its safetensors dtype.
+        dtype: String,
+    },
+    /// Two tensors of one checkpoint share a name; nothing was written.
+    #[error(
+        "tensor name {key:?} appears more than once in the checkpoint (two tensors given one name, or `insert_section` called twice with one prefix): give each tensor its own name; nothing was written"
+    )]
+    DuplicateName {
+        /// The repeated name.
+        key: String,
+    },
+    /// A tensor name or metadata key the file format keeps for itself; nothing was written.
+    #[error("{key:?} is reserved: {fix}; nothing was written")]
+    ReservedName {
+        /// The name.
+        key: String,
+        /// Why it is reserved and what to do instead.
+        fix: &'static str,
+    },
+    /// The state dict does not fit what it is loaded into; nothing was changed.
+    #[error(
+        "the {what} state does not match the checkpoint, nothing was loaded:{}",
+        problems.iter().map(|p| format!("\n  - {p}")).collect::<String>()
+    )]
+    Mismatch {
+        /// Whose state: "model" or "optimizer".
+        what: &'static str,
+        /// Every problem found.
+        problems: Vec<Mismatch>,
+    },
+    /// A tensor operation (a device move, a copy) failed.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+/// One way a state dict differs from the tensors it should fill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mismatch {
+    /// A key the model has and the checkpoint lacks.
+    Missing {
+        /// The key.
+        key: String,
+        /// The model's shape for it.
+        shape: Vec<usize>,
+        /// The model's dtype for it.
+        dtype: DType,
+    },
+    /// A key the checkpoint has and the model lacks.
+    Unexpected {
+        /// The key.
+        key: String,
+        /// Its shape in the checkpoint.
+        shape: Vec<usize>,
+    },
+    /// Shapes differ.
+    Shape {
+        /// The key.
+        key: String,
+        /// The model's shape.
+        expected: Vec<usize>,
+        /// The checkpoint's shape.
+        found: Vec<usize>,
+    },
+    /// Dtypes differ (no silent conversion).
+    DType {
+        /// The key.
+        key: String,
+        /// The model's dtype.
+        expected: DType,
+        /// The checkpoint's dtype.
+        found: DType,
+    },
+}
+
+impl Mismatch {
+    /// The key concerned.
+    pub fn key(&self) -> &str {
+        match self {
+            Mismatch::Missing { key, .. }
+            | Mismatch::Unexpected { key, .. }
+            | Mismatch::Shape { key, .. }
+            | Mismatch::DType { key, .. } => key,
+        }
+    }
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Mismatch::Missing { key, shape, dtype } => {
+                write!(f, "missing key {key:?} (expected {dtype} {shape:?})")
+            }
+            Mismatch::Unexpected { key, shape } => write!(
+                f,
+                "unexpected key {key:?} ({shape:?}) that the model does not have"
+            ),
+            Mismatch::Shape {
+                key,
+                expected,
+                found,
+            } => write!(
+                f,
+                "key {key:?}: shape {found:?} in the checkpoint, {expected:?} expected"
+            ),
+            Mismatch::DType {
+                key,
+                expected,
+                found,
+            } => write!(
+                f,
+                "key {key:?}: dtype {found} in the checkpoint, {expected} expected (cast before saving)"
+            ),
+        }
+    }
+}
