@@ -303,12 +303,13 @@ impl fmt::Debug for HostBuffer {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Host statistics are process-wide: the tests here and in the pool's module that make
-    /// buffers take turns (no other module of this crate makes host buffers without a GPU).
-    pub(super) static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    /// buffers take turns, and so do the pinned pool's tests, which make large host buffers
+    /// on a GPU machine.
+    pub(crate) static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
     #[test]
     fn host_buffers_are_counted_while_they_live() {

@@ -13,7 +13,7 @@ use cudarc::driver::{CudaContext, CudaEvent, DriverError, result};
 use parking_lot::Mutex;
 
 use super::cache::{BlockCache, Cached, SMALL_LIMIT, device_class, largest_reusable};
-use super::stream::{Stream, driver};
+use super::stream::{Event, Stream, driver};
 use crate::{Device, MemoryError};
 
 /// Counters of one device's allocator. Bytes are block sizes (requests rounded to their class).
@@ -67,6 +67,9 @@ struct FreeBlock {
     stream: u64,
     /// Whether the block's event was recorded at free time; if not, nothing can still be using it.
     pending: bool,
+    /// Copies on other streams still reading or writing it when it was freed: it is reused, on
+    /// any stream, only once these are complete (so freeing it made no stream wait for them).
+    after: Vec<Arc<Event>>,
 }
 
 impl Cached for FreeBlock {
@@ -77,6 +80,9 @@ impl Cached for FreeBlock {
 
 impl FreeBlock {
     fn usable_on(&self, stream: u64) -> bool {
+        if !self.after.iter().all(|e| e.is_complete()) {
+            return false;
+        }
         if self.stream == stream || !self.pending {
             return true;
         }
@@ -234,12 +240,15 @@ impl DeviceAllocator {
 
     /// Takes back a block last used (in stream order) on `home`. With `record`, an event marks
     /// the free so other streams wait for it; without, the caller knows no other stream exists.
-    /// The block is cached even when recording fails (after waiting for `home` instead).
+    /// The block is cached even when recording fails (after waiting for `home` instead). Copies
+    /// on other streams that may still use it are `after`: the block stays cached, unused,
+    /// until their events complete; nothing waits for them now.
     pub(crate) fn release(
         &self,
         mut block: Block,
         home: &Stream,
         record: bool,
+        after: Vec<Arc<Event>>,
     ) -> Result<(), MemoryError> {
         let mut outcome = Ok(());
         let mut pending = false;
@@ -263,6 +272,7 @@ impl DeviceAllocator {
             block,
             stream: home.id(),
             pending,
+            after,
         });
         outcome
     }

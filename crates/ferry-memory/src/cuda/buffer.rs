@@ -52,9 +52,12 @@ pub struct DeviceBuffer {
 /// What a buffer knows of its uses on streams other than its home stream.
 #[derive(Default)]
 struct ForeignUses {
-    /// Streams that touched it; at drop the home stream waits for them before the block is
-    /// reused.
-    streams: Vec<Stream>,
+    /// Streams that touched it, each with the event recorded after its last use there when that
+    /// use was a copy this crate queued (`None` after any other use: a caller's kernels). At
+    /// drop the home stream waits for that event, or for all the stream's work so far, before
+    /// the block is reused: waiting for the event alone keeps a free from waiting on later
+    /// copies of other buffers queued on the same copy stream.
+    streams: Vec<(Stream, Option<Arc<Event>>)>,
     /// Per stream (by id), an event recorded after the last copy queued there on this buffer;
     /// uses on other streams wait for it until it completes.
     in_flight: Vec<(u64, Arc<Event>)>,
@@ -143,8 +146,9 @@ impl DeviceBuffer {
             // The bytes' producers run on the home stream.
             stream.wait_event(&self.stream.record()?)?;
             let mut foreign = self.foreign.lock();
-            if !foreign.streams.contains(stream) {
-                foreign.streams.push(stream.clone());
+            match foreign.streams.iter_mut().find(|(s, _)| s == stream) {
+                Some((_, last_copy)) => *last_copy = None,
+                None => foreign.streams.push((stream.clone(), None)),
             }
         }
         if self.in_flight.load(Ordering::Acquire) == 0 {
@@ -198,6 +202,9 @@ impl DeviceBuffer {
             Err(_) => return stream.synchronize(),
         };
         let mut foreign = self.foreign.lock();
+        if let Some((_, last_copy)) = foreign.streams.iter_mut().find(|(s, _)| s == stream) {
+            *last_copy = Some(Arc::clone(&event));
+        }
         match foreign
             .in_flight
             .iter_mut()
@@ -512,13 +519,25 @@ impl Drop for DeviceBuffer {
                 self.device.device()
             )
         };
-        // Fold other streams' uses into the home stream, so "ordered on home" covers them all
-        // (copies still in flight on them included).
+        // Other streams' uses: a copy this crate queued there (the stream's last use of the
+        // buffer) is waited for by the allocator, which reuses the block only once the copy's
+        // event completes, so freeing never makes the home stream wait for a copy (a pipeline
+        // that drops each frame after queuing its move keeps the GPU and the link overlapped).
+        // Any other use (a caller's kernels) is folded into the home stream's order.
         let foreign = std::mem::take(self.foreign.get_mut());
-        for other in foreign.streams {
-            let joined = other
-                .record()
-                .and_then(|event| self.stream.wait_event(&event));
+        let mut after = Vec::new();
+        for (other, last_copy) in foreign.streams {
+            let joined = match last_copy {
+                Some(event) => {
+                    if !event.is_complete() {
+                        after.push(event);
+                    }
+                    Ok(())
+                }
+                None => other
+                    .record()
+                    .and_then(|event| self.stream.wait_event(&event)),
+            };
             if let Err(e) = joined {
                 self.device.defer(
                     what("ordering the reuse (after its uses on other streams) of"),
@@ -536,7 +555,7 @@ impl Drop for DeviceBuffer {
             .device
             .inner
             .allocator
-            .release(block, &self.stream, record)
+            .release(block, &self.stream, record, after)
         {
             self.device.defer(
                 what("returning to the allocator (recording its free on its stream)"),

@@ -64,7 +64,10 @@ impl fmt::Debug for CudaFunction {
 /// `static KernelModule` is one module) and the function name.
 #[derive(Default)]
 pub(crate) struct KernelCache {
-    modules: HashMap<usize, Arc<CudaModule>>,
+    /// Per module, the slot its first user compiles and loads it into. Compiling (NVRTC, tens
+    /// to hundreds of ms) holds only that module's slot, so threads after other kernels, or
+    /// after functions already found, never wait for it.
+    modules: HashMap<usize, Arc<parking_lot::Mutex<Option<Arc<CudaModule>>>>>,
     functions: HashMap<(usize, &'static str), CudaFunction>,
 }
 
@@ -155,30 +158,32 @@ impl CudaDevice {
     ) -> Result<CudaFunction, MemoryError> {
         self.check()?;
         let key = module as *const KernelModule as usize;
-        // One lock for lookup and compile: two threads asking for a new module compile it once.
-        let mut cache = self.inner.kernels.lock();
-        if let Some(found) = cache.functions.get(&(key, function)) {
+        if let Some(found) = self.inner.kernels.lock().functions.get(&(key, function)) {
             return Ok(found.clone());
         }
-        let loaded = match cache.modules.get(&key) {
-            Some(loaded) => loaded.clone(),
-            None => {
-                let started = Instant::now();
-                let ptx = compile(module, &arch_for(self.info().compute_capability));
-                let nanos = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-                self.inner.compile_nanos.fetch_add(nanos, Ordering::Relaxed);
-                let loaded =
-                    self.inner
-                        .ctx
-                        .load_module(ptx?)
-                        .map_err(|e| MemoryError::KernelLoad {
-                            module: module.name,
-                            message: e.to_string(),
+        // Two threads asking for a new module compile it once: the second waits on its slot.
+        let slot = Arc::clone(self.inner.kernels.lock().modules.entry(key).or_default());
+        let loaded =
+            {
+                let mut slot = slot.lock();
+                match &*slot {
+                    Some(loaded) => Arc::clone(loaded),
+                    None => {
+                        let started = Instant::now();
+                        let ptx = compile(module, &arch_for(self.info().compute_capability));
+                        let nanos = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+                        self.inner.compile_nanos.fetch_add(nanos, Ordering::Relaxed);
+                        let loaded = self.inner.ctx.load_module(ptx?).map_err(|e| {
+                            MemoryError::KernelLoad {
+                                module: module.name,
+                                message: e.to_string(),
+                            }
                         })?;
-                cache.modules.insert(key, loaded.clone());
-                loaded
-            }
-        };
+                        *slot = Some(Arc::clone(&loaded));
+                        loaded
+                    }
+                }
+            };
         if function.contains('\0') {
             return Err(MemoryError::KernelNotFound {
                 module: module.name,
@@ -201,7 +206,11 @@ impl CudaDevice {
             module: module.name,
             name: function,
         };
-        cache.functions.insert((key, function), found.clone());
+        self.inner
+            .kernels
+            .lock()
+            .functions
+            .insert((key, function), found.clone());
         Ok(found)
     }
 }

@@ -38,6 +38,8 @@ impl Drop for Room {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_cache_hit_does_not_wait_for_another_thread_making_a_block() {
+    // The host pool's tests take these two locks in this order too.
+    let _host_statistics = crate::host::tests::SERIAL.lock();
     let _serial = SERIAL.lock();
     let pool = PinnedPool::global().unwrap();
     let _room = Room::for_bytes(pool, BIG + (SMALL << 4));
