@@ -2,7 +2,7 @@ use std::path::{Path, PathBuf};
 
 use ferry::checkpoint::{self, Checkpoint, Mismatch};
 use ferry::nn::{Init, Linear, Module, ReLU, Sequential};
-use ferry::{CheckpointError, TransferPath};
+use ferry::{CheckpointError, DeviceMove, TransferPath};
 use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::{device_test, values};
 
@@ -31,15 +31,26 @@ fn snapshot(model: &dyn Module) -> Vec<Vec<f64>> {
 }
 
 /// A model saved on `device` and loaded into a fresh one there has the same values; the save
-/// goes through one batched move.
+/// streams each device tensor in one piece (they are far below the staging bound), and a load
+/// streamed onto the device fills a model the same way.
 fn model_round_trip(device: Device) -> Result<()> {
     let dir = scratch(&format!("round-{device}"));
     let path = dir.join("m.safetensors");
     let model = mlp(DType::F32, device)?;
     let report = checkpoint::save(&path, &model.state_dict()).unwrap();
     if device.is_cuda() {
-        assert_eq!(report.path, TransferPath::Batched { tensors: 4 });
+        assert_eq!(report.path, TransferPath::Chunked { chunks: 4 });
+        assert_eq!(report.bytes_moved, (5 * 7 + 7 + 7 * 3 + 3) * 4);
+    } else {
+        assert_eq!(report.bytes_moved, 0);
     }
+    let (streamed, load_report) =
+        checkpoint::load_to(&path, device, checkpoint::LoadOptions::default()).unwrap();
+    assert!(streamed.iter().all(|(_, t)| t.device() == device));
+    assert_eq!(load_report.tensors, 4);
+    let mut third = mlp(DType::F32, device)?;
+    third.load_state_dict(&streamed).unwrap();
+    assert_eq!(snapshot(&third), snapshot(&model));
     let mut other = mlp(DType::F32, device)?;
     let before_ids: Vec<Tensor> = other.parameters();
     other
@@ -607,5 +618,401 @@ fn load_takes_about_the_file_size() {
         .find_map(|l| Some(&l[l.find("FERRY_PEAK")?..]))
         .expect("the child reports its figures");
     eprintln!("{line}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+// Bounded saves and loads: the piece logic on the CPU, the bounds on a GPU.
+
+/// A state dict with every kind of entry a bounded save cuts differently, on `device`: a
+/// contiguous tensor many slots long, a view into it at an offset, a transposed tensor whose
+/// rows are longer than a slot, a narrowed (non-contiguous) view, f16 and i64, an empty and a
+/// 0-d tensor.
+fn awkward_dict(device: Device) -> Result<Vec<(String, Tensor)>> {
+    let big = Tensor::randn(&[300, 250], DType::F32, device)?; // 300,000 bytes
+    Ok(vec![
+        ("big".into(), big.clone()),
+        ("rows".into(), big.narrow(0, 5, 50)?),
+        ("cols".into(), big.narrow(1, 10, 100)?),
+        (
+            "transposed".into(),
+            Tensor::randn(&[3000, 40], DType::F64, device)?.t()?,
+        ),
+        (
+            "half".into(),
+            Tensor::randn(&[70, 90], DType::F32, device)?.to_dtype(DType::F16)?,
+        ),
+        (
+            "steps".into(),
+            Tensor::randn(&[2500], DType::F32, device)?
+                .mul_scalar(1000.0)?
+                .to_dtype(DType::I64)?,
+        ),
+        ("empty".into(), Tensor::zeros(&[0, 7], DType::F32, device)?),
+        ("scalar".into(), Tensor::full(&[], 3.5, DType::F64, device)?),
+    ])
+}
+
+const SMALL_BOUND: usize = 16 << 10;
+
+/// A save through a 16 KiB staging bound (4 KiB slots) writes the same bytes as the default
+/// save and as a save of the tensors made contiguous on the host first, within its bound; a
+/// load through the same bound gives the values back on `device`.
+fn a_bounded_save_writes_the_same_bytes(device: Device) -> Result<()> {
+    let dir = scratch(&format!("bounded-{device}"));
+    let dict = awkward_dict(device)?;
+    let host: Vec<(String, Tensor)> = dict
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), t.cpu()?.contiguous()?)))
+        .collect::<Result<_>>()?;
+    let (small, default, reference) = (
+        dir.join("small.safetensors"),
+        dir.join("default.safetensors"),
+        dir.join("reference.safetensors"),
+    );
+    let options = checkpoint::SaveOptions {
+        staging_bytes: SMALL_BOUND,
+    };
+    let report = checkpoint::save_with(&small, &dict, options).unwrap();
+    checkpoint::save(&default, &dict).unwrap();
+    checkpoint::save(&reference, &host).unwrap();
+    let bytes = std::fs::read(&small).unwrap();
+    assert!(
+        bytes == std::fs::read(&default).unwrap(),
+        "bounded != default"
+    );
+    assert!(
+        bytes == std::fs::read(&reference).unwrap(),
+        "bounded != host copy"
+    );
+
+    let total: usize = dict.iter().map(|(_, t)| t.nbytes()).sum();
+    assert_eq!((report.tensors, report.bytes), (dict.len(), total));
+    assert!(report.peak_extra_host_bytes <= SMALL_BOUND, "{report}");
+    assert!(report.peak_extra_device_bytes <= SMALL_BOUND, "{report}");
+    assert!(!report.pageable, "{report}");
+    if device.is_cuda() {
+        assert_eq!(report.device_bytes, total);
+        // `big` alone is 74 slots of 4 KiB.
+        assert!(report.pieces >= 74 + 50 / 4, "{report}");
+        // The ring: four 4 KiB pinned slots.
+        assert!(report.peak_extra_host_bytes >= 4 * 4096, "{report}");
+    } else {
+        assert_eq!(
+            (report.device_bytes, report.peak_extra_device_bytes),
+            (0, 0)
+        );
+        // Only the non-contiguous tensors are staged: `cols` in blocks of 10 rows (4,000
+        // bytes), `transposed` row by row in blocks of 512 f64.
+        assert_eq!(report.pieces, 30 + 40 * 6, "{report}");
+        assert!(report.peak_extra_host_bytes > 0, "{report}");
+    }
+
+    let load = checkpoint::LoadOptions {
+        staging_bytes: SMALL_BOUND,
+    };
+    let (back, load_report) = checkpoint::load_to(&small, device, load).unwrap();
+    assert_eq!(back.len(), dict.len());
+    for (name, t) in &dict {
+        let (_, got) = back.iter().find(|(k, _)| k == name).unwrap();
+        assert_eq!(got.device(), device, "{name}");
+        assert_eq!((got.dtype(), got.shape()), (t.dtype(), t.shape()), "{name}");
+        assert_eq!(values(got), values(t), "{name}");
+    }
+    assert!(
+        load_report.peak_extra_host_bytes <= SMALL_BOUND,
+        "{load_report}"
+    );
+    if device.is_cuda() {
+        let pieces: usize = dict.iter().map(|(_, t)| t.nbytes().div_ceil(4096)).sum();
+        assert_eq!(load_report.pieces, pieces, "{load_report}");
+        assert_eq!(load_report.device_bytes, total);
+    } else {
+        assert_eq!(load_report.pieces, 0);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}
+device_test!(
+    a_bounded_save_writes_the_same_bytes,
+    a_bounded_save_writes_the_same_bytes
+);
+
+/// A flipped bit fails a streamed load with the tensor named, and nothing is handed out.
+fn a_streamed_load_of_a_damaged_file_hands_out_nothing(device: Device) -> Result<()> {
+    let dir = scratch(&format!("streamed-damage-{device}"));
+    let path = dir.join("m.safetensors");
+    checkpoint::save(&path, &awkward_dict(device)?).unwrap();
+    let range = tensor_bytes(&path, "transposed");
+    damage(&path, |b| b[range.start + 9_000] ^= 0x10);
+    let options = checkpoint::LoadOptions {
+        staging_bytes: SMALL_BOUND,
+    };
+    match checkpoint::load_to(&path, device, options) {
+        Err(CheckpointError::ChecksumMismatch { key, .. }) => assert_eq!(key, "transposed"),
+        other => panic!("expected a checksum mismatch, got {other:?}"),
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}
+device_test!(
+    a_streamed_load_of_a_damaged_file_hands_out_nothing,
+    a_streamed_load_of_a_damaged_file_hands_out_nothing
+);
+
+#[test]
+fn a_staging_bound_too_small_is_an_error_that_writes_and_loads_nothing() {
+    let dir = scratch("small-bound");
+    let path = dir.join("m.safetensors");
+    let dict = awkward_dict(Device::Cpu).unwrap();
+    let too_small = checkpoint::SaveOptions {
+        staging_bytes: 16383,
+    };
+    let err = checkpoint::save_with(&path, &dict, too_small).unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::StagingTooSmall { minimum: 16384, .. }),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("16384") && text.contains("staging_bytes"),
+        "{text}"
+    );
+    assert!(listing(&dir).is_empty(), "{:?}", listing(&dir));
+
+    checkpoint::save(&path, &dict).unwrap();
+    let err = checkpoint::load_to(
+        &path,
+        Device::Cpu,
+        checkpoint::LoadOptions { staging_bytes: 0 },
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("load_to"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn load_to_the_host_reads_what_load_reads_with_no_extra_memory() {
+    let dir = scratch("load-to-host");
+    let path = dir.join("m.safetensors");
+    let dict = awkward_dict(Device::Cpu).unwrap();
+    let mut ck = Checkpoint::from_tensors(dict.clone());
+    ck.set_metadata("epoch", "3");
+    ck.save_with(&path, checkpoint::SaveOptions::default())
+        .unwrap();
+    let (back, report) =
+        Checkpoint::load_to(&path, Device::Cpu, checkpoint::LoadOptions::default()).unwrap();
+    assert_eq!(back.metadata("epoch"), Some("3"));
+    let plain = checkpoint::load(&path).unwrap();
+    assert_eq!(back.tensors().len(), plain.len());
+    for ((k, a), (l, b)) in back.tensors().iter().zip(&plain) {
+        assert_eq!(k, l);
+        assert_eq!(values(a), values(b), "{k}");
+    }
+    let total: usize = dict.iter().map(|(_, t)| t.nbytes()).sum();
+    assert_eq!((report.tensors, report.bytes), (dict.len(), total));
+    assert_eq!(
+        (
+            report.device_bytes,
+            report.peak_extra_host_bytes,
+            report.peak_extra_device_bytes
+        ),
+        (0, 0, 0)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `VmRSS` or `VmHWM` of this process, in bytes.
+fn resident(field: &str) -> f64 {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    kb * 1024.0
+}
+
+#[test]
+#[ignore = "run by a_gpu_state_dict_streams_within_the_bound in a child process"]
+fn gpu_bound_child() {
+    use ferry::memory::cuda::{CudaDevice, PinnedPool};
+    let Some(dir) = std::env::var_os("FERRY_BOUND_CHILD_DIR") else {
+        return;
+    };
+    let path = Path::new(&dir).join("big.safetensors");
+    let gpu = Device::Cuda(0);
+    let bound = 64usize << 20;
+    let dev = CudaDevice::get(0).unwrap();
+    let pool = PinnedPool::global().unwrap();
+    // 8 x 64 MiB + a 16 MiB transposed view + small ones: over 8x the bound.
+    let mut dict: Vec<(String, Tensor)> = (0..8)
+        .map(|i| {
+            let w = Tensor::randn(&[4096, 4096], DType::F32, gpu).unwrap();
+            (format!("layer{i}.weight"), w)
+        })
+        .collect();
+    dict.push((
+        "transposed".into(),
+        Tensor::randn(&[2048, 2048], DType::F32, gpu)
+            .unwrap()
+            .t()
+            .unwrap(),
+    ));
+    dict.push((
+        "bias".into(),
+        Tensor::randn(&[4096], DType::F32, gpu).unwrap(),
+    ));
+    dict.push((
+        "step".into(),
+        Tensor::full(&[], 7.0, DType::I64, gpu).unwrap(),
+    ));
+    dev.synchronize().unwrap();
+    let total: usize = dict.iter().map(|(_, t)| t.nbytes()).sum();
+    let mib = |b: usize| b as f64 / f64::from(1 << 20);
+    // Untimed: compiles the strided-copy kernel and makes the copy stream, so neither lands in
+    // the figures below.
+    let warm = Path::new(&dir).join("warm.safetensors");
+    let small = Tensor::randn(&[64, 32], DType::F32, gpu)
+        .unwrap()
+        .t()
+        .unwrap();
+    let options = checkpoint::SaveOptions {
+        staging_bytes: bound,
+    };
+    checkpoint::save_with(&warm, &[("w".into(), small)], options).unwrap();
+    std::fs::remove_file(&warm).unwrap();
+
+    // The peaks of the whole process, from a start at what is allocated now (a test may reset
+    // them; library code never does).
+    let start = || {
+        std::fs::write("/proc/self/clear_refs", "5").unwrap();
+        ferry::host::reset_peak();
+        dev.reset_peak();
+        pool.reset_peak();
+        (
+            dev.memory_stats().allocated_bytes,
+            pool.stats().allocated_bytes,
+            ferry::host::memory_allocated(),
+            resident("VmRSS:"),
+        )
+    };
+    let peaks = |(d, p, h, r): (usize, usize, usize, f64)| {
+        (
+            dev.memory_stats().peak_allocated_bytes - d,
+            pool.stats().peak_allocated_bytes - p,
+            ferry::host::max_memory_allocated() - h,
+            (resident("VmHWM:") - r).max(0.0) as usize,
+        )
+    };
+    // Resident memory also grows by what the driver and the allocators keep for themselves.
+    let rss_slack = 64usize << 20;
+
+    let before = start();
+    let t0 = std::time::Instant::now();
+    let save = checkpoint::save_with(
+        &path,
+        &dict,
+        checkpoint::SaveOptions {
+            staging_bytes: bound,
+        },
+    )
+    .unwrap();
+    let took = t0.elapsed().as_secs_f64();
+    let (d, p, h, r) = peaks(before);
+    println!(
+        "FERRY_BOUND save {:.0} MiB in {took:.3} s ({:.2} GB/s, fsync included), bound {:.0} MiB: device +{:.1} MiB, pinned +{:.1} MiB, host buffers +{:.1} MiB, resident +{:.1} MiB; report: {save}",
+        mib(total),
+        total as f64 / took / 1e9,
+        mib(bound),
+        mib(d),
+        mib(p),
+        mib(h),
+        mib(r)
+    );
+    assert_eq!(save.device_bytes, total);
+    assert!(d <= bound && p <= bound && h <= bound, "save: {d} {p} {h}");
+    assert!(r <= bound + rss_slack, "save: resident +{r}");
+    assert!(save.peak_extra_host_bytes <= bound && save.peak_extra_device_bytes <= bound);
+    assert!(!save.pageable);
+
+    let before = start();
+    let t0 = std::time::Instant::now();
+    let (loaded, load) = checkpoint::load_to(
+        &path,
+        gpu,
+        checkpoint::LoadOptions {
+            staging_bytes: bound,
+        },
+    )
+    .unwrap();
+    let took = t0.elapsed().as_secs_f64();
+    let (d, p, h, r) = peaks(before);
+    let results: usize = dict
+        .iter()
+        .map(|(_, t)| CudaDevice::block_size(t.nbytes()))
+        .sum();
+    println!(
+        "FERRY_BOUND load {:.0} MiB in {took:.3} s ({:.2} GB/s), bound {:.0} MiB: device +{:.1} MiB over the {:.1} MiB of results, pinned +{:.1} MiB, host buffers +{:.1} MiB, resident +{:.1} MiB; report: {load}",
+        mib(total),
+        total as f64 / took / 1e9,
+        mib(bound),
+        mib(d.saturating_sub(results)),
+        mib(results),
+        mib(p),
+        mib(h),
+        mib(r)
+    );
+    assert!(
+        d <= results + bound && p <= bound && h <= bound,
+        "load: {d} {p} {h}"
+    );
+    assert!(r <= bound + rss_slack, "load: resident +{r}");
+    assert!(load.peak_extra_host_bytes <= bound);
+    // The values: small tensors whole, the first and last rows of the large ones.
+    for (name, t) in &dict {
+        let (_, got) = loaded.iter().find(|(k, _)| k == name).unwrap();
+        assert_eq!((got.device(), got.shape()), (gpu, t.shape()), "{name}");
+        let ends = |x: &Tensor| -> Vec<f64> {
+            if x.ndim() == 0 || x.shape()[0] <= 8 {
+                return values(x);
+            }
+            let n = x.shape()[0];
+            [x.narrow(0, 0, 4).unwrap(), x.narrow(0, n - 4, 4).unwrap()]
+                .iter()
+                .flat_map(values)
+                .collect()
+        };
+        assert_eq!(ends(got), ends(t), "{name}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_gpu_state_dict_streams_within_the_bound() {
+    let dir = scratch("gpu-bound");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "checkpoint::gpu_bound_child",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("FERRY_BOUND_CHILD_DIR", &dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in stdout
+        .lines()
+        .filter_map(|l| Some(&l[l.find("FERRY_BOUND")?..]))
+    {
+        eprintln!("{line}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

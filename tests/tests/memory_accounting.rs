@@ -13,11 +13,23 @@ mod transfer_accounting;
 mod pinned_budget;
 // Every recording op allocates only what its rule keeps (allocator or host statistics).
 mod saved_state_memory;
+// Activation offload: device memory after the forward, the pinned budget, bitwise gradients.
+mod offload;
+// The device loader: ordering against held copy streams, which other tests' frees (each one
+// waits for the whole device) would spoil in a parallel binary.
+mod prefetch;
+// Streaming to the host: order, detached chunks, the staging ring, overlap with a slow producer.
+mod streaming;
 
 static LOCK: Mutex<()> = Mutex::new(());
 
+/// Holds the binary's lock: the tests that hold it run one at a time.
+fn serial_lock() -> std::sync::MutexGuard<'static, ()> {
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn run(body: impl FnOnce() -> Result<()>) {
-    let _serial = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial_lock();
     ferry_tests::fresh_seed();
     if let Err(e) = body() {
         panic!("(replay with FERRY_SEED={}): {e}", ferry_tests::seed());

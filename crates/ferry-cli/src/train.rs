@@ -8,6 +8,10 @@
 //! continues up to `--epochs` in total. Shuffling and dropout are seeded per epoch from
 //! `--seed`, so a resumed run repeats exactly what an uninterrupted one would have done.
 //!
+//! Batches are assembled on the host and reach the device through a [`DeviceLoader`], which
+//! keeps `--prefetch` batches in flight on a copy stream while a step computes (on the CPU it
+//! passes them through). The time the loop waited for data is reported at the end.
+//!
 //! The recipe (AdamW at 1e-2 with a cosine decay over 40 epochs, batch 32, dropout 0.5 after
 //! the hidden layer) reaches 0.919 to 0.936 test accuracy over seeds 0 to 9 (mean 0.927, nine
 //! of ten at 0.92 or more; scikit-learn's MLP with 128 hidden units: 0.916 to 0.923); without
@@ -15,9 +19,10 @@
 
 use std::error::Error;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
+use ferry::DeviceLoader;
 use ferry::debug::GraphWatch;
 use ferry::nn::{Linear, Module, ReLU, Sequential};
 use ferry::optim::{AdamW, Optimizer};
@@ -85,6 +90,10 @@ pub struct TrainArgs {
     /// No progress bar and no per-epoch lines.
     #[arg(long)]
     pub quiet: bool,
+    /// Batches kept in flight to the device while a step computes (0: each batch moves when
+    /// the step asks for it, blocking).
+    #[arg(long, default_value_t = ferry::DEFAULT_IN_FLIGHT)]
+    pub prefetch: usize,
 }
 
 /// One epoch's figures.
@@ -109,6 +118,10 @@ pub struct TrainSummary {
     pub test_accuracy: f64,
     /// Epoch files `--resume` passed over because they could not be loaded, newest first.
     pub skipped: Vec<Skipped>,
+    /// Time the training loop spent waiting for its batches (in the loader's `next()`).
+    pub data_wait: Duration,
+    /// Time of the training loops themselves (batches and steps, not checkpoints or tests).
+    pub loop_time: Duration,
 }
 
 /// The MLP 64-128-10 (with dropout `p` after the hidden layer when `dropout > 0`), on
@@ -180,6 +193,7 @@ pub fn run(args: TrainArgs) -> Result<(), Box<dyn Error>> {
             start.elapsed().as_secs_f64(),
             args.out.display()
         );
+        println!("{}", input_line(&summary, args.prefetch));
     }
     println!("test accuracy: {:.4}", summary.test_accuracy);
     Ok(())
@@ -231,6 +245,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
         }
     }
     let done_before = history.len();
+    let (mut data_wait, mut loop_time) = (Duration::ZERO, Duration::ZERO);
     let (test_x, test_y) = test.tensors(&(0..test.rows()).collect::<Vec<_>>(), args.device)?;
     let batches = train.rows().div_ceil(args.batch_size);
     let bar = progress_bar(
@@ -252,20 +267,21 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(epoch_seed);
         let mut order: Vec<usize> = (0..train.rows()).collect();
         order.shuffle(&mut rng);
-        let (x, y) = train.tensors(&order, args.device)?;
-        let (mut loss_sum, mut correct) = (0.0, 0.0);
-        for b in 0..batches {
-            let at = b * args.batch_size;
-            let len = args.batch_size.min(train.rows() - at);
-            let out = train_step(
-                &model,
-                &mut opt,
-                &x.narrow(0, at, len)?,
-                &y.narrow(0, at, len)?,
-            )?;
+        // Assembled on the host in shuffled order, moved ahead of the steps that use them.
+        let host_batches = order
+            .chunks(args.batch_size)
+            .map(|rows| train.tensors(rows, Device::Cpu));
+        let mut loader =
+            DeviceLoader::from_results(host_batches, args.device).in_flight(args.prefetch);
+        let (mut loss_sum, mut correct, mut seen) = (0.0, 0.0, 0);
+        for batch in loader.by_ref() {
+            let (x, y) = batch?;
+            let len = x.shape()[0];
+            let out = train_step(&model, &mut opt, &x, &y)?;
             loss_sum += out.loss.item()? * len as f64;
             correct += out.correct.item()?;
-            let seen = (at + len) as f64;
+            seen += len;
+            let seen = seen as f64;
             bar.set_message(format!(
                 "loss {:.4}  accuracy {:.4}",
                 loss_sum / seen,
@@ -273,6 +289,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
             ));
             bar.inc(1);
         }
+        let loaded = loader.stats();
+        (data_wait, loop_time) = (data_wait + loaded.waited, loop_time + loaded.elapsed);
         // A warning, not an error: the graph is process-wide, and other threads may be using it.
         if let Err(leak) = watch.check() {
             eprintln!("warning: {leak}");
@@ -304,7 +322,21 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
         history,
         test_accuracy,
         skipped,
+        data_wait,
+        loop_time,
     })
+}
+
+/// How long the loops waited for their batches, and what share of the loop time that was.
+fn input_line(summary: &TrainSummary, prefetch: usize) -> String {
+    let share = match summary.loop_time.as_secs_f64() {
+        t if t > 0.0 => summary.data_wait.as_secs_f64() / t * 100.0,
+        _ => 0.0,
+    };
+    format!(
+        "waited {:.3} s for data ({share:.1}% of the training loops; --prefetch {prefetch})",
+        summary.data_wait.as_secs_f64()
+    )
 }
 
 fn say(args: &TrainArgs, line: &str) {
@@ -352,6 +384,7 @@ mod tests {
             constant_lr: false,
             data: None,
             quiet: true,
+            prefetch: ferry::DEFAULT_IN_FLIGHT,
         }
     }
 
@@ -420,6 +453,89 @@ mod tests {
         .unwrap();
         assert_eq!(again.trained_now, 0, "nothing left to train");
         assert_eq!(again.test_accuracy, resumed.test_accuracy);
+        std::fs::remove_dir_all(&out).ok();
+    }
+
+    /// Per-step losses of one epoch (seed 0, shuffled as `train` does), batches taken either
+    /// as views of one epoch tensor moved whole (how `train` did it before the loader) or
+    /// through a `DeviceLoader` keeping `prefetch` in flight.
+    fn epoch_losses(device: Device, prefetch: Option<usize>) -> Vec<f32> {
+        let (train_split, _) = load_digits(DIGITS_CSV_GZ).unwrap();
+        ferry::manual_seed(0);
+        let model = digits_model(device, 0.5).unwrap();
+        let mut opt = AdamW::new(model.parameters(), 1e-2).unwrap();
+        ferry::manual_seed(7);
+        let mut order: Vec<usize> = (0..train_split.rows()).collect();
+        order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(7));
+        let mut losses = Vec::new();
+        let mut step = |x: &Tensor, y: &Tensor| {
+            let out = train_step(&model, &mut opt, x, y).unwrap();
+            losses.push(out.loss.item().unwrap() as f32);
+        };
+        match prefetch {
+            None => {
+                let (x, y) = train_split.tensors(&order, device).unwrap();
+                for at in (0..order.len()).step_by(32) {
+                    let len = 32.min(order.len() - at);
+                    step(
+                        &x.narrow(0, at, len).unwrap(),
+                        &y.narrow(0, at, len).unwrap(),
+                    );
+                }
+            }
+            Some(k) => {
+                let host = order
+                    .chunks(32)
+                    .map(|rows| train_split.tensors(rows, Device::Cpu));
+                for batch in DeviceLoader::from_results(host, device).in_flight(k) {
+                    let (x, y) = batch.unwrap();
+                    assert_eq!(x.device(), device);
+                    step(&x, &y);
+                }
+            }
+        }
+        losses
+    }
+
+    fn the_loader_repeats_the_whole_epoch_losses(device: Device) {
+        let whole = epoch_losses(device, None);
+        assert_eq!(whole.len(), 47, "1,500 rows in batches of 32");
+        for k in [0, 1, 2, 4] {
+            // Bit for bit: the same rows, the same kernels, only the way the bytes arrive differs.
+            assert_eq!(
+                epoch_losses(device, Some(k)),
+                whole,
+                "--prefetch {k} on {device}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_loader_repeats_the_whole_epoch_losses_on_cpu() {
+        the_loader_repeats_the_whole_epoch_losses(Device::Cpu);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn the_loader_repeats_the_whole_epoch_losses_on_cuda() {
+        the_loader_repeats_the_whole_epoch_losses(Device::Cuda(0));
+    }
+
+    #[test]
+    fn the_summary_says_how_long_the_loop_waited_for_data() {
+        let out = scratch("wait");
+        let summary = train(&TrainArgs {
+            prefetch: 0,
+            ..args(&out, 1)
+        })
+        .unwrap();
+        assert!(summary.loop_time >= summary.data_wait, "{summary:?}");
+        assert!(summary.loop_time > Duration::ZERO, "{summary:?}");
+        let line = input_line(&summary, 0);
+        assert!(
+            line.starts_with("waited ") && line.ends_with("--prefetch 0)"),
+            "{line}"
+        );
         std::fs::remove_dir_all(&out).ok();
     }
 

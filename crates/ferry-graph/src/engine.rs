@@ -14,7 +14,7 @@ use crate::GraphError;
 use crate::graph::{NodeHandle, RuleSlot};
 use crate::group::AddressHasher;
 use crate::mode::{enable_grad, no_grad};
-use crate::node::{BackwardContext, GradValue, NodeMeta};
+use crate::node::{BackwardContext, GradValue, NodeMeta, OffloadedSave};
 
 /// How to run backward.
 #[derive(Debug, Clone, Copy, Default)]
@@ -186,7 +186,12 @@ impl<G: GradValue> Run<G> {
                 index,
             })
             .collect();
+        // Only while some saved buffer is off its device: one atomic read otherwise.
+        let mut prefetch = (OffloadedSave::live() > 0).then(|| Prefetch::plan(&self));
         while let Some(Ready { index, .. }) = ready.pop() {
+            if let Some(prefetch) = &mut prefetch {
+                prefetch.ahead(&self.graph, index);
+            }
             let mut passed = match self.grads[index.index()].take() {
                 Some(grad) => self.visit(index, grad, &mut captured, &mut report)?,
                 None => SmallVec::new(), // every path into this node carried no gradient
@@ -343,6 +348,63 @@ impl<G: GradValue> Run<G> {
             .enumerate()
             .filter_map(|(slot, g)| Some((slot, g?)).filter(|_| wanted[slot]))
             .collect())
+    }
+}
+
+/// How many nodes ahead of the one running backward asks rules to bring back what they saved
+/// off the device: the copies of the next two nodes overlap the current node's kernels, and at
+/// most two nodes' saved buffers are back on the device before their turn.
+pub(crate) const PREFETCH_NODES: usize = 2;
+
+/// The order backward will run the rules in, for prefetching. The engine runs the ready node
+/// recorded last; every node's consumers were recorded after it, so that is simply the needed
+/// rule nodes by recording order, latest first (on one recording thread; with several it is
+/// still a valid order, and a prefetch out of order only costs overlap, never correctness).
+struct Prefetch {
+    order: Vec<NodeIndex>,
+    /// Position of each node in `order` (`usize::MAX` for leaves and unneeded nodes).
+    position: Vec<usize>,
+    /// First position not asked to prefetch yet.
+    next: usize,
+}
+
+impl Prefetch {
+    fn plan<G: GradValue>(run: &Run<G>) -> Self {
+        let mut order: Vec<NodeIndex> = run
+            .graph
+            .node_indices()
+            .filter(|i| run.needed[i.index()] && run.graph[*i].0.leaf_grad.is_none())
+            .collect();
+        order.sort_unstable_by_key(|i| std::cmp::Reverse(run.graph[*i].0.seq));
+        let mut position = vec![usize::MAX; run.graph.node_count()];
+        for (k, i) in order.iter().enumerate() {
+            position[i.index()] = k;
+        }
+        Self {
+            order,
+            position,
+            next: 0,
+        }
+    }
+
+    /// `index` is about to run: ask it and the next [`PREFETCH_NODES`] nodes to bring their
+    /// saved buffers back, each once.
+    fn ahead<G: GradValue>(&mut self, graph: &DiGraph<NodeHandle<G>, usize>, index: NodeIndex) {
+        let at = self.position[index.index()];
+        if at == usize::MAX {
+            return;
+        }
+        let end = (at + PREFETCH_NODES + 1).min(self.order.len());
+        for k in self.next.max(at)..end {
+            let rule = match &*graph[self.order[k]].0.rule.lock() {
+                RuleSlot::Ready(rule, saved) if !saved.is_empty() => Some(rule.clone()),
+                _ => None,
+            };
+            if let Some(rule) = rule {
+                rule.prefetch();
+            }
+        }
+        self.next = self.next.max(end);
     }
 }
 

@@ -91,7 +91,8 @@ pub use mode::{
     no_grad, with_no_grad,
 };
 pub use node::{
-    Backward, BackwardContext, GradValue, InputGrads, NodeKind, NodeMeta, SavedBuffer, SavedBuffers,
+    Backward, BackwardContext, GradValue, InputGrads, NodeKind, NodeMeta, OffloadedSave,
+    SavedBuffer, SavedBuffers,
 };
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! What a node is made of: its backward rule, what the rule saved, its description, and the
 //! gradient-value trait.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use ferry_memory::Device;
 use smallvec::SmallVec;
 
@@ -91,6 +93,46 @@ pub trait Backward<G: GradValue>: Send + Sync {
     /// from these, so they must be exactly what the rule owns.
     fn saved(&self) -> SavedBuffers {
         SavedBuffers::new()
+    }
+
+    /// Starts bringing back what this rule saved off the device (see [`OffloadedSave`]), so it
+    /// is in place when the rule runs. The engine calls it a few nodes ahead of the rule while
+    /// any saved buffer is off the device; it must not block the host. It reports nothing: a
+    /// rule whose prefetch failed fetches again, and reports the error, when it runs.
+    fn prefetch(&self) {}
+}
+
+/// Saved buffers held off their device (activation offload) right now, in the whole process.
+static OFFLOADED_LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// Held by a saved buffer that a rule keeps off its device (in host memory) until backward
+/// needs it. While any is alive, backward plans the order of its nodes and calls
+/// [`Backward::prefetch`] ahead of each rule; with none alive it plans nothing extra.
+#[derive(Debug)]
+pub struct OffloadedSave(());
+
+impl OffloadedSave {
+    /// Counts one more saved buffer off its device until the token drops.
+    pub fn new() -> Self {
+        OFFLOADED_LIVE.fetch_add(1, Ordering::Relaxed);
+        OffloadedSave(())
+    }
+
+    /// How many saved buffers are off their device now, process-wide.
+    pub fn live() -> usize {
+        OFFLOADED_LIVE.load(Ordering::Relaxed)
+    }
+}
+
+impl Default for OffloadedSave {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for OffloadedSave {
+    fn drop(&mut self) {
+        OFFLOADED_LIVE.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

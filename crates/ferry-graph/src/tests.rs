@@ -485,3 +485,82 @@ fn backward_frees_each_node_as_it_goes() {
     assert_eq!(*seen.lock(), vec![16]);
     assert_eq!((report.freed_bytes, g.saved_bytes()), (32, 0));
 }
+
+/// A rule that notes, in a shared log, when it is asked to prefetch and when it runs.
+struct Logged {
+    name: &'static str,
+    log: Arc<parking_lot::Mutex<Vec<String>>>,
+}
+
+impl Backward<f64> for Logged {
+    fn backward(
+        &self,
+        _ctx: &BackwardContext<'_, f64>,
+        grad: &f64,
+        _wanted: &[bool],
+    ) -> Result<InputGrads<f64>, BoxError> {
+        self.log.lock().push(format!("run {}", self.name));
+        Ok(smallvec::smallvec![Some(*grad)])
+    }
+
+    fn saved(&self) -> SavedBuffers {
+        smallvec::smallvec![SavedBuffer {
+            key: None,
+            bytes: 8,
+        }]
+    }
+
+    fn prefetch(&self) {
+        self.log.lock().push(format!("prefetch {}", self.name));
+    }
+}
+
+fn logged_chain(
+    names: &[&'static str],
+) -> (Vec<NodeHandle<f64>>, Arc<parking_lot::Mutex<Vec<String>>>) {
+    let log = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let g = Graph::new();
+    let (x, _slot) = leaf(&g, 1.0);
+    let mut nodes = Vec::new();
+    let mut prev = x.node.clone().unwrap();
+    for name in names {
+        let rule = Logged {
+            name,
+            log: Arc::clone(&log),
+        };
+        let node = g.record(NodeMeta::scalar(name), Arc::new(rule), &[Some(&prev)]);
+        nodes.push(node.clone());
+        prev = node;
+    }
+    nodes.push(x.node.unwrap());
+    (nodes, log)
+}
+
+#[test]
+fn backward_prefetches_two_nodes_ahead_while_a_save_is_offloaded() {
+    // No other test in this binary holds an OffloadedSave, so the count is ours. Without one,
+    // backward asks nothing of the rules.
+    let (nodes, log) = logged_chain(&["a", "b", "c", "d"]);
+    nodes[3].backward(1.0, BackwardOptions::default()).unwrap();
+    assert_eq!(*log.lock(), ["run d", "run c", "run b", "run a"]);
+
+    let (nodes, log) = logged_chain(&["a", "b", "c", "d"]);
+    let token = OffloadedSave::new();
+    assert!(OffloadedSave::live() >= 1);
+    nodes[3].backward(1.0, BackwardOptions::default()).unwrap();
+    drop(token);
+    // Each node is asked once, up to two nodes before its turn, and before it runs.
+    assert_eq!(
+        *log.lock(),
+        [
+            "prefetch d",
+            "prefetch c",
+            "prefetch b",
+            "run d",
+            "prefetch a",
+            "run c",
+            "run b",
+            "run a"
+        ]
+    );
+}

@@ -22,6 +22,9 @@ use crate::tensor::{Autograd, Inner};
 use crate::{Result, Tensor, TensorError};
 
 pub use crate::backward::{GradOptions, grad};
+pub use offload::{OffloadGuard, OffloadOptions, OffloadStats, offload_saved};
+
+mod offload;
 
 /// Which tensors of the forward pass a rule keeps for backward: some inputs, the output, or
 /// nothing (shapes and scalars travel in the rule's state).
@@ -142,19 +145,62 @@ struct SavedTensor {
     slot: Slot,
 }
 
+/// What a node holds of one saved tensor: the tensor, or (inside an [`offload_saved`] scope)
+/// its buffer's copy in pinned host memory, with what it takes to rebuild the tensor.
+enum Kept {
+    Here(SavedTensor),
+    Offloaded {
+        data: Arc<offload::Offloaded>,
+        layout: crate::layout::Layout,
+        /// The buffer as the forward saw it, to notice an in-place write since (it is alive
+        /// only while someone else still holds it).
+        source: std::sync::Weak<crate::storage::Storage>,
+        version: u64,
+        slot: Slot,
+    },
+}
+
+impl Kept {
+    fn slot(&self) -> Slot {
+        match self {
+            Kept::Here(s) => s.slot,
+            Kept::Offloaded { slot, .. } => *slot,
+        }
+    }
+
+    /// Keeps `saved`, offloaded when the scope takes it.
+    fn pack(saved: SavedTensor, scope: Option<&offload::Scope>) -> Kept {
+        let Some(scope) = scope else {
+            return Kept::Here(saved);
+        };
+        match scope.pack(&saved.tensor) {
+            offload::Packed::Kept => Kept::Here(saved),
+            offload::Packed::Offloaded(data) => Kept::Offloaded {
+                data,
+                layout: saved.tensor.layout().clone(),
+                source: Arc::downgrade(saved.tensor.storage()),
+                version: saved.version,
+                slot: saved.slot,
+            },
+        }
+    }
+}
+
 /// The tensors a rule saved, handed back to its backward.
 pub struct Saved<'a> {
     op: &'static str,
-    tensors: &'a [SavedTensor],
+    tensors: &'a [Kept],
     ctx: &'a BackwardContext<'a, Tensor>,
 }
 
 impl Saved<'_> {
-    fn find(&self, slot: Slot) -> Result<&SavedTensor> {
-        let saved = self
+    /// The saved tensor of `slot`, back on its device if it was offloaded (the kernels that
+    /// read it wait for that copy on the device), refused if it was written in place since.
+    fn find(&self, slot: Slot) -> Result<Tensor> {
+        let kept = self
             .tensors
             .iter()
-            .find(|s| s.slot == slot)
+            .find(|s| s.slot() == slot)
             .ok_or_else(|| TensorError::InvalidArgument {
                 op: self.op,
                 message: format!(
@@ -162,33 +208,67 @@ impl Saved<'_> {
                     describe_slot(slot)
                 ),
             })?;
-        let now = saved.tensor.storage().version();
-        if now != saved.version {
-            return Err(TensorError::ModifiedInPlace {
+        let modified =
+            |version: u64, now: u64, shape: SmallVec<[usize; 4]>| TensorError::ModifiedInPlace {
                 op: self.op,
                 tensor: describe_slot(slot),
-                shape: saved.tensor.dims(),
-                saved_version: saved.version,
+                shape,
+                saved_version: version,
                 version: now,
-            });
+            };
+        match kept {
+            Kept::Here(saved) => {
+                let now = saved.tensor.storage().version();
+                if now != saved.version {
+                    return Err(modified(saved.version, now, saved.tensor.dims()));
+                }
+                Ok(saved.tensor.clone())
+            }
+            Kept::Offloaded {
+                data,
+                layout,
+                source,
+                version,
+                ..
+            } => {
+                // The copy holds the values as saved, but a run without offload would refuse
+                // them: so does this one, while the written buffer is still around to tell.
+                if let Some(now) = source.upgrade().map(|s| s.version())
+                    && now != *version
+                {
+                    return Err(modified(*version, now, layout.shape().into()));
+                }
+                let tensor = Tensor::from_storage(data.fetch()?, layout.clone())?;
+                // An input keeps its history, as it would have without the offload: its node
+                // is this node's edge of the same slot.
+                if let Slot::Input(i) = slot
+                    && self.ctx.create_graph()
+                    && let Some(Some(node)) = self.ctx.node().inputs().nth(i)
+                {
+                    return Ok(tensor.attach(Autograd {
+                        node: node.clone(),
+                        grad: None,
+                    }));
+                }
+                Ok(tensor)
+            }
         }
-        Ok(saved)
     }
 
     /// Input `i` as the forward pass saw it (with its history, for higher-order gradients).
     pub fn input(&self, i: usize) -> Result<Tensor> {
-        Ok(self.find(Slot::Input(i))?.tensor.clone())
+        self.find(Slot::Input(i))
     }
 
     /// The auxiliary tensor of [`Rule::with_aux`].
     pub fn aux(&self) -> Result<Tensor> {
-        Ok(self.find(Slot::Aux)?.tensor.clone())
+        self.find(Slot::Aux)
     }
 
     /// The output; in a create-graph backward it is re-attached to its own node, so the second
     /// derivative flows through it.
     pub fn output(&self) -> Result<Tensor> {
-        let saved = &self.find(Slot::Output)?.tensor;
+        let saved = &self.find(Slot::Output)?;
         if self.ctx.create_graph() {
             Ok(saved.attach(Autograd {
                 node: self.ctx.node().clone(),
@@ -211,7 +291,7 @@ fn describe_slot(slot: Slot) -> String {
 /// A declared rule with its saved tensors: what a node owns.
 struct TensorRule<S: RuleState> {
     op: &'static str,
-    saved: SmallVec<[SavedTensor; 2]>,
+    saved: SmallVec<[Kept; 2]>,
     state: S,
     backward: BackwardFn<S>,
 }
@@ -234,16 +314,32 @@ impl<S: RuleState> Backward<Tensor> for TensorRule<S> {
     fn saved(&self) -> SavedBuffers {
         let mut buffers = SavedBuffers::new();
         for s in &self.saved {
-            let key = Arc::as_ptr(s.tensor.storage()) as usize;
+            // An offloaded buffer is held in host memory: counted by its copy's identity (each
+            // copy once, however many rules share it) and the same bytes.
+            let (key, bytes) = match s {
+                Kept::Here(s) => (
+                    Arc::as_ptr(s.tensor.storage()) as usize,
+                    s.tensor.storage().bytes(),
+                ),
+                Kept::Offloaded { data, .. } => (Arc::as_ptr(data) as usize, data.bytes()),
+            };
             // mul(x, x) keeps one storage once.
             if !buffers.iter().any(|b: &SavedBuffer| b.key == Some(key)) {
                 buffers.push(SavedBuffer {
                     key: Some(key),
-                    bytes: s.tensor.storage().bytes(),
+                    bytes,
                 });
             }
         }
         buffers
+    }
+
+    fn prefetch(&self) {
+        for s in &self.saved {
+            if let Kept::Offloaded { data, .. } = s {
+                data.prefetch();
+            }
+        }
     }
 }
 
@@ -340,29 +436,39 @@ pub fn record_kind<S: RuleState>(
         state,
         backward,
     } = make_rule();
+    // One thread-local read; an offload scope is rare.
+    let scope = offload::current();
+    if let Some(scope) = &scope {
+        scope.flush();
+        scope.note_output(&output, inputs);
+    }
+    let scope = scope.as_deref();
     let mut saved = SmallVec::new();
     for (i, input) in inputs.iter().enumerate() {
         if save.has_input(i) {
-            saved.push(SavedTensor {
+            let tensor = SavedTensor {
                 tensor: (*input).clone(),
                 version: input.storage().version(),
                 slot: Slot::Input(i),
-            });
+            };
+            saved.push(Kept::pack(tensor, scope));
         }
     }
     if save.has_output() {
-        saved.push(SavedTensor {
+        let tensor = SavedTensor {
             tensor: output.detach(),
             version: output.storage().version(),
             slot: Slot::Output,
-        });
+        };
+        saved.push(Kept::pack(tensor, scope));
     }
     if let Some(aux) = aux {
-        saved.push(SavedTensor {
+        let tensor = SavedTensor {
             version: aux.storage().version(),
             tensor: aux,
             slot: Slot::Aux,
-        });
+        };
+        saved.push(Kept::pack(tensor, scope));
     }
     let rule = TensorRule {
         op,

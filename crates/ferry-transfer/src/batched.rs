@@ -9,9 +9,9 @@ use ferry_memory::cuda::{CudaDevice, PinnedBuffer, PinnedPool, Stream};
 use ferry_memory::{DType, Device};
 use ferry_tensor::{Buffer, Layout, Result, Storage, Tensor, TensorError, with_no_grad};
 
-use crate::copy::{cuda, dense, move_bytes};
-use crate::pipeline::{StagingMeter, copy_bytes, within_budget};
+use crate::copy::move_bytes;
 use crate::report::{TransferPath, TransferReport};
+use crate::staging::{StagingMeter, copy_bytes, cuda, dense, within_budget};
 
 /// Named tensors, in order: a model's parameters and buffers.
 pub type StateDict = Vec<(String, Tensor)>;

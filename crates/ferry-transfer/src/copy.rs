@@ -1,46 +1,18 @@
 //! Raw byte moves between devices, with no autograd: the building blocks every method uses.
 
-use std::sync::Arc;
-
-use ferry_memory::cuda::{CudaDevice, PinnedPool};
+use ferry_memory::cuda::PinnedPool;
 use ferry_memory::{Device, HostBuffer};
-use ferry_tensor::{Buffer, Layout, Result, Storage, Tensor, TensorError};
+use ferry_tensor::{Buffer, Result, Tensor, TensorError};
 
-use crate::chunked::{ChunkPlan, ChunkSpec};
-use crate::pipeline::{self, within_budget};
+use crate::pipeline;
+use crate::plan::{ChunkPlan, ChunkSpec};
 use crate::report::TransferPath;
+use crate::staging::{cuda, dense, within_budget, wrap};
 
 /// Device-to-host copies of at least this many bytes land in pooled pinned memory. Measured on
 /// the H200 host, DMA into a cached pinned block beats the driver's pageable path at every size
 /// tried, 4 KiB included (7.8 us against 9.9 us), so only empty tensors go pageable.
 pub(crate) const PINNED_FROM_BYTES: usize = 1;
-
-/// `t` when its elements fill its buffer from byte 0 in order, else a fresh contiguous copy on
-/// its own device. Copies between devices move whole, dense buffers.
-pub(crate) fn dense(t: &Tensor) -> Result<Tensor> {
-    if !dense_copies(t) {
-        Ok(t.detach())
-    } else {
-        t.detach().copy()
-    }
-}
-
-/// Whether [`dense`] has to copy `t`.
-pub(crate) fn dense_copies(t: &Tensor) -> bool {
-    !(t.is_contiguous() && t.layout().offset() == 0 && t.storage().bytes() == t.nbytes())
-}
-
-pub(crate) fn cuda(ordinal: usize) -> Result<CudaDevice> {
-    Ok(CudaDevice::get(ordinal)?)
-}
-
-/// A contiguous tensor over `buffer` on `device`; `buffer` was just allocated with `like`'s
-/// `nbytes()`, so the layout fits it.
-pub(crate) fn wrap(buffer: Buffer, like: &Tensor, device: Device) -> Tensor {
-    let storage = Storage::new(buffer, like.dtype(), device);
-    Tensor::from_storage(Arc::new(storage), Layout::contiguous(like.shape()))
-        .expect("a buffer of like.nbytes() holds a contiguous tensor of like's shape")
-}
 
 /// Moves `src`'s elements to `device`, returning the moved tensor, the path taken and the
 /// staging it held at most (pinned staging and scratch, when it went through the pipeline).

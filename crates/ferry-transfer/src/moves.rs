@@ -1,48 +1,16 @@
 //! Autograd-aware moves: a move is an ordinary graph op whose backward sends the gradient home.
 
-use std::time::Instant;
-
-use ferry_graph::{NodeKind, pruned_on_this_thread};
+use ferry_graph::pruned_on_this_thread;
+use ferry_memory::Device;
 use ferry_memory::cuda::Stream;
-use ferry_memory::{DType, Device};
-use ferry_tensor::{Result, Rule, Save, Tensor, record_kind, should_record, with_no_grad};
-use smallvec::smallvec;
+use ferry_tensor::{Result, Tensor};
 
-use crate::chunked::{ChunkSpec, to_chunked};
-use crate::copy::{dense_copies, move_bytes};
+use crate::chunked::to_chunked;
 use crate::pending::{PendingTensor, to_async};
+use crate::plan::ChunkSpec;
+use crate::record::{MoveOptions, to_with};
 use crate::report::TransferReport;
-
-/// How to move: an optional dtype fused into the move, and whether to wait for the bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MoveOptions {
-    /// Convert to this dtype on the way; the cast runs on whichever side moves fewer bytes,
-    /// and the backward casts the gradient back.
-    pub dtype: Option<DType>,
-    /// Return before a GPU-to-host copy finishes. The result's bytes sit in pinned memory and
-    /// every read of them waits for the copy, so reading too early is not possible. Beyond
-    /// the pinned budget the move blocks instead (into pageable memory; `report.path` says
-    /// so).
-    pub non_blocking: bool,
-}
-
-impl MoveOptions {
-    /// Convert to `dtype` during the move.
-    pub fn dtype(dtype: DType) -> Self {
-        Self {
-            dtype: Some(dtype),
-            ..Self::default()
-        }
-    }
-
-    /// Do not wait for a GPU-to-host copy to finish.
-    pub fn non_blocking() -> Self {
-        Self {
-            non_blocking: true,
-            ..Self::default()
-        }
-    }
-}
+use crate::streaming::{ChunkStream, stream_to};
 
 /// Device moves on tensors.
 pub trait DeviceMove: Sized {
@@ -103,40 +71,28 @@ pub trait DeviceMove: Sized {
     /// staging pipeline into pageable memory, and the pending tensor is ready at once
     /// (`report.path` says `Chunked`).
     fn to_async(&self, device: Device, stream: &Stream) -> Result<PendingTensor>;
-}
 
-/// Records `moved` as a transfer of `src` to `to` when `src` requires grad and grad mode is on:
-/// the backward moves the gradient back to `src`'s device and dtype.
-pub(crate) fn record_transfer(
-    moved: Tensor,
-    src: &Tensor,
-    to: Device,
-    op: &'static str,
-    report: &mut TransferReport,
-) -> Tensor {
-    if should_record(&[src]) {
-        report.nodes_recorded = 1;
-    }
-    let kind = NodeKind::Transfer {
-        from: src.device(),
-        to,
-    };
-    // Saves nothing: the source's device and dtype are all the way home needs. Under
-    // `create_graph` the move back records a transfer node of its own, so second derivatives
-    // come home too.
-    record_kind(moved, op, kind, &[src], || {
-        Rule::new(
-            Save::NOTHING,
-            (src.device(), src.dtype()),
-            |_, &(device, dtype), g, _| {
-                let back = MoveOptions {
-                    dtype: Some(dtype),
-                    non_blocking: false,
-                };
-                Ok(smallvec![Some(g.to_with(device, back)?.0)])
-            },
-        )
-    })
+    /// The tensor's host chunks along axis 0, in order, as an iterator: while the caller works
+    /// on one chunk, the copies of the next ones are in flight (on the device's copy stream,
+    /// ordered after the work already queued where the source was produced). `device` must be
+    /// [`Device::Cpu`]; `spec` bounds the pinned staging exactly as for
+    /// [`DeviceMove::to_chunked`] (two blocks when two rows fit, so one chunk travels while the
+    /// caller holds the other), and [`ChunkStream::plan`] says which rows each chunk carries.
+    ///
+    /// Each chunk is a [`HostChunk`](crate::HostChunk): detached data (no gradient history,
+    /// whatever the source requires) whose tensor is a view of a page-locked staging block, so
+    /// no host copy is made.
+    /// Dropping the chunk returns the block to the ring; keeping it is safe too (the block then
+    /// leaves the ring, which takes a fresh one), so the ring never holds more than the plan's
+    /// staging, and chunks kept are the caller's memory like any tensor. When the pinned budget
+    /// has no room for staging, chunks come through the driver's pageable path, one at a time.
+    ///
+    /// Each chunk holds the values its rows had when its copy was queued, at most one ring
+    /// ahead of the chunk handed out; writing the source in place while it streams makes the
+    /// next `next()` an error (stream a copy instead). A failed copy surfaces from `next()`.
+    /// Dropping the stream early waits for the copies in flight and returns the staging. A
+    /// host source streams views of its own rows, with no copy. Records nothing in the graph.
+    fn stream_to(&self, device: Device, spec: ChunkSpec) -> Result<ChunkStream>;
 }
 
 impl DeviceMove for Tensor {
@@ -145,37 +101,7 @@ impl DeviceMove for Tensor {
     }
 
     fn to_with(&self, device: Device, options: MoveOptions) -> Result<(Tensor, TransferReport)> {
-        let start = Instant::now();
-        let (from_device, from_dtype) = (self.device(), self.dtype());
-        let to_dtype = options.dtype.unwrap_or(from_dtype);
-        let (moved, mut report) = with_no_grad(|| -> Result<_> {
-            // Cast first when that makes the bytes to move fewer.
-            let cast_first = to_dtype.size() < from_dtype.size();
-            let src = if cast_first {
-                self.detach().to_dtype(to_dtype)?
-            } else {
-                self.detach()
-            };
-            let bytes = if from_device == device {
-                0
-            } else {
-                src.nbytes()
-            };
-            let (moved, path, staging) = move_bytes(&src, device, options.non_blocking)?;
-            let moved = moved.to_dtype(to_dtype)?;
-            let mut report = TransferReport::new(path, bytes);
-            // Pinned staging and scratch of a move beyond the pinned budget, plus (held all
-            // the while) a cast before the move, or a non-dense source made dense on its own
-            // device first: scratch memory on the source side.
-            report.staging_peak_bytes = staging;
-            if bytes > 0 && (cast_first || dense_copies(&src)) {
-                report.staging_peak_bytes += src.nbytes();
-            }
-            Ok((moved, report))
-        })?;
-        let out = record_transfer(moved, self, device, "to_device", &mut report);
-        report.elapsed = start.elapsed();
-        Ok((out, report))
+        to_with(self, device, options)
     }
 
     fn into_device(self, device: Device) -> Result<(Tensor, TransferReport)> {
@@ -204,5 +130,9 @@ impl DeviceMove for Tensor {
 
     fn to_async(&self, device: Device, stream: &Stream) -> Result<PendingTensor> {
         to_async(self, device, stream)
+    }
+
+    fn stream_to(&self, device: Device, spec: ChunkSpec) -> Result<ChunkStream> {
+        stream_to(self, device, spec)
     }
 }

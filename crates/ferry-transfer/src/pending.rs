@@ -9,10 +9,10 @@ use ferry_memory::cuda::{Event, PinnedBuffer, PinnedPool, Stream};
 use ferry_memory::{DType, Device, MemoryError};
 use ferry_tensor::{Buffer, Result, Tensor, TensorError, should_record, with_no_grad};
 
-use crate::copy::{beyond_budget, cuda, dense, move_bytes, wrap};
-use crate::moves::record_transfer;
-use crate::pipeline::{after_default, within_budget};
+use crate::copy::{beyond_budget, move_bytes};
+use crate::record::record_transfer;
 use crate::report::{TransferPath, TransferReport};
+use crate::staging::{after_default, cuda, dense, within_budget, wrap};
 
 /// A move in flight. It keeps the source alive until it is waited for or dropped, and it has no
 /// accessor to the moved data except [`PendingTensor::wait`], which returns only once the copy's

@@ -5,120 +5,25 @@
 //! driver's own pageable path instead (slower, but bounded and correct). Moves whose results
 //! do not fit the pinned budget come here too (see `copy::beyond_budget`).
 
-use std::collections::HashMap;
-use std::sync::OnceLock;
-
 use ferry_memory::cuda::{CudaDevice, PinnedBuffer, PinnedPool, Stream};
-use ferry_memory::{Device, HostBuffer, HostPool, MemoryError};
+use ferry_memory::{Device, HostBuffer, HostPool};
 use ferry_tensor::{Buffer, Result, Tensor, TensorError};
-use parking_lot::Mutex;
-use rayon::prelude::*;
 
-use crate::chunked::ChunkPlan;
-use crate::copy::{cuda, wrap};
+use crate::plan::ChunkPlan;
 use crate::report::{TransferPath, TransferReport};
-
-/// One copy stream per device, made once: chunked and batched copies queue there so they can
-/// overlap work on the default stream.
-pub(crate) fn transfer_stream(dev: &CudaDevice) -> Result<Stream> {
-    static STREAMS: OnceLock<Mutex<HashMap<usize, Stream>>> = OnceLock::new();
-    let streams = STREAMS.get_or_init(Default::default);
-    if let Some(stream) = streams.lock().get(&dev.ordinal()) {
-        return Ok(stream.clone());
-    }
-    // Made outside the lock: a device's first second stream synchronizes the device. Should
-    // two threads race here, one stream is kept and the other dropped.
-    let stream = dev.new_stream()?;
-    Ok(streams
-        .lock()
-        .entry(dev.ordinal())
-        .or_insert(stream)
-        .clone())
-}
-
-/// Orders `stream` after everything queued so far on `dev`'s default stream, where tensors
-/// are produced.
-pub(crate) fn after_default(dev: &CudaDevice, stream: &Stream) -> Result<()> {
-    if stream != dev.default_stream() {
-        stream.wait_event(&dev.default_stream().record()?)?;
-    }
-    Ok(())
-}
-
-/// Copies `src` into `dst` (same length), on all cores when it is large: page faults on fresh
-/// pageable memory and memory bandwidth both scale with threads.
-pub(crate) fn copy_bytes(dst: &mut [u8], src: &[u8]) {
-    const PART: usize = 2 << 20;
-    if dst.len() < 4 * PART {
-        dst.copy_from_slice(src);
-    } else {
-        dst.par_chunks_mut(PART)
-            .zip(src.par_chunks(PART))
-            .for_each(|(d, s)| d.copy_from_slice(s));
-    }
-}
-
-/// Staging a move holds, counted by the move itself as it allocates and frees: the pools'
-/// statistics, and their peaks, belong to the user, so library code never resets them (and
-/// other threads' allocations do not leak into a move's report).
-#[derive(Debug, Default)]
-pub(crate) struct StagingMeter {
-    now: usize,
-    peak: usize,
-}
-
-impl StagingMeter {
-    /// `bytes` more are held.
-    pub(crate) fn hold(&mut self, bytes: usize) {
-        self.now += bytes;
-        self.peak = self.peak.max(self.now);
-    }
-
-    /// `bytes` held before are given back.
-    pub(crate) fn release(&mut self, bytes: usize) {
-        self.now -= bytes;
-    }
-
-    /// The most held at once.
-    pub(crate) fn peak(&self) -> usize {
-        self.peak
-    }
-}
-
-/// `Ok(None)` when the pinned budget refused the request (the caller goes pageable).
-pub(crate) fn within_budget(
-    alloc: std::result::Result<PinnedBuffer, MemoryError>,
-) -> Result<Option<PinnedBuffer>> {
-    match alloc {
-        Ok(buffer) => Ok(Some(buffer)),
-        Err(MemoryError::PinnedBudgetExceeded { .. }) => Ok(None),
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// The staging ring of `plan`, each buffer exactly its class (so the plan's bound holds), or
-/// `None` when the pinned budget has no room for it.
-fn staging_ring(
-    pool: &'static PinnedPool,
-    plan: &ChunkPlan,
-    meter: &mut StagingMeter,
-) -> Result<Option<Vec<PinnedBuffer>>> {
-    let mut ring = Vec::with_capacity(plan.staging_buffers());
-    for _ in 0..plan.staging_buffers() {
-        match within_budget(pool.alloc_exact(plan.piece_bytes()))? {
-            Some(buffer) => ring.push(buffer),
-            None => return Ok(None), // what was taken goes back as `ring` drops
-        }
-    }
-    meter.hold(ring.iter().map(PinnedBuffer::block_size).sum());
-    Ok(Some(ring))
-}
+use crate::staging::{
+    StagingMeter, after_default, copy_bytes, cuda, staging_ring, transfer_stream, wrap,
+};
 
 /// Where piece `i` of a source comes from: a byte range of the source's own storage when it is
 /// contiguous, else a contiguous copy of the piece made on the source's device (so scratch
 /// memory is bounded by one piece, like the staging). Returns the tensor, the byte offset and
 /// the scratch bytes it holds (0 for a range of the source).
-fn piece_source(src: &Tensor, plan: &ChunkPlan, i: usize) -> Result<(Tensor, usize, usize)> {
+pub(crate) fn piece_source(
+    src: &Tensor,
+    plan: &ChunkPlan,
+    i: usize,
+) -> Result<(Tensor, usize, usize)> {
     let elem = src.dtype().size();
     if src.is_contiguous() {
         return Ok((
@@ -148,7 +53,7 @@ pub(crate) fn device_to_host(
     // Pooled pages are already faulted in: fresh ones would cost more than the link.
     let mut out = HostPool::global().alloc(src.nbytes())?;
     let mut meter = StagingMeter::default();
-    match staging_ring(pool, plan, &mut meter)? {
+    match staging_ring(pool, plan.staging_buffers(), plan.piece_bytes(), &mut meter)? {
         Some(ring) => download_through(src, &dev, plan, ring, &mut out, &mut meter)?,
         None => download_direct(src, &dev, plan, &mut out, &mut meter)?,
     }
@@ -159,7 +64,7 @@ pub(crate) fn device_to_host(
 }
 
 /// Queues the download of piece `i` into `staging` on `stream`.
-fn queue_download(
+pub(crate) fn queue_download(
     src: &Tensor,
     dev: &CudaDevice,
     plan: &ChunkPlan,
@@ -265,7 +170,7 @@ pub(crate) fn host_to_device(
     let pool = PinnedPool::global()?;
     let mut out = dev.alloc(src.nbytes(), dev.default_stream())?;
     let mut meter = StagingMeter::default();
-    match staging_ring(pool, plan, &mut meter)? {
+    match staging_ring(pool, plan.staging_buffers(), plan.piece_bytes(), &mut meter)? {
         Some(ring) => upload_through(src, &dev, plan, ring, &mut out, &mut meter)?,
         None => {
             // Without pinned staging: the driver's pageable path, a piece at a time.
@@ -333,23 +238,4 @@ fn upload_through(
     drop(ring);
     meter.release(ring_bytes);
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::StagingMeter;
-
-    #[test]
-    fn the_meter_keeps_the_most_held_at_once() {
-        let mut meter = StagingMeter::default();
-        meter.hold(100); // a ring
-        meter.hold(30); // a scratch piece
-        meter.release(30);
-        meter.hold(20);
-        meter.release(20);
-        meter.release(100);
-        assert_eq!(meter.peak(), 130);
-        meter.hold(50);
-        assert_eq!(meter.peak(), 130);
-    }
 }

@@ -44,12 +44,15 @@ pub mod autograd {
         GradMode, GradModeGuard, enable_grad, inference_mode, is_grad_enabled, is_inference_mode,
         no_grad, with_no_grad,
     };
-    pub use ferry_tensor::autograd::{GradOptions, grad};
+    pub use ferry_tensor::autograd::{
+        GradOptions, OffloadGuard, OffloadOptions, OffloadStats, grad, offload_saved,
+    };
     pub use ferry_tensor::gradcheck::{gradcheck, gradgradcheck};
 }
 pub use ferry_transfer::{
-    ChunkPlan, ChunkSpec, DeviceMove, MoveOptions, PendingTensor, StateDict, TransferPath,
-    TransferReport, move_state_dict, pinned_block_size,
+    Batch, ChunkPlan, ChunkSpec, ChunkStream, DEFAULT_IN_FLIGHT, DeviceLoader, DeviceMove,
+    HostChunk, LoaderStats, MoveOptions, PendingTensor, StateDict, TransferPath, TransferReport,
+    move_state_dict, pinned_block_size,
 };
 /// The ndarray version ferry converts to and from, so callers name the same types.
 pub use ndarray;

@@ -12,7 +12,10 @@ mod autograd;
 mod autograd_chains;
 mod autograd_json;
 mod autograd_output;
+mod checkpoint;
 mod ferry_cases;
+mod offload;
+mod pipeline;
 mod pytorch;
 mod report;
 mod resnet50;
@@ -40,6 +43,17 @@ enum BenchCommand {
     /// The autograd core: device memory kept by standard chains and peak during backward,
     /// CPU thread scaling and per-op overhead; with --compare-pytorch, PyTorch's alongside.
     Autograd(autograd::AutogradArgs),
+    /// A video pipeline: frames produced on the GPU, moved to the host, reduced there; serial,
+    /// ferry's overlapped pipeline and stream_to against the ideal and, with --compare-pytorch,
+    /// PyTorch's best (side stream, pinned double buffering).
+    Pipeline(pipeline::PipelineArgs),
+    /// A GPU state dict (10 GiB by default) saved and loaded through bounded staging: time,
+    /// GB/s, extra device and host memory; with --compare-pytorch, torch.save and safetensors.
+    Checkpoint(checkpoint::CheckpointArgs),
+    /// Activation offload on an MLP with >= 4 GB of saved activations: step time, peak device
+    /// memory and saved bytes with and without it; with --compare-pytorch, PyTorch's
+    /// save_on_cpu(pin_memory=True) alongside.
+    Offload(offload::OffloadArgs),
 }
 
 pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
@@ -47,5 +61,8 @@ pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
         BenchCommand::Transfer(args) => transfer::run(args),
         BenchCommand::Train(args) => train::run(args),
         BenchCommand::Autograd(args) => autograd::run(args),
+        BenchCommand::Pipeline(args) => pipeline::run(args),
+        BenchCommand::Checkpoint(args) => checkpoint::run(args),
+        BenchCommand::Offload(args) => offload::run(args),
     }
 }

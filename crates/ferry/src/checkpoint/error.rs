@@ -99,6 +99,18 @@ pub enum CheckpointError {
         /// Every problem found.
         problems: Vec<Mismatch>,
     },
+    /// The staging bound of a bounded save or load is too small to hold its ring of pieces.
+    #[error(
+        "{op}: a staging bound of {staging_bytes} bytes is too small: the staging ring needs at least {minimum} bytes (four pinned blocks of 4 KiB); raise `staging_bytes` (the default is 256 MiB); nothing was written or loaded"
+    )]
+    StagingTooSmall {
+        /// `"save_with"` or `"load_to"`.
+        op: &'static str,
+        /// The bound given.
+        staging_bytes: usize,
+        /// The smallest bound that works.
+        minimum: usize,
+    },
     /// A tensor operation (a device move, a copy) failed.
     #[error(transparent)]
     Tensor(#[from] TensorError),

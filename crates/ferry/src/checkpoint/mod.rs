@@ -1,9 +1,12 @@
 //! Checkpoints in the safetensors format: state dicts to files and back.
 //!
-//! Writing goes through the batched transfer ([`move_state_dict`]): the tensors of a CUDA model
-//! land in one pinned arena with one synchronization, then go to the file; no per-tensor
-//! synchronization. Reading gives host tensors; `load_state_dict` moves them to the model's
-//! device in one batch.
+//! Writing streams: each tensor (or piece of a large one) goes from its device through a ring
+//! of pinned staging slots to the file, the DMA of the next pieces overlapping the write and
+//! CRC of the current one. Extra memory is bounded ([`SaveOptions::staging_bytes`], 256 MiB by
+//! default) on the host and on each device, whatever the model's size: no device-side copy of
+//! a group of tensors, no host copy of the model. [`load`] gives host tensors
+//! (`load_state_dict` moves them to the model's device); [`load_to`] streams the file straight
+//! into new tensors on a GPU through the same bounded staging.
 //!
 //! Files are plain safetensors (little-endian, PyTorch's dtype names), so Python's
 //! `safetensors` opens what ferry writes and ferry loads what `safetensors.torch.save_file`
@@ -19,7 +22,9 @@
 //! written in the header's metadata under [`CHECKSUM_KEY`] and checked on load; a damaged file
 //! is an error naming the file and the tensor, returned before anything is handed to a model.
 //! Files without the record (written by Python) load unchecked. Each tensor is read straight
-//! into its own buffer: loading takes about the file's size in memory, not twice that.
+//! into its own buffer: loading takes about the file's size in memory, not twice that. A load
+//! onto a GPU ([`load_to`]) checks each tensor as its pieces pass and hands out the new tensors
+//! only once all passed.
 //!
 //! ```
 //! use ferry::nn::{Linear, Module};
@@ -39,18 +44,25 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use ferry_tensor::{Device, Tensor};
-use ferry_transfer::{StateDict, TransferReport, move_state_dict};
+use ferry_transfer::{StateDict, TransferReport};
 
+mod durable;
 mod error;
 mod format;
+mod plan;
 mod read;
+mod stage;
 mod write;
 
 pub use error::{CheckpointError, Mismatch};
 pub use format::CHECKSUM_KEY;
+pub use plan::{DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions};
+pub use stage::CheckpointReport;
 
-/// Writes `tensors` to `path` as safetensors. Device tensors go to the host in one batch (one
-/// pinned arena, one synchronization); the returned report says what that move did.
+/// Writes `tensors` to `path` as safetensors, streaming device tensors through the default
+/// staging bound ([`DEFAULT_STAGING_BYTES`]); the returned report says what crossed the device
+/// boundary, in how many pieces, and the staging peak. [`save_with`] sets the bound and reports
+/// the host and device peaks apart.
 pub fn save(
     path: impl AsRef<Path>,
     tensors: &[(String, Tensor)],
@@ -58,9 +70,45 @@ pub fn save(
     Checkpoint::from_tensors(tensors.to_vec()).save(path)
 }
 
+/// Writes `tensors` (on any devices, in any layout) to `path` as [`save`] does, holding at most
+/// `options.staging_bytes` of extra memory on the host and on each device.
+///
+/// ```
+/// use ferry::checkpoint::{self, SaveOptions};
+/// use ferry::{DType, Device, Tensor};
+///
+/// let path = std::env::temp_dir().join(format!("ferry-doc-with-{}.safetensors", std::process::id()));
+/// let w = Tensor::randn(&[512, 256], DType::F32, Device::Cpu)?;
+/// let report = checkpoint::save_with(&path, &[("w".into(), w)], SaveOptions { staging_bytes: 1 << 20 })?;
+/// assert!(report.peak_extra_host_bytes <= 1 << 20);
+/// # std::fs::remove_file(&path).ok();
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn save_with(
+    path: impl AsRef<Path>,
+    tensors: &[(String, Tensor)],
+    options: SaveOptions,
+) -> Result<CheckpointReport, CheckpointError> {
+    Checkpoint::from_tensors(tensors.to_vec()).save_with(path, options)
+}
+
 /// Reads every tensor of a safetensors file onto the host, in file order.
 pub fn load(path: impl AsRef<Path>) -> Result<StateDict, CheckpointError> {
     Ok(Checkpoint::load(path)?.tensors)
+}
+
+/// Reads every tensor of a safetensors file onto `device`, in file order. Onto a GPU the file
+/// streams through at most `options.staging_bytes` of pinned staging into new device tensors
+/// (the file's size on the device, which is the result; nothing of the size of the model on
+/// the host); onto the host each tensor is read straight into its own buffer, as [`load`]
+/// does. Every checksum is verified before anything is returned.
+pub fn load_to(
+    path: impl AsRef<Path>,
+    device: Device,
+    options: LoadOptions,
+) -> Result<(StateDict, CheckpointReport), CheckpointError> {
+    let (ck, report) = Checkpoint::load_to(path, device, options)?;
+    Ok((ck.tensors, report))
 }
 
 /// Tensors and string metadata (safetensors' `__metadata__`), with sections by key prefix, so
@@ -120,14 +168,27 @@ impl Checkpoint {
     }
 
     /// Writes the checkpoint to `path` durably (temporary file, fsync, rename, fsync of the
-    /// directory), with checksums. Names are checked first: a repeated tensor name or a
-    /// reserved one is an error and nothing is written.
+    /// directory), with checksums, streaming through the default staging bound. Names are
+    /// checked first: a repeated tensor name or a reserved one is an error and nothing is
+    /// written.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<TransferReport, CheckpointError> {
+        Ok(self
+            .save_with(path, SaveOptions::default())?
+            .transfer_report())
+    }
+
+    /// [`Checkpoint::save`] with a staging bound: at most `options.staging_bytes` of extra
+    /// memory on the host and on each device. A bound too small for the staging ring is an
+    /// error naming the minimum, before anything is written.
+    pub fn save_with(
+        &self,
+        path: impl AsRef<Path>,
+        options: SaveOptions,
+    ) -> Result<CheckpointReport, CheckpointError> {
         let path = path.as_ref();
         format::check_names(self.tensors.iter().map(|(k, _)| k.as_str()), &self.metadata)?;
-        let (host, report) = move_state_dict(&self.tensors, Device::Cpu)?;
-        write::write_file(path, &write::host_contiguous(host)?, &self.metadata)?;
-        Ok(report)
+        let slots = plan::Slots::new("save_with", options.staging_bytes)?;
+        write::write_file(path, &self.tensors, &self.metadata, slots)
     }
 
     /// Reads a checkpoint: every tensor onto the host, in file order, and the metadata. A
@@ -135,5 +196,33 @@ impl Checkpoint {
     pub fn load(path: impl AsRef<Path>) -> Result<Self, CheckpointError> {
         let (tensors, metadata) = read::read_file(path.as_ref())?;
         Ok(Self { tensors, metadata })
+    }
+
+    /// Reads a checkpoint onto `device` (see [`load_to`]): the tensors, verified, and the
+    /// metadata.
+    pub fn load_to(
+        path: impl AsRef<Path>,
+        device: Device,
+        options: LoadOptions,
+    ) -> Result<(Self, CheckpointReport), CheckpointError> {
+        let path = path.as_ref();
+        let slots = plan::Slots::new("load_to", options.staging_bytes)?;
+        match device {
+            Device::Cpu => {
+                let started = std::time::Instant::now();
+                let (tensors, metadata) = read::read_file(path)?;
+                let report = CheckpointReport {
+                    tensors: tensors.len(),
+                    bytes: tensors.iter().map(|(_, t)| t.nbytes()).sum(),
+                    elapsed: started.elapsed(),
+                    ..CheckpointReport::default()
+                };
+                Ok((Self { tensors, metadata }, report))
+            }
+            Device::Cuda(ordinal) => {
+                let (tensors, metadata, report) = read::read_to_device(path, ordinal, slots)?;
+                Ok((Self { tensors, metadata }, report))
+            }
+        }
     }
 }

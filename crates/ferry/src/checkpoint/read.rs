@@ -2,28 +2,67 @@
 //! allocated, then each tensor is read straight into its own buffer and hashed on the way (peak
 //! memory: the tensors themselves, about the file's size). Every claim of the header is checked:
 //! a damaged file is an error, never a panic or an allocation sized by a corrupt number.
+//!
+//! Reading onto a GPU streams: each piece is read into a pinned slot, hashed, and uploaded on a
+//! copy stream into the new tensor's device buffer while the next piece is read into another
+//! slot. The tensors are handed out only once every checksum has passed.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufReader, Read};
+use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
 
 use ferry_memory::HostBuffer;
-use ferry_tensor::{Tensor, TensorError};
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
+use ferry_tensor::{Buffer, DType, Device, Layout, Storage, Tensor, TensorError};
 use ferry_transfer::StateDict;
 use safetensors::tensor::{Metadata, TensorInfo};
 
 use super::CheckpointError;
 use super::format::{CHECKSUM_KEY, Checksums, MAX_HEADER_LEN, ferry_dtype, header_checksum};
+use super::plan::{Piece, SLOTS, Slots, pieces};
+use super::stage::{CheckpointReport, Meter, Ring, Slot, after_default, copy_stream};
 
 /// Bytes read and hashed at a time.
 const CHUNK: usize = 4 << 20;
 
-/// Every tensor of the file at `path` (in file order) and its metadata, less ferry's checksum
-/// record. When the file carries the record, every tensor and the header are verified.
-pub(super) fn read_file(
-    path: &Path,
-) -> Result<(StateDict, BTreeMap<String, String>), CheckpointError> {
+/// A file whose header was read and checked, positioned at its first tensor's bytes.
+struct Opened<'p> {
+    path: &'p Path,
+    file: BufReader<File>,
+    /// Each tensor's name and description, in file order.
+    infos: Vec<(String, TensorInfo)>,
+    dtypes: Vec<DType>,
+    /// The metadata, less ferry's checksum record.
+    metadata: BTreeMap<String, String>,
+    /// The record, verified against the header, when the file has one.
+    checksums: Option<Checksums>,
+}
+
+impl Opened<'_> {
+    /// Checks a tensor's CRC32 against the record, if there is one.
+    fn verify(&self, key: &str, hasher: crc32fast::Hasher) -> Result<(), CheckpointError> {
+        if let Some(sums) = &self.checksums {
+            let expected = sums.tensors[key];
+            let found = hasher.finalize();
+            if found != expected {
+                return Err(CheckpointError::ChecksumMismatch {
+                    path: self.path.to_path_buf(),
+                    key: key.to_string(),
+                    expected,
+                    found,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Opens `path` and checks its header: lengths against the file, dtypes, the checksum record.
+fn open(path: &Path) -> Result<Opened<'_>, CheckpointError> {
     let io = |source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
@@ -106,32 +145,196 @@ pub(super) fn read_file(
         Some(record) => Some(verify_header(path, &record, &infos, &metadata)?),
         None => None,
     };
+    Ok(Opened {
+        path,
+        file,
+        infos,
+        dtypes,
+        metadata,
+        checksums,
+    })
+}
 
+/// Every tensor of the file at `path` (in file order) and its metadata, less ferry's checksum
+/// record. When the file carries the record, every tensor and the header are verified.
+pub(super) fn read_file(
+    path: &Path,
+) -> Result<(StateDict, BTreeMap<String, String>), CheckpointError> {
+    let io = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut opened = open(path)?;
+    let infos = std::mem::take(&mut opened.infos);
+    let dtypes = std::mem::take(&mut opened.dtypes);
     let mut tensors = Vec::with_capacity(infos.len());
     for ((key, info), dtype) in infos.into_iter().zip(dtypes) {
         let (start, end) = info.data_offsets;
         let mut buffer = HostBuffer::zeroed(end - start).map_err(TensorError::from)?;
         let mut hasher = crc32fast::Hasher::new();
-        for chunk in buffer.as_bytes_mut().chunks_mut(CHUNK) {
-            file.read_exact(chunk).map_err(io)?;
-            hasher.update(chunk);
-        }
-        if let Some(sums) = &checksums {
-            let expected = sums.tensors[&key];
-            let found = hasher.finalize();
-            if found != expected {
-                return Err(CheckpointError::ChecksumMismatch {
-                    path: path.to_path_buf(),
-                    key,
-                    expected,
-                    found,
-                });
-            }
-        }
+        read_hashed(&mut opened.file, buffer.as_bytes_mut(), &mut hasher).map_err(io)?;
+        opened.verify(&key, hasher)?;
         let t = Tensor::from_host_buffer(buffer, dtype, &info.shape)?;
         tensors.push((key, t));
     }
-    Ok((tensors, metadata))
+    Ok((tensors, opened.metadata))
+}
+
+/// Every tensor of the file at `path`, in file order, on CUDA device `ordinal`, streamed through
+/// pinned slots of `slots`; and the metadata. Returned only once every tensor is verified.
+pub(super) fn read_to_device(
+    path: &Path,
+    ordinal: usize,
+    slots: Slots,
+) -> Result<(StateDict, BTreeMap<String, String>, CheckpointReport), CheckpointError> {
+    let started = Instant::now();
+    let io = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut opened = open(path)?;
+    let dev = CudaDevice::get(ordinal).map_err(TensorError::from)?;
+    let mut report = CheckpointReport {
+        tensors: opened.infos.len(),
+        ..CheckpointReport::default()
+    };
+    // The results: the file's size on the device, allocated before the first byte is read so
+    // a load that cannot fit fails before the file is read.
+    let mut buffers = opened
+        .infos
+        .iter()
+        .map(|(_, info)| {
+            dev.alloc(
+                info.data_offsets.1 - info.data_offsets.0,
+                dev.default_stream(),
+            )
+        })
+        .collect::<Result<Vec<DeviceBuffer>, _>>()
+        .map_err(TensorError::from)?;
+    // Every piece, in file order: (tensor, byte range of its data).
+    let parts: Vec<(usize, Range<usize>)> = opened
+        .infos
+        .iter()
+        .enumerate()
+        .flat_map(|(t, (_, info))| {
+            let len = info.data_offsets.1 - info.data_offsets.0;
+            pieces(&[len], 1, true, slots)
+                .into_iter()
+                .map(move |piece| match piece {
+                    Piece::Bytes(range) => (t, range),
+                    Piece::Block(_) => unreachable!("file data is contiguous"),
+                })
+        })
+        .collect();
+    // Slots no larger than a quarter of the file (a small one takes little pinned memory), but
+    // holding the longest piece.
+    let total: usize = parts.iter().map(|(_, r)| r.len()).sum();
+    let longest = parts.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
+    let slot_len = longest.max(total.div_ceil(SLOTS)).min(slots.slot);
+    let mut host = Meter::default();
+    let stream = copy_stream(&dev)?;
+    // The fresh blocks may have been freed by work still queued on the default stream.
+    after_default(&dev, &stream)?;
+    let mut ring = (!parts.is_empty())
+        .then(|| Ring::new(slot_len, parts.len(), &mut host))
+        .transpose()?;
+    let mut hashers: Vec<crc32fast::Hasher> = buffers.iter().map(|_| Default::default()).collect();
+    let (mut next, mut group) = (0usize, 0usize);
+    while next < parts.len() {
+        // The next pieces that fit one slot: read (and hashed) one after the other, then
+        // uploaded in one batch while the following slot is filled.
+        let mut end = next + 1;
+        let mut used = parts[next].1.len();
+        while end < parts.len() && used + parts[end].1.len() <= slot_len {
+            used += parts[end].1.len();
+            end += 1;
+        }
+        let ring = ring.as_mut().expect("pieces have a ring");
+        let n = ring.slots.len();
+        let slot = &mut ring.slots[group % n];
+        let bytes = match slot {
+            // Waits for the upload that last read this slot; the others stay in flight.
+            Slot::Pinned(staging) => staging.as_bytes_mut().map_err(TensorError::from)?,
+            Slot::Pageable(bytes) => bytes.as_mut_slice(),
+        };
+        let mut at = 0;
+        for (t, range) in &parts[next..end] {
+            let dst = &mut bytes[at..at + range.len()];
+            read_hashed(&mut opened.file, dst, &mut hashers[*t]).map_err(io)?;
+            at += range.len();
+            if range.end == buffers[*t].len() {
+                // A damaged tensor ends the load here: the new buffers drop, the caller's
+                // tensors are untouched.
+                let hasher = std::mem::take(&mut hashers[*t]);
+                opened.verify(&opened.infos[*t].0, hasher)?;
+            }
+        }
+        let mut at = 0;
+        match slot {
+            Slot::Pinned(staging) => {
+                let mut batch = staging.batch(&stream).map_err(TensorError::from)?;
+                for (t, range) in &parts[next..end] {
+                    batch
+                        .upload(&mut buffers[*t], range.start, at, range.len())
+                        .map_err(TensorError::from)?;
+                    at += range.len();
+                }
+                batch.finish().map_err(TensorError::from)?;
+            }
+            Slot::Pageable(bytes) => {
+                for (t, range) in &parts[next..end] {
+                    buffers[*t]
+                        .copy_from_host_at(
+                            range.start,
+                            &bytes[at..at + range.len()],
+                            dev.default_stream(),
+                        )
+                        .map_err(TensorError::from)?;
+                    at += range.len();
+                }
+            }
+        }
+        report.pieces += end - next;
+        report.device_bytes += used;
+        next = end;
+        group += 1;
+    }
+    // Empty tensors have no pieces: their checksums are those of no bytes.
+    for (t, buffer) in buffers.iter().enumerate() {
+        if buffer.is_empty() {
+            let hasher = std::mem::take(&mut hashers[t]);
+            opened.verify(&opened.infos[t].0, hasher)?;
+        }
+    }
+    stream.synchronize().map_err(TensorError::from)?;
+    if let Some(ring) = ring {
+        report.pageable = ring.pageable();
+        ring.release(&mut host);
+    }
+    let device = Device::Cuda(ordinal);
+    let mut tensors = Vec::with_capacity(buffers.len());
+    for (((key, info), dtype), buffer) in opened.infos.iter().zip(&opened.dtypes).zip(buffers) {
+        let storage = Storage::new(Buffer::Cuda(buffer), *dtype, device);
+        let t = Tensor::from_storage(Arc::new(storage), Layout::contiguous(&info.shape))?;
+        tensors.push((key.clone(), t));
+    }
+    report.bytes = report.device_bytes;
+    report.peak_extra_host_bytes = host.peak();
+    report.elapsed = started.elapsed();
+    Ok((tensors, opened.metadata, report))
+}
+
+/// Fills `bytes` from `file`, hashing each cache-sized chunk as it arrives.
+fn read_hashed(
+    file: &mut impl Read,
+    bytes: &mut [u8],
+    hasher: &mut crc32fast::Hasher,
+) -> std::io::Result<()> {
+    for chunk in bytes.chunks_mut(CHUNK) {
+        file.read_exact(chunk)?;
+        hasher.update(chunk);
+    }
+    Ok(())
 }
 
 /// The data section must hold exactly what the header describes: a short one names the first

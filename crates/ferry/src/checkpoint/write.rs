@@ -1,22 +1,43 @@
-//! Durable writes: a temporary file beside the target, fsynced, renamed over the target, and
-//! the directory fsynced, so after a crash or power cut the name holds the old file or the
-//! new one, never a mix or zeroed blocks. Tensor bytes go from their storage to the file with
-//! no copy, hashed as they go.
+//! Writing a checkpoint: the header, then every tensor's bytes hashed on the way, into a
+//! durable temporary file (see `durable`) renamed over the target at the end.
+//!
+//! Tensors go to the file in pieces (see `plan`): a contiguous host tensor's bytes go from its
+//! storage with no copy; a device tensor's pieces go through a ring of pinned slots on a copy
+//! stream, so the DMA of the next pieces overlaps the write and CRC of the current one; a
+//! non-contiguous tensor is made contiguous a block at a time on its own device. Extra memory
+//! is bounded by the staging bound on the host and on each device.
 
-use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
+use std::time::Instant;
 
-use ferry_tensor::{Device, Tensor, TensorError};
+use ferry_memory::cuda::CudaDevice;
+use ferry_tensor::{Buffer, Device, Tensor, TensorError};
 use safetensors::tensor::TensorInfo;
 
 use super::CheckpointError;
+use super::durable::TempFile;
 use super::format::{Checksums, header_bytes, header_checksum, safetensors_dtype};
+use super::plan::{Piece, SLOTS, Slots, pieces};
+use super::stage::{CheckpointReport, Meter, Ring, Slot, after_default, copy_stream};
 
 /// Bytes hashed and written at a time: small enough to stay in cache between the two.
 const CHUNK: usize = 4 << 20;
+
+/// Hashes and writes `bytes`, a cache-sized chunk at a time.
+fn hash_and_write(
+    out: &mut impl Write,
+    hasher: &mut crc32fast::Hasher,
+    bytes: &[u8],
+    temp: &Path,
+) -> Result<(), CheckpointError> {
+    for chunk in bytes.chunks(CHUNK) {
+        hasher.update(chunk);
+        out.write_all(chunk).map_err(io(temp))?;
+    }
+    Ok(())
+}
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io {
@@ -25,12 +46,28 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     }
 }
 
-/// Writes host tensors (contiguous, names checked) and `metadata` to `path` durably.
+/// A tensor as the file takes it: its name, the tensor (detached) and its pieces.
+struct Entry<'a> {
+    key: &'a str,
+    t: Tensor,
+    pieces: Vec<Piece>,
+}
+
+impl Entry<'_> {
+    fn on_device(&self) -> bool {
+        self.t.device().is_cuda()
+    }
+}
+
+/// Writes `tensors` (names checked; any device, any layout) and `metadata` to `path` durably,
+/// in pieces that fit `slots`.
 pub(super) fn write_file(
     path: &Path,
     tensors: &[(String, Tensor)],
     metadata: &BTreeMap<String, String>,
-) -> Result<(), CheckpointError> {
+    slots: Slots,
+) -> Result<CheckpointReport, CheckpointError> {
+    let started = Instant::now();
     // safetensors' order: widest dtype first, then by name, so every tensor is aligned to its
     // element size in the file (the header's length is a multiple of 8).
     let mut order: Vec<&(String, Tensor)> = tensors.iter().collect();
@@ -39,6 +76,7 @@ pub(super) fn write_file(
         dy.cmp(&dx).then(a.cmp(b))
     });
     let mut infos = Vec::with_capacity(order.len());
+    let mut entries = Vec::with_capacity(order.len());
     let mut offset = 0usize;
     for (key, t) in &order {
         let end = offset + t.nbytes();
@@ -49,6 +87,9 @@ pub(super) fn write_file(
         };
         infos.push((key.clone(), info));
         offset = end;
+        let t = t.detach();
+        let pieces = pieces(t.shape(), t.dtype().size(), t.is_contiguous(), slots);
+        entries.push(Entry { key, t, pieces });
     }
     let mut sums = Checksums {
         header: header_checksum(&infos, metadata),
@@ -62,9 +103,14 @@ pub(super) fn write_file(
     out.write_all(&(placeholder.len() as u64).to_le_bytes())
         .and_then(|()| out.write_all(&placeholder))
         .map_err(io(&temp.path))?;
-    for (key, t) in &order {
-        let crc = write_tensor(&mut out, t, &temp.path)?;
-        sums.tensors.insert(key.clone(), crc);
+    let mut report = CheckpointReport {
+        tensors: entries.len(),
+        bytes: offset,
+        ..CheckpointReport::default()
+    };
+    let crcs = write_pieces(&mut out, &entries, slots, &temp.path, &mut report)?;
+    for (entry, crc) in entries.iter().zip(crcs) {
+        sums.tensors.insert(entry.key.to_string(), crc);
     }
     out.flush().map_err(io(&temp.path))?;
     drop(out);
@@ -80,124 +126,308 @@ pub(super) fn write_file(
         .and_then(|_| file.write_all(&header))
         .and_then(|()| file.sync_all())
         .map_err(io(&temp.path))?;
-    temp.persist(path)
+    temp.persist(path)?;
+    report.elapsed = started.elapsed();
+    Ok(report)
 }
 
-/// Writes one host tensor's bytes and returns their CRC32. The storage's read lock is held
-/// meanwhile, so the bytes hashed are the bytes written, one snapshot, without a copy of the
-/// tensor (an in-place write to it waits for the file instead).
-fn write_tensor(out: &mut impl Write, t: &Tensor, temp: &Path) -> Result<u32, CheckpointError> {
-    let guard = t.storage().read();
+/// A device piece queued into a slot.
+struct Part {
+    /// Index into the sequence of all pieces.
+    item: usize,
+    /// Where it lies in the slot.
+    at: usize,
+    len: usize,
+    /// The contiguous block it was copied from (a non-contiguous tensor's) and the device
+    /// bytes that holds, kept until the piece is written.
+    scratch: Option<(Tensor, usize)>,
+}
+
+/// Consecutive device pieces of one device queued into one slot with one batch (one event), so
+/// many small tensors cost one synchronization, not one each.
+struct Group {
+    slot: usize,
+    parts: VecDeque<Part>,
+}
+
+/// Every piece of every entry, in file order, hashed and written; returns each entry's CRC32.
+fn write_pieces(
+    out: &mut impl Write,
+    entries: &[Entry<'_>],
+    slots: Slots,
+    temp: &Path,
+    report: &mut CheckpointReport,
+) -> Result<Vec<u32>, CheckpointError> {
+    let items: Vec<(usize, usize)> = entries
+        .iter()
+        .enumerate()
+        .flat_map(|(e, entry)| (0..entry.pieces.len()).map(move |p| (e, p)))
+        .collect();
+    let device_items: Vec<usize> = (0..items.len())
+        .filter(|&i| entries[items[i].0].on_device())
+        .collect();
+    let lens: Vec<usize> = device_items
+        .iter()
+        .map(|&i| {
+            let (e, p) = items[i];
+            entries[e].pieces[p].len(entries[e].t.shape(), entries[e].t.dtype().size())
+        })
+        .collect();
+    let (mut host, mut device) = (Meter::default(), Meter::default());
+    // Slots no larger than a quarter of what crosses (a small model takes little pinned
+    // memory), but holding the longest piece.
+    let slot_len = lens.iter().max().map(|&longest| {
+        let total: usize = lens.iter().sum();
+        longest.max(total.div_ceil(SLOTS)).min(slots.slot)
+    });
+    let mut ring = slot_len
+        .map(|len| Ring::new(len, device_items.len(), &mut host))
+        .transpose()?;
+    let mut free: Vec<usize> = ring
+        .as_ref()
+        .map_or(Vec::new(), |r| (0..r.slots.len()).rev().collect());
+    let mut groups: VecDeque<Group> = VecDeque::new();
+    let mut queue = Queue {
+        entries,
+        items: &items,
+        device_items: &device_items,
+        lens: &lens,
+        next: 0,
+        ordered: HashSet::new(),
+    };
+    let mut hashers: Vec<crc32fast::Hasher> = entries.iter().map(|_| Default::default()).collect();
+    for (i, &(e, p)) in items.iter().enumerate() {
+        let entry = &entries[e];
+        let piece = &entry.pieces[p];
+        if !entry.on_device() {
+            write_host_piece(out, entry, piece, &mut hashers[e], &mut host, temp)?;
+            if matches!(piece, Piece::Block(_)) {
+                report.pieces += 1;
+            }
+            continue;
+        }
+        let ring = ring.as_mut().expect("device pieces have a ring");
+        while let Some(&slot) = free.last() {
+            if queue.next == device_items.len() {
+                break;
+            }
+            let limit = slot_len.expect("device pieces have a slot length");
+            let parts = queue.group(&mut ring.slots[slot], limit, &mut device)?;
+            free.pop();
+            groups.push_back(Group { slot, parts });
+        }
+        let group = groups.front_mut().expect("the next device piece is queued");
+        let part = group.parts.pop_front().expect("groups are not empty");
+        debug_assert_eq!(part.item, i);
+        let bytes = match &ring.slots[group.slot] {
+            // Waits for this slot's DMA only; the other slots stay in flight meanwhile.
+            Slot::Pinned(b) => b.as_bytes().map_err(TensorError::from)?,
+            Slot::Pageable(v) => v.as_slice(),
+        };
+        let range = part.at..part.at + part.len;
+        hash_and_write(out, &mut hashers[e], &bytes[range], temp)?;
+        if let Some((_, held)) = part.scratch {
+            device.release(held);
+        }
+        if group.parts.is_empty() {
+            free.push(group.slot);
+            groups.pop_front();
+        }
+        report.pieces += 1;
+        report.device_bytes += part.len;
+    }
+    if let Some(ring) = ring {
+        report.pageable = ring.pageable();
+        ring.release(&mut host);
+    }
+    report.peak_extra_host_bytes = host.peak();
+    report.peak_extra_device_bytes = device.peak();
+    Ok(hashers
+        .into_iter()
+        .map(crc32fast::Hasher::finalize)
+        .collect())
+}
+
+/// The device pieces still to queue, in file order.
+struct Queue<'a, 'e> {
+    entries: &'a [Entry<'e>],
+    items: &'a [(usize, usize)],
+    device_items: &'a [usize],
+    /// Bytes of each device piece.
+    lens: &'a [usize],
+    /// The next device piece to queue (an index into `device_items`).
+    next: usize,
+    /// Devices whose copy stream was ordered after their default stream.
+    ordered: HashSet<usize>,
+}
+
+impl Queue<'_, '_> {
+    /// Queues the next device pieces that fit `limit` bytes of `slot` (at least one), all of one
+    /// device, with their scratch (as the allocator sizes it) within `limit` too.
+    fn group(
+        &mut self,
+        slot: &mut Slot,
+        limit: usize,
+        device: &mut Meter,
+    ) -> Result<VecDeque<Part>, CheckpointError> {
+        let first = self.entries[self.items[self.device_items[self.next]].0]
+            .t
+            .device();
+        let Device::Cuda(ordinal) = first else {
+            unreachable!("device pieces come from device tensors")
+        };
+        let dev = CudaDevice::get(ordinal).map_err(TensorError::from)?;
+        let (mut parts, mut sources) = (VecDeque::new(), Vec::new());
+        let (mut used, mut scratch_used, mut fresh) = (0usize, 0usize, false);
+        while self.next < self.device_items.len() {
+            let item = self.device_items[self.next];
+            let (e, p) = self.items[item];
+            let entry = &self.entries[e];
+            let len = self.lens[self.next];
+            if entry.t.device() != first || (!parts.is_empty() && used + len > limit) {
+                break;
+            }
+            // What the piece is read from: a byte range of the tensor's storage, a block of it
+            // that is contiguous already, or a contiguous copy of the block (scratch).
+            let (view, copied) = match &entry.pieces[p] {
+                Piece::Bytes(r) => {
+                    let start = entry.t.layout().offset() * entry.t.dtype().size() + r.start;
+                    ((entry.t.clone(), start), false)
+                }
+                Piece::Block(ranges) => {
+                    let b = block_view(&entry.t, ranges)?;
+                    let start = b.layout().offset() * b.dtype().size();
+                    let copied = !b.is_contiguous();
+                    ((b, start), copied)
+                }
+            };
+            let held = if copied {
+                CudaDevice::block_size(len)
+            } else {
+                0
+            };
+            if !parts.is_empty() && scratch_used + held > limit {
+                break;
+            }
+            let ((source, start), scratch) = if copied {
+                let b = view.0.copy()?;
+                device.hold(held);
+                fresh = true;
+                let start = b.layout().offset() * b.dtype().size();
+                ((b.clone(), start), Some((b, held)))
+            } else {
+                (view, None)
+            };
+            sources.push((source, start));
+            parts.push_back(Part {
+                item,
+                at: used,
+                len,
+                scratch,
+            });
+            used += len;
+            scratch_used += held;
+            self.next += 1;
+        }
+        match slot {
+            Slot::Pinned(staging) => {
+                let stream = copy_stream(&dev)?;
+                // Once per device, and after blocks just made on the default stream.
+                if self.ordered.insert(ordinal) || fresh {
+                    after_default(&dev, &stream)?;
+                }
+                let mut batch = staging.batch(&stream).map_err(TensorError::from)?;
+                for ((source, start), part) in sources.iter().zip(&parts) {
+                    let guard = source.storage().read();
+                    batch
+                        .download(cuda_buffer(&guard, source)?, *start, part.at, part.len)
+                        .map_err(TensorError::from)?;
+                }
+                batch.finish().map_err(TensorError::from)?;
+            }
+            Slot::Pageable(bytes) => {
+                for ((source, start), part) in sources.iter().zip(&parts) {
+                    let guard = source.storage().read();
+                    cuda_buffer(&guard, source)?
+                        .copy_to_host_at(
+                            *start,
+                            &mut bytes[part.at..part.at + part.len],
+                            dev.default_stream(),
+                        )
+                        .map_err(TensorError::from)?;
+                }
+            }
+        }
+        Ok(parts)
+    }
+}
+
+/// The device buffer behind `t`'s storage.
+fn cuda_buffer<'a>(
+    guard: &'a Buffer,
+    t: &Tensor,
+) -> Result<&'a ferry_memory::cuda::DeviceBuffer, CheckpointError> {
+    match guard {
+        Buffer::Cuda(from) => Ok(from),
+        _ => Err(TensorError::UnsupportedDevice {
+            op: "checkpoint::save",
+            device: t.device(),
+        }
+        .into()),
+    }
+}
+
+/// The view of `t` a block is (contiguous or not).
+fn block_view(t: &Tensor, ranges: &[std::ops::Range<usize>]) -> Result<Tensor, CheckpointError> {
+    let mut b = t.clone();
+    for (axis, r) in ranges.iter().enumerate() {
+        b = b.narrow(axis as isize, r.start, r.len())?;
+    }
+    Ok(b)
+}
+
+/// Writes one piece of a host tensor: a range of its storage, read under its lock so the bytes
+/// hashed are the bytes written (an in-place write waits for the file instead), or a block made
+/// contiguous in scratch memory first.
+fn write_host_piece(
+    out: &mut impl Write,
+    entry: &Entry<'_>,
+    piece: &Piece,
+    hasher: &mut crc32fast::Hasher,
+    host: &mut Meter,
+    temp: &Path,
+) -> Result<(), CheckpointError> {
+    let (source, range, held) = match piece {
+        Piece::Bytes(r) => {
+            let start = entry.t.layout().offset() * entry.t.dtype().size();
+            (entry.t.clone(), start + r.start..start + r.end, 0)
+        }
+        Piece::Block(ranges) => {
+            let b = block_view(&entry.t, ranges)?;
+            let b = if b.is_contiguous() { b } else { b.copy()? };
+            let held = if b.shares_storage(&entry.t) {
+                0
+            } else {
+                b.nbytes()
+            };
+            let start = b.layout().offset() * b.dtype().size();
+            (b.clone(), start..start + b.nbytes(), held)
+        }
+    };
+    host.hold(held);
+    let guard = source.storage().read();
     let not_on_host = || TensorError::NotOnHost {
         op: "checkpoint::save",
-        device: t.device(),
+        device: source.device(),
     };
-    let bytes = guard.host_bytes().ok_or_else(not_on_host)?;
-    let start = t.layout().offset() * t.dtype().size();
-    let bytes = bytes
-        .get(start..start + t.nbytes())
+    let bytes = guard
+        .try_host_bytes()
+        .map_err(TensorError::from)?
+        .ok_or_else(not_on_host)?
+        .get(range)
         .ok_or_else(not_on_host)?;
-    let mut hasher = crc32fast::Hasher::new();
-    for chunk in bytes.chunks(CHUNK) {
-        hasher.update(chunk);
-        out.write_all(chunk).map_err(io(temp))?;
-    }
-    Ok(hasher.finalize())
-}
-
-/// A file beside the target, removed on drop unless persisted.
-struct TempFile {
-    path: PathBuf,
-    file: File,
-    persisted: bool,
-}
-
-impl TempFile {
-    fn create(target: &Path) -> Result<Self, CheckpointError> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let name = target.file_name().ok_or_else(|| CheckpointError::Io {
-            path: target.to_path_buf(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "the path names no file: give a file name such as `model.safetensors`",
-            ),
-        })?;
-        let mut temp_name = std::ffi::OsString::from(".");
-        temp_name.push(name);
-        temp_name.push(format!(
-            ".{}.{}.tmp",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let path = target.with_file_name(temp_name);
-        // The default mode (0o666 on Unix) less the umask, as for any file the user creates.
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(io(&path))?;
-        Ok(Self {
-            path,
-            file,
-            persisted: false,
-        })
-    }
-
-    /// Renames the (already fsynced) file over `target`, then fsyncs the directory so the
-    /// rename itself survives a power cut.
-    fn persist(mut self, target: &Path) -> Result<(), CheckpointError> {
-        std::fs::rename(&self.path, target).map_err(io(target))?;
-        self.persisted = true;
-        sync_dir(target)
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if !self.persisted {
-            // Best effort: the error that brought us here is the one worth reporting.
-            let _ = std::fs::remove_file(&self.path);
-        }
-    }
-}
-
-#[cfg(unix)]
-fn sync_dir(target: &Path) -> Result<(), CheckpointError> {
-    let dir = match target.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
-}
-
-#[cfg(not(unix))]
-fn sync_dir(_target: &Path) -> Result<(), CheckpointError> {
-    // Only Unix lets a directory be opened and fsynced; elsewhere the rename is as durable as
-    // the OS makes it.
+    hash_and_write(out, hasher, bytes, temp)?;
+    drop(guard);
+    host.release(held);
     Ok(())
-}
-
-/// Tensors of a state dict as the writer takes them: on the host and contiguous.
-pub(super) fn host_contiguous(
-    tensors: Vec<(String, Tensor)>,
-) -> Result<Vec<(String, Tensor)>, CheckpointError> {
-    tensors
-        .into_iter()
-        .map(|(k, t)| {
-            if t.device() != Device::Cpu {
-                return Err(TensorError::NotOnHost {
-                    op: "checkpoint::save",
-                    device: t.device(),
-                }
-                .into());
-            }
-            // Non-contiguous host tensors (a transposed view kept on the CPU) are packed first.
-            let t = if t.is_contiguous() {
-                t
-            } else {
-                ferry_tensor::with_no_grad(|| t.contiguous())?
-            };
-            Ok((k, t))
-        })
-        .collect()
 }
