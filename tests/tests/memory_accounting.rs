@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 
 use ferry::DeviceMove;
-use ferry::memory::cuda::CudaDevice;
+use ferry::memory::cuda::{CudaDevice, DeviceBuffer, KernelModule, Stream};
 use ferry_tensor::{DType, Device, Result, Tensor, no_grad};
 
 // Graph counts, pinned-pool and allocator statistics of the transfer methods.
@@ -37,6 +37,32 @@ fn run(body: impl FnOnce() -> Result<()>) {
 }
 
 const GPU: Device = Device::Cuda(0);
+
+/// One thread spins for `cycles` clock ticks: holds a stream so that work queued behind it runs
+/// late, and work on other streams not ordered after it runs first.
+static SPIN: KernelModule = KernelModule {
+    name: "memory_accounting_spin",
+    source: r#"
+extern "C" __global__ void spin(float *out, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    out[0] = 1.0f;
+}
+"#,
+};
+
+/// Queues a spin of about 200 ms (at the H200's ~2 GHz) on `stream`; the buffer it writes is
+/// returned so it outlives the launch.
+fn hold(stream: &Stream) -> Result<DeviceBuffer> {
+    let dev = CudaDevice::get(0)?;
+    let spin = dev.function(&SPIN, "spin")?;
+    let mut out = dev.alloc(4, stream)?;
+    dev.launch(&spin, (1, 1, 1), (1, 1, 1), 0, stream)
+        .arg_buffer_mut(&mut out)
+        .arg_i64(400_000_000)
+        .run()?;
+    Ok(out)
+}
 
 #[test]
 #[ignore = "needs a CUDA device"]

@@ -7,7 +7,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry::memory::cuda::{CudaDevice, DeviceBuffer, KernelModule, Stream};
+use ferry::memory::cuda::CudaDevice;
 use ferry::{DeviceLoader, DeviceMove};
 use ferry_tensor::{DType, Device, Result, Tensor, TensorError};
 
@@ -215,30 +215,6 @@ fn the_statistics_tell_an_input_bound_loop_from_a_compute_bound_one() -> Result<
 
 // ---- On a GPU ----
 
-static SPIN: KernelModule = KernelModule {
-    name: "prefetch_spin",
-    source: r#"
-extern "C" __global__ void spin(float *out, long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-    out[0] = 1.0f;
-}
-"#,
-};
-
-/// Queues a spin of about 200 ms (at the H200's ~2 GHz) on `stream`; the buffer it writes is
-/// returned so it outlives the launch.
-fn hold(stream: &Stream) -> Result<DeviceBuffer> {
-    let dev = CudaDevice::get(0)?;
-    let spin = dev.function(&SPIN, "spin")?;
-    let mut out = dev.alloc(4, stream)?;
-    dev.launch(&spin, (1, 1, 1), (1, 1, 1), 0, stream)
-        .arg_buffer_mut(&mut out)
-        .arg_i64(400_000_000)
-        .run()?;
-    Ok(out)
-}
-
 /// Runs a loader over `host` once and waits, so that kernels are compiled and pinned blocks
 /// of its sizes cached before a test times anything against a spin.
 fn warm_up(host: &[Tensor]) -> Result<()> {
@@ -265,7 +241,7 @@ fn a_kernel_queued_right_after_next_reads_the_copied_batch() -> Result<()> {
         .in_flight(2)
         .with_stream(stream.clone())?;
     // The copies queue behind a 200 ms spin on the copy stream.
-    let _held = hold(&stream)?;
+    let _held = super::hold(&stream)?;
     let spinning = stream.record()?;
     let x = loader.next().expect("three batches")?;
     let y = x.mul_scalar(2.0)?; // on the default stream, right away
@@ -380,7 +356,7 @@ fn dropping_the_loader_with_copies_in_flight_leaves_later_tensors_intact() -> Re
     let mut loader = DeviceLoader::new(host, GPU)
         .in_flight(3)
         .with_stream(stream.clone())?;
-    let _held = hold(&stream)?;
+    let _held = super::hold(&stream)?;
     let spinning = stream.record()?;
     let first = loader.next().expect("four batches")?;
     // Three batches' copies wait behind the spin; their device blocks go back now.

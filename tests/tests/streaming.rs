@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use ferry::memory::cuda::{CudaDevice, DeviceBuffer, KernelModule, Stream};
+use ferry::memory::cuda::CudaDevice;
 use ferry::{ChunkPlan, ChunkSpec, DeviceMove, TensorError, TransferPath};
 use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::{device_test, randn};
@@ -199,31 +199,6 @@ fn the_ring_stays_within_the_plan_even_when_chunks_are_kept() {
     });
 }
 
-/// One thread spins for `cycles` clock ticks: holds a stream so that work queued behind it runs
-/// late.
-static SPIN: KernelModule = KernelModule {
-    name: "streaming_spin",
-    source: r#"
-extern "C" __global__ void spin(float *out, long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-    out[0] = 1.0f;
-}
-"#,
-};
-
-/// Queues a spin of about 200 ms (at the H200's ~2 GHz) on `stream`.
-fn hold(stream: &Stream) -> ferry::Result<DeviceBuffer> {
-    let dev = CudaDevice::get(0)?;
-    let spin = dev.function(&SPIN, "spin")?;
-    let mut out = dev.alloc(4, stream)?;
-    dev.launch(&spin, (1, 1, 1), (1, 1, 1), 0, stream)
-        .arg_buffer_mut(&mut out)
-        .arg_i64(400_000_000)
-        .run()?;
-    Ok(out)
-}
-
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_chunks_hold_what_a_slow_producer_wrote() {
@@ -243,7 +218,7 @@ fn the_chunks_hold_what_a_slow_producer_wrote() {
         assert_eq!(warm.stream_to(Device::Cpu, ONE_ROW_EACH)?.count(), 2);
         // The producer runs behind a 200 ms spin on the default stream; the copies are queued
         // on the copy stream right after it.
-        let _held = hold(dev.default_stream())?;
+        let _held = super::hold(dev.default_stream())?;
         let x = y.add_scalar(1.0)?;
         let started = Instant::now();
         let stream = x.stream_to(Device::Cpu, ONE_ROW_EACH)?;

@@ -1,7 +1,7 @@
 //! What moves record, prune and stage, read from process-wide counts (graph nodes, saved
 //! bytes, pinned-pool and allocator statistics): run serialised behind the binary's lock.
 
-use ferry::memory::cuda::{CudaDevice, DeviceBuffer, KernelModule, PinnedPool, Stream};
+use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::{
     ChunkPlan, ChunkSpec, DeviceMove, MoveOptions, TransferPath, move_state_dict, pinned_block_size,
 };
@@ -258,32 +258,6 @@ fn moves_leave_the_users_peak_statistics_alone() {
     });
 }
 
-/// One thread spins for `cycles` clock ticks: holds a stream so that work queued behind it runs
-/// late, and work on other streams not ordered after it runs first.
-static SPIN: KernelModule = KernelModule {
-    name: "transfer_accounting_spin",
-    source: r#"
-extern "C" __global__ void spin(float *out, long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-    out[0] = 1.0f;
-}
-"#,
-};
-
-/// Queues a spin of about 200 ms (at the H200's ~2 GHz) on `stream`; the buffer it writes is
-/// returned so it outlives the launch.
-fn hold(stream: &Stream) -> ferry::Result<DeviceBuffer> {
-    let dev = CudaDevice::get(0)?;
-    let spin = dev.function(&SPIN, "spin")?;
-    let mut out = dev.alloc(4, stream)?;
-    dev.launch(&spin, (1, 1, 1), (1, 1, 1), 0, stream)
-        .arg_buffer_mut(&mut out)
-        .arg_i64(400_000_000)
-        .run()?;
-    Ok(out)
-}
-
 #[test]
 #[ignore = "needs a CUDA device"]
 fn an_async_move_reads_its_source_before_a_later_in_place_write() {
@@ -293,7 +267,7 @@ fn an_async_move_reads_its_source_before_a_later_in_place_write() {
         let x = Tensor::randn(&[1024, 1024], DType::F32, GPU)?;
         let old = x.to_vec::<f32>()?;
         // The copy is queued behind a 200 ms spin on its stream; the write right after it.
-        let _held = hold(&stream)?;
+        let _held = super::hold(&stream)?;
         let pending = x.to_async(Device::Cpu, &stream)?;
         x.assign(&Tensor::zeros(x.shape(), DType::F32, GPU)?)?;
         assert!(
@@ -334,7 +308,7 @@ fn an_async_move_reads_its_source_before_a_later_in_place_write() {
         // would let the held copy finish before the step is queued.
         let scratch = || p.zeros_like();
         no_grad_scope(|| scratch()?.adam_update(&scratch()?, &scratch()?, &scratch()?, &step))?;
-        let _held = hold(&stream)?;
+        let _held = super::hold(&stream)?;
         let pending = p.to_async(Device::Cpu, &stream)?;
         no_grad_scope(|| p.adam_update(&g, &m, &v, &step))?;
         assert!(
