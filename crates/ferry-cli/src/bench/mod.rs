@@ -16,6 +16,7 @@ mod checkpoint;
 mod ferry_cases;
 mod offload;
 mod pipeline;
+mod pipeline_trace;
 mod pytorch;
 mod report;
 mod resnet50;

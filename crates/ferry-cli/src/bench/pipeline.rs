@@ -9,7 +9,9 @@
 //! produced first, then streamed a frame per chunk while the host works: link and host overlap,
 //! the GPU does not). With --compare-pytorch, bench/pipeline.py runs the same stages and rows in
 //! PyTorch, its pipeline written with a side stream, pinned buffers and events. Medians of
-//! `--samples` runs, ms per frame.
+//! `--samples` runs, ms per frame; per row, ferry's runs and then PyTorch's, each block after a
+//! pause and an untimed run, since each side's idle worker threads slow the other's host work
+//! for a while (`--trace` shows it). `--trace` also times one run frame by frame.
 
 use std::collections::VecDeque;
 use std::error::Error;
@@ -35,7 +37,7 @@ const IDEAL_GOAL: f64 = 0.95;
 
 #[derive(Args, Debug)]
 pub struct PipelineArgs {
-    /// Also run every stage and row in PyTorch (bench/pipeline.py), its samples interleaved.
+    /// Also run every stage and row in PyTorch (bench/pipeline.py), row by row after ferry's.
     #[arg(long)]
     compare_pytorch: bool,
     /// Write every number, all samples included, to this JSON file.
@@ -59,6 +61,10 @@ pub struct PipelineArgs {
     /// The PyTorch script [default: bench/pipeline.py here, else in the source tree].
     #[arg(long, value_name = "PATH")]
     pytorch_script: Option<PathBuf>,
+    /// Also trace one run of ferry's pipeline: each frame's kernels and copy on the device, the
+    /// host's steps, and runs that leave a stage out.
+    #[arg(long)]
+    trace: bool,
 }
 
 /// What is measured, in order; PyTorch's script answers the same ids.
@@ -74,22 +80,27 @@ const ROWS: [(&str, &str); 4] = [
 ];
 /// Indices in `ROWS` of the pipelines judged against the goals.
 const PIPELINES: [usize; 2] = [1, 2];
+/// Pause before each side's block of runs, so it starts on a quieter host: after a parallel
+/// region PyTorch's OpenMP workers keep spinning on every core for a while, and a ferry run
+/// started in that window had its first frame's host work take 6.7 to 9.4 ms instead of 0.2
+/// (traced on the H200, `--trace`); rayon's workers do the same to PyTorch, for less long.
+const SETTLE: std::time::Duration = std::time::Duration::from_millis(200);
 
-struct Fixture {
-    dev: CudaDevice,
+pub(crate) struct Fixture {
+    pub(crate) dev: CudaDevice,
     /// The input every frame is computed from, and a batch of `frames` of them.
-    base: Tensor,
+    pub(crate) base: Tensor,
     batch_base: Tensor,
-    copy: Stream,
+    pub(crate) copy: Stream,
     /// `depth` device frames the slots pipeline writes each frame into, in turn.
     slots: Vec<Tensor>,
-    frames: usize,
-    passes: u32,
-    depth: usize,
+    pub(crate) frames: usize,
+    pub(crate) passes: u32,
+    pub(crate) depth: usize,
 }
 
 /// Frame `i`: a few elementwise kernels over the base frame(s).
-fn produce(base: &Tensor, i: usize) -> Result<Tensor> {
+pub(crate) fn produce(base: &Tensor, i: usize) -> Result<Tensor> {
     base.mul_scalar(1.0 + i as f64 * 1e-3)?
         .add_scalar(0.1)?
         .tanh()?
@@ -98,7 +109,7 @@ fn produce(base: &Tensor, i: usize) -> Result<Tensor> {
 }
 
 /// The host's work on a frame: `passes` reductions of all of it.
-fn process(frame: &Tensor, passes: u32) -> Result<f32> {
+pub(crate) fn process(frame: &Tensor, passes: u32) -> Result<f32> {
     let mut acc = 0.0;
     for _ in 0..passes {
         acc += frame.sum()?.to_vec::<f32>()?[0];
@@ -203,7 +214,7 @@ impl Fixture {
     }
 }
 
-/// Samples of one id, ferry's and PyTorch's interleaved (one warm-up run each first).
+/// Samples of one id, ferry's block, then PyTorch's (one warm-up run each first).
 struct Measured {
     id: &'static str,
     ferry: Vec<f64>,
@@ -236,19 +247,31 @@ fn measure(
         pytorch_error: None,
     };
     let request = format!("{id} {} {} {}", fx.frames, fx.passes, fx.depth);
+    // Each side's runs in one block, a warm-up run first: the other side's threads are still
+    // spinning when a block starts, and the warm-up run takes that (see SETTLE).
     for round in 0..=samples {
-        if m.ferry_error.is_none() {
-            match fx.run(id) {
-                Ok(ms) if round > 0 => m.ferry.push(ms),
-                Ok(_) => {}
-                Err(err) => m.ferry_error = Some(err.to_string()),
-            }
+        if m.ferry_error.is_some() {
+            break;
         }
-        if let (Some(torch), None) = (torch.as_deref_mut(), &m.pytorch_error) {
+        if round == 0 {
+            std::thread::sleep(SETTLE);
+        }
+        match fx.run(id) {
+            Ok(ms) if round > 0 => m.ferry.push(ms),
+            Ok(_) => {}
+            Err(err) => m.ferry_error = Some(err.to_string()),
+        }
+    }
+    if let Some(torch) = torch.as_deref_mut() {
+        std::thread::sleep(SETTLE);
+        for round in 0..=samples {
             match torch.sample(&request) {
                 Ok(ms) if round > 0 => m.pytorch.push(ms),
                 Ok(_) => {}
-                Err(err) => m.pytorch_error = Some(err),
+                Err(err) => {
+                    m.pytorch_error = Some(err);
+                    break;
+                }
             }
         }
     }
@@ -345,6 +368,15 @@ pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
     for (id, _) in ROWS {
         eprintln!("measuring {id} ...");
         rows.push(measure(id, &fx, torch.as_mut(), args.samples));
+    }
+    if args.trace {
+        // Once right after a PyTorch sample (if any), once on a quiet host.
+        if let Some(torch) = torch.as_mut() {
+            torch.sample(&format!("pipelined {frames} {} {depth}", args.host_passes))?;
+            super::pipeline_trace::trace(&fx, "right after a PyTorch sample")?;
+        }
+        std::thread::sleep(SETTLE);
+        super::pipeline_trace::trace(&fx, "after a pause")?;
     }
     drop(fx);
 
