@@ -12,7 +12,9 @@ use clap::Args;
 use ferry::memory::cuda::{CudaDevice, PinnedPool, Stream};
 use ferry::prelude::*;
 use ferry::tensor::{Buffer, Storage};
-use ferry::{ChunkPlan, TransferReport, move_state_dict};
+use ferry::{ChunkPlan, TransferPath, TransferReport, move_state_dict};
+
+mod peer;
 
 /// Tensors in the state-dict row: the source split along axis 0 into this many pieces.
 const STATE_DICT_TENSORS: usize = 64;
@@ -22,7 +24,8 @@ pub struct MethodsArgs {
     /// Shape of the f32 tensor to move, as dimensions joined by `x`.
     #[arg(long, default_value = "10000x10000")]
     shape: ShapeArg,
-    /// The GPU to move from (`cuda:N`), or `cpu` for the host-only rows.
+    /// The GPU to move from (`cuda:N`), or `cpu` for the host-only rows. With `cuda:N` for N >= 1
+    /// the table also has the peer rows, cuda:0 -> cuda:N (they need two GPUs).
     #[arg(long, default_value = "cuda:0")]
     device: Device,
     /// Timed runs per method, after one warm-up.
@@ -342,6 +345,11 @@ pub fn run(args: MethodsArgs) -> Result<(), Box<dyn Error>> {
     let gpu = match args.device {
         Device::Cuda(ordinal) => match CudaDevice::get(ordinal) {
             Ok(dev) => Some(dev),
+            Err(err) if ordinal > 0 && CudaDevice::get(0).is_ok() => {
+                println!("the peer rows (cuda:0 -> cuda:{ordinal}) need two GPUs: {err}");
+                println!("showing the rows of cuda:0");
+                CudaDevice::get(0).ok()
+            }
             Err(err) => {
                 println!("no CUDA device: {err}");
                 println!("showing the rows that run on the host");
@@ -370,6 +378,9 @@ pub fn run(args: MethodsArgs) -> Result<(), Box<dyn Error>> {
             for mut method in host_methods(&shape, false, None) {
                 rows.push(measure(&mut method, &meters, args.repeat)?);
             }
+            if dev.ordinal() > 0 {
+                rows.extend(peer_rows(&shape, dev, args.repeat)?);
+            }
         }
         None => {
             let src = Tensor::randn(&shape, DType::F32, Device::Cpu)?.with_grad()?;
@@ -380,6 +391,38 @@ pub fn run(args: MethodsArgs) -> Result<(), Box<dyn Error>> {
     }
     print_table(&rows);
     Ok(())
+}
+
+/// The peer rows, cuda:0 -> `target`; device +MB is read on `target`.
+fn peer_rows(shape: &[usize], target: &CudaDevice, repeat: u32) -> ferry::Result<Vec<Row>> {
+    let source = CudaDevice::get(0)?;
+    let src = Tensor::randn(shape, DType::F32, source.device())?.with_grad()?;
+    let (_, probe) = src
+        .detach()
+        .to_with(target.device(), MoveOptions::default())?;
+    let how = match probe.path {
+        TransferPath::Peer { direct: true, .. } => "direct (peer access enabled)",
+        TransferPath::Peer { direct: false, .. } => {
+            "staged through host memory by the driver (no peer access between these GPUs)"
+        }
+        _ => "not a peer copy",
+    };
+    println!(
+        "peer rows: {} -> {}, {how}",
+        source.device(),
+        target.device()
+    );
+    let meters = Meters {
+        device: Some(target.clone()),
+        pinned: PinnedPool::global().ok(),
+    };
+    let stream = target.new_stream()?;
+    let mut rows = Vec::new();
+    for mut method in peer::peer_methods(&src, &source, target, &stream) {
+        source.synchronize()?;
+        rows.push(measure(&mut method, &meters, repeat)?);
+    }
+    Ok(rows)
 }
 
 fn median(times: &[f64]) -> f64 {
@@ -472,4 +515,10 @@ fn print_table(rows: &[Row]) {
          device +MB: the allocator's peak over what was allocated before the run; \
          beyond the pinned budget, results go pageable through at most 64 MiB of pinned staging"
     );
+    if rows.iter().any(|r| r.name.contains(" -> cuda:")) {
+        println!(
+            "peer rows: device +MB is read on the target GPU; each run waits for the target \
+             before the clock stops"
+        );
+    }
 }

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, ValueEnum};
 use ferry::DeviceLoader;
 use ferry::debug::GraphWatch;
+use ferry::distributed::{DataParallel, DdpOptions, ProcessGroup, run_replicas};
 use ferry::nn::{Linear, Module, ReLU, Sequential};
 use ferry::optim::{AdamW, Optimizer};
 use ferry::prelude::*;
@@ -34,6 +35,7 @@ use rand::seq::SliceRandom;
 use crate::plot;
 
 mod digits;
+mod parallel;
 mod resume;
 use digits::{CLASSES, DIGITS_CSV_GZ, FEATURES, load_digits};
 pub use resume::Skipped;
@@ -94,6 +96,12 @@ pub struct TrainArgs {
     /// the step asks for it, blocking).
     #[arg(long, default_value_t = ferry::DEFAULT_IN_FLIGHT)]
     pub prefetch: usize,
+    /// Data-parallel over these devices, one replica each (e.g. cuda:0,cuda:1 over NCCL, or
+    /// cpu,cpu for replicas on threads): each batch is split between the replicas and their
+    /// gradients averaged, so the run follows the one-device run up to rounding. Overrides
+    /// --device.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub devices: Vec<Device>,
 }
 
 /// One epoch's figures.
@@ -189,7 +197,7 @@ pub fn run(args: TrainArgs) -> Result<(), Box<dyn Error>> {
             "trained {} epoch(s) of {} on {} in {:.2} s{skipped}; checkpoints and curves.png in {}",
             summary.trained_now,
             summary.history.len(),
-            args.device,
+            devices_label(&args),
             start.elapsed().as_secs_f64(),
             args.out.display()
         );
@@ -199,7 +207,8 @@ pub fn run(args: TrainArgs) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-/// Trains (or resumes), checkpointing and redrawing the curves each epoch.
+/// Trains (or resumes), checkpointing and redrawing the curves each epoch; with `--devices`,
+/// one replica per device, data-parallel.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     let Task::Digits = args.task;
     if args.batch_size == 0 {
@@ -212,15 +221,53 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     let (train, test) = load_digits(&gz)?;
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    if args.devices.len() <= 1 {
+        let device = args.devices.first().copied().unwrap_or(args.device);
+        return replica(args, &train, &test, device, None);
+    }
+    let groups = parallel::groups(&args.devices)?;
+    let world = groups.len();
+    if args.batch_size < world {
+        return Err(format!(
+            "--batch-size {} is smaller than the {world} replicas; each needs at least one sample",
+            args.batch_size
+        )
+        .into());
+    }
+    let mut summaries = run_replicas(groups, |group| {
+        let device = group.device();
+        replica(args, &train, &test, device, Some(group)).map_err(|e| {
+            ferry::TensorError::InvalidArgument {
+                op: "ferry train",
+                message: e.to_string(),
+            }
+        })
+    })?;
+    Ok(summaries.swap_remove(0))
+}
 
+/// One replica's training (the only one without a `group`): rank 0 (or the only replica)
+/// reports, checkpoints and tests; the others train their share of each batch.
+fn replica(
+    args: &TrainArgs,
+    train: &digits::Split,
+    test: &digits::Split,
+    device: Device,
+    group: Option<ProcessGroup>,
+) -> Result<TrainSummary, Box<dyn Error>> {
+    let (rank, world) = group
+        .as_ref()
+        .map_or((0, 1), |g| (g.rank(), g.world_size()));
+    let lead = rank == 0;
     ferry::manual_seed(args.seed);
-    let mut model = digits_model(args.device, args.dropout)?;
+    let mut model = digits_model(device, args.dropout)?;
     let mut opt = AdamW::new(model.parameters(), args.lr)?.weight_decay(args.weight_decay);
     let mut history = Vec::new();
     let mut skipped = Vec::new();
     if args.resume {
+        // Every replica reads the same checkpoint: models and optimizers start equal.
         match resume::resume(&args.out, &mut model, &mut opt)? {
-            Some(resumed) => {
+            Some(resumed) if lead => {
                 // Said even with --quiet: a checkpoint passed over is news the user needs.
                 for s in &resumed.skipped {
                     eprintln!(
@@ -241,17 +288,31 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
                 history = resumed.history;
                 skipped = resumed.skipped;
             }
-            None => say(args, "no checkpoint to resume from: starting fresh"),
+            Some(resumed) => history = resumed.history,
+            None if lead => say(args, "no checkpoint to resume from: starting fresh"),
+            None => {}
         }
     }
+    let ddp = match group {
+        Some(group) => Some(DataParallel::new(
+            model.parameters(),
+            group,
+            DdpOptions::default(),
+        )?),
+        None => None,
+    };
     let done_before = history.len();
     let (mut data_wait, mut loop_time) = (Duration::ZERO, Duration::ZERO);
-    let (test_x, test_y) = test.tensors(&(0..test.rows()).collect::<Vec<_>>(), args.device)?;
+    let (test_x, test_y) = test.tensors(&(0..test.rows()).collect::<Vec<_>>(), device)?;
     let batches = train.rows().div_ceil(args.batch_size);
-    let bar = progress_bar(
-        args,
-        (args.epochs.saturating_sub(done_before) * batches) as u64,
-    );
+    let bar = if lead {
+        progress_bar(
+            args,
+            (args.epochs.saturating_sub(done_before) * batches) as u64,
+        )
+    } else {
+        ProgressBar::hidden()
+    };
     // Parameters and their leaves are in the baseline; every step must give back what it made.
     let params = model.parameters();
     let watch = GraphWatch::new(&params);
@@ -263,25 +324,29 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
         }
         // Shuffle and dropout masks depend on (seed, epoch) only: a resumed run repeats them.
         let epoch_seed = args.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        ferry::manual_seed(epoch_seed);
+        ferry::manual_seed(epoch_seed ^ rank as u64);
         let mut rng = rand::rngs::StdRng::seed_from_u64(epoch_seed);
         let mut order: Vec<usize> = (0..train.rows()).collect();
         order.shuffle(&mut rng);
-        // Assembled on the host in shuffled order, moved ahead of the steps that use them.
-        let host_batches = order
-            .chunks(args.batch_size)
-            .map(|rows| train.tensors(rows, Device::Cpu));
-        let mut loader =
-            DeviceLoader::from_results(host_batches, args.device).in_flight(args.prefetch);
-        let (mut loss_sum, mut correct, mut seen) = (0.0, 0.0, 0);
-        for batch in loader.by_ref() {
+        // Assembled on the host in shuffled order (this replica's share of each batch), moved
+        // ahead of the steps that use them.
+        let host_batches = order.chunks(args.batch_size).map(|rows| {
+            let share = parallel::share(rows.len(), rank, world);
+            train.tensors(&rows[share], Device::Cpu)
+        });
+        let mut loader = DeviceLoader::from_results(host_batches, device).in_flight(args.prefetch);
+        let (mut loss_sum, mut correct, mut seen) = (0.0, 0.0, 0.0);
+        for (k, batch) in loader.by_ref().enumerate() {
             let (x, y) = batch?;
             let len = x.shape()[0];
-            let out = train_step(&model, &mut opt, &x, &y)?;
+            let whole = (train.rows() - k * args.batch_size).min(args.batch_size);
+            let out = match &ddp {
+                None => train_step(&model, &mut opt, &x, &y)?,
+                Some(ddp) => parallel::step(&model, &mut opt, ddp, &x, &y, whole)?,
+            };
             loss_sum += out.loss.item()? * len as f64;
             correct += out.correct.item()?;
-            seen += len;
-            let seen = seen as f64;
+            seen += len as f64;
             bar.set_message(format!(
                 "loss {:.4}  accuracy {:.4}",
                 loss_sum / seen,
@@ -289,11 +354,17 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
             ));
             bar.inc(1);
         }
+        if let Some(ddp) = &ddp {
+            (loss_sum, correct) = parallel::epoch_totals(ddp.group(), loss_sum, correct)?;
+        }
         let loaded = loader.stats();
         (data_wait, loop_time) = (data_wait + loaded.waited, loop_time + loaded.elapsed);
         // A warning, not an error: the graph is process-wide, and other threads may be using it.
         if let Err(leak) = watch.check() {
             eprintln!("warning: {leak}");
+        }
+        if !lead {
+            continue;
         }
         let stats = EpochStats {
             loss: loss_sum / train.rows() as f64,
@@ -314,11 +385,11 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     }
     bar.finish_and_clear();
     let test_accuracy = accuracy(&mut model, &test_x, &test_y)?;
-    if !history.is_empty() {
+    if lead && !history.is_empty() {
         plot::curves(&args.out.join("curves.png"), &history)?;
     }
     Ok(TrainSummary {
-        trained_now: history.len() - done_before,
+        trained_now: history.len().saturating_sub(done_before),
         history,
         test_accuracy,
         skipped,
@@ -337,6 +408,17 @@ fn input_line(summary: &TrainSummary, prefetch: usize) -> String {
         "waited {:.3} s for data ({share:.1}% of the training loops; --prefetch {prefetch})",
         summary.data_wait.as_secs_f64()
     )
+}
+
+/// Where `run` trained, for its last lines.
+fn devices_label(args: &TrainArgs) -> String {
+    match args.devices.as_slice() {
+        [] => args.device.to_string(),
+        devices => {
+            let names: Vec<String> = devices.iter().map(Device::to_string).collect();
+            format!("{} (data-parallel)", names.join(" + "))
+        }
+    }
 }
 
 fn say(args: &TrainArgs, line: &str) {
@@ -385,6 +467,7 @@ mod tests {
             data: None,
             quiet: true,
             prefetch: ferry::DEFAULT_IN_FLIGHT,
+            devices: Vec::new(),
         }
     }
 
@@ -424,6 +507,52 @@ mod tests {
         .unwrap();
         assert!(summary.test_accuracy >= 0.92, "{:?}", summary.history);
         std::fs::remove_dir_all(&out).ok();
+    }
+
+    /// Two replicas, each on half of every batch, averaging gradients: the run one device
+    /// makes, up to rounding (without dropout, whose masks differ per replica).
+    fn data_parallel_follows_the_one_device_run(devices: Vec<Device>, name: &str) {
+        let single = train(&TrainArgs {
+            device: devices[0],
+            dropout: 0.0,
+            ..args(&scratch(&format!("{name}-one")), 3)
+        })
+        .unwrap();
+        let out = scratch(name);
+        let parallel = train(&TrainArgs {
+            devices,
+            dropout: 0.0,
+            ..args(&out, 3)
+        })
+        .unwrap();
+        assert_eq!(parallel.history.len(), 3);
+        for (p, s) in parallel.history.iter().zip(&single.history) {
+            assert!((p.loss - s.loss).abs() <= 1e-3 * s.loss, "{p:?} vs {s:?}");
+            assert!(
+                (p.test_accuracy - s.test_accuracy).abs() <= 0.01,
+                "{p:?} vs {s:?}"
+            );
+        }
+        assert!(out.join("epoch-003.safetensors").exists());
+        std::fs::remove_dir_all(&out).ok();
+    }
+
+    #[test]
+    fn data_parallel_on_two_cpu_replicas_follows_the_one_device_run() {
+        data_parallel_follows_the_one_device_run(vec![Device::Cpu, Device::Cpu], "ddp-cpu");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn data_parallel_on_two_gpus_follows_the_one_device_run() {
+        if ferry::memory::cuda::devices().map_or(0, |d| d.len()) < 2 {
+            eprintln!("skipped: data-parallel training over two GPUs needs two CUDA devices");
+            return;
+        }
+        data_parallel_follows_the_one_device_run(
+            vec![Device::Cuda(0), Device::Cuda(1)],
+            "ddp-cuda",
+        );
     }
 
     #[test]

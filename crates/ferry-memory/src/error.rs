@@ -266,6 +266,34 @@ pub enum MemoryError {
         /// Why the wait failed.
         source: Box<MemoryError>,
     },
+    /// NCCL (libnccl) could not be used: it is not installed, not on the library path, or
+    /// lacks a function ferry calls.
+    #[error(
+        "NCCL (libnccl) is not usable: {reason}. Install NCCL 2.x (libnccl.so.2: the libnccl2 package, or `pip install nvidia-nccl-cu13`) \
+         and put its directory on LD_LIBRARY_PATH; the loader looks for the name libnccl.so, so where only libnccl.so.2 exists add a link \
+         `ln -s /path/to/libnccl.so.2 DIR/libnccl.so` in a directory DIR on LD_LIBRARY_PATH"
+    )]
+    NoNccl {
+        /// Why: not found, or the missing function.
+        reason: String,
+    },
+    /// An NCCL call failed.
+    #[error("NCCL call {call} failed: {message}")]
+    Nccl {
+        /// The NCCL function.
+        call: &'static str,
+        /// NCCL's error string, with its last-error detail where it gave one.
+        message: String,
+    },
+    /// A collective or communicator argument that NCCL would reject or that would read outside
+    /// a buffer.
+    #[error("{op}: {reason}")]
+    CollectiveArgument {
+        /// The operation (`all_reduce`, `Communicator::for_devices`, ...).
+        op: &'static str,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
     /// A matrix operand does not fit the slice it was given.
     #[error(
         "matmul operand `{operand}` of {rows}x{cols} does not fit its buffer of {len} elements"

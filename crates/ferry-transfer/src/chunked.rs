@@ -1,12 +1,13 @@
 //! Chunked moves: the entry point that plans a move (see [`ChunkPlan`]) and picks a pipeline by
-//! direction, recording one transfer node for the whole move.
+//! direction (host staging to or from a GPU, device scratch between two GPUs), recording one
+//! transfer node for the whole move.
 
 use std::time::Instant;
 
 use ferry_memory::Device;
 use ferry_tensor::{Result, Tensor, with_no_grad};
 
-use crate::copy::move_bytes;
+use crate::copy::device_to_device_chunked;
 use crate::pipeline;
 use crate::plan::{ChunkPlan, ChunkSpec};
 use crate::record::record_transfer;
@@ -33,11 +34,12 @@ pub(crate) fn to_chunked(
             (Device::Cpu, Device::Cuda(ordinal)) => {
                 pipeline::host_to_device(&detached, ordinal, &plan)
             }
-            // Device to device needs no host staging: one peer copy.
-            _ => {
-                let (moved, path, _) = move_bytes(&detached, device, false)?;
-                Ok((moved, TransferReport::new(path, src.nbytes())))
+            // Between GPUs: peer copies of the pieces, through device scratch (no host
+            // staging).
+            (Device::Cuda(_), Device::Cuda(ordinal)) => {
+                device_to_device_chunked(&detached, ordinal, &plan)
             }
+            (Device::Cpu, Device::Cpu) => unreachable!("equal devices handled above"),
         }
     })?;
     let out = record_transfer(moved, src, device, "to_chunked", &mut report);

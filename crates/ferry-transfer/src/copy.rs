@@ -1,13 +1,17 @@
 //! Raw byte moves between devices, with no autograd: the building blocks every method uses.
 
-use ferry_memory::cuda::PinnedPool;
-use ferry_memory::{Device, HostBuffer};
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use ferry_memory::cuda::{CudaDevice, PinnedPool, Stream};
+use ferry_memory::{Device, HostBuffer, MemoryError};
 use ferry_tensor::{Buffer, Result, Tensor, TensorError};
+use parking_lot::Mutex;
 
 use crate::pipeline;
 use crate::plan::{ChunkPlan, ChunkSpec};
-use crate::report::TransferPath;
-use crate::staging::{cuda, dense, within_budget, wrap};
+use crate::report::{TransferPath, TransferReport};
+use crate::staging::{StagingMeter, cuda, dense, dense_copies, within_budget, wrap};
 
 /// Device-to-host copies of at least this many bytes land in pooled pinned memory. Measured on
 /// the H200 host, DMA into a cached pinned block beats the driver's pageable path at every size
@@ -30,11 +34,7 @@ pub(crate) fn move_bytes(
         (from, to) if from == to => Ok((src.detach(), TransferPath::SameDevice, 0)),
         (Device::Cpu, Device::Cuda(ordinal)) => host_to_device(src, ordinal),
         (Device::Cuda(_), Device::Cpu) => device_to_host(src, non_blocking),
-        (Device::Cuda(_), Device::Cuda(ordinal)) => Ok((
-            device_to_device(src, ordinal)?,
-            TransferPath::DeviceToDevice,
-            0,
-        )),
+        (Device::Cuda(_), Device::Cuda(ordinal)) => device_to_device(src, ordinal),
         (Device::Cpu, Device::Cpu) => unreachable!("equal devices handled above"),
     }
 }
@@ -131,21 +131,178 @@ pub(crate) fn beyond_budget(src: &Tensor, ordinal: usize) -> Result<(Tensor, Tra
     Ok((moved, report.path, report.staging_peak_bytes))
 }
 
-fn device_to_device(src: &Tensor, ordinal: usize) -> Result<Tensor> {
+/// A whole move between two GPUs, queued on the target's default stream: the result is ordered
+/// there for every later use, and the host does not wait. Scratch is a dense copy of a
+/// non-dense source, on the source's device.
+fn device_to_device(src: &Tensor, ordinal: usize) -> Result<(Tensor, TransferPath, usize)> {
+    let scratch = if dense_copies(src) { src.nbytes() } else { 0 };
     let src = dense(src)?;
-    let (target, guard) = (cuda(ordinal)?, src.storage().read());
+    let target = cuda(ordinal)?;
+    let (moved, direct) = peer_copy(&src, &target, target.default_stream())?;
+    let path = TransferPath::Peer { direct, chunks: 1 };
+    Ok((moved, path, scratch))
+}
+
+/// Queues a copy of the dense CUDA tensor `src` into a fresh buffer on `target` (another GPU) on
+/// `stream`, of either device, and returns at once with the result and whether the copy is
+/// direct (peer access enabled).
+///
+/// The copy waits, on the device, for the work queued so far on the source's own stream (its
+/// producers); the source's buffer records the copy, so its block is not reused, and no later
+/// in-place write of it runs, before the copy has read it, even when the caller drops the
+/// source right away. The result lives on the target's default stream, which waits for the
+/// copy before any later use of it.
+pub(crate) fn peer_copy(
+    src: &Tensor,
+    target: &CudaDevice,
+    stream: &Stream,
+) -> Result<(Tensor, bool)> {
+    let guard = src.storage().read();
     let Buffer::Cuda(from) = &*guard else {
         return Err(TensorError::UnsupportedDevice {
             op: "to",
             device: src.device(),
         });
     };
+    // The device whose copy engine runs the copy reads or writes the other's memory.
+    let direct = if stream.device() == target.device() {
+        peer_access(target, from.cuda_device())
+    } else {
+        peer_access(from.cuda_device(), target)
+    };
     let mut out = target.alloc(src.nbytes(), target.default_stream())?;
-    // Peer access is an optimisation; without it the driver stages through the host.
-    let _ = target.enable_peer_access(from.cuda_device());
-    // The peer copy waits for the source's producers on its own device's stream.
-    out.copy_from_peer(from, target.default_stream())?;
-    target.default_stream().synchronize()?;
+    out.copy_from_peer(from, stream)?;
     drop(guard);
-    Ok(wrap(Buffer::Cuda(out), &src, Device::Cuda(ordinal)))
+    Ok((wrap(Buffer::Cuda(out), src, target.device()), direct))
+}
+
+/// Whether `reader` may access `peer`'s memory directly, enabling it on first use. Peer access
+/// is an optimisation: without it the driver stages the copy through host memory, still
+/// correct. The answer is kept per ordered pair (enabling is a driver call each time
+/// otherwise); a failure other than "unsupported" is not kept, so a later move retries.
+pub(crate) fn peer_access(reader: &CudaDevice, peer: &CudaDevice) -> bool {
+    static KNOWN: OnceLock<Mutex<HashMap<(usize, usize), bool>>> = OnceLock::new();
+    let known = KNOWN.get_or_init(Default::default);
+    let pair = (reader.ordinal(), peer.ordinal());
+    if let Some(&direct) = known.lock().get(&pair) {
+        return direct;
+    }
+    // Outside the lock: the driver call may take a while the first time.
+    let direct = match reader.enable_peer_access(peer) {
+        Ok(()) => true,
+        Err(MemoryError::PeerAccessUnsupported { .. }) => false,
+        Err(_) => return false,
+    };
+    known.lock().insert(pair, direct);
+    direct
+}
+
+/// Scratch buffers a chunked peer move keeps on each device: the plan's staging buffers (two
+/// when two pieces fit its bound, so one piece is written while the other travels), at least
+/// one. Each holds one piece, so each device holds at most the plan's bound.
+pub(crate) fn peer_ring(plan: &ChunkPlan) -> usize {
+    plan.staging_buffers().max(1)
+}
+
+/// A move between two GPUs in the pieces of `plan` (along axis 0), through scratch rings of at
+/// most two pieces on each device: a piece is written into a source-side scratch buffer (which
+/// also makes a non-contiguous source contiguous a piece at a time), copied peer to peer into a
+/// target-side one, and from there into its place in the result. All of it is queued on the two
+/// devices' default streams; the rings are reused in order on the device (a scratch buffer's
+/// next write waits for the peer copy that read it), so the host does not wait and each device
+/// holds at most `plan.staging_buffers()` (at least one) pieces of scratch.
+pub(crate) fn device_to_device_chunked(
+    src: &Tensor,
+    ordinal: usize,
+    plan: &ChunkPlan,
+) -> Result<(Tensor, TransferReport)> {
+    if plan.len() <= 1 || src.shape().is_empty() {
+        let (moved, path, scratch) = device_to_device(src, ordinal)?;
+        let mut report = TransferReport::new(path, src.nbytes());
+        report.staging_peak_bytes = scratch;
+        return Ok((moved, report));
+    }
+    let (from, target) = (src.device(), cuda(ordinal)?);
+    let Device::Cuda(source) = from else {
+        unreachable!("a CUDA source")
+    };
+    let direct = peer_access(&target, &cuda(source)?);
+    let stream = target.default_stream();
+    let piece_rows = plan.pieces().iter().map(|p| p.len()).max().unwrap_or(0);
+    let mut piece_shape = src.shape().to_vec();
+    piece_shape[0] = piece_rows;
+    let ring = peer_ring(plan);
+    let mut meter = StagingMeter::default();
+    let mut sources = Vec::with_capacity(ring);
+    let mut landings = Vec::with_capacity(ring);
+    for _ in 0..ring {
+        sources.push(Tensor::zeros(&piece_shape, src.dtype(), from)?);
+        landings.push(target.alloc(plan.piece_bytes(), stream)?);
+        meter.hold(2 * plan.piece_bytes());
+    }
+    let mut out = target.alloc(src.nbytes(), stream)?;
+    for (i, rows) in plan.pieces().iter().enumerate() {
+        let slot = i % ring;
+        // The scratch's earlier peer copy is in flight on the target's stream: this write
+        // waits for it on the device (the buffer recorded the copy).
+        sources[slot].narrow(0, 0, rows.len())?.assign(&src.narrow(
+            0,
+            rows.start,
+            rows.len(),
+        )?)?;
+        let guard = sources[slot].storage().read();
+        let Buffer::Cuda(piece) = &*guard else {
+            return Err(TensorError::UnsupportedDevice {
+                op: "to_chunked",
+                device: from,
+            });
+        };
+        landings[slot].copy_from_peer(piece, stream)?;
+        drop(guard);
+        let bytes = plan.byte_range(i);
+        out.copy_region(bytes.start, &landings[slot], 0, bytes.len(), stream)?;
+    }
+    let moved = wrap(Buffer::Cuda(out), src, Device::Cuda(ordinal));
+    let path = TransferPath::Peer {
+        direct,
+        chunks: plan.len(),
+    };
+    let mut report = TransferReport::new(path, src.nbytes());
+    report.staging_peak_bytes = meter.peak();
+    Ok((moved, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use ferry_memory::DType;
+
+    use super::*;
+
+    #[test]
+    fn a_chunked_peer_move_holds_at_most_its_bound_on_each_device() {
+        for (shape, bound) in [
+            (vec![1000, 1000], 1 << 20),
+            (vec![1000, 1000], 3 << 20),
+            (vec![7, 5000], 64 << 10),
+            (vec![3, 3], 1 << 30),
+        ] {
+            let spec = ChunkSpec::MaxStagingBytes(bound);
+            let plan = ChunkPlan::new(&shape, DType::F32, spec).unwrap();
+            let per_device = peer_ring(&plan) * plan.piece_bytes();
+            assert!(
+                per_device <= bound,
+                "{shape:?} in {bound}: {per_device} bytes"
+            );
+            assert!(peer_ring(&plan) >= 1 && peer_ring(&plan) <= 2);
+        }
+        // Two pieces fit: one is written while the other travels.
+        let plan = ChunkPlan::new(
+            &[1000, 1000],
+            DType::F32,
+            ChunkSpec::MaxStagingBytes(1 << 20),
+        )
+        .unwrap();
+        assert_eq!(peer_ring(&plan), 2);
+        assert!(plan.len() >= 8, "{} pieces", plan.len());
+    }
 }

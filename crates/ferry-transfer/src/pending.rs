@@ -9,10 +9,10 @@ use ferry_memory::cuda::{Event, PinnedBuffer, PinnedPool, Stream};
 use ferry_memory::{DType, Device, MemoryError};
 use ferry_tensor::{Buffer, Result, Tensor, TensorError, should_record, with_no_grad};
 
-use crate::copy::{beyond_budget, move_bytes};
+use crate::copy::{beyond_budget, move_bytes, peer_copy};
 use crate::record::record_transfer;
 use crate::report::{TransferPath, TransferReport};
-use crate::staging::{after_default, cuda, dense, within_budget, wrap};
+use crate::staging::{after_default, cuda, dense, dense_copies, within_budget, wrap};
 
 /// A move in flight. It keeps the source alive until it is waited for or dropped, and it has no
 /// accessor to the moved data except [`PendingTensor::wait`], which returns only once the copy's
@@ -26,6 +26,10 @@ use crate::staging::{after_default, cuda, dense, within_budget, wrap};
 /// producers on the default stream, and a later in-place write of the source (`assign`,
 /// `adam_update`, an optimizer step) waits for the copy on the device, because the source's
 /// buffer records the copy's event and ferry's kernels wait for such events before using it.
+///
+/// Between two GPUs the copy runs on the stream given, of either GPU, directly when peer access
+/// is available ([`crate::TransferPath::Peer`] says which); the result's later uses on the
+/// target's default stream wait for the copy on the device.
 ///
 /// Peeking at the data without waiting does not compile:
 ///
@@ -118,6 +122,23 @@ fn check_stream(stream: &Stream, gpu: Device) -> Result<()> {
     Ok(())
 }
 
+/// Between two GPUs, `stream` (of device `on`) may belong to either: the target's (where the
+/// result is used; the usual choice) or the source's (to keep the target's copy engine free).
+/// A third device's stream is refused with the fix.
+fn check_peer_stream(on: Device, from: Device, to: Device) -> Result<()> {
+    if on == from || on == to {
+        return Ok(());
+    }
+    Err(TensorError::InvalidArgument {
+        op: "to_async",
+        message: format!(
+            "a move from {from} to {to} was given a stream of {on}: pass a stream of {to} \
+             (where the result is used, e.g. `CudaDevice::get({})?.new_stream()?`) or of {from}",
+            to.cuda_ordinal().unwrap_or(0)
+        ),
+    })
+}
+
 /// [`crate::DeviceMove::to_async`].
 pub(crate) fn to_async(src: &Tensor, device: Device, stream: &Stream) -> Result<PendingTensor> {
     let started = Instant::now();
@@ -192,14 +213,46 @@ pub(crate) fn to_async(src: &Tensor, device: Device, stream: &Stream) -> Result<
                 pending.report.staging_peak_bytes = staging.block_size();
                 pending._staging = Some(staging);
             }
-            // Between GPUs: a peer copy, finished before this returns.
-            _ => {
-                let (moved, path, _) = move_bytes(src, device, false)?;
+            // Between GPUs: a peer copy queued on `stream`, of either GPU.
+            (Device::Cuda(_), Device::Cuda(ordinal)) => {
+                check_peer_stream(stream.device(), src.device(), device)?;
+                let dense = dense(src)?;
+                let (moved, direct) = peer_copy(&dense, &cuda(ordinal)?, stream)?;
+                pending.done = Some(stream.record()?);
                 pending.result = moved;
-                pending.report = TransferReport::new(path, src.nbytes());
+                let path = TransferPath::Peer { direct, chunks: 1 };
+                pending.report = TransferReport::new(path, dense.nbytes());
+                if dense_copies(src) {
+                    pending.report.staging_peak_bytes = dense.nbytes();
+                }
+                pending._scratch = Some(dense);
             }
+            (Device::Cpu, Device::Cpu) => unreachable!("equal devices handled above"),
         }
         Ok(())
     })?;
     Ok(pending)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_move_takes_a_stream_of_either_gpu_and_names_the_fix_for_a_third() {
+        let (a, b, c) = (Device::Cuda(0), Device::Cuda(1), Device::Cuda(2));
+        assert!(check_peer_stream(b, a, b).is_ok(), "the target's stream");
+        assert!(check_peer_stream(a, a, b).is_ok(), "the source's stream");
+        let err = check_peer_stream(c, a, b).unwrap_err().to_string();
+        for part in [
+            "cuda:2",
+            "pass a stream of cuda:1",
+            "or of cuda:0",
+            "get(1)",
+        ] {
+            assert!(err.contains(part), "`{part}` missing from: {err}");
+        }
+        let err = check_peer_stream(a, b, c).unwrap_err().to_string();
+        assert!(err.contains("from cuda:1 to cuda:2"), "{err}");
+    }
 }

@@ -15,8 +15,17 @@ pub enum TransferPath {
     DeviceToPinned,
     /// GPU to host into pageable memory (small tensors, or chunked moves).
     DeviceToPageable,
-    /// GPU to GPU on one device or between peers.
+    /// GPU to GPU on one device (two of its streams).
     DeviceToDevice,
+    /// GPU to GPU between two devices, in `chunks` copies (1 for a whole move). `direct` when
+    /// peer access was enabled (NVLink or PCIe peer-to-peer); otherwise the driver staged the
+    /// bytes through host memory of its own (outside ferry's pinned pool and its budget).
+    Peer {
+        /// Whether the copy went device to device without touching host memory.
+        direct: bool,
+        /// Number of copies the move was split into.
+        chunks: usize,
+    },
     /// In pieces through bounded pinned staging.
     Chunked {
         /// Number of pieces.

@@ -22,6 +22,7 @@ mod array;
 pub mod checkpoint;
 pub mod cuda;
 pub mod debug;
+pub mod distributed;
 pub mod host;
 pub mod nn;
 pub mod optim;

@@ -13,8 +13,10 @@ mod autograd_chains;
 mod autograd_json;
 mod autograd_output;
 mod checkpoint;
+mod ddp;
 mod ferry_cases;
 mod offload;
+mod peer;
 mod pipeline;
 mod pipeline_trace;
 mod pytorch;
@@ -55,6 +57,14 @@ enum BenchCommand {
     /// memory and saved bytes with and without it; with --compare-pytorch, PyTorch's
     /// save_on_cpu(pin_memory=True) alongside.
     Offload(offload::OffloadArgs),
+    /// Moves between two GPUs (4 MiB to 1 GiB, both directions); with --compare-pytorch,
+    /// PyTorch's `.to('cuda:N')` and `non_blocking=True` interleaved. Needs two GPUs.
+    Peer(peer::PeerArgs),
+    /// Data-parallel training of the 1024-4096-4096-10 MLP: one GPU alone, DataParallel on one
+    /// and two GPUs (step time, samples/s, scaling efficiency, replicas equal); with
+    /// --compare-pytorch, PyTorch's DistributedDataParallel (one process per GPU). --host runs
+    /// it on the CPU.
+    Ddp(ddp::DdpArgs),
 }
 
 pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
@@ -65,5 +75,7 @@ pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
         BenchCommand::Pipeline(args) => pipeline::run(args),
         BenchCommand::Checkpoint(args) => checkpoint::run(args),
         BenchCommand::Offload(args) => offload::run(args),
+        BenchCommand::Peer(args) => peer::run(args),
+        BenchCommand::Ddp(args) => ddp::run(args),
     }
 }

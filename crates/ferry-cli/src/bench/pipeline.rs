@@ -233,12 +233,7 @@ impl Measured {
     }
 }
 
-fn measure(
-    id: &'static str,
-    fx: &Fixture,
-    mut torch: Option<&mut PyTorch>,
-    samples: u32,
-) -> Measured {
+fn measure(id: &'static str, fx: &Fixture, torch: Option<&mut PyTorch>, samples: u32) -> Measured {
     let mut m = Measured {
         id,
         ferry: Vec::new(),
@@ -262,7 +257,7 @@ fn measure(
             Err(err) => m.ferry_error = Some(err.to_string()),
         }
     }
-    if let Some(torch) = torch.as_deref_mut() {
+    if let Some(torch) = torch {
         std::thread::sleep(SETTLE);
         for round in 0..=samples {
             match torch.sample(&request) {

@@ -496,6 +496,29 @@ impl DeviceBuffer {
     pub(crate) fn queued_on(&self, stream: &Stream) -> Result<(), MemoryError> {
         self.note_queued(stream)
     }
+
+    /// Like [`DeviceBuffer::note_queued`], with an event the caller records on `stream` later:
+    /// an NCCL collective queued inside a group is launched only when the group ends, so its
+    /// event is recorded then. Until it is recorded the event counts as complete.
+    pub(crate) fn queued_with(&self, stream: &Stream, event: &Arc<Event>) {
+        if *stream == self.stream || self.is_empty() {
+            return;
+        }
+        let mut foreign = self.foreign.lock();
+        if let Some((_, last_copy)) = foreign.streams.iter_mut().find(|(s, _)| s == stream) {
+            *last_copy = Some(Arc::clone(event));
+        }
+        match foreign
+            .in_flight
+            .iter_mut()
+            .find(|(id, _)| *id == stream.id())
+        {
+            Some(slot) => slot.1 = Arc::clone(event),
+            None => foreign.in_flight.push((stream.id(), Arc::clone(event))),
+        }
+        self.in_flight
+            .store(foreign.in_flight.len(), Ordering::Release);
+    }
 }
 
 /// Records the copy just queued on `pinned`. If that fails, waits for the stream instead, so the

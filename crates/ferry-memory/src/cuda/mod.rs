@@ -1,5 +1,6 @@
 //! CUDA through cudarc: discovery, device memory behind a caching allocator, a pinned host pool,
-//! streams and events, NVRTC-compiled kernels with a safe launch builder, and cuBLAS GEMM.
+//! streams and events, NVRTC-compiled kernels with a safe launch builder, cuBLAS GEMM, and NCCL
+//! collectives across GPUs ([`Communicator`]).
 //!
 //! Nothing here touches the driver before [`driver_present`] has said it can be loaded: every
 //! entry point returns [`MemoryError::NoDriver`](crate::MemoryError::NoDriver) instead. Device
@@ -21,6 +22,7 @@ mod device;
 mod discover;
 mod kernels;
 mod launch;
+mod nccl;
 mod pinned;
 mod stream;
 #[cfg(test)]
@@ -34,5 +36,6 @@ pub use device::CudaDevice;
 pub use discover::{CudaDeviceInfo, devices, driver_present, driver_version};
 pub use kernels::{CudaFunction, KernelModule, compile_ptx, nvrtc_present, nvrtc_version};
 pub use launch::{Dim3, Launch, blocks_for};
+pub use nccl::{Communicator, ReduceOp, UniqueId, group, nccl_present, nccl_version};
 pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PinnedStats};
 pub use stream::{Event, Stream};
