@@ -55,11 +55,13 @@ pub trait DeviceMove: Sized {
     /// pinned pool sizes them, and scratch pieces), counted by the move: the pools' statistics
     /// and their peaks are left alone. When the pinned budget has no room for the staging, the
     /// pieces go through the driver's pageable path instead. A zero count, or a bound smaller
-    /// than one row, is an error naming the smallest valid value. Between two GPUs this is a
-    /// plain peer copy; on one device it is the identity.
+    /// than one row, is an error naming the smallest valid value. Between two GPUs the pieces
+    /// go peer to peer through a scratch ring of at most two pieces on each GPU (`report.path`
+    /// is `Peer { direct, chunks }`); on one device it is the identity.
     fn to_chunked(&self, device: Device, spec: ChunkSpec) -> Result<(Tensor, TransferReport)>;
 
-    /// Queues the move on `stream` (of the GPU side of the move) and returns at once. GPU to
+    /// Queues the move on `stream` (of the GPU side of the move; between two GPUs, of either,
+    /// and a third device's stream is an error naming the fix) and returns at once. GPU to
     /// host lands in pinned memory; the copy is ordered after the work already queued on the
     /// default stream, where the source was produced, and an in-place write of the source
     /// issued afterwards (`assign`, an optimizer step) waits for the copy on the device, so the
