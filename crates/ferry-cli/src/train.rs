@@ -3,7 +3,8 @@
 //!
 //! Each epoch writes `epoch-NNN.safetensors` (model under `model.`, optimizer under
 //! `optimizer.`, the history so far in the metadata) and `model.safetensors` (the model alone,
-//! PyTorch's key names), then redraws `curves.png`. `--resume` loads the newest epoch file that
+//! PyTorch's key names), deletes epoch files beyond the newest `--keep` (3 by default), then
+//! redraws `curves.png` and `curves.svg`. `--resume` loads the newest epoch file that
 //! is whole (a truncated or damaged one is skipped, with a warning naming it and why) and
 //! continues up to `--epochs` in total. Shuffling and dropout are seeded per epoch from
 //! `--seed`, so a resumed run repeats exactly what an uninterrupted one would have done.
@@ -102,6 +103,10 @@ pub struct TrainArgs {
     /// --device.
     #[arg(long, value_delimiter = ',', num_args = 1..)]
     pub devices: Vec<Device>,
+    /// Epoch checkpoints to keep: after each epoch's file is written, older ones beyond the
+    /// newest N are deleted (0 keeps them all). `model.safetensors` is always the latest.
+    #[arg(long, default_value_t = 3)]
+    pub keep: usize,
 }
 
 /// One epoch's figures.
@@ -194,7 +199,7 @@ pub fn run(args: TrainArgs) -> Result<(), Box<dyn Error>> {
             n => format!(" (resumed past {n} unusable checkpoint(s), see the warnings above)"),
         };
         println!(
-            "trained {} epoch(s) of {} on {} in {:.2} s{skipped}; checkpoints and curves.png in {}",
+            "trained {} epoch(s) of {} on {} in {:.2} s{skipped}; checkpoints and curves (PNG, SVG) in {}",
             summary.trained_now,
             summary.history.len(),
             devices_label(&args),
@@ -373,6 +378,7 @@ fn replica(
         };
         history.push(stats);
         save_epoch(&args.out, epoch, &model, &opt, &history)?;
+        resume::prune_epochs(&args.out, args.keep)?;
         plot::curves(&args.out.join("curves.png"), &history)?;
         if !args.quiet {
             bar.suspend(|| {
@@ -468,6 +474,7 @@ mod tests {
             quiet: true,
             prefetch: ferry::DEFAULT_IN_FLIGHT,
             devices: Vec::new(),
+            keep: 0,
         }
     }
 

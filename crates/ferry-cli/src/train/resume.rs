@@ -62,6 +62,22 @@ fn epoch_files(dir: &Path) -> Result<Vec<(usize, PathBuf)>, Box<dyn Error>> {
     Ok(found)
 }
 
+/// Deletes all but the newest `keep` epoch files of `dir` (none when `keep` is 0: every epoch
+/// is kept). Files newer than `epoch` (left by a longer run into the same directory) count as
+/// newer and are kept too. Returns the files deleted.
+pub(super) fn prune_epochs(dir: &Path, keep: usize) -> Result<Vec<PathBuf>, Box<dyn Error>> {
+    if keep == 0 {
+        return Ok(Vec::new());
+    }
+    let mut deleted = Vec::new();
+    for (_, path) in epoch_files(dir)?.into_iter().skip(keep) {
+        std::fs::remove_file(&path)
+            .map_err(|e| format!("cannot delete the old checkpoint {}: {e}", path.display()))?;
+        deleted.push(path);
+    }
+    Ok(deleted)
+}
+
 /// Loads the newest epoch file of `dir` that is whole and fits `model` and `opt`; `None` when
 /// `dir` has no epoch file. A file that fails leaves `model` and `opt` as they were, and the
 /// next older one is tried.
@@ -118,6 +134,30 @@ pub(super) fn save_epoch(
     ck.save(epoch_file(dir, epoch))?;
     ferry::checkpoint::save(dir.join("model.safetensors"), &model.state_dict())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod prune_tests {
+    use super::*;
+
+    #[test]
+    fn pruning_keeps_the_newest_files_and_zero_keeps_all() {
+        let dir = tempfile::tempdir().unwrap();
+        for epoch in 1..=5 {
+            std::fs::write(epoch_file(dir.path(), epoch), b"x").unwrap();
+        }
+        std::fs::write(dir.path().join("model.safetensors"), b"x").unwrap();
+        assert!(prune_epochs(dir.path(), 0).unwrap().is_empty());
+        let deleted = prune_epochs(dir.path(), 2).unwrap();
+        assert_eq!(deleted.len(), 3);
+        let left: Vec<usize> = epoch_files(dir.path())
+            .unwrap()
+            .iter()
+            .map(|(e, _)| *e)
+            .collect();
+        assert_eq!(left, vec![5, 4]);
+        assert!(dir.path().join("model.safetensors").exists());
+    }
 }
 
 /// Loads model and optimizer state from an epoch file: the file is verified and both are
