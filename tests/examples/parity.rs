@@ -168,6 +168,41 @@ fn cases() -> Vec<Case> {
             f: |x| x[0].cross_entropy(&x[1]),
         },
         Case {
+            name: "index_select",
+            inputs: &[(&[6, 4], F), (&[7], I)],
+            f: |x| x[0].index_select(0, &x[1]),
+        },
+        Case {
+            name: "index_add",
+            inputs: &[(&[5, 3], F), (&[4], I), (&[4, 3], F)],
+            f: |x| x[0].index_add(0, &x[1], &x[2]),
+        },
+        Case {
+            name: "gather",
+            inputs: &[(&[4, 6], F), (&[4, 3], I)],
+            f: |x| x[0].gather(1, &x[1]),
+        },
+        Case {
+            name: "scatter_add",
+            inputs: &[(&[4, 6], F), (&[4, 3], I), (&[4, 5], F)],
+            f: |x| x[0].scatter_add(1, &x[1], &x[2]),
+        },
+        Case {
+            name: "embedding",
+            inputs: &[(&[5, 3], F), (&[2, 4], I)],
+            f: |x| Tensor::embedding(&x[0], &x[1]),
+        },
+        Case {
+            name: "layer_norm_affine",
+            inputs: &[(&[4, 16], F), (&[16], F), (&[16], F)],
+            f: |x| x[0].layer_norm(&[16], Some(&x[1]), Some(&x[2]), 1e-5),
+        },
+        Case {
+            name: "layer_norm_plain_3d",
+            inputs: &[(&[2, 3, 8], F)],
+            f: |x| x[0].layer_norm(&[3, 8], None, None, 1e-5),
+        },
+        Case {
             name: "comparisons",
             inputs: &[(&[12], F), (&[12], F)],
             f: |x| {
@@ -176,6 +211,106 @@ fn cases() -> Vec<Case> {
                 let eq = x[0].eq(&x[0])?.to_dtype(DType::F32)?;
                 gt.mul_scalar(4.0)?.add(&le.mul_scalar(2.0)?)?.add(&eq)
             },
+        },
+        Case {
+            name: "gelu",
+            inputs: &[(&[4, 6], F)],
+            f: |x| x[0].mul_scalar(2.0)?.gelu(),
+        },
+        Case {
+            name: "gelu_tanh",
+            inputs: &[(&[4, 6], F)],
+            f: |x| x[0].mul_scalar(2.0)?.gelu_tanh(),
+        },
+        Case {
+            name: "silu",
+            inputs: &[(&[4, 6], F)],
+            f: |x| x[0].mul_scalar(2.0)?.silu(),
+        },
+        Case {
+            name: "sin_cos",
+            inputs: &[(&[10], F), (&[10], F)],
+            f: |x| x[0].mul_scalar(3.0)?.sin()?.add(&x[0].cos()?.mul(&x[1])?),
+        },
+        Case {
+            name: "clamp",
+            inputs: &[(&[20], F)],
+            f: |x| x[0].mul_scalar(2.0)?.clamp(-1.0, 0.5),
+        },
+        Case {
+            name: "maximum_broadcast",
+            inputs: &[(&[3, 1], F), (&[1, 4], F)],
+            f: |x| x[0].maximum(&x[1]),
+        },
+        Case {
+            name: "minimum_ties",
+            inputs: &[(&[16], F)],
+            f: |x| x[0].minimum(&x[0].clamp(-0.5, 0.5)?),
+        },
+        Case {
+            name: "maximum_ties",
+            inputs: &[(&[16], F)],
+            f: |x| x[0].maximum(&x[0].clamp(-0.5, 0.5)?),
+        },
+        Case {
+            name: "where_broadcast",
+            inputs: &[(&[3, 4], F), (&[4], F), (&[3, 1], F)],
+            f: |x| {
+                let zero = Tensor::zeros(&[], DType::F32, x[0].device())?;
+                Tensor::where_cond(&x[0].gt(&zero)?, &x[0].mul(&x[1])?, &x[2])
+            },
+        },
+        Case {
+            name: "masked_fill",
+            inputs: &[(&[3, 4], F), (&[4], I)],
+            f: |x| {
+                let two = Tensor::full(&[], 2.0, DType::I64, x[1].device())?;
+                x[0].masked_fill(&x[1].gt(&two)?, -2.0)
+            },
+        },
+        Case {
+            name: "permute",
+            inputs: &[(&[2, 3, 4], F), (&[4, 2, 3], F)],
+            f: |x| x[0].permute(&[2, 0, 1])?.mul(&x[1]),
+        },
+        Case {
+            name: "stack",
+            inputs: &[(&[2, 3], F), (&[3, 2], F)],
+            f: |x| Tensor::stack(&[&x[0], &x[1].t()?], 1),
+        },
+        Case {
+            name: "conv2d_stride_pad_dilation_groups",
+            inputs: &[(&[2, 4, 7, 8], F), (&[6, 2, 3, 2], F), (&[6], F)],
+            f: |x| {
+                let o = ferry::nn::Conv2dOptions::default()
+                    .stride(2)
+                    .padding(1)
+                    .dilation(2)
+                    .groups(2);
+                x[0].conv2d(&x[1], Some(&x[2]), o)
+            },
+        },
+        Case {
+            name: "conv2d_plain",
+            inputs: &[(&[1, 3, 6, 5], F), (&[4, 3, 3, 3], F)],
+            f: |x| x[0].conv2d(&x[1], None, ferry::nn::Conv2dOptions::default()),
+        },
+        Case {
+            name: "max_pool2d",
+            inputs: &[(&[2, 3, 7, 6], F)],
+            f: |x| x[0].max_pool2d([3, 3], [2, 2], [1, 1]),
+        },
+        Case {
+            name: "avg_pool2d",
+            inputs: &[(&[2, 3, 7, 6], F)],
+            f: |x| x[0].avg_pool2d([3, 3], [2, 2], [1, 1]),
+        },
+        Case {
+            // PyTorch cannot draw ferry's mask: parity.py rebuilds it from this output's zeros
+            // and checks the kept values and the gradient against x / (1 - p) with that mask.
+            name: "dropout",
+            inputs: &[(&[64, 32], F)],
+            f: |x| x[0].dropout(0.25, true),
         },
     ]
 }

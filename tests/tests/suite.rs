@@ -6,6 +6,12 @@ mod grad_elementwise;
 mod grad_reduce;
 // Numerical gradients of views, rearrangements, casts and the softmax family.
 mod grad_shape;
+// Numerical gradients and references of index_select, gather, scatter_add, embedding, layer_norm.
+mod grad_index;
+// GELU, SiLU, sin, cos, clamp, maximum/minimum, where_cond, masked_fill, permute, stack, dropout.
+mod grad_ops;
+// conv2d (stride, padding, dilation, groups), max and average pooling, Conv2d and pools.
+mod grad_conv;
 // Broadcasting against a naive reference, by hand and by proptest.
 mod broadcasting;
 // Hand-worked derivatives and naive references for matmul, reductions and argmax.
@@ -60,3 +66,9 @@ mod hooks;
 mod inference;
 // In-place writes into saved tensors (assign, optimizer steps) make backward fail, named.
 mod inplace;
+// Learning-rate schedules driving optimizers; a resumed run continues its schedule.
+mod lr_schedule;
+// Gradient clipping by global norm and by value.
+mod grad_clip;
+// Mixed precision: autocast scopes and the GradScaler.
+mod amp;

@@ -44,8 +44,39 @@ CASES = {
     "softmax": lambda x: x[0].softmax(1),
     "log_softmax_axis0": lambda x: x[0].log_softmax(0),
     "cross_entropy": lambda x: torch.nn.functional.cross_entropy(x[0], x[1]),
+    "index_select": lambda x: x[0].index_select(0, x[1]),
+    "index_add": lambda x: x[0].index_add(0, x[1], x[2]),
+    "gather": lambda x: x[0].gather(1, x[1]),
+    "scatter_add": lambda x: x[0].scatter_add(1, x[1], x[2]),
+    "embedding": lambda x: torch.nn.functional.embedding(x[1], x[0]),
+    "layer_norm_affine": lambda x: torch.nn.functional.layer_norm(x[0], (16,), x[1], x[2], 1e-5),
+    "layer_norm_plain_3d": lambda x: torch.nn.functional.layer_norm(x[0], (3, 8), eps=1e-5),
     "comparisons": lambda x: (x[0] > x[1]).float() * 4.0 + (x[0] <= x[1]).float() * 2.0 + (x[0] == x[0]).float(),
+    "gelu": lambda x: torch.nn.functional.gelu(x[0] * 2.0),
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x[0] * 2.0, approximate="tanh"),
+    "silu": lambda x: torch.nn.functional.silu(x[0] * 2.0),
+    "sin_cos": lambda x: (x[0] * 3.0).sin() + x[0].cos() * x[1],
+    "clamp": lambda x: (x[0] * 2.0).clamp(-1.0, 0.5),
+    "maximum_broadcast": lambda x: torch.maximum(x[0], x[1]),
+    "minimum_ties": lambda x: torch.minimum(x[0], x[0].clamp(-0.5, 0.5)),
+    "maximum_ties": lambda x: torch.maximum(x[0], x[0].clamp(-0.5, 0.5)),
+    "where_broadcast": lambda x: torch.where(x[0] > 0, x[0] * x[1], x[2]),
+    "masked_fill": lambda x: x[0].masked_fill(x[1] > 2, -2.0),
+    "permute": lambda x: x[0].permute(2, 0, 1) * x[1],
+    "stack": lambda x: torch.stack([x[0], x[1].t()], 1),
+    "conv2d_stride_pad_dilation_groups": lambda x: torch.nn.functional.conv2d(
+        x[0], x[1], x[2], stride=2, padding=1, dilation=2, groups=2),
+    "conv2d_plain": lambda x: torch.nn.functional.conv2d(x[0], x[1]),
+    "max_pool2d": lambda x: torch.nn.functional.max_pool2d(x[0], 3, 2, 1),
+    "avg_pool2d": lambda x: torch.nn.functional.avg_pool2d(x[0], 3, 2, 1, count_include_pad=True),
+    # ferry's mask (the zeros of its output) applied the PyTorch way; the fraction kept is
+    # checked in main().
+    "dropout": lambda x: x[0] * (FERRY_OUTPUT["dropout"] != 0) / 0.75,
 }
+
+
+# Each case's output as ferry computed it, for the cases that need it (dropout's mask).
+FERRY_OUTPUT = {}
 
 
 def tensor(entry, device, dtype):
@@ -75,6 +106,12 @@ def main():
         for entry, is_float in zip(case["inputs"], case["input_is_float"]):
             t = tensor(entry, device, torch.float32 if is_float else torch.int64)
             xs.append(t.requires_grad_() if is_float else t)
+        FERRY_OUTPUT[case["name"]] = tensor(case["output"], device, torch.float32)
+        if case["name"] == "dropout":
+            kept = (FERRY_OUTPUT["dropout"] != 0).double().mean().item()
+            if abs(kept - 0.75) > 0.1:
+                print(f"dropout kept {kept:.3f} of the elements, expected about 0.75")
+                failures.append("dropout (kept fraction)")
         out = CASES[case["name"]](xs)
         ours = tensor(case["output"], device, torch.float64)
         value_err = rel(ours, out.detach())

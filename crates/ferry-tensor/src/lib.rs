@@ -28,6 +28,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod autocast;
 pub mod autograd;
 mod backend;
 mod backward;
@@ -51,6 +52,7 @@ pub use ferry_graph::{
 };
 pub use ferry_memory::{DType, Device};
 pub use layout::{Layout, Shape, broadcast_shapes};
+pub use ops::conv::Conv2dOptions;
 pub use ops::create::manual_seed;
 pub use storage::{Buffer, Storage};
 pub use tensor::Tensor;

@@ -56,6 +56,14 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Rule<(BinaryOp, Sh
         BinaryOp::TanhBackward | BinaryOp::SigmoidBackward => {
             Save::input(1).and(Save::input_if(0, gb))
         }
+        // f(g, x) = g h(x), from the activation's input x: dg needs x, dx needs g and x.
+        BinaryOp::SiluBackward | BinaryOp::GeluBackward | BinaryOp::GeluTanhBackward => {
+            Save::input(1).and(Save::input_if(0, gb))
+        }
+        // Who gets the gradient depends on both values.
+        BinaryOp::Maximum | BinaryOp::Minimum => Save::input(0).and(Save::input(1)),
+        // Piecewise constant: never recorded with gradients (ops::activation).
+        BinaryOp::MaxShare => Save::NOTHING,
     };
     Rule::new(
         save,
@@ -108,6 +116,39 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Rule<(BinaryOp, Sh
                         })?,
                     )
                 }
+                // r = a h(x): dr/da = h(x) (the same fused kernel), dr/dx = a h'(x)
+                BinaryOp::SiluBackward | BinaryOp::GeluBackward | BinaryOp::GeluTanhBackward => {
+                    use crate::ops::activation as act;
+                    let x = saved.input(1)?;
+                    let da = want(wanted[0], || match op {
+                        BinaryOp::SiluBackward => g.silu_backward(&x),
+                        BinaryOp::GeluBackward => g.gelu_backward(&x),
+                        _ => g.gelu_tanh_backward(&x),
+                    })?;
+                    let db = want(wanted[1], || {
+                        let curvature = match op {
+                            BinaryOp::SiluBackward => act::silu_curvature(&x)?,
+                            BinaryOp::GeluBackward => act::gelu_erf_curvature(&x)?,
+                            _ => act::gelu_tanh_curvature(&x)?,
+                        };
+                        g.mul(&saved.input(0)?)?.mul(&curvature)
+                    })?;
+                    (da, db)
+                }
+                // The larger (smaller) input takes the gradient; a tie splits it in halves.
+                BinaryOp::Maximum | BinaryOp::Minimum => {
+                    let (a, b) = (saved.input(0)?, saved.input(1)?);
+                    let (wa, wb) = if *op == BinaryOp::Maximum {
+                        (a.max_share(&b)?, b.max_share(&a)?)
+                    } else {
+                        (b.max_share(&a)?, a.max_share(&b)?)
+                    };
+                    (
+                        want(wanted[0], || g.mul(&wa))?,
+                        want(wanted[1], || g.mul(&wb))?,
+                    )
+                }
+                BinaryOp::MaxShare => (None, None),
             };
             Ok(smallvec![reduced(da, sa)?, reduced(db, sb)?])
         },
@@ -121,6 +162,14 @@ pub(crate) fn unary(op: UnaryOp) -> Rule<UnaryOp> {
             Save::OUTPUT
         }
         UnaryOp::Log | UnaryOp::Abs | UnaryOp::PowScalar(_) => Save::input(0),
+        UnaryOp::Sin
+        | UnaryOp::Cos
+        | UnaryOp::Silu
+        | UnaryOp::Gelu
+        | UnaryOp::GeluTanh
+        | UnaryOp::ClampMin(_)
+        | UnaryOp::ClampMax(_) => Save::input(0),
+        UnaryOp::StepGe(_) | UnaryOp::StepLe(_) => Save::NOTHING,
         UnaryOp::Neg | UnaryOp::Step | UnaryOp::AddScalar(_) | UnaryOp::MulScalar(_) => {
             Save::NOTHING
         }
@@ -144,6 +193,20 @@ pub(crate) fn unary(op: UnaryOp) -> Rule<UnaryOp> {
             UnaryOp::AddScalar(_) => g.clone(),
             UnaryOp::MulScalar(c) => g.mul_scalar(c)?,
             UnaryOp::PowScalar(p) => g.mul(&saved.input(0)?.powf(p - 1.0)?.mul_scalar(p)?)?, // p xᵖ⁻¹
+            UnaryOp::Sin => g.mul(&saved.input(0)?.cos()?)?, // cos x
+            UnaryOp::Cos => g.mul(&saved.input(0)?.sin()?.neg()?)?, // -sin x
+            // Fused kernels from the input, ops with rules of their own (second derivatives).
+            UnaryOp::Silu => g.silu_backward(&saved.input(0)?)?,
+            UnaryOp::Gelu => g.gelu_backward(&saved.input(0)?)?,
+            UnaryOp::GeluTanh => g.gelu_tanh_backward(&saved.input(0)?)?,
+            // 1 inside the bound (the bound itself included), 0 outside.
+            UnaryOp::ClampMin(c) => {
+                g.mul(&saved.input(0)?.table_unary_constant(UnaryOp::StepGe(c))?)?
+            }
+            UnaryOp::ClampMax(c) => {
+                g.mul(&saved.input(0)?.table_unary_constant(UnaryOp::StepLe(c))?)?
+            }
+            UnaryOp::StepGe(_) | UnaryOp::StepLe(_) => g.zeros_like()?,
         };
         Ok(smallvec![Some(dx)])
     })
@@ -293,4 +356,42 @@ pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Rule<usize> {
         Ok(smallvec![Some(one_hot.mul(&scale)?)])
     })
     .with_aux(targets.clone())
+}
+
+/// Permuting axes: the gradient is permuted back by the inverse order.
+pub(crate) fn permute(order: &[usize]) -> Rule<Vec<usize>> {
+    let mut inverse = vec![0; order.len()];
+    for (i, &d) in order.iter().enumerate() {
+        inverse[d] = i;
+    }
+    Rule::new(Save::NOTHING, inverse, |_, inverse, g, _| {
+        let dims: Vec<isize> = inverse.iter().map(|&d| d as isize).collect();
+        Ok(smallvec![Some(g.permute(&dims)?)])
+    })
+}
+
+/// `where_cond(cond, a, b)`: each value input gets the gradient where it was chosen, 0
+/// elsewhere, summed back to its shape. Keeps `cond` (one byte per element), not the values.
+pub(crate) fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor) -> Rule<(Shape, Shape)> {
+    Rule::new(
+        Save::NOTHING,
+        (a.dims(), b.dims()),
+        |saved, (sa, sb), g, wanted| {
+            let cond = saved.aux()?;
+            let zero = Tensor::zeros(&[], g.dtype(), g.device())?;
+            let da = want(wanted[0], || Tensor::where_cond(&cond, g, &zero))?;
+            let db = want(wanted[1], || Tensor::where_cond(&cond, &zero, g))?;
+            Ok(smallvec![reduced(da, sa)?, reduced(db, sb)?])
+        },
+    )
+    .with_aux(cond.clone())
+}
+
+/// Dropout (and its backward, the same linear map): the gradient is scaled where the mask
+/// kept the element and 0 elsewhere. Keeps only the mask, one `u8` per element.
+pub(crate) fn dropout(mask: Tensor, scale: f64) -> Rule<f64> {
+    Rule::new(Save::NOTHING, scale, |saved, &scale, g, _| {
+        Ok(smallvec![Some(g.masked_scale(&saved.aux()?, scale)?)])
+    })
+    .with_aux(mask)
 }

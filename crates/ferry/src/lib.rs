@@ -18,6 +18,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod amp;
 mod array;
 pub mod checkpoint;
 pub mod cuda;

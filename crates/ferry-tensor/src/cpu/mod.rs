@@ -1,9 +1,13 @@
 //! CPU kernels: generic over the element type, parallel with rayon above a size threshold.
 
+pub(crate) mod conv;
 pub(crate) mod copy;
 pub(crate) mod elementwise;
+pub(crate) mod index;
 pub(crate) mod matmul;
+pub(crate) mod norm;
 pub(crate) mod reduce;
+pub(crate) mod select;
 
 /// Below this many elements, threads cost more than they save.
 pub(crate) const PARALLEL_THRESHOLD: usize = 1 << 15;

@@ -32,9 +32,26 @@ pub static REDUCE: KernelModule = module!("reduce");
 pub static SOFTMAX: KernelModule = module!("softmax");
 /// Fused in-place optimizer updates.
 pub static OPTIM: KernelModule = module!("optim");
+/// index_select, gather, index_add and scatter_add along one axis.
+pub static INDEX: KernelModule = module!("index");
+/// Fused layer normalization, forward and backward.
+pub static NORM: KernelModule = module!("norm");
+/// where_cond, fused dropout and its masked backward.
+pub static SELECT: KernelModule = module!("select");
+/// im2col, col2im and the max-pooling argmax for conv2d and pooling.
+pub static CONV: KernelModule = module!("conv");
 
 /// Every module, for compile checks and `ferry doctor`.
-pub static ALL: [&KernelModule; 4] = [&ELEMENTWISE, &REDUCE, &SOFTMAX, &OPTIM];
+pub static ALL: [&KernelModule; 8] = [
+    &ELEMENTWISE,
+    &REDUCE,
+    &SOFTMAX,
+    &OPTIM,
+    &INDEX,
+    &NORM,
+    &SELECT,
+    &CONV,
+];
 
 /// One kernel of one module, named by what it does and the dtypes it reads and writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +74,12 @@ pub(crate) enum Kernel {
     Gather,
     /// One fused Adam step, in place.
     Adam(DType),
+    /// `where_cond` of values of this dtype.
+    Where(DType),
+    /// Fused dropout: mask drawn, output scaled.
+    Dropout(DType),
+    /// Dropout's backward from the saved mask.
+    MaskedScale(DType),
 }
 
 /// `$prefix` followed by the C name of `$dtype`'s element type, as a `&'static str`.
@@ -95,6 +118,7 @@ impl Kernel {
             | Kernel::SumFinish(_) => &REDUCE,
             Kernel::Softmax(_) => &SOFTMAX,
             Kernel::Adam(_) => &OPTIM,
+            Kernel::Where(_) | Kernel::Dropout(_) | Kernel::MaskedScale(_) => &SELECT,
             _ => &ELEMENTWISE,
         }
     }
@@ -126,6 +150,9 @@ impl Kernel {
             Kernel::Softmax(d) => typed_name!("softmax_", d),
             Kernel::Gather => "gather_regions",
             Kernel::Adam(d) => typed_name!("adam_", d),
+            Kernel::Where(d) => typed_name!("where_", d),
+            Kernel::Dropout(d) => typed_name!("dropout_", d),
+            Kernel::MaskedScale(d) => typed_name!("masked_scale_", d),
         }
     }
 
@@ -155,6 +182,10 @@ pub(crate) fn every_kernel() -> Vec<Kernel> {
     kernels.push(Kernel::Gather);
     for d in DType::ALL {
         kernels.extend([Kernel::Compare(d), Kernel::Fill(d), Kernel::Arange(d)]);
+        kernels.push(Kernel::Where(d));
+        if d.is_float() {
+            kernels.extend([Kernel::Dropout(d), Kernel::MaskedScale(d)]);
+        }
         kernels.extend(DType::ALL.map(|to| Kernel::Cast(d, to)));
         if d.is_float() {
             kernels.extend([

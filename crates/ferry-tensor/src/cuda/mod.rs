@@ -2,8 +2,12 @@
 //! reductions and softmax, cuBLAS for matrix products. Everything runs on the device's default
 //! stream, so ops are ordered without extra synchronization.
 
+pub(crate) mod conv;
+pub(crate) mod index;
 pub(crate) mod kernels;
 mod matmul;
+pub(crate) mod norm;
+pub(crate) mod select;
 
 pub use kernels::{ALL as KERNEL_MODULES, compile_kernels};
 

@@ -7,7 +7,13 @@ use crate::{Result, Tensor, TensorError, backend, rules};
 impl Tensor {
     /// `self [.., m, k] · rhs [.., k, n]`; batch dimensions broadcast. Transposed views are
     /// read in place, without copies.
+    ///
+    /// Inside an autocast scope ([`crate::autocast`]) an `f32` product runs in the scope's
+    /// precision and comes back as `f32`.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        if let Some(out) = crate::autocast::matmul(self, rhs)? {
+            return Ok(out);
+        }
         self.same_kind("matmul", rhs)?;
         let (a, b) = (self.shape(), rhs.shape());
         if a.len() < 2 || b.len() < 2 || a[a.len() - 1] != b[b.len() - 2] {

@@ -6,12 +6,18 @@
 //! kernels in kernels/ switch through (an unknown code traps). A new elementwise op is a row here,
 //! its gradient rule in `rules`, and its public method in `elementwise`.
 
+pub(crate) mod activation;
+pub(crate) mod conv;
 pub(crate) mod create;
 pub(crate) mod elementwise;
+pub(crate) mod index;
 pub(crate) mod matmul;
 pub(crate) mod nn;
+pub(crate) mod norm;
 pub mod optim;
+pub(crate) mod permute;
 pub(crate) mod reduce;
+pub(crate) mod select;
 pub(crate) mod shape;
 
 mod table;
@@ -65,6 +71,32 @@ table::op_table! {
         MulScalar(c) => "mul_scalar", 10, |v| v * c, "v * c";
         /// `x^p`
         PowScalar(p) => "powf", 11, |v| v.powf(p), "m_pow(v, p)";
+        /// sine
+        Sin => "sin", 12, |v| v.sin(),
+            "sizeof(A) == 4 ? (A)sinf((float)v) : (A)sin((double)v)";
+        /// cosine
+        Cos => "cos", 13, |v| v.cos(),
+            "sizeof(A) == 4 ? (A)cosf((float)v) : (A)cos((double)v)";
+        /// `x σ(x)` (SiLU, swish)
+        Silu => "silu", 14, |v| v / (T::one() + (-v).exp()), "v / ((A)1 + m_exp(-v))";
+        /// GELU, tanh approximation: `x/2 (1 + tanh(√(2/π) (x + 0.044715 x³)))`
+        GeluTanh => "gelu_tanh", 15,
+            |v| crate::ops::activation::gelu_tanh_cpu(v),
+            "(A)0.5 * v * ((A)1 + m_tanh((A)0.7978845608028654 * (v + (A)0.044715 * v * v * v)))";
+        /// GELU, exact: `x Φ(x) = x/2 (1 + erf(x / √2))`
+        Gelu => "gelu", 16,
+            |v| crate::ops::activation::gelu_erf_cpu(v),
+            "(A)0.5 * v * ((A)1 + (sizeof(A) == 4 ? (A)erff((float)(v * (A)0.7071067811865476)) : (A)erf((double)(v * (A)0.7071067811865476))))";
+        /// `max(x, c)` (NaN stays NaN)
+        ClampMin(c) => "clamp_min", 17, |v| if v < c { c } else { v }, "v < c ? c : v";
+        /// `min(x, c)` (NaN stays NaN)
+        ClampMax(c) => "clamp_max", 18, |v| if v > c { c } else { v }, "v > c ? c : v";
+        /// `1` where `x >= c`, else `0` (clamp_min's derivative)
+        StepGe(c) => "step_ge", 19,
+            |v| if v >= c { T::one() } else { T::zero() }, "v >= c ? (A)1 : (A)0";
+        /// `1` where `x <= c`, else `0` (clamp_max's derivative)
+        StepLe(c) => "step_le", 20,
+            |v| if v <= c { T::one() } else { T::zero() }, "v <= c ? (A)1 : (A)0";
     }
 
     /// Elementwise functions of two broadcast tensors.
@@ -86,6 +118,35 @@ table::op_table! {
         /// `g y (1 - y)`: sigmoid's backward, from its output `y`, in one pass
         SigmoidBackward => "sigmoid_backward", 6,
             |g, y| g * y * (T::one() - y), "g * y * ((A)1 - y)";
+        /// `g σ(x) (1 + x (1 - σ(x)))`: silu's backward, from its input `x`, in one pass
+        SiluBackward => "silu_backward", 7,
+            |g, x| crate::ops::activation::silu_backward_cpu(g, x),
+            "g * ((A)1 / ((A)1 + m_exp(-x))) * ((A)1 + x * ((A)1 - (A)1 / ((A)1 + m_exp(-x))))";
+        /// gelu_tanh's backward, from its input `x`, in one pass
+        GeluTanhBackward => "gelu_tanh_backward", 8,
+            |g, x| crate::ops::activation::gelu_tanh_backward_cpu(g, x),
+            "g * ([](A x) { const A k = (A)0.7978845608028654, c = (A)0.044715; \
+             const A t = m_tanh(k * (x + c * x * x * x)); \
+             return (A)0.5 * ((A)1 + t) + (A)0.5 * x * ((A)1 - t * t) * k * ((A)1 + (A)3 * c * x * x); \
+             })(x)";
+        /// `g (Φ(x) + x φ(x))`: gelu's backward, from its input `x`, in one pass
+        GeluBackward => "gelu_backward", 9,
+            |g, x| crate::ops::activation::gelu_erf_backward_cpu(g, x),
+            "g * ([](A x) { const A s = x * (A)0.7071067811865476; \
+             const A e = sizeof(A) == 4 ? (A)erff((float)s) : (A)erf((double)s); \
+             return (A)0.5 * ((A)1 + e) + x * (A)0.3989422804014327 * m_exp((A)-0.5 * x * x); \
+             })(x)";
+        /// `max(a, b)` (NaN if either is)
+        Maximum => "maximum", 10,
+            |a, b| if a.is_nan() || a > b { a } else { b }, "(a != a || a > b) ? a : b";
+        /// `min(a, b)` (NaN if either is)
+        Minimum => "minimum", 11,
+            |a, b| if a.is_nan() || a < b { a } else { b }, "(a != a || a < b) ? a : b";
+        /// `1` where `a > b`, `½` where `a == b`, else `0`: the share of maximum's gradient
+        /// that reaches `a` (ties split evenly)
+        MaxShare => "max_share", 12,
+            |a, b| crate::ops::activation::max_share_cpu(a, b),
+            "a > b ? (A)1 : (a == b ? (A)0.5 : (A)0)";
     }
 
     /// Elementwise comparisons; results are `u8` (1 true, 0 false).
@@ -236,11 +297,27 @@ mod tests {
             (UnaryOp::AddScalar(2.0), 2.5),
             (UnaryOp::MulScalar(3.0), 1.5),
             (UnaryOp::PowScalar(3.0), 0.125),
+            (UnaryOp::Sin, x.sin()),
+            (UnaryOp::Cos, x.cos()),
+            (UnaryOp::Silu, 0.311_229_665_600_927_3),
+            (UnaryOp::GeluTanh, 0.345_714_009_825_143_94),
+            (UnaryOp::Gelu, 0.345_731_230_637_006_56),
+            (UnaryOp::ClampMin(0.0), 0.5),
+            (UnaryOp::ClampMax(0.0), 0.0),
+            (UnaryOp::StepGe(0.5), 1.0),
+            (UnaryOp::StepLe(0.25), 0.0),
         ];
         assert_eq!(unary.len(), UnaryOp::ALL.len(), "a unary op has no probe");
         for (op, want) in unary {
-            assert_eq!(op.dispatch(Probe(x, 0.0)), want, "{}", op.name());
-            assert_eq!(op.dispatch(Probe(-x, 0.0)) == want, op.name() == "abs");
+            let got = op.dispatch(Probe(x, 0.0));
+            assert!(
+                (got - want).abs() <= 1e-15,
+                "{}: {got} vs {want}",
+                op.name()
+            );
+            // Only the even functions give the same value at -x.
+            let even = ["abs", "cos"].contains(&op.name());
+            assert_eq!(op.dispatch(Probe(-x, 0.0)) == want, even, "{}", op.name());
         }
         let binary = [
             (BinaryOp::Add, 5.0),
@@ -250,6 +327,12 @@ mod tests {
             (BinaryOp::ReluBackward, 3.0),     // y = 2 > 0: g passes
             (BinaryOp::TanhBackward, -9.0),    // 3 (1 - 4)
             (BinaryOp::SigmoidBackward, -6.0), // 3 · 2 (1 - 2)
+            (BinaryOp::SiluBackward, 3.272_352_7), // 3 σ(2) (1 + 2 (1 - σ(2)))
+            (BinaryOp::GeluTanhBackward, 3.258_297_8), // 3 (½(1 + t) + ...) at x = 2
+            (BinaryOp::GeluBackward, 3.255_695_4), // 3 (Φ(2) + 2 φ(2))
+            (BinaryOp::Maximum, 3.0),
+            (BinaryOp::Minimum, 2.0),
+            (BinaryOp::MaxShare, 1.0), // 3 > 2
         ];
         assert_eq!(
             binary.len(),
@@ -257,8 +340,13 @@ mod tests {
             "a binary op has no probe"
         );
         for (op, want) in binary {
-            assert_eq!(op.dispatch(Probe(3.0f32, 2.0)), want, "{}", op.name());
+            let got = op.dispatch(Probe(3.0f32, 2.0));
+            assert!((got - want).abs() <= 1e-6, "{}: {got} vs {want}", op.name());
         }
+        assert_eq!(BinaryOp::MaxShare.dispatch(Probe(2.0f32, 2.0)), 0.5);
+        assert_eq!(BinaryOp::MaxShare.dispatch(Probe(1.0f32, 2.0)), 0.0);
+        assert!(BinaryOp::Maximum.dispatch(Probe(f32::NAN, 2.0)).is_nan());
+        assert!(BinaryOp::Minimum.dispatch(Probe(2.0f32, f32::NAN)).is_nan());
         for op in CmpOp::ALL {
             let [lt, eq, gt] = [(1u8, 2u8), (2, 2), (3, 2)].map(|(a, b)| op.dispatch(Probe(a, b)));
             let want = match op {

@@ -6,8 +6,9 @@ use super::Module;
 
 /// Zeroes each element with probability `p` in training mode and scales the survivors by
 /// `1 / (1 - p)`, so the expected output equals the input; in evaluation mode it is the
-/// identity. Masks come from the tensor generator, which [`crate::manual_seed`] seeds, and
-/// are drawn on the input's device.
+/// identity. Runs [`Tensor::dropout`]: one kernel draws the mask and scales, and backward keeps
+/// only the mask. Masks come from the tensor generator, which [`crate::manual_seed`] seeds,
+/// and are drawn on the input's device (a seed gives the same mask on every device).
 #[derive(Debug, Clone)]
 pub struct Dropout {
     p: f64,
@@ -39,15 +40,9 @@ impl Dropout {
 
 impl Module for Dropout {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        if !self.training || self.p == 0.0 {
-            return Ok(input.clone());
-        }
-        // u - p > 0 with probability 1 - p: the mask keeps, scaled, what survives.
-        let keep = Tensor::rand(input.shape(), input.dtype(), input.device())?
-            .sub_scalar(self.p)?
-            .step()?
-            .mul_scalar(1.0 / (1.0 - self.p))?;
-        input.mul(&keep)
+        // One fused op: the mask is drawn and applied in one kernel, and the graph keeps only
+        // the mask (one byte per element) for backward.
+        input.dropout(self.p, self.training)
     }
 
     fn set_training(&mut self, training: bool) {

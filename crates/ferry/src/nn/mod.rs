@@ -30,20 +30,30 @@
 //! ```
 
 mod activation;
+mod attention;
+mod conv;
 mod dropout;
+mod embedding;
 pub mod init;
+mod layer_norm;
 mod linear;
 mod loss;
+mod pool;
 mod sequential;
 mod state;
 
 pub use activation::{ReLU, Tanh};
+pub use attention::scaled_dot_product_attention;
+pub use conv::Conv2d;
 pub use dropout::Dropout;
+pub use ferry_tensor::Conv2dOptions;
 pub use init::Init;
 pub use linear::Linear;
 pub use loss::{cross_entropy, mse};
+pub use pool::{AvgPool2d, Flatten, MaxPool2d};
 pub use sequential::Sequential;
 pub use state::{assign_state, check_state};
+pub use {embedding::Embedding, layer_norm::LayerNorm};
 
 use ferry_tensor::{Device, Result, Tensor, with_no_grad};
 use ferry_transfer::{DeviceMove, StateDict};

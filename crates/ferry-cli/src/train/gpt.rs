@@ -1,0 +1,523 @@
+//! `ferry train gpt`: a small character-level GPT on Cicero's *De finibus bonorum et malorum*,
+//! book I (Latin, public domain), as the `lipsum` crate ships it (`lipsum::LIBER_PRIMUS`,
+//! 49 KB): nothing is copied into this repository.
+//!
+//! The model is GPT-2's shape at a small size: token and position embeddings, `--layers`
+//! pre-norm blocks (layer norm, causal multi-head self-attention, residual; layer norm, a
+//! 4x-wide GELU MLP, residual), a final layer norm and a linear head. Weights are drawn from
+//! N(0, 0.02), the residual projections from N(0, 0.02 / sqrt(2 layers)), biases zero:
+//! tests/torch/gpt.py builds the same model in PyTorch for the loss comparison.
+//!
+//! Text: characters, the first 90% for training, the last 10% for validation. A step trains on
+//! `--batch-size` windows of `--context` characters drawn at random (seeded per epoch); an
+//! "epoch" is `--steps-per-epoch` steps, after which the validation loss and next-character
+//! accuracy are measured, a checkpoint written and the curves redrawn.
+
+use std::error::Error;
+
+use ferry::nn::{Embedding, LayerNorm, Linear, Module, scaled_dot_product_attention};
+use ferry::prelude::*;
+use rand::{Rng, SeedableRng};
+
+/// The text the model learns, and where it comes from.
+pub const CORPUS: &str = lipsum::LIBER_PRIMUS;
+pub const CORPUS_SOURCE: &str = "Cicero, De finibus bonorum et malorum, book I (Latin, public \
+     domain), as shipped by the lipsum crate (crates.io, MIT) as lipsum::LIBER_PRIMUS";
+
+/// The model's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptConfig {
+    pub vocab: usize,
+    pub context: usize,
+    pub width: usize,
+    pub layers: usize,
+    pub heads: usize,
+}
+
+/// The characters of a text as a vocabulary (sorted) and the text encoded with it.
+#[derive(Debug, Clone)]
+pub struct Corpus {
+    pub chars: Vec<char>,
+    pub ids: Vec<i64>,
+}
+
+impl Corpus {
+    pub fn new(text: &str) -> Self {
+        let mut chars: Vec<char> = text.chars().collect();
+        chars.sort_unstable();
+        chars.dedup();
+        let ids = text
+            .chars()
+            .map(|c| {
+                chars
+                    .binary_search(&c)
+                    .expect("every char is in the vocabulary") as i64
+            })
+            .collect();
+        Self { chars, ids }
+    }
+
+    /// `count` windows of `context + 1` ids starting at random offsets in `range`: inputs
+    /// `[count, context]` and targets (the next characters), both i64 on the host.
+    pub fn windows(
+        &self,
+        range: std::ops::Range<usize>,
+        count: usize,
+        context: usize,
+        rng: &mut impl Rng,
+    ) -> ferry::Result<(Tensor, Tensor)> {
+        let span = range.len().saturating_sub(context + 1).max(1);
+        let (mut x, mut y) = (Vec::with_capacity(count * context), Vec::new());
+        for _ in 0..count {
+            let at = range.start + rng.random_range(0..span);
+            x.extend_from_slice(&self.ids[at..at + context]);
+            y.extend_from_slice(&self.ids[at + 1..at + context + 1]);
+        }
+        Ok((
+            Tensor::from_vec(x, &[count, context])?,
+            Tensor::from_vec(y, &[count, context])?,
+        ))
+    }
+
+    pub fn decode(&self, ids: &[i64]) -> String {
+        ids.iter().map(|&i| self.chars[i as usize]).collect()
+    }
+}
+
+/// One pre-norm transformer block.
+struct Block {
+    ln1: LayerNorm,
+    qkv: Linear,
+    proj: Linear,
+    ln2: LayerNorm,
+    fc: Linear,
+    out: Linear,
+    heads: usize,
+}
+
+/// The character-level GPT.
+pub struct Gpt {
+    config: GptConfig,
+    tok: Embedding,
+    pos: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    head: Linear,
+}
+
+fn normal(shape: &[usize], std: f64, device: Device) -> ferry::Result<Tensor> {
+    Tensor::randn(shape, DType::F32, device)?.mul_scalar(std)
+}
+
+fn linear(inp: usize, out: usize, std: f64, device: Device) -> ferry::Result<Linear> {
+    Linear::from_tensors(
+        normal(&[out, inp], std, device)?,
+        Some(Tensor::zeros(&[out], DType::F32, device)?),
+    )
+}
+
+impl Gpt {
+    pub fn new(config: GptConfig, device: Device) -> ferry::Result<Self> {
+        let GptConfig {
+            vocab,
+            context,
+            width,
+            layers,
+            heads,
+        } = config;
+        if heads == 0 || width % heads != 0 {
+            return Err(ferry::TensorError::InvalidArgument {
+                op: "Gpt::new",
+                message: format!("--width {width} must be a multiple of --heads {heads}"),
+            });
+        }
+        let residual = 0.02 / ((2 * layers.max(1)) as f64).sqrt();
+        let blocks = (0..layers)
+            .map(|_| {
+                Ok(Block {
+                    ln1: LayerNorm::new(width, device)?,
+                    qkv: linear(width, 3 * width, 0.02, device)?,
+                    proj: linear(width, width, residual, device)?,
+                    ln2: LayerNorm::new(width, device)?,
+                    fc: linear(width, 4 * width, 0.02, device)?,
+                    out: linear(4 * width, width, residual, device)?,
+                    heads,
+                })
+            })
+            .collect::<ferry::Result<_>>()?;
+        Ok(Self {
+            config,
+            tok: Embedding::from_weight(normal(&[vocab, width], 0.02, device)?)?,
+            pos: Embedding::from_weight(normal(&[context, width], 0.02, device)?)?,
+            blocks,
+            ln_f: LayerNorm::new(width, device)?,
+            head: linear(width, vocab, 0.02, device)?,
+        })
+    }
+}
+
+impl Block {
+    fn forward(&self, x: &Tensor) -> ferry::Result<Tensor> {
+        let h = x.add(&self.attention(&self.ln1.forward(x)?)?)?;
+        let mlp = self
+            .out
+            .forward(&self.fc.forward(&self.ln2.forward(&h)?)?.gelu()?)?;
+        h.add(&mlp)
+    }
+
+    /// Causal multi-head self-attention over `x`, `[B, T, C]`.
+    fn attention(&self, x: &Tensor) -> ferry::Result<Tensor> {
+        let (b, t, c) = (x.shape()[0], x.shape()[1], x.shape()[2]);
+        let hd = c / self.heads;
+        let qkv = self.qkv.forward(x)?;
+        let split = |i: usize| -> ferry::Result<Tensor> {
+            qkv.narrow(2, i * c, c)?
+                .reshape(&[b, t, self.heads, hd])?
+                .permute(&[0, 2, 1, 3])
+        };
+        let y = scaled_dot_product_attention(&split(0)?, &split(1)?, &split(2)?, true)?;
+        self.proj
+            .forward(&y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, c])?)
+    }
+
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        self.ln1.visit_parameters(&format!("{prefix}ln1."), f);
+        self.qkv.visit_parameters(&format!("{prefix}attn.qkv."), f);
+        self.proj
+            .visit_parameters(&format!("{prefix}attn.proj."), f);
+        self.ln2.visit_parameters(&format!("{prefix}ln2."), f);
+        self.fc.visit_parameters(&format!("{prefix}mlp.fc."), f);
+        self.out.visit_parameters(&format!("{prefix}mlp.proj."), f);
+    }
+
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, &mut Tensor) -> ferry::Result<()>,
+    ) -> ferry::Result<()> {
+        self.ln1.visit_parameters_mut(&format!("{prefix}ln1."), f)?;
+        self.qkv
+            .visit_parameters_mut(&format!("{prefix}attn.qkv."), f)?;
+        self.proj
+            .visit_parameters_mut(&format!("{prefix}attn.proj."), f)?;
+        self.ln2.visit_parameters_mut(&format!("{prefix}ln2."), f)?;
+        self.fc
+            .visit_parameters_mut(&format!("{prefix}mlp.fc."), f)?;
+        self.out
+            .visit_parameters_mut(&format!("{prefix}mlp.proj."), f)
+    }
+}
+
+impl Module for Gpt {
+    /// `input`: i64 ids `[B, T]` (T <= context); returns logits `[B, T, vocab]`.
+    fn forward(&self, input: &Tensor) -> ferry::Result<Tensor> {
+        let t = input.shape()[1];
+        if t > self.config.context {
+            return Err(ferry::TensorError::InvalidArgument {
+                op: "Gpt::forward",
+                message: format!(
+                    "{t} positions but the model has {}; crop the input to the last {}",
+                    self.config.context, self.config.context
+                ),
+            });
+        }
+        let positions = Tensor::arange(0.0, t as f64, DType::I64, input.device())?;
+        let mut x = self
+            .tok
+            .forward(input)?
+            .add(&self.pos.forward(&positions)?)?;
+        for block in &self.blocks {
+            x = block.forward(&x)?;
+        }
+        self.head.forward(&self.ln_f.forward(&x)?)
+    }
+
+    fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        self.tok.visit_parameters(&format!("{prefix}tok."), f);
+        self.pos.visit_parameters(&format!("{prefix}pos."), f);
+        for (i, block) in self.blocks.iter().enumerate() {
+            block.visit(&format!("{prefix}blocks.{i}."), f);
+        }
+        self.ln_f.visit_parameters(&format!("{prefix}ln_f."), f);
+        self.head.visit_parameters(&format!("{prefix}head."), f);
+    }
+
+    fn visit_parameters_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, &mut Tensor) -> ferry::Result<()>,
+    ) -> ferry::Result<()> {
+        self.tok.visit_parameters_mut(&format!("{prefix}tok."), f)?;
+        self.pos.visit_parameters_mut(&format!("{prefix}pos."), f)?;
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            block.visit_mut(&format!("{prefix}blocks.{i}."), f)?;
+        }
+        self.ln_f
+            .visit_parameters_mut(&format!("{prefix}ln_f."), f)?;
+        self.head.visit_parameters_mut(&format!("{prefix}head."), f)
+    }
+}
+
+/// Mean cross-entropy of `model` on `x` -> `y` (both `[B, T]`), and how many next characters
+/// its top guess got right (f32 scalar), detached.
+pub fn loss_and_correct(model: &Gpt, x: &Tensor, y: &Tensor) -> ferry::Result<(Tensor, Tensor)> {
+    let logits = model.forward(x)?;
+    let (b, t, v) = (logits.shape()[0], logits.shape()[1], logits.shape()[2]);
+    let flat = logits.reshape(&[b * t, v])?;
+    let targets = y.reshape(&[b * t])?;
+    let loss = ferry::nn::cross_entropy(&flat, &targets)?;
+    let correct = flat
+        .detach()
+        .argmax(1, false)?
+        .eq(&targets)?
+        .to_dtype(DType::F32)?
+        .sum()?;
+    Ok((loss, correct))
+}
+
+/// `len` characters sampled from `model` after `prompt` (temperature `temperature`, seeded).
+pub fn sample(
+    model: &Gpt,
+    corpus: &Corpus,
+    prompt: &str,
+    len: usize,
+    temperature: f64,
+    seed: u64,
+) -> Result<String, Box<dyn Error>> {
+    let device = model.tok.weight().device();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut ids: Vec<i64> = prompt
+        .chars()
+        .filter_map(|c| corpus.chars.binary_search(&c).ok().map(|i| i as i64))
+        .collect();
+    if ids.is_empty() {
+        ids.push(0);
+    }
+    let start = ids.len();
+    for _ in 0..len {
+        let window = &ids[ids.len().saturating_sub(model.config.context)..];
+        let x = Tensor::from_vec(window.to_vec(), &[1, window.len()])?.to(device)?;
+        let logits = with_no_grad(|| model.forward(&x))?;
+        let last = logits
+            .narrow(1, window.len() - 1, 1)?
+            .reshape(&[model.config.vocab])?
+            .to_vec_f64()?;
+        let max = last.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = last
+            .iter()
+            .map(|l| ((l - max) / temperature).exp())
+            .collect();
+        let mut pick = rng.random::<f64>() * weights.iter().sum::<f64>();
+        let mut next = weights.len() - 1;
+        for (i, w) in weights.iter().enumerate() {
+            if pick < *w {
+                next = i;
+                break;
+            }
+            pick -= w;
+        }
+        ids.push(next as i64);
+    }
+    Ok(corpus.decode(&ids[start..]))
+}
+
+/// `ferry train gpt`: trains (or resumes) the character-level GPT, checkpointing and redrawing
+/// the curves each epoch (`--steps-per-epoch` steps), and prints samples at the end.
+pub(super) fn train(args: &super::TrainArgs) -> Result<super::TrainSummary, Box<dyn Error>> {
+    use std::time::Duration;
+
+    use ferry::optim::{AdamW, Optimizer};
+
+    use super::{EpochStats, TrainSummary, progress_bar, resume, say};
+
+    if args.devices.len() > 1 {
+        return Err("--devices (data-parallel) trains the digits task only; use --device".into());
+    }
+    let device = args.devices.first().copied().unwrap_or(args.device);
+    let corpus = Corpus::new(CORPUS);
+    let split = corpus.ids.len() * 9 / 10;
+    let config = GptConfig {
+        vocab: corpus.chars.len(),
+        context: args.context,
+        width: args.width,
+        layers: args.layers,
+        heads: args.heads,
+    };
+    std::fs::create_dir_all(args.out())
+        .map_err(|e| format!("cannot create {}: {e}", args.out().display()))?;
+    // The text, for tests/torch/gpt.py (the PyTorch twin of this model).
+    let corpus_file = args.out().join("corpus.txt");
+    std::fs::write(&corpus_file, CORPUS)
+        .map_err(|e| format!("cannot write {}: {e}", corpus_file.display()))?;
+    let lr = args.lr.unwrap_or(3e-3);
+    ferry::manual_seed(args.seed);
+    let mut model = Gpt::new(config, device)?;
+    let mut opt = AdamW::new(model.parameters(), lr)?.weight_decay(args.weight_decay);
+    say(
+        args,
+        &format!(
+            "gpt: {} parameters, {} characters ({} distinct) of {CORPUS_SOURCE}",
+            model.num_parameters(),
+            corpus.ids.len(),
+            corpus.chars.len()
+        ),
+    );
+    let mut history = Vec::new();
+    let mut skipped = Vec::new();
+    if args.resume
+        && let Some(resumed) = resume::resume(&args.out(), &mut model, &mut opt)?
+    {
+        for s in &resumed.skipped {
+            eprintln!(
+                "warning: --resume skipped {} (epoch {}): {}",
+                s.path.display(),
+                s.epoch,
+                s.reason
+            );
+        }
+        say(args, &format!("resuming from {}", resumed.path.display()));
+        history = resumed.history;
+        skipped = resumed.skipped;
+    }
+    let done_before = history.len();
+    let steps = args.steps_per_epoch.max(1);
+    let total_steps = (args.epochs * steps) as f64;
+    let warmup = (total_steps * 0.05).max(1.0);
+    let bar = progress_bar(
+        args,
+        (args.epochs.saturating_sub(done_before) * steps) as u64,
+    );
+    let mut loop_time = Duration::ZERO;
+    for epoch in done_before + 1..=args.epochs {
+        bar.set_prefix(format!("epoch {epoch}/{}", args.epochs));
+        let epoch_seed = args.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(epoch_seed);
+        let started = std::time::Instant::now();
+        let (mut loss_sum, mut correct) = (0.0, 0.0);
+        for s in 0..steps {
+            // Linear warmup over the first 5% of all steps, then a cosine to 10% of the peak.
+            let step = ((epoch - 1) * steps + s) as f64;
+            let scale = if step < warmup {
+                (step + 1.0) / warmup
+            } else if args.constant_lr {
+                1.0
+            } else {
+                let t = (step - warmup) / (total_steps - warmup).max(1.0);
+                0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+            };
+            opt.set_learning_rate(lr * scale);
+            let (x, y) = corpus.windows(0..split, args.batch(), config.context, &mut rng)?;
+            let (x, y) = (x.to(device)?, y.to(device)?);
+            opt.zero_grad();
+            let (loss, right) = loss_and_correct(&model, &x, &y)?;
+            loss.backward()?;
+            opt.step()?;
+            loss_sum += loss.item()?;
+            correct += right.item()?;
+            bar.set_message(format!("loss {:.4}", loss_sum / (s + 1) as f64));
+            bar.inc(1);
+        }
+        loop_time += started.elapsed();
+        // Validation: fixed windows of the held-out tenth.
+        let mut val_rng = rand::rngs::StdRng::seed_from_u64(0xF00D);
+        let (vx, vy) = corpus.windows(split..corpus.ids.len(), 64, config.context, &mut val_rng)?;
+        let (_, val_correct) =
+            with_no_grad(|| loss_and_correct(&model, &vx.to(device)?, &vy.to(device)?))?;
+        let per_step = (args.batch() * config.context) as f64;
+        let stats = EpochStats {
+            loss: loss_sum / steps as f64,
+            train_accuracy: correct / (per_step * steps as f64),
+            test_accuracy: val_correct.item()? / (64 * config.context) as f64,
+        };
+        history.push(stats);
+        super::save_epoch(&args.out(), epoch, &model, &opt, &history)?;
+        resume::prune_epochs(&args.out(), args.keep)?;
+        crate::plot::curves(&args.out().join("curves.png"), &history)?;
+        if !args.quiet {
+            bar.suspend(|| {
+                println!(
+                    "epoch {epoch}/{}: loss {:.4}, next-char accuracy {:.4} (train), {:.4} (held out)",
+                    args.epochs, stats.loss, stats.train_accuracy, stats.test_accuracy
+                )
+            });
+        }
+    }
+    bar.finish_and_clear();
+    if !args.quiet {
+        for seed in 0..2 {
+            let text = sample(&model, &corpus, "Non eram nescius, ", 160, 0.8, seed)?;
+            println!("sample {}: Non eram nescius, {text}", seed + 1);
+        }
+    }
+    let test_accuracy = history.last().map_or(0.0, |s| s.test_accuracy);
+    Ok(TrainSummary {
+        trained_now: history.len() - done_before,
+        history,
+        test_accuracy,
+        skipped,
+        data_wait: Duration::ZERO,
+        loop_time,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_corpus_round_trips_and_windows_are_shifted_by_one() {
+        let corpus = Corpus::new(CORPUS);
+        assert!(corpus.ids.len() > 40_000, "{}", corpus.ids.len());
+        assert!(corpus.chars.len() < 100);
+        assert_eq!(corpus.decode(&corpus.ids[..16]), &CORPUS[..16]);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let (x, y) = corpus.windows(0..1000, 3, 8, &mut rng).unwrap();
+        let (x, y) = (x.to_vec::<i64>().unwrap(), y.to_vec::<i64>().unwrap());
+        for w in 0..3 {
+            assert_eq!(x[w * 8 + 1..w * 8 + 8], y[w * 8..w * 8 + 7]);
+        }
+    }
+
+    #[test]
+    fn a_tiny_gpt_learns_to_lower_its_loss_on_the_cpu() {
+        ferry::manual_seed(0);
+        let corpus = Corpus::new(CORPUS);
+        let config = GptConfig {
+            vocab: corpus.chars.len(),
+            context: 16,
+            width: 32,
+            layers: 2,
+            heads: 4,
+        };
+        let model = Gpt::new(config, Device::Cpu).unwrap();
+        let names: Vec<String> = model
+            .named_parameters()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert!(
+            names.contains(&"blocks.1.attn.qkv.weight".to_string()),
+            "{names:?}"
+        );
+        let mut opt = ferry::optim::AdamW::new(model.parameters(), 3e-3).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let mut first = None;
+        let mut last = 0.0;
+        for _ in 0..60 {
+            let (x, y) = corpus.windows(0..40_000, 16, 16, &mut rng).unwrap();
+            use ferry::optim::Optimizer;
+            opt.zero_grad();
+            let (loss, _) = loss_and_correct(&model, &x, &y).unwrap();
+            loss.backward().unwrap();
+            opt.step().unwrap();
+            last = loss.item().unwrap();
+            first.get_or_insert(last);
+        }
+        let first = first.unwrap();
+        // ln(vocab) at the start; a model that learned character frequencies is well below.
+        assert!((first - (config.vocab as f64).ln()).abs() < 0.3, "{first}");
+        assert!(last < first - 0.8, "{first} -> {last}");
+        let text = sample(&model, &corpus, "Non eram", 20, 1.0, 0).unwrap();
+        assert_eq!(text.chars().count(), 20);
+    }
+}

@@ -1,0 +1,238 @@
+//! Layer normalization on a GPU (kernels/norm.cu): one fused forward kernel, and for the
+//! backward one fused kernel for dx plus a two-step column reduction for the weight and bias
+//! gradients (partial sums over chunks of rows, then their sum: deterministic, no atomics).
+
+use ferry_memory::DType;
+use ferry_memory::cuda::{CudaDevice, CudaFunction, DeviceBuffer, Launch};
+
+use super::kernels::NORM;
+use super::{alloc, buffer, dense, device_of, float_only, launch, wrap};
+use crate::ops::norm::stats_dtype;
+use crate::{Result, Tensor};
+
+/// Threads per row block: a power of two (the block sum halves), at most 256, about one per
+/// column for short rows.
+fn row_threads(cols: usize) -> u32 {
+    (cols.next_power_of_two() as u32).clamp(32, 256)
+}
+
+/// Rows per block of the row kernels' grid-stride loop: blocks beyond this many wait anyway.
+const MAX_ROW_BLOCKS: usize = 65535;
+/// Columns and row-threads per block of the parameter-gradient kernel (NORM_COLS, NORM_ROWS).
+const PARAM_COLS: u32 = 32;
+const PARAM_ROWS: u32 = 8;
+
+fn function(dev: &CudaDevice, name: &'static str) -> Result<CudaFunction> {
+    Ok(dev.function(&NORM, name)?)
+}
+
+/// `$prefix` followed by the C name of a float dtype.
+macro_rules! float_name {
+    ($prefix:literal, $dtype:expr) => {
+        match $dtype {
+            DType::F64 => concat!($prefix, "double"),
+            DType::F16 => concat!($prefix, "f16"),
+            DType::BF16 => concat!($prefix, "bf16"),
+            _ => concat!($prefix, "float"),
+        }
+    };
+}
+
+fn forward_kernel(d: DType) -> &'static str {
+    float_name!("layer_norm_", d)
+}
+fn backward_kernel(d: DType) -> &'static str {
+    float_name!("layer_norm_backward_", d)
+}
+fn params_kernel(d: DType) -> &'static str {
+    float_name!("layer_norm_params_", d)
+}
+fn finish_kernel(d: DType) -> &'static str {
+    float_name!("layer_norm_params_finish_", d)
+}
+
+/// A buffer argument, or a null pointer for an absent tensor.
+fn opt<'a>(l: Launch<'a>, b: Option<&'a DeviceBuffer>) -> Launch<'a> {
+    match b {
+        Some(b) => l.arg_buffer(b),
+        None => l.arg_u64(0),
+    }
+}
+
+fn opt_mut<'a>(l: Launch<'a>, b: Option<&'a mut DeviceBuffer>) -> Launch<'a> {
+    match b {
+        Some(b) => l.arg_buffer_mut(b),
+        None => l.arg_u64(0),
+    }
+}
+
+/// `y` and the `[rows, 2]` statistics (mean, rstd) of `x` (`[rows, cols]`).
+pub(crate) fn layer_norm(
+    x: &Tensor,
+    w: Option<&Tensor>,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "layer_norm";
+    float_only(OP, x.dtype())?;
+    let x = dense(x)?;
+    let (w, b) = (w.map(dense).transpose()?, b.map(dense).transpose()?);
+    let dev = device_of(&x)?;
+    let (rows, cols) = (x.shape()[0], x.shape()[1]);
+    let sd = stats_dtype(x.dtype());
+    let mut y = alloc(&dev, OP, x.shape(), x.dtype())?;
+    let mut stats = alloc(&dev, OP, &[rows, 2], sd)?;
+    if rows > 0 {
+        let f = function(&dev, forward_kernel(x.dtype()))?;
+        let src = buffer(&x)?;
+        let wb = w.as_ref().map(buffer).transpose()?;
+        let bb = b.as_ref().map(buffer).transpose()?;
+        let blocks = rows.min(MAX_ROW_BLOCKS) as u32;
+        let l = dev
+            .launch(
+                &f,
+                (blocks, 1, 1),
+                (row_threads(cols), 1, 1),
+                0,
+                dev.default_stream(),
+            )
+            .arg_buffer(&src);
+        opt(opt(l, wb.as_deref()), bb.as_deref())
+            .arg_buffer_mut(&mut y)
+            .arg_buffer_mut(&mut stats)
+            .arg_u64(rows as u64)
+            .arg_u64(cols as u64)
+            .arg_f64(eps)
+            .run()?;
+    }
+    Ok((
+        wrap(&dev, y, x.dtype(), x.shape()),
+        wrap(&dev, stats, sd, &[rows, 2]),
+    ))
+}
+
+/// `dx`, `dweight`, `dbias` (each only when `want` says so).
+pub(crate) fn layer_norm_backward(
+    g: &Tensor,
+    x: &Tensor,
+    w: Option<&Tensor>,
+    stats: &Tensor,
+    want: [bool; 3],
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    const OP: &str = "layer_norm backward";
+    float_only(OP, x.dtype())?;
+    let (g, x, stats) = (dense(g)?, dense(x)?, dense(stats)?);
+    let w = w.map(dense).transpose()?;
+    let dev = device_of(&x)?;
+    let dtype = x.dtype();
+    let (rows, cols) = (x.shape()[0], x.shape()[1]);
+    let (gb, xb, sb) = (buffer(&g)?, buffer(&x)?, buffer(&stats)?);
+    let dx = if want[0] {
+        let mut dx = alloc(&dev, OP, x.shape(), dtype)?;
+        if rows > 0 {
+            let f = function(&dev, backward_kernel(dtype))?;
+            let wb = w.as_ref().map(buffer).transpose()?;
+            let blocks = rows.min(MAX_ROW_BLOCKS) as u32;
+            let l = dev
+                .launch(
+                    &f,
+                    (blocks, 1, 1),
+                    (row_threads(cols), 1, 1),
+                    0,
+                    dev.default_stream(),
+                )
+                .arg_buffer(&gb)
+                .arg_buffer(&xb);
+            opt(l, wb.as_deref())
+                .arg_buffer(&sb)
+                .arg_buffer_mut(&mut dx)
+                .arg_u64(rows as u64)
+                .arg_u64(cols as u64)
+                .run()?;
+        }
+        Some(wrap(&dev, dx, dtype, x.shape()))
+    } else {
+        None
+    };
+    if !(want[1] || want[2]) {
+        return Ok((dx, None, None));
+    }
+    // Chunks of at least 64 rows, at most 1024 chunks: enough blocks to fill the GPU, few
+    // partial rows to sum afterwards.
+    let rows_per_chunk = rows.div_ceil(1024).max(64);
+    let chunks = rows.div_ceil(rows_per_chunk);
+    let acc = stats_dtype(dtype);
+    let mut partial = alloc(&dev, OP, &[chunks.max(1), 2, cols], acc)?;
+    if chunks > 0 {
+        let f = function(&dev, params_kernel(dtype))?;
+        let col_blocks = cols.div_ceil(PARAM_COLS as usize) as u32;
+        dev.launch(
+            &f,
+            (col_blocks, chunks as u32, 1),
+            (PARAM_COLS, PARAM_ROWS, 1),
+            0,
+            dev.default_stream(),
+        )
+        .arg_buffer(&gb)
+        .arg_buffer(&xb)
+        .arg_buffer(&sb)
+        .arg_buffer_mut(&mut partial)
+        .arg_u64(rows as u64)
+        .arg_u64(cols as u64)
+        .arg_u64(rows_per_chunk as u64)
+        .run()?;
+    }
+    let mut dw = want[1]
+        .then(|| alloc(&dev, OP, &[cols], dtype))
+        .transpose()?;
+    let mut db = want[2]
+        .then(|| alloc(&dev, OP, &[cols], dtype))
+        .transpose()?;
+    let f = function(&dev, finish_kernel(dtype))?;
+    let l = launch(&dev, &f, cols).arg_buffer(&partial);
+    opt_mut(opt_mut(l, dw.as_mut()), db.as_mut())
+        .arg_u64(chunks as u64)
+        .arg_u64(cols as u64)
+        .run()?;
+    let dw = dw.map(|b| wrap(&dev, b, dtype, &[cols]));
+    let db = db.map(|b| wrap(&dev, b, dtype, &[cols]));
+    Ok((dx, dw, db))
+}
+
+#[cfg(test)]
+mod tests {
+    use ferry_memory::cuda::{compile_ptx, nvrtc_present};
+
+    use super::*;
+
+    /// Every kernel name this file launches is an entry of the compiled module.
+    #[test]
+    fn norm_kernels_compile_and_are_exported() {
+        if !nvrtc_present() {
+            eprintln!("skipped: NVRTC not found");
+            return;
+        }
+        let ptx = compile_ptx(&NORM, "compute_90").unwrap_or_else(|e| panic!("{e}"));
+        for d in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            for name in [
+                forward_kernel(d),
+                backward_kernel(d),
+                params_kernel(d),
+                finish_kernel(d),
+            ] {
+                assert!(ptx.contains(&format!(".entry {name}(")), "{name} missing");
+            }
+        }
+    }
+
+    #[test]
+    fn row_blocks_are_powers_of_two_up_to_256() {
+        for cols in [1, 31, 32, 33, 100, 256, 257, 4096] {
+            let t = row_threads(cols);
+            assert!(
+                t.is_power_of_two() && (32..=256).contains(&t),
+                "{cols}: {t}"
+            );
+        }
+    }
+}

@@ -1,0 +1,467 @@
+//! Two-dimensional convolution and pooling over NCHW tensors, with their gradient rules here
+//! beside them.
+//!
+//! Both devices lower a convolution to im2col and a matrix product: `im2col` unfolds every
+//! receptive field of the input into a column (`[N, C·KH·KW, OH·OW]`), the grouped weight
+//! (`[G, O/G, C/G·KH·KW]`) multiplies the columns (the existing GEMM: the `gemm` crate on the
+//! CPU, cuBLAS on CUDA), and `col2im`, its adjoint, folds columns back into an image by summing
+//! overlapping entries. On CUDA both are kernels of kernels/conv.cu.
+//!
+//! The conv2d node keeps the input and the weight (not the columns, which are `KH·KW` times
+//! larger) and recomputes the columns in its backward. The backward is written with
+//! differentiable ops (`im2col`, `col2im`, matmul, sums), so second derivatives flow.
+//!
+//! Max pooling finds the index of each window's maximum (a kernel: it records nothing) and picks
+//! the values with [`Tensor::gather`], whose node keeps only those `i64` indices. Average
+//! pooling (padding counted in the divisor) is `im2col` followed by a mean over each window.
+
+use ferry_graph::InputGrads;
+use ferry_memory::Device;
+use smallvec::smallvec;
+
+use crate::autograd::{Rule, Save, Saved, record};
+use crate::{Result, Tensor, TensorError, cpu, cuda};
+
+/// Stride, padding, dilation and groups of [`Tensor::conv2d`]: `[height, width]` pairs.
+///
+/// The default is stride 1, no padding, dilation 1 and one group.
+///
+/// ```
+/// use ferry_tensor::Conv2dOptions;
+/// let o = Conv2dOptions::default().stride(2).padding(1).groups(2);
+/// assert_eq!((o.stride, o.padding, o.dilation, o.groups), ([2, 2], [1, 1], [1, 1], 2));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv2dOptions {
+    /// Step between windows, `[sh, sw]` (each >= 1).
+    pub stride: [usize; 2],
+    /// Zeros added on each side, `[ph, pw]`.
+    pub padding: [usize; 2],
+    /// Spacing between kernel taps, `[dh, dw]` (each >= 1).
+    pub dilation: [usize; 2],
+    /// Channel groups: input and output channels both split into this many groups, each
+    /// convolved on its own (>= 1, dividing both channel counts).
+    pub groups: usize,
+}
+
+impl Default for Conv2dOptions {
+    fn default() -> Self {
+        Self {
+            stride: [1, 1],
+            padding: [0, 0],
+            dilation: [1, 1],
+            groups: 1,
+        }
+    }
+}
+
+impl Conv2dOptions {
+    /// The same stride along both axes.
+    pub fn stride(mut self, s: usize) -> Self {
+        self.stride = [s, s];
+        self
+    }
+
+    /// The same padding along both axes.
+    pub fn padding(mut self, p: usize) -> Self {
+        self.padding = [p, p];
+        self
+    }
+
+    /// The same dilation along both axes.
+    pub fn dilation(mut self, d: usize) -> Self {
+        self.dilation = [d, d];
+        self
+    }
+
+    /// The number of channel groups.
+    pub fn groups(mut self, g: usize) -> Self {
+        self.groups = g;
+        self
+    }
+}
+
+/// The geometry of one unfolding: input `[n, c, h, w]`, kernel `kh x kw`, stride, padding,
+/// dilation and the output size `oh x ow`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub sh: usize,
+    pub sw: usize,
+    pub ph: usize,
+    pub pw: usize,
+    pub dh: usize,
+    pub dw: usize,
+    pub oh: usize,
+    pub ow: usize,
+}
+
+impl Geometry {
+    /// Checks the window against the input and derives the output size.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        op: &'static str,
+        input: [usize; 4],
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> Result<Self> {
+        let [n, c, h, w] = input;
+        let invalid = |message: String| Err(TensorError::InvalidArgument { op, message });
+        if kernel.contains(&0) || stride.contains(&0) || dilation.contains(&0) {
+            return invalid(format!(
+                "kernel {kernel:?}, stride {stride:?} and dilation {dilation:?} must all be >= 1"
+            ));
+        }
+        let mut out = [0; 2];
+        for (i, size) in [h, w].into_iter().enumerate() {
+            let span = dilation[i] * (kernel[i] - 1) + 1;
+            let padded = size + 2 * padding[i];
+            if padded < span {
+                return invalid(format!(
+                    "the window spans {span} (kernel {kernel:?}, dilation {dilation:?}) but the \
+                     padded input is {padded} along {} (input {h}x{w}, padding {padding:?}); use \
+                     a smaller kernel or more padding",
+                    ["height", "width"][i]
+                ));
+            }
+            out[i] = (padded - span) / stride[i] + 1;
+        }
+        Ok(Self {
+            n,
+            c,
+            h,
+            w,
+            kh: kernel[0],
+            kw: kernel[1],
+            sh: stride[0],
+            sw: stride[1],
+            ph: padding[0],
+            pw: padding[1],
+            dh: dilation[0],
+            dw: dilation[1],
+            oh: out[0],
+            ow: out[1],
+        })
+    }
+
+    /// Taps per window.
+    pub fn k(&self) -> usize {
+        self.kh * self.kw
+    }
+
+    /// Windows per image.
+    pub fn l(&self) -> usize {
+        self.oh * self.ow
+    }
+
+    /// The same window over `[n, c]` images.
+    fn with_images(mut self, n: usize, c: usize) -> Self {
+        self.n = n;
+        self.c = c;
+        self
+    }
+
+    fn to_vec(self) -> Vec<usize> {
+        vec![
+            self.n, self.c, self.h, self.w, self.kh, self.kw, self.sh, self.sw, self.ph, self.pw,
+            self.dh, self.dw, self.oh, self.ow,
+        ]
+    }
+
+    fn from_slice(v: &[usize]) -> Self {
+        Self {
+            n: v[0],
+            c: v[1],
+            h: v[2],
+            w: v[3],
+            kh: v[4],
+            kw: v[5],
+            sh: v[6],
+            sw: v[7],
+            ph: v[8],
+            pw: v[9],
+            dh: v[10],
+            dw: v[11],
+            oh: v[12],
+            ow: v[13],
+        }
+    }
+}
+
+/// The `[n, c, h, w]` of a 4-D input, or an error naming the layout conv and pooling want.
+fn nchw(op: &'static str, x: &Tensor) -> Result<[usize; 4]> {
+    match *x.shape() {
+        [n, c, h, w] => Ok([n, c, h, w]),
+        _ => Err(TensorError::InvalidArgument {
+            op,
+            message: format!(
+                "the input must be 4-D [batch, channels, height, width], got shape {:?}; add a \
+                 batch axis with `.unsqueeze(0)` for a single image",
+                x.shape()
+            ),
+        }),
+    }
+}
+
+fn float_input(op: &'static str, x: &Tensor) -> Result<()> {
+    if x.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(TensorError::UnsupportedDType {
+            op,
+            dtype: x.dtype(),
+            hint: "convolution and pooling need a float dtype; cast with `.to_dtype(DType::F32)`",
+        })
+    }
+}
+
+impl Tensor {
+    /// Two-dimensional cross-correlation of an NCHW input `[N, C, H, W]` with `weight`
+    /// `[O, C / groups, KH, KW]`, plus `bias` `[O]` if given: the output is `[N, O, OH, OW]`
+    /// with `OH = (H + 2·ph - dh·(KH - 1) - 1) / sh + 1` (and the same for `OW`).
+    ///
+    /// Float dtypes; all three tensors on one device with one dtype. Gradients reach the input,
+    /// the weight and the bias; the node keeps the input and the weight. Runs as im2col and a
+    /// matrix product on both devices (see the module docs).
+    pub fn conv2d(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        options: Conv2dOptions,
+    ) -> Result<Tensor> {
+        const OP: &str = "conv2d";
+        let [n, c, h, w] = nchw(OP, self)?;
+        float_input(OP, self)?;
+        self.same_kind(OP, weight)?;
+        let groups = options.groups;
+        let [o, cg, kh, kw] = match *weight.shape() {
+            [o, cg, kh, kw] => [o, cg, kh, kw],
+            _ => {
+                return Err(TensorError::InvalidArgument {
+                    op: OP,
+                    message: format!(
+                        "the weight must be 4-D [out_channels, in_channels / groups, kh, kw], got \
+                         shape {:?}",
+                        weight.shape()
+                    ),
+                });
+            }
+        };
+        if groups == 0 || !c.is_multiple_of(groups) || !o.is_multiple_of(groups) || cg * groups != c
+        {
+            return Err(TensorError::InvalidArgument {
+                op: OP,
+                message: format!(
+                    "groups = {groups} must be >= 1 and divide both the input channels ({c}) and \
+                     the output channels ({o}), and the weight's second axis ({cg}) must be \
+                     in_channels / groups = {}",
+                    c / groups.max(1)
+                ),
+            });
+        }
+        if let Some(b) = bias {
+            self.same_kind(OP, b)?;
+            if b.shape() != [o] {
+                return Err(TensorError::ShapeMismatch {
+                    op: OP,
+                    lhs: weight.dims(),
+                    rhs: b.dims(),
+                    hint: "the bias must be [out_channels], the weight's first axis",
+                });
+            }
+        }
+        let geo = Geometry::new(
+            OP,
+            [n, c, h, w],
+            [kh, kw],
+            options.stride,
+            options.padding,
+            options.dilation,
+        )?;
+        // The forward itself records one node: the ops below run on detached tensors.
+        let y = conv_forward(&self.detach(), &weight.detach(), groups, &geo)?;
+        let y = match bias {
+            Some(b) => y.add(&b.detach().reshape(&[1, o, 1, 1])?)?,
+            None => y,
+        };
+        let mut inputs = vec![self, weight];
+        inputs.extend(bias);
+        let (x_grad, w_grad) = (self.requires_grad(), weight.requires_grad());
+        Ok(record(y, OP, &inputs, || {
+            // dx needs the weight, dw needs the input; the bias gradient needs neither.
+            let save = Save::input_if(0, w_grad).and(Save::input_if(1, x_grad));
+            Rule::new(
+                save,
+                (geo.to_vec(), (groups, bias.is_some())),
+                conv2d_backward,
+            )
+        }))
+    }
+
+    /// Max pooling over `kernel` windows of an NCHW input, moved by `stride`, over an input
+    /// padded by `padding` (padding never wins: it is left out of each window, so it must be at
+    /// most half the kernel). The output is `[N, C, OH, OW]`.
+    ///
+    /// The maximum of each window is found by index (NaN wins, first maximum on ties) and picked
+    /// with [`Tensor::gather`], so the graph keeps one `i64` index per output, not the input;
+    /// the gradient goes to each window's maximum.
+    pub fn max_pool2d(
+        &self,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    ) -> Result<Tensor> {
+        const OP: &str = "max_pool2d";
+        let geo = pool_geometry(OP, self, kernel, stride, padding)?;
+        let (n, c) = (geo.n, geo.c);
+        let planes = geo.with_images(n * c, 1);
+        let x = self.reshape(&[n * c, geo.h * geo.w])?;
+        let index = match self.device() {
+            Device::Cpu => cpu::conv::pool_argmax(&x.detach(), &planes)?,
+            Device::Cuda(_) => cuda::conv::pool_argmax(&x.detach(), &planes)?,
+        };
+        x.gather(1, &index)?.reshape(&[n, c, geo.oh, geo.ow])
+    }
+
+    /// Average pooling over `kernel` windows of an NCHW input, moved by `stride`, over an input
+    /// zero-padded by `padding` (at most half the kernel). Every window divides by
+    /// `kernel[0] * kernel[1]`: padded zeros count. The output is `[N, C, OH, OW]`; the graph
+    /// keeps no tensor (the window mean is linear).
+    pub fn avg_pool2d(
+        &self,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    ) -> Result<Tensor> {
+        const OP: &str = "avg_pool2d";
+        let geo = pool_geometry(OP, self, kernel, stride, padding)?;
+        let (n, c) = (geo.n, geo.c);
+        let planes = geo.with_images(n * c, 1);
+        let x = self.reshape(&[n * c, 1, geo.h, geo.w])?;
+        im2col(&x, &planes)?
+            .sum_axis(1, false)?
+            .div_scalar(geo.k() as f64)?
+            .reshape(&[n, c, geo.oh, geo.ow])
+    }
+}
+
+fn pool_geometry(
+    op: &'static str,
+    x: &Tensor,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+) -> Result<Geometry> {
+    let dims = nchw(op, x)?;
+    float_input(op, x)?;
+    if dims[2] == 0 || dims[3] == 0 {
+        return Err(TensorError::InvalidArgument {
+            op,
+            message: format!("cannot pool an empty image, input shape {:?}", x.shape()),
+        });
+    }
+    if (0..2).any(|i| 2 * padding[i] > kernel[i]) {
+        return Err(TensorError::InvalidArgument {
+            op,
+            message: format!(
+                "padding {padding:?} must be at most half the kernel {kernel:?}, so that every \
+                 window overlaps the input; lower the padding"
+            ),
+        });
+    }
+    Geometry::new(op, dims, kernel, stride, padding, [1, 1])
+}
+
+/// `[N, O, OH, OW]` from detached (or differentiable) tensors: im2col and one grouped product.
+fn conv_forward(x: &Tensor, weight: &Tensor, groups: usize, geo: &Geometry) -> Result<Tensor> {
+    let o = weight.shape()[0];
+    let cgk = geo.c / groups * geo.k();
+    let cols = im2col(x, geo)?.reshape(&[geo.n, groups, cgk, geo.l()])?;
+    let w = weight.reshape(&[groups, o / groups, cgk])?;
+    w.matmul(&cols)?.reshape(&[geo.n, o, geo.oh, geo.ow])
+}
+
+/// The gradients of conv2d's input, weight and (when present) bias.
+fn conv2d_backward(
+    saved: &Saved<'_>,
+    (geo, (groups, has_bias)): &(Vec<usize>, (usize, bool)),
+    g: &Tensor,
+    wanted: &[bool],
+) -> Result<InputGrads<Tensor>> {
+    let geo = Geometry::from_slice(geo);
+    let groups = *groups;
+    let cgk = geo.c / groups * geo.k();
+    let o = g.shape()[1];
+    // g as [N, G, O/G, L]
+    let gg = g.reshape(&[geo.n, groups, o / groups, geo.l()])?;
+    let dx = if wanted[0] {
+        let w = saved.input(1)?.reshape(&[groups, o / groups, cgk])?;
+        let dcols = w
+            .t()?
+            .matmul(&gg)?
+            .reshape(&[geo.n, geo.c * geo.k(), geo.l()])?;
+        Some(col2im(&dcols, &geo)?)
+    } else {
+        None
+    };
+    let dw = if wanted[1] {
+        let x = saved.input(0)?;
+        let cols = im2col(&x, &geo)?.reshape(&[geo.n, groups, cgk, geo.l()])?;
+        let per_image = gg.matmul(&cols.t()?)?; // [N, G, O/G, CgK]
+        let cg = geo.c / groups;
+        Some(
+            per_image
+                .sum_axis(0, false)?
+                .reshape(&[o, cg, geo.kh, geo.kw])?,
+        )
+    } else {
+        None
+    };
+    let mut grads: InputGrads<Tensor> = smallvec![dx, dw];
+    if *has_bias {
+        let db = if wanted[2] {
+            let per_channel = g.reshape(&[geo.n, o, geo.l()])?.sum_axis(2, false)?;
+            Some(per_channel.sum_axis(0, false)?)
+        } else {
+            None
+        };
+        grads.push(db);
+    }
+    Ok(grads)
+}
+
+/// Unfolds `x` (`[N, C, H, W]`) into `[N, C·KH·KW, OH·OW]`: row `(c, kh, kw)`, column
+/// `(oy, ox)` holds `x[c, oy·sh + kh·dh - ph, ox·sw + kw·dw - pw]`, zero outside the input.
+/// Recorded; its gradient is [`col2im`].
+pub(crate) fn im2col(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    let out = match x.device() {
+        Device::Cpu => cpu::conv::im2col(x, geo)?,
+        Device::Cuda(_) => cuda::conv::im2col(x, geo)?,
+    };
+    Ok(record(out, "im2col", &[x], || {
+        Rule::new(Save::NOTHING, geo.to_vec(), |_, geo, g, _| {
+            Ok(smallvec![Some(col2im(g, &Geometry::from_slice(geo))?)])
+        })
+    }))
+}
+
+/// Folds columns `[N, C·KH·KW, OH·OW]` back into `[N, C, H, W]`, summing the entries that land
+/// on one pixel: the adjoint of [`im2col`], which is its gradient. Recorded.
+pub(crate) fn col2im(cols: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    let out = match cols.device() {
+        Device::Cpu => cpu::conv::col2im(cols, geo)?,
+        Device::Cuda(_) => cuda::conv::col2im(cols, geo)?,
+    };
+    Ok(record(out, "col2im", &[cols], || {
+        Rule::new(Save::NOTHING, geo.to_vec(), |_, geo, g, _| {
+            Ok(smallvec![Some(im2col(g, &Geometry::from_slice(geo))?)])
+        })
+    }))
+}
