@@ -372,15 +372,7 @@ fn replica(
         // Every replica reads the same checkpoint: models and optimizers start equal.
         match resume::resume(&args.out(), &mut model, &mut opt)? {
             Some(resumed) if lead => {
-                // Said even with --quiet: a checkpoint passed over is news the user needs.
-                for s in &resumed.skipped {
-                    eprintln!(
-                        "warning: --resume skipped {} (epoch {}): {}",
-                        s.path.display(),
-                        s.epoch,
-                        s.reason
-                    );
-                }
+                warn_skipped(&resumed.skipped);
                 say(
                     args,
                     &format!(
@@ -476,17 +468,11 @@ fn replica(
             test_accuracy: accuracy(&mut model, &test_x, &test_y)?,
         };
         history.push(stats);
-        save_epoch(&args.out(), epoch, &model, &opt, &history)?;
-        resume::prune_epochs(&args.out(), args.keep)?;
-        plot::curves(&args.out().join("curves.png"), &history)?;
-        if !args.quiet {
-            bar.suspend(|| {
-                println!(
-                    "epoch {epoch}/{}: loss {:.4}, train accuracy {:.4}, test accuracy {:.4}",
-                    args.epochs, stats.loss, stats.train_accuracy, stats.test_accuracy
-                )
-            });
-        }
+        let line = format!(
+            "epoch {epoch}/{}: loss {:.4}, train accuracy {:.4}, test accuracy {:.4}",
+            args.epochs, stats.loss, stats.train_accuracy, stats.test_accuracy
+        );
+        finish_epoch(args, epoch, &model, &opt, &history, &bar, &line)?;
     }
     bar.finish_and_clear();
     let test_accuracy = accuracy(&mut model, &test_x, &test_y)?;
@@ -501,6 +487,39 @@ fn replica(
         data_wait,
         loop_time,
     })
+}
+
+/// Warns of each epoch file `--resume` passed over: said even with `--quiet`, since a
+/// checkpoint passed over is news the user needs.
+fn warn_skipped(skipped: &[Skipped]) {
+    for s in skipped {
+        eprintln!(
+            "warning: --resume skipped {} (epoch {}): {}",
+            s.path.display(),
+            s.epoch,
+            s.reason
+        );
+    }
+}
+
+/// After an epoch: its checkpoint, the old ones beyond `--keep` deleted, the curves redrawn,
+/// and `line` printed (unless `--quiet`).
+fn finish_epoch(
+    args: &TrainArgs,
+    epoch: usize,
+    model: &dyn Module,
+    opt: &dyn Optimizer,
+    history: &[EpochStats],
+    bar: &ProgressBar,
+    line: &str,
+) -> Result<(), Box<dyn Error>> {
+    save_epoch(&args.out(), epoch, model, opt, history)?;
+    resume::prune_epochs(&args.out(), args.keep)?;
+    plot::curves(&args.out().join("curves.png"), history)?;
+    if !args.quiet {
+        bar.suspend(|| println!("{line}"));
+    }
+    Ok(())
 }
 
 /// How long the loops waited for their batches, and what share of the loop time that was.

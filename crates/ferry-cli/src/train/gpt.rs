@@ -367,14 +367,7 @@ pub(super) fn train(args: &super::TrainArgs) -> Result<super::TrainSummary, Box<
     if args.resume
         && let Some(resumed) = resume::resume(&args.out(), &mut model, &mut opt)?
     {
-        for s in &resumed.skipped {
-            eprintln!(
-                "warning: --resume skipped {} (epoch {}): {}",
-                s.path.display(),
-                s.epoch,
-                s.reason
-            );
-        }
+        super::warn_skipped(&resumed.skipped);
         say(args, &format!("resuming from {}", resumed.path.display()));
         history = resumed.history;
         skipped = resumed.skipped;
@@ -430,17 +423,11 @@ pub(super) fn train(args: &super::TrainArgs) -> Result<super::TrainSummary, Box<
             test_accuracy: val_correct.item()? / (64 * config.context) as f64,
         };
         history.push(stats);
-        super::save_epoch(&args.out(), epoch, &model, &opt, &history)?;
-        resume::prune_epochs(&args.out(), args.keep)?;
-        crate::plot::curves(&args.out().join("curves.png"), &history)?;
-        if !args.quiet {
-            bar.suspend(|| {
-                println!(
-                    "epoch {epoch}/{}: loss {:.4}, next-char accuracy {:.4} (train), {:.4} (held out)",
-                    args.epochs, stats.loss, stats.train_accuracy, stats.test_accuracy
-                )
-            });
-        }
+        let line = format!(
+            "epoch {epoch}/{}: loss {:.4}, next-char accuracy {:.4} (train), {:.4} (held out)",
+            args.epochs, stats.loss, stats.train_accuracy, stats.test_accuracy
+        );
+        super::finish_epoch(args, epoch, &model, &opt, &history, &bar, &line)?;
     }
     bar.finish_and_clear();
     if !args.quiet {
