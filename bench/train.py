@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""PyTorch's side of `ferry bench train`: MLP training steps, eager, timed the same way as ferry.
+"""PyTorch's side of `ferry bench train`: training steps of two MLPs, the digits CNN and the
+character-level GPT (tests/torch/gpt.py's model), eager, timed the same way as ferry.
 
 Two ways to run it:
   python3 bench/train.py --cases all     every case alone: warm-up, rounds, one JSON object
@@ -22,10 +23,13 @@ import statistics
 import sys
 import time
 
-# id: (layer widths, batch size, steps per round)
+# id: (layer widths, batch size, steps per round); for digits_cnn the widths are
+# [features, classes], for gpt [context, vocabulary]
 CASES = {
     "digits_mlp": ([64, 128, 10], 64, 200),
     "mlp_4096": ([1024, 4096, 4096, 10], 1024, 50),
+    "digits_cnn": ([64, 10], 64, 100),
+    "gpt": ([64, 57], 32, 50),
 }
 CLASSES = 10
 LR = 1e-3
@@ -49,23 +53,50 @@ class Run:
 
     def __init__(self, torch, case):
         widths, batch, _ = CASES[case]
-        layers = []
-        for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
-            if i > 0:
-                layers.append(torch.nn.ReLU())
-            layers.append(torch.nn.Linear(fan_in, fan_out))
+        nn = torch.nn
         torch.manual_seed(0)
         self.torch = torch
-        self.model = torch.nn.Sequential(*layers).cuda()
+        if case == "digits_cnn":
+            # ferry train digits-cnn's CNN, without dropout
+            model = nn.Sequential(
+                nn.Unflatten(1, (1, 8, 8)),
+                nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+                nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                nn.MaxPool2d(2), nn.Flatten(),
+                nn.Linear(32 * 4 * 4, 64), nn.ReLU(),
+                nn.Linear(64, widths[1]))
+            self.x = torch.randn(batch, widths[0], device="cuda")
+            self.y = (torch.rand(batch, device="cuda") * widths[1]).to(torch.int64)
+        elif case == "gpt":
+            # ferry train gpt's model, from tests/torch/gpt.py
+            import importlib.util
+            import pathlib
+            path = pathlib.Path(__file__).resolve().parent.parent / "tests" / "torch" / "gpt.py"
+            spec = importlib.util.spec_from_file_location("ferry_gpt", path)
+            gpt = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(gpt)
+            context, vocab = widths
+            model = gpt.Gpt(vocab, context, 128, 4, 4)
+            self.x = (torch.rand(batch, context, device="cuda") * vocab).to(torch.int64)
+            self.y = (torch.rand(batch * context, device="cuda") * vocab).to(torch.int64)
+        else:
+            layers = []
+            for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
+                if i > 0:
+                    layers.append(nn.ReLU())
+                layers.append(nn.Linear(fan_in, fan_out))
+            model = nn.Sequential(*layers)
+            self.x = torch.randn(batch, widths[0], device="cuda")
+            self.y = (torch.rand(batch, device="cuda") * CLASSES).to(torch.int64)
+        self.model = model.cuda()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
-        self.x = torch.randn(batch, widths[0], device="cuda")
-        self.y = (torch.rand(batch, device="cuda") * CLASSES).to(torch.int64)
         self.loss = None
         torch.cuda.synchronize()
 
     def step(self):
         self.opt.zero_grad()
-        loss = self.torch.nn.functional.cross_entropy(self.model(self.x), self.y)
+        logits = self.model(self.x)
+        loss = self.torch.nn.functional.cross_entropy(logits.reshape(self.y.numel(), -1), self.y)
         loss.backward()
         self.opt.step()
         self.loss = loss.detach()  # stays on the GPU: reading it would synchronize

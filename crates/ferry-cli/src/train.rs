@@ -36,7 +36,7 @@ use rand::seq::SliceRandom;
 use crate::plot;
 
 mod digits;
-mod gpt;
+pub(crate) mod gpt;
 mod parallel;
 mod resume;
 use digits::{CLASSES, DIGITS_CSV_GZ, FEATURES, load_digits};

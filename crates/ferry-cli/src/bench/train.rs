@@ -1,4 +1,5 @@
-//! `ferry bench train`: training steps of two MLPs, ferry and PyTorch side by side in one run.
+//! `ferry bench train`: training steps of two MLPs, the digits CNN and the character-level GPT,
+//! ferry and PyTorch side by side in one run.
 //!
 //! A step is zero_grad, forward, cross-entropy, backward and an Adam (lr 1e-3) step, the same on
 //! both sides; PyTorch's is bench/train.py, eager with TF32 off. A round synchronizes the device,
@@ -18,18 +19,31 @@ use super::report::Target;
 use super::train_output::{Measured, RunInfo, print_header, print_results, to_json};
 use clap::Args;
 use ferry::memory::cuda::CudaDevice;
-use ferry::nn::{Linear, ReLU, Sequential, cross_entropy};
+use ferry::nn::{Linear, Module, ReLU, Sequential, cross_entropy};
 use ferry::optim::Adam;
 use ferry::prelude::*;
 
 pub const LR: f64 = 1e-3;
 const CLASSES: usize = 10;
 
+/// Which model a case trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Model {
+    /// Linear layers between neighbouring `widths`, ReLU between them.
+    Mlp,
+    /// `ferry train digits-cnn`'s CNN (without dropout); `widths` = [features, classes].
+    DigitsCnn,
+    /// `ferry train gpt`'s character-level GPT (4 blocks of width 128, 4 heads); `widths` =
+    /// [context, vocabulary].
+    Gpt,
+}
+
 /// A model and batch to time; bench/train.py's `CASES` has the same ids, widths and batches.
 #[derive(Debug)]
 pub struct Case {
     pub id: &'static str,
-    /// Layer widths, input first: Linear layers between neighbours, ReLU between Linears.
+    pub model: Model,
+    /// Layer widths, input first (see [`Model`] for the other models).
     pub widths: &'static [usize],
     pub batch: usize,
     /// Steps per round on a GPU.
@@ -40,9 +54,10 @@ pub struct Case {
     pub target: Target,
 }
 
-pub const CASES: [Case; 2] = [
+pub const CASES: [Case; 4] = [
     Case {
         id: "digits_mlp",
+        model: Model::Mlp,
         widths: &[64, 128, CLASSES],
         batch: 64,
         steps: 200,
@@ -52,6 +67,7 @@ pub const CASES: [Case; 2] = [
     },
     Case {
         id: "mlp_4096",
+        model: Model::Mlp,
         widths: &[1024, 4096, 4096, CLASSES],
         batch: 1024,
         steps: 50,
@@ -59,13 +75,40 @@ pub const CASES: [Case; 2] = [
         // PyTorch eager on the H200: 2.82 ms a step.
         target: Target::AtMostTimesPyTorch(1.05),
     },
+    Case {
+        id: "digits_cnn",
+        model: Model::DigitsCnn,
+        widths: &[64, CLASSES],
+        batch: 64,
+        steps: 100,
+        cpu_steps: 10,
+        target: Target::AtMostTimesPyTorch(0.9),
+    },
+    Case {
+        id: "gpt",
+        model: Model::Gpt,
+        widths: &[64, 57],
+        batch: 32,
+        steps: 50,
+        cpu_steps: 2,
+        target: Target::AtMostTimesPyTorch(0.9),
+    },
 ];
 
 impl Case {
     /// "MLP 64-128-10, batch 64".
     pub fn describe(&self) -> String {
-        let widths: Vec<String> = self.widths.iter().map(usize::to_string).collect();
-        format!("MLP {}, batch {}", widths.join("-"), self.batch)
+        match self.model {
+            Model::Mlp => {
+                let widths: Vec<String> = self.widths.iter().map(usize::to_string).collect();
+                format!("MLP {}, batch {}", widths.join("-"), self.batch)
+            }
+            Model::DigitsCnn => format!("digits CNN (no dropout), batch {}", self.batch),
+            Model::Gpt => format!(
+                "char GPT 4x128, context {}, vocabulary {}, batch {}",
+                self.widths[0], self.widths[1], self.batch
+            ),
+        }
     }
 }
 
@@ -86,10 +129,10 @@ pub struct TrainBenchArgs {
     /// Untimed rounds per case and side before the timed ones.
     #[arg(long, default_value_t = 2)]
     warmup: u32,
-    /// Steps per round for every case [default: 200 and 50 on a GPU, 50 and 1 on the CPU].
+    /// Steps per round for every case [default: each case's own, fewer on the CPU].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     steps: Option<u32>,
-    /// Only these cases (ids joined by commas: digits_mlp, mlp_4096).
+    /// Only these cases (ids joined by commas: digits_mlp, mlp_4096, digits_cnn, gpt).
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     cases: Vec<String>,
     /// The Python interpreter for --compare-pytorch.
@@ -102,7 +145,7 @@ pub struct TrainBenchArgs {
 
 /// ferry's side of a case: model, optimizer and batch, made before any clock starts.
 struct FerryRun {
-    model: Sequential,
+    model: Box<dyn Module>,
     opt: Adam,
     x: Tensor,
     y: Tensor,
@@ -112,24 +155,50 @@ struct FerryRun {
 }
 
 impl FerryRun {
-    fn new(widths: &[usize], batch: usize, device: Device) -> Result<Self, Box<dyn Error>> {
+    fn new(case: &Case, device: Device) -> Result<Self, Box<dyn Error>> {
+        let (widths, batch) = (case.widths, case.batch);
         let cuda = match device {
             Device::Cuda(ordinal) => Some(CudaDevice::get(ordinal)?),
             Device::Cpu => None,
         };
         ferry::manual_seed(0);
-        let mut model = Sequential::new();
-        for (i, pair) in widths.windows(2).enumerate() {
-            if i > 0 {
-                model = model.push(ReLU);
+        let labels = |shape: &[usize], classes: usize| -> ferry::Result<Tensor> {
+            Tensor::rand(shape, DType::F32, device)?
+                .mul_scalar(classes as f64)?
+                .to_dtype(DType::I64)
+        };
+        let (model, x, y): (Box<dyn Module>, Tensor, Tensor) = match case.model {
+            Model::Mlp => {
+                let mut model = Sequential::new();
+                for (i, pair) in widths.windows(2).enumerate() {
+                    if i > 0 {
+                        model = model.push(ReLU);
+                    }
+                    model = model.push(Linear::new(pair[0], pair[1], device)?);
+                }
+                let x = Tensor::randn(&[batch, widths[0]], DType::F32, device)?;
+                (Box::new(model), x, labels(&[batch], CLASSES)?)
             }
-            model = model.push(Linear::new(pair[0], pair[1], device)?);
-        }
+            Model::DigitsCnn => {
+                let x = Tensor::randn(&[batch, widths[0]], DType::F32, device)?;
+                let model = crate::train::digits_cnn(device, 0.0)?;
+                (Box::new(model), x, labels(&[batch], widths[1])?)
+            }
+            Model::Gpt => {
+                let (context, vocab) = (widths[0], widths[1]);
+                let config = crate::train::gpt::GptConfig {
+                    vocab,
+                    context,
+                    width: 128,
+                    layers: 4,
+                    heads: 4,
+                };
+                let model = crate::train::gpt::Gpt::new(config, device)?;
+                let x = labels(&[batch, context], vocab)?;
+                (Box::new(model), x, labels(&[batch * context], vocab)?)
+            }
+        };
         let opt = Adam::new(model.parameters(), LR)?;
-        let x = Tensor::randn(&[batch, widths[0]], DType::F32, device)?;
-        let y = Tensor::rand(&[batch], DType::F32, device)?
-            .mul_scalar(CLASSES as f64)?
-            .to_dtype(DType::I64)?;
         let run = Self {
             model,
             opt,
@@ -151,7 +220,10 @@ impl FerryRun {
 
     fn step(&mut self) -> ferry::Result<()> {
         self.opt.zero_grad();
-        let loss = cross_entropy(&self.model.forward(&self.x)?, &self.y)?;
+        let logits = self.model.forward(&self.x)?;
+        // The GPT's logits are [batch, context, vocabulary]: one prediction per position.
+        let rows = self.y.numel();
+        let loss = cross_entropy(&logits.reshape(&[rows, logits.numel() / rows])?, &self.y)?;
         loss.backward()?;
         self.opt.step()?;
         self.loss = Some(loss.detach());
@@ -193,7 +265,7 @@ fn measure<'a>(
         pytorch_ms: Vec::new(),
         pytorch_error: None,
     };
-    let mut ferry = FerryRun::new(case.widths, case.batch, device)
+    let mut ferry = FerryRun::new(case, device)
         .map_err(|e| m.ferry_error = Some(e.to_string()))
         .ok();
     for round in 0..warmup + rounds {
@@ -324,6 +396,7 @@ mod tests {
 
     const TINY: Case = Case {
         id: "tiny",
+        model: Model::Mlp,
         widths: &[8, 16, CLASSES],
         batch: 32,
         steps: 3,
@@ -351,13 +424,16 @@ mod tests {
         assert!(select(&["mlp_4096".into()]).unwrap()[0].id == "mlp_4096");
         assert_eq!(select(&[]).unwrap().len(), CASES.len());
         let err = select(&["resnet".into()]).unwrap_err();
-        assert_eq!(err, "no case `resnet`; the cases are digits_mlp, mlp_4096");
+        assert_eq!(
+            err,
+            "no case `resnet`; the cases are digits_mlp, mlp_4096, digits_cnn, gpt"
+        );
     }
 
     /// The timed step really trains: Adam brings a fixed batch's loss down.
     #[test]
     fn ferry_steps_lower_the_loss_on_the_cpu() {
-        let mut run = FerryRun::new(TINY.widths, TINY.batch, Device::Cpu).unwrap();
+        let mut run = FerryRun::new(&TINY, Device::Cpu).unwrap();
         assert_eq!(run.y.dtype(), DType::I64);
         let labels: Vec<i64> = run.y.to_vec().unwrap();
         assert!(labels.iter().all(|l| (0..CLASSES as i64).contains(l)));

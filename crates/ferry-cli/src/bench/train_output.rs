@@ -112,7 +112,9 @@ pub fn print_results(measured: &[Measured<'_>], info: &RunInfo) {
     println!();
     println!("ratio: ferry / PyTorch (below 1, ferry is faster).");
     if !info.on_gpu {
-        println!("targets: issue 6's, for cuda:0 on the H200; not judged on the CPU.");
+        println!(
+            "targets: the issues' (6 for the MLPs, 13 for the CNN and the GPT), for cuda:0 on the H200; not judged on the CPU."
+        );
     }
     println!("what ran:");
     for m in measured {
