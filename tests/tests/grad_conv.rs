@@ -5,7 +5,7 @@
 use ferry::nn::{AvgPool2d, Conv2d, Flatten, MaxPool2d, Module};
 use ferry_tensor::gradcheck::{GradcheckOptions, gradgradcheck};
 use ferry_tensor::{Conv2dOptions, DType, Device, Result, Tensor};
-use ferry_tests::{assert_close, check_grad, device_test, distinct, randn, seed, values};
+use ferry_tests::{assert_close, check_grad, device_test, distinct, on, randn, seed, values};
 
 /// Direct convolution of `x` `[n, c, h, w]` with `w` `[o, c/g, kh, kw]`, in f64.
 fn naive_conv(
@@ -157,6 +157,58 @@ fn conv2d_gradients(device: Device) -> Result<()> {
     Ok(())
 }
 device_test!(conv2d_grads, conv2d_gradients);
+
+/// On a GPU with cuDNN, the convolution and both of its gradients are cuDNN's passes: they
+/// agree with the CPU's im2col path (f32 within rounding, bf16 within its 8-bit mantissa over
+/// the sums) and two runs give the same bits (the algorithms chosen are deterministic).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cudnn_passes_match_the_cpu_and_repeat_bitwise() -> Result<()> {
+    assert!(
+        ferry_memory::cuda::cudnn_present(),
+        "libcudnn did not load on this GPU machine: {:?}",
+        ferry_memory::cuda::cudnn_version()
+    );
+    let gpu = Device::Cuda(0);
+    for opt in option_cases() {
+        let x = randn(Device::Cpu, &[3, 4, 9, 8])?.to_dtype(DType::F32)?;
+        let w = randn(Device::Cpu, &[6, 4 / opt.groups, 3, 2])?.to_dtype(DType::F32)?;
+        let run = |device: Device, dtype: DType| -> Result<[Vec<f64>; 3]> {
+            let xd = on(device, x.to_dtype(dtype)?)?.with_grad()?;
+            let wd = on(device, w.to_dtype(dtype)?)?.with_grad()?;
+            let y = xd.conv2d(&wd, None, opt)?;
+            // A weighted sum, so every output position sends a different gradient back.
+            let weights = Tensor::arange(0.0, y.numel() as f64, DType::F32, device)?
+                .reshape(y.shape())?
+                .div_scalar(y.numel() as f64)?
+                .to_dtype(dtype)?;
+            y.mul(&weights)?.sum()?.backward()?;
+            let grad = |t: &Tensor| t.grad().map(|g| values(&g)).expect("a gradient");
+            Ok([values(&y), grad(&xd), grad(&wd)])
+        };
+        let cpu = run(Device::Cpu, DType::F32)?;
+        let first = run(gpu, DType::F32)?;
+        let again = run(gpu, DType::F32)?;
+        for (name, (c, g)) in ["y", "dx", "dw"].iter().zip(cpu.iter().zip(&first)) {
+            let scale = c.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+            for (a, b) in c.iter().zip(g) {
+                assert!((a - b).abs() <= 1e-5 * scale, "{name} {opt:?}: {a} vs {b}");
+            }
+        }
+        assert_eq!(first, again, "two f32 runs differ for {opt:?}");
+        let bf16 = run(gpu, DType::BF16)?;
+        for (name, (c, g)) in ["y", "dx", "dw"].iter().zip(cpu.iter().zip(&bf16)) {
+            let scale = c.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+            for (a, b) in c.iter().zip(g) {
+                assert!(
+                    (a - b).abs() <= 3e-2 * scale,
+                    "bf16 {name} {opt:?}: {a} vs {b}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
 
 fn conv2d_second_order(device: Device) -> Result<()> {
     let options = GradcheckOptions::default();

@@ -14,6 +14,19 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
         Ok((major, minor)) => println!("nvrtc: {major}.{minor}"),
         Err(err) => println!("nvrtc: {err}"),
     }
+    match cuda::cudnn_version() {
+        Ok(v) => println!(
+            "cudnn: {}.{}.{} (conv2d on CUDA)",
+            v / 10_000,
+            v / 100 % 100,
+            v % 100
+        ),
+        Err(err) => println!("cudnn: {err}"),
+    }
+    match cuda::nccl_version() {
+        Ok((major, minor, patch)) => println!("nccl: {major}.{minor}.{patch}"),
+        Err(err) => println!("nccl: {err}"),
+    }
     if !cuda::driver_present() {
         println!("cuda: no CUDA driver found (libcuda could not be loaded); CPU only");
         return compile_without_gpu();

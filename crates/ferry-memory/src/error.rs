@@ -212,6 +212,30 @@ pub enum MemoryError {
         /// cuBLAS's status.
         message: String,
     },
+    /// libcudnn is missing or lacks a function ferry calls.
+    #[error(
+        "cuDNN could not be used: {reason}; install cuDNN 9 (e.g. `pip install nvidia-cudnn-cu13`) and put its lib directory on LD_LIBRARY_PATH (convolutions fall back to im2col and cuBLAS without it)"
+    )]
+    NoCudnn {
+        /// Why: not found, or the missing function.
+        reason: String,
+    },
+    /// A cuDNN call failed.
+    #[error("cuDNN call {call} failed: {message}")]
+    Cudnn {
+        /// The cuDNN function.
+        call: &'static str,
+        /// cuDNN's status.
+        message: String,
+    },
+    /// A convolution argument cuDNN would reject or that would read outside a buffer.
+    #[error("conv2d: {argument} {reason}")]
+    ConvArgument {
+        /// The argument (`groups`, `filter`, `output`, ...).
+        argument: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// An operation that does not support this dtype.
     #[error("{op} does not support {dtype}: cast to f32 first")]
     UnsupportedDType {

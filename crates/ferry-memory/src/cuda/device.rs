@@ -1,5 +1,5 @@
 //! `CudaDevice`: one lazily created instance per ordinal, owning the context, the default
-//! stream, the caching allocator, the kernel cache and the cuBLAS handle of that GPU.
+//! stream, the caching allocator, the kernel cache and the cuBLAS and cuDNN handles of that GPU.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 use super::allocator::{DeviceAllocator, MemoryStats};
 use super::blas::BlasHandle;
 use super::buffer::DeviceBuffer;
+use super::dnn::DnnState;
 use super::discover::{self, CudaDeviceInfo};
 use super::kernels::KernelCache;
 use super::stream::{Stream, driver};
@@ -38,6 +39,8 @@ pub(crate) struct DeviceInner {
     pub(crate) kernels: Mutex<KernelCache>,
     pub(crate) compile_nanos: AtomicU64,
     pub(crate) blas: Mutex<Option<BlasHandle>>,
+    /// The cuDNN handle and chosen convolution algorithms, created on first use.
+    pub(crate) dnn: Mutex<Option<DnnState>>,
 }
 
 /// Devices live for the process, like the primary contexts they hold: a tensor may be created
@@ -79,6 +82,7 @@ impl CudaDevice {
                 kernels: Mutex::new(KernelCache::default()),
                 compile_nanos: AtomicU64::new(0),
                 blas: Mutex::new(None),
+                dnn: Mutex::new(None),
             }),
         };
         devices.insert(ordinal, device.clone());

@@ -1,6 +1,6 @@
 //! CUDA through cudarc: discovery, device memory behind a caching allocator, a pinned host pool,
-//! streams and events, NVRTC-compiled kernels with a safe launch builder, cuBLAS GEMM, and NCCL
-//! collectives across GPUs ([`Communicator`]).
+//! streams and events, NVRTC-compiled kernels with a safe launch builder, cuBLAS GEMM, cuDNN
+//! convolutions (optional at run time), and NCCL collectives across GPUs ([`Communicator`]).
 //!
 //! Nothing here touches the driver before [`driver_present`] has said it can be loaded: every
 //! entry point returns [`MemoryError::NoDriver`](crate::MemoryError::NoDriver) instead. Device
@@ -20,6 +20,7 @@ mod buffer;
 pub(crate) mod cache;
 mod device;
 mod discover;
+mod dnn;
 mod kernels;
 mod launch;
 mod nccl;
@@ -34,6 +35,7 @@ pub use blas::{GemmInput, GemmOutput, GemmSpec};
 pub use buffer::DeviceBuffer;
 pub use device::CudaDevice;
 pub use discover::{CudaDeviceInfo, devices, driver_present, driver_version};
+pub use dnn::{ConvInput, ConvOutput, ConvPass, ConvSpec, cudnn_present, cudnn_version};
 pub use kernels::{CudaFunction, KernelModule, compile_ptx, nvrtc_present, nvrtc_version};
 pub use launch::{Dim3, Launch, blocks_for};
 pub use nccl::{Communicator, ReduceOp, UniqueId, group, nccl_present, nccl_version};

@@ -1,9 +1,14 @@
-//! im2col, col2im and the pooling argmax on a GPU (kernels/conv.cu): grid-stride kernels, one
-//! thread per output element; col2im gathers (no atomics), so its sums are deterministic. The
-//! convolution's products run through the cuBLAS path of `Tensor::matmul`.
+//! Convolutions on a GPU: through cuDNN where libcudnn loads ([`convolution`]), else im2col and
+//! col2im (kernels/conv.cu: grid-stride kernels, one thread per output element; col2im gathers,
+//! no atomics, so its sums are deterministic) with the products on the cuBLAS path of
+//! `Tensor::matmul`. The pooling argmax is a kernel of the same file.
+
+use std::sync::OnceLock;
 
 use ferry_memory::DType;
-use ferry_memory::cuda::{CudaDevice, CudaFunction};
+use ferry_memory::cuda::{
+    ConvInput, ConvOutput, ConvPass, ConvSpec, CudaDevice, CudaFunction, cudnn_present,
+};
 
 use super::kernels::CONV;
 use super::{alloc, buffer, dense, device_of, float_only, launch, wrap};
@@ -32,6 +37,68 @@ fn geometry_arg(g: &Geometry) -> [u64; 13] {
         g.c, g.h, g.w, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.oh, g.ow,
     ]
     .map(|v| v as u64)
+}
+
+/// Whether conv2d of `dtype` runs through cuDNN: libcudnn loads and `FERRY_CUDNN` is not `0`
+/// (set it to compare with the im2col path).
+pub(crate) fn cudnn_enabled(dtype: DType) -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    let enabled = *ENABLED
+        .get_or_init(|| std::env::var("FERRY_CUDNN").map_or(true, |v| v != "0") && cudnn_present());
+    enabled && matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+}
+
+/// One cuDNN convolution pass for `geo` with `filters` output channels: `Forward` takes
+/// (x, w) and gives y, `BackwardData` (dy, w) gives dx, `BackwardFilter` (x, dy) gives dw.
+pub(crate) fn convolution(
+    pass: ConvPass,
+    geo: &Geometry,
+    groups: usize,
+    filters: usize,
+    first: &Tensor,
+    second: &Tensor,
+) -> Result<Tensor> {
+    const OP: &str = "conv2d";
+    let dtype = first.dtype();
+    float_only(OP, dtype)?;
+    let (first, second) = (dense(first)?, dense(second)?);
+    let dev = device_of(&first)?;
+    let spec = ConvSpec {
+        dtype,
+        input: [geo.n, geo.c, geo.h, geo.w],
+        filter: [filters, geo.c / groups.max(1), geo.kh, geo.kw],
+        stride: [geo.sh, geo.sw],
+        padding: [geo.ph, geo.pw],
+        dilation: [geo.dh, geo.dw],
+        groups,
+    };
+    let shape = match pass {
+        ConvPass::Forward => vec![geo.n, filters, geo.oh, geo.ow],
+        ConvPass::BackwardData => vec![geo.n, geo.c, geo.h, geo.w],
+        ConvPass::BackwardFilter => spec.filter.to_vec(),
+    };
+    let mut out = alloc(&dev, OP, &shape, dtype)?;
+    let size = dtype.size();
+    let (a, b) = (buffer(&first)?, buffer(&second)?);
+    dev.convolution(
+        pass,
+        &spec,
+        ConvInput {
+            buffer: &a,
+            offset_bytes: first.layout().offset() * size,
+        },
+        ConvInput {
+            buffer: &b,
+            offset_bytes: second.layout().offset() * size,
+        },
+        ConvOutput {
+            buffer: &mut out,
+            offset_bytes: 0,
+        },
+        dev.default_stream(),
+    )?;
+    drop((a, b));
+    Ok(wrap(&dev, out, dtype, &shape))
 }
 
 /// `[N, C, H, W]` to `[N, C·KH·KW, OH·OW]`.

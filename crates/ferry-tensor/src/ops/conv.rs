@@ -1,15 +1,17 @@
 //! Two-dimensional convolution and pooling over NCHW tensors, with their gradient rules here
 //! beside them.
 //!
-//! Both devices lower a convolution to im2col and a matrix product: `im2col` unfolds every
-//! receptive field of the input into a column (`[N, C·KH·KW, OH·OW]`), the grouped weight
-//! (`[G, O/G, C/G·KH·KW]`) multiplies the columns (the existing GEMM: the `gemm` crate on the
-//! CPU, cuBLAS on CUDA), and `col2im`, its adjoint, folds columns back into an image by summing
-//! overlapping entries. On CUDA both are kernels of kernels/conv.cu.
+//! On CUDA, where libcudnn loads, the forward and both gradients are cuDNN's convolution passes
+//! (deterministic algorithms, no TF32 for f32). Elsewhere (the CPU, a GPU without cuDNN,
+//! `FERRY_CUDNN=0`) a convolution is lowered to im2col and a matrix product: `im2col` unfolds
+//! every receptive field of the input into a column (`[N, C·KH·KW, OH·OW]`), the grouped weight
+//! (`[G, O/G, C/G·KH·KW]`) multiplies the columns (the `gemm` crate on the CPU, cuBLAS on CUDA),
+//! and `col2im`, its adjoint, folds columns back into an image by summing overlapping entries.
+//! On CUDA both are kernels of kernels/conv.cu.
 //!
 //! The conv2d node keeps the input and the weight (not the columns, which are `KH·KW` times
-//! larger) and recomputes the columns in its backward. The backward is written with
-//! differentiable ops (`im2col`, `col2im`, matmul, sums), so second derivatives flow.
+//! larger). Its backward, under `create_graph`, is written with differentiable ops (`im2col`,
+//! `col2im`, matmul, sums), so second derivatives flow on either path.
 //!
 //! Max pooling finds the index of each window's maximum (a kernel: it records nothing) and picks
 //! the values with [`Tensor::gather`], whose node keeps only those `i64` indices. Average
@@ -17,6 +19,7 @@
 
 use ferry_graph::InputGrads;
 use ferry_memory::Device;
+use ferry_memory::cuda::ConvPass;
 use smallvec::smallvec;
 
 use crate::autograd::{Rule, Save, Saved, record};
@@ -228,8 +231,8 @@ impl Tensor {
     /// with `OH = (H + 2·ph - dh·(KH - 1) - 1) / sh + 1` (and the same for `OW`).
     ///
     /// Float dtypes; all three tensors on one device with one dtype. Gradients reach the input,
-    /// the weight and the bias; the node keeps the input and the weight. Runs as im2col and a
-    /// matrix product on both devices (see the module docs).
+    /// the weight and the bias; the node keeps the input and the weight. Runs through cuDNN on a GPU
+    /// where libcudnn loads, else as im2col and a matrix product (see the module docs).
     pub fn conv2d(
         &self,
         weight: &Tensor,
@@ -286,7 +289,13 @@ impl Tensor {
             options.dilation,
         )?;
         // The forward itself records one node: the ops below run on detached tensors.
-        let y = conv_forward(&self.detach(), &weight.detach(), groups, &geo)?;
+        let y = match self.device() {
+            Device::Cuda(_) if cuda::conv::cudnn_enabled(self.dtype()) => {
+                let (x, w) = (self.detach(), weight.detach());
+                cuda::conv::convolution(ConvPass::Forward, &geo, groups, o, &x, &w)?
+            }
+            _ => conv_forward(&self.detach(), &weight.detach(), groups, &geo)?,
+        };
         let y = match bias {
             Some(b) => y.add(&b.detach().reshape(&[1, o, 1, 1])?)?,
             None => y,
@@ -399,9 +408,17 @@ fn conv2d_backward(
     let groups = *groups;
     let cgk = geo.c / groups * geo.k();
     let o = g.shape()[1];
+    // cuDNN's passes are not differentiable ops: with create_graph the composed path runs.
+    let cudnn = matches!(g.device(), Device::Cuda(_))
+        && cuda::conv::cudnn_enabled(g.dtype())
+        && !ferry_graph::is_grad_enabled();
     // g as [N, G, O/G, L]
     let gg = g.reshape(&[geo.n, groups, o / groups, geo.l()])?;
-    let dx = if wanted[0] {
+    let dx = if wanted[0] && cudnn {
+        let w = saved.input(1)?;
+        let pass = ConvPass::BackwardData;
+        Some(cuda::conv::convolution(pass, &geo, groups, o, g, &w)?)
+    } else if wanted[0] {
         let w = saved.input(1)?.reshape(&[groups, o / groups, cgk])?;
         let dcols = w
             .t()?
@@ -411,7 +428,11 @@ fn conv2d_backward(
     } else {
         None
     };
-    let dw = if wanted[1] {
+    let dw = if wanted[1] && cudnn {
+        let x = saved.input(0)?;
+        let pass = ConvPass::BackwardFilter;
+        Some(cuda::conv::convolution(pass, &geo, groups, o, &x, g)?)
+    } else if wanted[1] {
         let x = saved.input(0)?;
         let cols = im2col(&x, &geo)?.reshape(&[geo.n, groups, cgk, geo.l()])?;
         let per_image = gg.matmul(&cols.t()?)?; // [N, G, O/G, CgK]

@@ -1,0 +1,74 @@
+//! Loading libcudnn without ever panicking: the library and every function ferry calls are
+//! looked up once, before the first call into cuDNN.
+
+use std::sync::OnceLock;
+
+use cudarc::cudnn::result as dnn;
+use cudarc::cudnn::sys;
+
+use crate::MemoryError;
+
+/// Functions called here, looked up before the first call so a library without one is reported
+/// as unusable instead of failing inside cudarc.
+const REQUIRED: [&str; 20] = [
+    "cudnnGetVersion",
+    "cudnnCreate",
+    "cudnnSetStream",
+    "cudnnCreateTensorDescriptor",
+    "cudnnSetTensor4dDescriptor",
+    "cudnnDestroyTensorDescriptor",
+    "cudnnCreateFilterDescriptor",
+    "cudnnSetFilter4dDescriptor",
+    "cudnnDestroyFilterDescriptor",
+    "cudnnCreateConvolutionDescriptor",
+    "cudnnSetConvolution2dDescriptor",
+    "cudnnSetConvolutionGroupCount",
+    "cudnnSetConvolutionMathType",
+    "cudnnDestroyConvolutionDescriptor",
+    "cudnnGetConvolutionForwardAlgorithm_v7",
+    "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+    "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+    "cudnnConvolutionForward",
+    "cudnnConvolutionBackwardData",
+    "cudnnConvolutionBackwardFilter",
+];
+
+/// Whether libcudnn can be loaded and has every function ferry calls. Checked once per process.
+pub fn cudnn_present() -> bool {
+    availability().is_ok()
+}
+
+fn availability() -> &'static Result<(), String> {
+    static AVAILABLE: OnceLock<Result<(), String>> = OnceLock::new();
+    AVAILABLE.get_or_init(|| {
+        // SAFETY: only tries to dlopen libcudnn; calls nothing in it.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(
+                "libcudnn (libcudnn.so or libcudnn.so.9) was not found on the library \
+                        path"
+                    .to_string(),
+            );
+        }
+        // SAFETY: the library loads (checked above), so this does not panic.
+        let library = unsafe { sys::culib() };
+        for name in REQUIRED {
+            // SAFETY: looks the symbol up without calling it.
+            if unsafe { library.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err() {
+                return Err(format!("the libcudnn found lacks {name}"));
+            }
+        }
+        Ok(())
+    })
+}
+
+pub(super) fn ensure_cudnn() -> Result<(), MemoryError> {
+    availability()
+        .clone()
+        .map_err(|reason| MemoryError::NoCudnn { reason })
+}
+
+/// The loaded cuDNN's version, e.g. 91900 for 9.19.0.
+pub fn cudnn_version() -> Result<usize, MemoryError> {
+    ensure_cudnn()?;
+    Ok(dnn::get_version())
+}
