@@ -1,12 +1,12 @@
-//! Mixed precision: the autocast scope (matrix products in bf16/f16 with f32 master weights,
+//! Mixed precision: the autocast scope (matrix products and convolutions in bf16/f16 with f32 master weights,
 //! scopes that nest and stay on their thread) and the GradScaler (overflowing steps skipped
 //! with the scale backed off, growth after the interval, exact unscaling, state dicts).
 
 use ferry::amp::{GradScaler, autocast, autocast_dtype, is_autocast_enabled, without_autocast};
 use ferry::graph::NodeHandle;
-use ferry::nn::{Linear, Module};
+use ferry::nn::{Conv2d, Linear, Module};
 use ferry::optim::{Optimizer, Sgd};
-use ferry_tensor::{DType, Device, Result, Tensor};
+use ferry_tensor::{Conv2dOptions, DType, Device, Result, Tensor};
 use ferry_tests::{assert_close, device_test, on, tensor, values};
 
 /// The first `matmul` node reachable from `t`'s node, walking inputs.
@@ -72,6 +72,47 @@ fn linear_under_bf16_autocast(device: Device) -> Result<()> {
     Ok(())
 }
 device_test!(linear_under_bf16_autocast, linear_under_bf16_autocast);
+
+/// A Conv2d under bf16 autocast: f32 in and out, the convolution in bf16, the bias added in
+/// f32, f32 gradients close to an f32 run.
+fn conv2d_under_bf16_autocast(device: Device) -> Result<()> {
+    let options = Conv2dOptions::default().padding(1);
+    let mut conv = Conv2d::with_options(3, 4, [3, 3], options, Device::Cpu)?;
+    conv.to(device)?;
+    let x = on(
+        device,
+        Tensor::randn(&[2, 3, 6, 5], DType::F32, Device::Cpu)?,
+    )?;
+    let reference = conv.forward(&x)?;
+    reference.sum()?.backward()?;
+    let ref_grad = conv.weight().grad().unwrap();
+    conv.weight().set_grad(None);
+    conv.bias().unwrap().set_grad(None);
+
+    let y = autocast(DType::BF16, || conv.forward(&x))?;
+    assert_eq!(y.dtype(), DType::F32, "the convolution comes back in f32");
+    // 27 products of |x| ~ 1 and |w| < 0.2 per output, with 8 bits of mantissa.
+    let diff = max_abs_diff(&y, &reference);
+    assert!(diff < 0.05, "bf16 convolution off by {diff}");
+    assert!(diff > 0.0, "the convolution did not run in bf16");
+    y.sum()?.backward()?;
+    let (w, b) = (conv.weight(), conv.bias().unwrap());
+    assert_eq!(w.grad().unwrap().dtype(), DType::F32);
+    // Each bias entry sums its channel's 2 x 6 x 5 ones, in f32: exact.
+    assert_eq!(
+        values(&b.grad().unwrap()),
+        [60.0; 4],
+        "the bias never left f32"
+    );
+    let diff = max_abs_diff(&w.grad().unwrap(), &ref_grad);
+    let scale = values(&ref_grad).iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    assert!(
+        diff < 2e-2 * scale,
+        "bf16 weight gradient off by {diff} (scale {scale})"
+    );
+    Ok(())
+}
+device_test!(conv2d_under_bf16_autocast, conv2d_under_bf16_autocast);
 
 /// f16 scopes, backward inside a scope, operands already in the low precision, and what
 /// stays untouched (f64 products, products outside any scope).

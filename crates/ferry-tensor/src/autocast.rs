@@ -1,8 +1,10 @@
-//! The autocast state: a per-thread precision in which matrix products run while a scope is
-//! open ([`AutocastGuard`]), read by [`Tensor::matmul`] at its entry.
+//! The autocast state: a per-thread precision in which matrix products and convolutions run
+//! while a scope is open ([`AutocastGuard`]), read by [`Tensor::matmul`] and
+//! [`Tensor::conv2d`] at their entry.
 //!
 //! Inside a scope of `bf16` (or `f16`), a matmul with an `f32` operand casts its `f32` operands
-//! to that dtype, multiplies in it, and casts the product back to `f32`. Every other op sees only
+//! to that dtype, multiplies in it, and casts the product back to `f32`; a conv2d of an `f32`
+//! input and weight does the same, and adds its bias in `f32`. Every other op sees only
 //! `f32` tensors, so reductions, softmax, cross-entropy and normalisations stay in `f32` with no
 //! hook of their own, and a model's parameters (the master weights) and their gradients stay
 //! `f32`: the casts are recorded ops, so gradients flow back through them. Products of operands
@@ -94,4 +96,29 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     // The operands are no longer f32, so this call takes the plain path.
     let out = a.matmul(&b)?;
     out.to_dtype(DType::F32).map(Some)
+}
+
+/// The conv2d entry's hook, called once the arguments are checked: inside a scope, with `f32`
+/// input and weight, the convolution computed in the scope's dtype and cast back to `f32`, the
+/// bias added in `f32`; otherwise `None`.
+pub(crate) fn conv2d(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    options: crate::Conv2dOptions,
+) -> Result<Option<Tensor>> {
+    let Some(low) = autocast_dtype() else {
+        return Ok(None);
+    };
+    if x.dtype() != DType::F32 || weight.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let y = x
+        .to_dtype(low)?
+        .conv2d(&weight.to_dtype(low)?, None, options)?
+        .to_dtype(DType::F32)?;
+    match bias {
+        Some(b) => y.add(&b.reshape(&[1, b.numel(), 1, 1])?).map(Some),
+        None => Ok(Some(y)),
+    }
 }

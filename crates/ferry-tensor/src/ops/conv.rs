@@ -288,6 +288,9 @@ impl Tensor {
             options.padding,
             options.dilation,
         )?;
+        if let Some(y) = crate::autocast::conv2d(self, weight, bias, options)? {
+            return Ok(y);
+        }
         // The forward itself records one node: the ops below run on detached tensors.
         let y = match self.device() {
             Device::Cuda(_) if cuda::conv::cudnn_enabled(self.dtype()) => {

@@ -3,7 +3,9 @@
 //!
 //! Inside [`autocast`], every matrix product with an `f32` operand ([`Tensor::matmul`](crate::Tensor::matmul), so
 //! [`Linear`](crate::nn::Linear) too) casts its `f32` operands to the scope's dtype, multiplies
-//! in it, and casts the product back to `f32`. Everything else (reductions, softmax,
+//! in it, and casts the product back to `f32`; so does every convolution
+//! ([`Tensor::conv2d`](crate::Tensor::conv2d), [`Conv2d`](crate::nn::Conv2d)), whose bias is
+//! added in `f32`. Everything else (reductions, softmax,
 //! cross-entropy, normalisation, the loss) therefore runs in `f32`. The casts are recorded ops,
 //! so the graph holds, for each product, a `to_dtype` into the low precision for each `f32`
 //! operand, the `matmul` itself (saving its low-precision operands: half the bytes of an `f32`
