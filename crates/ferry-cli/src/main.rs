@@ -5,7 +5,6 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-mod bench;
 mod doctor;
 mod graph;
 mod methods;
@@ -34,7 +33,7 @@ enum Command {
     /// Train a model end to end: progress bar, checkpoints each epoch, test accuracy, curves.
     Train(train::TrainArgs),
     /// Benchmarks, side by side with PyTorch in one run: `transfer` (device moves).
-    Bench(bench::BenchArgs),
+    Bench(ferry_bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -44,7 +43,7 @@ fn main() -> ExitCode {
         Command::Methods(args) => methods::run(args),
         Command::Graph(args) => graph::run(args),
         Command::Train(args) => train::run(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => ferry_bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -52,5 +51,27 @@ fn main() -> ExitCode {
             eprintln!("error: {err}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::Cli;
+
+    /// `ferry bench` reaches ferry-bench's arguments; the other commands keep theirs.
+    #[test]
+    fn bench_and_device_commands_parse() {
+        for command in [
+            "ferry bench transfer --compare-pytorch --python python3 --json t.json",
+            "ferry bench peer --compare-pytorch --json peer.json",
+            "ferry methods --device cuda:1",
+        ] {
+            if let Err(err) = Cli::try_parse_from(command.split_whitespace()) {
+                panic!("`{command}` does not parse: {err}");
+            }
+        }
+        assert!(Cli::try_parse_from(["ferry", "bench", "nothing"]).is_err());
     }
 }

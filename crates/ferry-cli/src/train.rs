@@ -26,7 +26,7 @@ use clap::{Args, ValueEnum};
 use ferry::DeviceLoader;
 use ferry::debug::GraphWatch;
 use ferry::distributed::{DataParallel, DdpOptions, ProcessGroup, run_replicas};
-use ferry::nn::{Linear, Module, ReLU, Sequential};
+use ferry::nn::Module;
 use ferry::optim::{AdamW, Optimizer};
 use ferry::prelude::*;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -39,11 +39,9 @@ mod digits;
 pub(crate) mod gpt;
 mod parallel;
 mod resume;
-use digits::{CLASSES, DIGITS_CSV_GZ, FEATURES, load_digits};
+use digits::{DIGITS_CSV_GZ, load_digits};
 pub use resume::Skipped;
 use resume::save_epoch;
-
-const HIDDEN: usize = 128;
 
 /// What can be trained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -193,51 +191,6 @@ pub struct TrainSummary {
     pub loop_time: Duration,
 }
 
-/// The MLP 64-128-10 (with dropout `p` after the hidden layer when `dropout > 0`), on
-/// `device`.
-pub fn digits_model(device: Device, dropout: f64) -> ferry::Result<Sequential> {
-    let mut m = Sequential::new()
-        .push(Linear::new(FEATURES, HIDDEN, device)?)
-        .push(ReLU);
-    if dropout > 0.0 {
-        m = m.push(ferry::nn::Dropout::new(dropout)?);
-    }
-    Ok(m.push(Linear::new(HIDDEN, CLASSES, device)?))
-}
-
-/// The digits CNN: the 64 features as a 1 x 8 x 8 image, conv 3x3 (16, padding 1), ReLU, conv
-/// 3x3 (32, padding 1), ReLU, max pool 2x2, flatten (512), linear 64, ReLU, dropout `p`,
-/// linear 10.
-pub fn digits_cnn(device: Device, dropout: f64) -> ferry::Result<Sequential> {
-    use ferry::nn::{Conv2d, Flatten, MaxPool2d};
-    use ferry::tensor::Conv2dOptions;
-    let same = Conv2dOptions::default().padding(1);
-    let mut m = Sequential::new()
-        .push(ImageOf8x8)
-        .push(Conv2d::with_options(1, 16, [3, 3], same, device)?)
-        .push(ReLU)
-        .push(Conv2d::with_options(16, 32, [3, 3], same, device)?)
-        .push(ReLU)
-        .push(MaxPool2d::new(2))
-        .push(Flatten)
-        .push(Linear::new(32 * 4 * 4, 64, device)?)
-        .push(ReLU);
-    if dropout > 0.0 {
-        m = m.push(ferry::nn::Dropout::new(dropout)?);
-    }
-    Ok(m.push(Linear::new(64, CLASSES, device)?))
-}
-
-/// `[N, 64]` rows as `[N, 1, 8, 8]` images (a view).
-#[derive(Debug, Clone, Copy)]
-struct ImageOf8x8;
-
-impl Module for ImageOf8x8 {
-    fn forward(&self, input: &Tensor) -> ferry::Result<Tensor> {
-        input.reshape(&[input.shape()[0], 1, 8, 8])
-    }
-}
-
 /// What one step leaves behind: detached scalars, still on the device (no synchronization).
 pub struct StepOutput {
     /// The batch's mean loss.
@@ -361,8 +314,8 @@ fn replica(
     let lead = rank == 0;
     ferry::manual_seed(args.seed);
     let mut model = match args.task {
-        Task::DigitsCnn => digits_cnn(device, args.dropout)?,
-        _ => digits_model(device, args.dropout)?,
+        Task::DigitsCnn => ferry::models::digits_cnn(device, args.dropout)?,
+        _ => ferry::models::digits_mlp(device, args.dropout)?,
     };
     let lr = args.lr.unwrap_or(1e-2);
     let mut opt = AdamW::new(model.parameters(), lr)?.weight_decay(args.weight_decay);
@@ -733,7 +686,7 @@ mod tests {
     fn epoch_losses(device: Device, prefetch: Option<usize>) -> Vec<f32> {
         let (train_split, _) = load_digits(DIGITS_CSV_GZ).unwrap();
         ferry::manual_seed(0);
-        let model = digits_model(device, 0.5).unwrap();
+        let model = ferry::models::digits_mlp(device, 0.5).unwrap();
         let mut opt = AdamW::new(model.parameters(), 1e-2).unwrap();
         ferry::manual_seed(7);
         let mut order: Vec<usize> = (0..train_split.rows()).collect();

@@ -25,6 +25,7 @@ pub mod cuda;
 pub mod debug;
 pub mod distributed;
 pub mod host;
+pub mod models;
 pub mod nn;
 pub mod optim;
 

@@ -2,11 +2,8 @@
 //! book I (Latin, public domain), as the `lipsum` crate ships it (`lipsum::LIBER_PRIMUS`,
 //! 49 KB): nothing is copied into this repository.
 //!
-//! The model is GPT-2's shape at a small size: token and position embeddings, `--layers`
-//! pre-norm blocks (layer norm, causal multi-head self-attention, residual; layer norm, a
-//! 4x-wide GELU MLP, residual), a final layer norm and a linear head. Weights are drawn from
-//! N(0, 0.02), the residual projections from N(0, 0.02 / sqrt(2 layers)), biases zero:
-//! tests/torch/gpt.py builds the same model in PyTorch for the loss comparison.
+//! The model is [`ferry::models::Gpt`] (GPT-2's shape at a small size, `--layers` pre-norm
+//! blocks); tests/torch/gpt.py builds the same model in PyTorch for the loss comparison.
 //!
 //! Text: characters, the first 90% for training, the last 10% for validation. A step trains on
 //! `--batch-size` windows of `--context` characters drawn at random (seeded per epoch); an
@@ -15,7 +12,8 @@
 
 use std::error::Error;
 
-use ferry::nn::{Embedding, LayerNorm, Linear, Module, scaled_dot_product_attention};
+use ferry::models::{Gpt, GptConfig};
+use ferry::nn::Module;
 use ferry::prelude::*;
 use rand::{Rng, SeedableRng};
 
@@ -23,16 +21,6 @@ use rand::{Rng, SeedableRng};
 pub const CORPUS: &str = lipsum::LIBER_PRIMUS;
 pub const CORPUS_SOURCE: &str = "Cicero, De finibus bonorum et malorum, book I (Latin, public \
      domain), as shipped by the lipsum crate (crates.io, MIT) as lipsum::LIBER_PRIMUS";
-
-/// The model's size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GptConfig {
-    pub vocab: usize,
-    pub context: usize,
-    pub width: usize,
-    pub layers: usize,
-    pub heads: usize,
-}
 
 /// The characters of a text as a vocabulary (sorted) and the text encoded with it.
 #[derive(Debug, Clone)]
@@ -84,180 +72,6 @@ impl Corpus {
     }
 }
 
-/// One pre-norm transformer block.
-struct Block {
-    ln1: LayerNorm,
-    qkv: Linear,
-    proj: Linear,
-    ln2: LayerNorm,
-    fc: Linear,
-    out: Linear,
-    heads: usize,
-}
-
-/// The character-level GPT.
-pub struct Gpt {
-    config: GptConfig,
-    tok: Embedding,
-    pos: Embedding,
-    blocks: Vec<Block>,
-    ln_f: LayerNorm,
-    head: Linear,
-}
-
-fn normal(shape: &[usize], std: f64, device: Device) -> ferry::Result<Tensor> {
-    Tensor::randn(shape, DType::F32, device)?.mul_scalar(std)
-}
-
-fn linear(inp: usize, out: usize, std: f64, device: Device) -> ferry::Result<Linear> {
-    Linear::from_tensors(
-        normal(&[out, inp], std, device)?,
-        Some(Tensor::zeros(&[out], DType::F32, device)?),
-    )
-}
-
-impl Gpt {
-    pub fn new(config: GptConfig, device: Device) -> ferry::Result<Self> {
-        let GptConfig {
-            vocab,
-            context,
-            width,
-            layers,
-            heads,
-        } = config;
-        if heads == 0 || width % heads != 0 {
-            return Err(ferry::TensorError::InvalidArgument {
-                op: "Gpt::new",
-                message: format!("--width {width} must be a multiple of --heads {heads}"),
-            });
-        }
-        let residual = 0.02 / ((2 * layers.max(1)) as f64).sqrt();
-        let blocks = (0..layers)
-            .map(|_| {
-                Ok(Block {
-                    ln1: LayerNorm::new(width, device)?,
-                    qkv: linear(width, 3 * width, 0.02, device)?,
-                    proj: linear(width, width, residual, device)?,
-                    ln2: LayerNorm::new(width, device)?,
-                    fc: linear(width, 4 * width, 0.02, device)?,
-                    out: linear(4 * width, width, residual, device)?,
-                    heads,
-                })
-            })
-            .collect::<ferry::Result<_>>()?;
-        Ok(Self {
-            config,
-            tok: Embedding::from_weight(normal(&[vocab, width], 0.02, device)?)?,
-            pos: Embedding::from_weight(normal(&[context, width], 0.02, device)?)?,
-            blocks,
-            ln_f: LayerNorm::new(width, device)?,
-            head: linear(width, vocab, 0.02, device)?,
-        })
-    }
-}
-
-impl Block {
-    fn forward(&self, x: &Tensor) -> ferry::Result<Tensor> {
-        let h = x.add(&self.attention(&self.ln1.forward(x)?)?)?;
-        let mlp = self
-            .out
-            .forward(&self.fc.forward(&self.ln2.forward(&h)?)?.gelu()?)?;
-        h.add(&mlp)
-    }
-
-    /// Causal multi-head self-attention over `x`, `[B, T, C]`.
-    fn attention(&self, x: &Tensor) -> ferry::Result<Tensor> {
-        let (b, t, c) = (x.shape()[0], x.shape()[1], x.shape()[2]);
-        let hd = c / self.heads;
-        let qkv = self.qkv.forward(x)?;
-        let split = |i: usize| -> ferry::Result<Tensor> {
-            qkv.narrow(2, i * c, c)?
-                .reshape(&[b, t, self.heads, hd])?
-                .permute(&[0, 2, 1, 3])
-        };
-        let y = scaled_dot_product_attention(&split(0)?, &split(1)?, &split(2)?, true)?;
-        self.proj
-            .forward(&y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, c])?)
-    }
-
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.ln1.visit_parameters(&format!("{prefix}ln1."), f);
-        self.qkv.visit_parameters(&format!("{prefix}attn.qkv."), f);
-        self.proj
-            .visit_parameters(&format!("{prefix}attn.proj."), f);
-        self.ln2.visit_parameters(&format!("{prefix}ln2."), f);
-        self.fc.visit_parameters(&format!("{prefix}mlp.fc."), f);
-        self.out.visit_parameters(&format!("{prefix}mlp.proj."), f);
-    }
-
-    fn visit_mut(
-        &mut self,
-        prefix: &str,
-        f: &mut dyn FnMut(String, &mut Tensor) -> ferry::Result<()>,
-    ) -> ferry::Result<()> {
-        self.ln1.visit_parameters_mut(&format!("{prefix}ln1."), f)?;
-        self.qkv
-            .visit_parameters_mut(&format!("{prefix}attn.qkv."), f)?;
-        self.proj
-            .visit_parameters_mut(&format!("{prefix}attn.proj."), f)?;
-        self.ln2.visit_parameters_mut(&format!("{prefix}ln2."), f)?;
-        self.fc
-            .visit_parameters_mut(&format!("{prefix}mlp.fc."), f)?;
-        self.out
-            .visit_parameters_mut(&format!("{prefix}mlp.proj."), f)
-    }
-}
-
-impl Module for Gpt {
-    /// `input`: i64 ids `[B, T]` (T <= context); returns logits `[B, T, vocab]`.
-    fn forward(&self, input: &Tensor) -> ferry::Result<Tensor> {
-        let t = input.shape()[1];
-        if t > self.config.context {
-            return Err(ferry::TensorError::InvalidArgument {
-                op: "Gpt::forward",
-                message: format!(
-                    "{t} positions but the model has {}; crop the input to the last {}",
-                    self.config.context, self.config.context
-                ),
-            });
-        }
-        let positions = Tensor::arange(0.0, t as f64, DType::I64, input.device())?;
-        let mut x = self
-            .tok
-            .forward(input)?
-            .add(&self.pos.forward(&positions)?)?;
-        for block in &self.blocks {
-            x = block.forward(&x)?;
-        }
-        self.head.forward(&self.ln_f.forward(&x)?)
-    }
-
-    fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.tok.visit_parameters(&format!("{prefix}tok."), f);
-        self.pos.visit_parameters(&format!("{prefix}pos."), f);
-        for (i, block) in self.blocks.iter().enumerate() {
-            block.visit(&format!("{prefix}blocks.{i}."), f);
-        }
-        self.ln_f.visit_parameters(&format!("{prefix}ln_f."), f);
-        self.head.visit_parameters(&format!("{prefix}head."), f);
-    }
-
-    fn visit_parameters_mut(
-        &mut self,
-        prefix: &str,
-        f: &mut dyn FnMut(String, &mut Tensor) -> ferry::Result<()>,
-    ) -> ferry::Result<()> {
-        self.tok.visit_parameters_mut(&format!("{prefix}tok."), f)?;
-        self.pos.visit_parameters_mut(&format!("{prefix}pos."), f)?;
-        for (i, block) in self.blocks.iter_mut().enumerate() {
-            block.visit_mut(&format!("{prefix}blocks.{i}."), f)?;
-        }
-        self.ln_f
-            .visit_parameters_mut(&format!("{prefix}ln_f."), f)?;
-        self.head.visit_parameters_mut(&format!("{prefix}head."), f)
-    }
-}
-
 /// Mean cross-entropy of `model` on `x` -> `y` (both `[B, T]`), and how many next characters
 /// its top guess got right (f32 scalar), detached.
 pub fn loss_and_correct(model: &Gpt, x: &Tensor, y: &Tensor) -> ferry::Result<(Tensor, Tensor)> {
@@ -284,7 +98,7 @@ pub fn sample(
     temperature: f64,
     seed: u64,
 ) -> Result<String, Box<dyn Error>> {
-    let device = model.tok.weight().device();
+    let (device, config) = (model.device(), model.config());
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut ids: Vec<i64> = prompt
         .chars()
@@ -295,12 +109,12 @@ pub fn sample(
     }
     let start = ids.len();
     for _ in 0..len {
-        let window = &ids[ids.len().saturating_sub(model.config.context)..];
+        let window = &ids[ids.len().saturating_sub(config.context)..];
         let x = Tensor::from_vec(window.to_vec(), &[1, window.len()])?.to(device)?;
         let logits = with_no_grad(|| model.forward(&x))?;
         let last = logits
             .narrow(1, window.len() - 1, 1)?
-            .reshape(&[model.config.vocab])?
+            .reshape(&[config.vocab])?
             .to_vec_f64()?;
         let max = last.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let weights: Vec<f64> = last

@@ -1,0 +1,514 @@
+//! `ferry bench checkpoint`: a GPU state dict (10 GiB by default) saved and loaded by ferry
+//! through bounded staging and, with --compare-pytorch, by `torch.save` / `torch.load` and
+//! safetensors' `save_file` / `load_file(device="cuda")` (python/checkpoint.py), interleaved
+//! round by round in one run.
+//!
+//! Each round: ferry saves (durably: fsync, rename, directory fsync) and loads its file back
+//! onto the GPU, then deletes it; then PyTorch saves and loads each of its files and deletes
+//! them. One file of the dict's size is on disk at a time. Loads read a file that was just
+//! written, so from the page cache, on both sides alike.
+//!
+//! Memory, per sample: ferry's extra device and host memory are its own counters
+//! (`CheckpointReport`); the device allocator's and pinned pool's peaks over what they held
+//! before, and the growth of the resident set, are measured too, the same way as on PyTorch's
+//! side (`torch.cuda.max_memory_allocated()` over the baseline, /proc/self/status VmHWM over
+//! VmRSS). Loaded tensors are the result, not extra: their bytes are taken off.
+
+use std::error::Error;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+use ferry::checkpoint::{self, LoadOptions, SaveOptions};
+use ferry::memory::cuda::{CudaDevice, PinnedPool};
+use ferry::{DType, Device, Tensor};
+use serde_json::Value;
+
+use super::measure::median;
+use super::pytorch::{PyTorch, PyTorchArgs};
+use output::{print_rows, to_json};
+
+mod output;
+
+#[derive(Args, Debug)]
+pub struct CheckpointArgs {
+    #[command(flatten)]
+    pytorch: PyTorchArgs,
+    /// Write every sample of both sides to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// GiB of the state dict: this many x 4 weights of 256 MiB, plus a few small tensors.
+    #[arg(long, default_value_t = 10.0, value_parser = parse_gb)]
+    gb: f64,
+    /// ferry's staging bound, MiB (the goal: extra device and host memory each within it).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    staging_mib: u64,
+    /// Timed rounds; the table shows medians of times and the largest memory figures.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    samples: u32,
+    /// Untimed rounds before them.
+    #[arg(long, default_value_t = 1)]
+    warmup: u32,
+    /// Where the files go (one of the dict's size at a time) [default: the temp dir].
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+}
+
+fn parse_gb(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(gb) if gb.is_finite() && gb > 0.0 && gb <= 4096.0 => Ok(gb),
+        _ => Err(format!(
+            "{text:?} is not a size in GiB between 0 and 4096 (e.g. 10 or 0.5)"
+        )),
+    }
+}
+
+/// Side length of the large weights: 8192 x 8192 f32 = 256 MiB.
+const SIDE: usize = 8192;
+
+/// The dict python/checkpoint.py builds too: `round(gb * 4)` weights of 256 MiB, four biases, an
+/// f16 embedding and an i64 step.
+fn build_dict(gb: f64, gpu: Device) -> ferry::Result<Vec<(String, Tensor)>> {
+    let large = ((gb * 4.0 + 0.5).floor() as usize).max(1);
+    let mut dict = Vec::with_capacity(large + 6);
+    for i in 0..large {
+        let w = Tensor::randn(&[SIDE, SIDE], DType::F32, gpu)?;
+        dict.push((format!("layers.{i}.weight"), w));
+    }
+    for i in 0..4 {
+        let b = Tensor::randn(&[SIDE], DType::F32, gpu)?;
+        dict.push((format!("layers.{i}.bias"), b));
+    }
+    let embed = Tensor::randn(&[4096, 4096], DType::F32, gpu)?.to_dtype(DType::F16)?;
+    dict.push(("embed.weight".into(), embed));
+    dict.push(("step".into(), Tensor::full(&[], 7.0, DType::I64, gpu)?));
+    Ok(dict)
+}
+
+/// One sample of one row.
+#[derive(Debug, Clone, Default)]
+struct Sample {
+    ms: f64,
+    /// Extra device memory: ferry's counter, or PyTorch's allocator peak over its baseline.
+    extra_device: Option<f64>,
+    /// Extra host memory: ferry's counter, or PyTorch's resident growth.
+    extra_host: Option<f64>,
+    /// Growth of the resident set (both sides).
+    resident: Option<f64>,
+    /// ferry only: the device allocator's and the pinned pool's peaks over their baseline.
+    allocator: Option<f64>,
+    pinned: Option<f64>,
+}
+
+/// A row of the table: its samples, or why it has none.
+struct Row {
+    id: &'static str,
+    name: &'static str,
+    /// Whether the row is a save (compared with ferry's save) or a load.
+    save: bool,
+    samples: Vec<Sample>,
+    error: Option<String>,
+}
+
+impl Row {
+    fn new(id: &'static str, name: &'static str, save: bool) -> Self {
+        Self {
+            id,
+            name,
+            save,
+            samples: Vec::new(),
+            error: None,
+        }
+    }
+
+    fn median_ms(&self) -> Option<f64> {
+        median(&self.samples.iter().map(|s| s.ms).collect::<Vec<_>>())
+    }
+
+    /// The largest value of a memory figure over the samples.
+    fn most(&self, figure: impl Fn(&Sample) -> Option<f64>) -> Option<f64> {
+        self.samples.iter().filter_map(figure).reduce(f64::max)
+    }
+}
+
+/// `VmRSS:` / `VmHWM:` of this process in bytes.
+fn status(field: &str) -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(field))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kb * 1024.0)
+}
+
+/// The process-wide baselines a ferry sample is measured from. This is the bench's own
+/// process, so it may restart the peaks (library code never does).
+struct Baseline {
+    device: usize,
+    pinned: usize,
+    resident: Option<f64>,
+}
+
+impl Baseline {
+    fn take(dev: &CudaDevice, pool: &PinnedPool) -> Result<Self, Box<dyn Error>> {
+        dev.synchronize()?;
+        dev.reset_peak();
+        pool.reset_peak();
+        let resident = std::fs::write("/proc/self/clear_refs", "5")
+            .ok()
+            .and_then(|()| status("VmRSS:"));
+        Ok(Self {
+            device: dev.memory_stats().allocated_bytes,
+            pinned: pool.stats().allocated_bytes,
+            resident,
+        })
+    }
+
+    /// (device allocator, pinned pool, resident) growth since the baseline.
+    fn growth(&self, dev: &CudaDevice, pool: &PinnedPool) -> (f64, f64, Option<f64>) {
+        let device = dev
+            .memory_stats()
+            .peak_allocated_bytes
+            .saturating_sub(self.device);
+        let pinned = pool
+            .stats()
+            .peak_allocated_bytes
+            .saturating_sub(self.pinned);
+        let resident = self
+            .resident
+            .zip(status("VmHWM:"))
+            .map(|(before, hwm)| (hwm - before).max(0.0));
+        (device as f64, pinned as f64, resident)
+    }
+}
+
+/// ferry's side of one round: a durable save, then a load onto the GPU; the file is deleted.
+fn ferry_round(
+    dict: &[(String, Tensor)],
+    path: &Path,
+    staging: usize,
+    dev: &CudaDevice,
+    pool: &PinnedPool,
+) -> Result<(Sample, Sample), Box<dyn Error>> {
+    let gpu = dev.device();
+    let _ = std::fs::remove_file(path);
+    let base = Baseline::take(dev, pool)?;
+    let t0 = Instant::now();
+    let report = checkpoint::save_with(
+        path,
+        dict,
+        SaveOptions {
+            staging_bytes: staging,
+        },
+    )?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let (allocator, pinned, resident) = base.growth(dev, pool);
+    let save = Sample {
+        ms,
+        extra_device: Some(report.peak_extra_device_bytes as f64),
+        extra_host: Some(report.peak_extra_host_bytes as f64),
+        resident,
+        allocator: Some(allocator),
+        pinned: Some(pinned),
+    };
+
+    let base = Baseline::take(dev, pool)?;
+    let t0 = Instant::now();
+    let (loaded, report) = checkpoint::load_to(
+        path,
+        gpu,
+        LoadOptions {
+            staging_bytes: staging,
+        },
+    )?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let (allocator, pinned, resident) = base.growth(dev, pool);
+    let results: usize = loaded
+        .iter()
+        .map(|(_, t)| CudaDevice::block_size(t.nbytes()))
+        .sum();
+    let load = Sample {
+        ms,
+        extra_device: Some(report.peak_extra_device_bytes as f64),
+        extra_host: Some(report.peak_extra_host_bytes as f64),
+        resident,
+        allocator: Some((allocator - results as f64).max(0.0)),
+        pinned: Some(pinned),
+    };
+    check_loaded(dict, &loaded)?;
+    drop(loaded);
+    std::fs::remove_file(path)?;
+    Ok((save, load))
+}
+
+/// The loaded dict has every name and shape, on the GPU, and the first weight's first rows.
+fn check_loaded(dict: &[(String, Tensor)], loaded: &[(String, Tensor)]) -> ferry::Result<()> {
+    let wrong = |what: String| ferry::TensorError::InvalidArgument {
+        op: "bench checkpoint",
+        message: format!("the loaded state dict differs from the saved one: {what}"),
+    };
+    if loaded.len() != dict.len() {
+        return Err(wrong(format!(
+            "{} tensors, {} saved",
+            loaded.len(),
+            dict.len()
+        )));
+    }
+    for (name, t) in dict {
+        let Some((_, got)) = loaded.iter().find(|(k, _)| k == name) else {
+            return Err(wrong(format!("{name} is missing")));
+        };
+        if got.shape() != t.shape() || got.device() != t.device() {
+            return Err(wrong(format!("{name} has another shape or device")));
+        }
+    }
+    let (name, first) = &dict[0];
+    let got = &loaded.iter().find(|(k, _)| k == name).expect("checked").1;
+    if got.narrow(0, 0, 2)?.to_vec_f64()? != first.narrow(0, 0, 2)?.to_vec_f64()? {
+        return Err(wrong(format!("{name} has other values")));
+    }
+    Ok(())
+}
+
+/// PyTorch's side: rows in the order they are requested each round.
+const PYTORCH_ROWS: [(&str, &str, bool); 7] = [
+    ("torch_save", "torch.save", true),
+    ("torch_save_fsync", "torch.save + fsync", true),
+    ("torch_load", "torch.load(map_location=cuda)", false),
+    ("torch_load_mmap", "torch.load(.., mmap=True)", false),
+    ("st_save", "safetensors save_file", true),
+    ("st_save_fsync", "save_file + fsync", true),
+    ("st_load", "safetensors load_file(cuda)", false),
+];
+
+fn pytorch_sample(reply: &Value, with_fsync: bool) -> Sample {
+    let num = |k: &str| reply.get(k).and_then(Value::as_f64);
+    let ms = num("ms").unwrap_or(f64::NAN)
+        + if with_fsync {
+            num("fsync_ms").unwrap_or(0.0)
+        } else {
+            0.0
+        };
+    Sample {
+        ms,
+        extra_device: num("extra_device"),
+        extra_host: num("extra_host"),
+        resident: num("extra_host"),
+        ..Sample::default()
+    }
+}
+
+/// PyTorch's side of one round; each case's reply fills its row(s), `plus_fsync` the durable one.
+fn pytorch_round(torch: &mut PyTorch, rows: &mut [Row], timed: bool) {
+    for (case, cleanup_after) in [
+        ("torch_save", false),
+        ("torch_load", false),
+        ("torch_load_mmap", true),
+        ("st_save", false),
+        ("st_load", true),
+    ] {
+        let reply = torch.request(case);
+        for row in rows.iter_mut() {
+            let with_fsync = match row.id.strip_suffix("_fsync") {
+                Some(plain) if plain == case => true,
+                _ if row.id == case => false,
+                _ => continue,
+            };
+            match &reply {
+                Ok(v) if timed => row.samples.push(pytorch_sample(v, with_fsync)),
+                Ok(_) => {}
+                Err(e) => row.error = Some(e.clone()),
+            }
+        }
+        if cleanup_after {
+            let _ = torch.request("cleanup");
+        }
+    }
+}
+
+pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
+    let dev = match CudaDevice::get(0) {
+        Ok(dev) => dev,
+        Err(err) => {
+            println!(
+                "no CUDA device: {err}\n`ferry bench checkpoint` saves and loads a GPU state dict, so it needs a GPU; nothing was measured"
+            );
+            return Ok(());
+        }
+    };
+    let pool = PinnedPool::global()?;
+    let staging = usize::try_from(args.staging_mib << 20)?;
+    let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let path = dir.join(format!("ferry-bench-{}.safetensors", std::process::id()));
+    let dict = build_dict(args.gb, dev.device())?;
+    dev.synchronize()?;
+    let bytes: usize = dict.iter().map(|(_, t)| t.nbytes()).sum();
+
+    let mut torch = None;
+    let mut pytorch_note = None;
+    let mut pytorch_version = None;
+    if args.pytorch.compare_pytorch {
+        let started = args.pytorch.start("checkpoint.py")
+            .and_then(|mut t| {
+                let reply = t.request(&format!("setup {} {}", args.gb, dir.display()))?;
+                match reply.get("bytes").and_then(Value::as_u64) {
+                    Some(b) if b as usize == bytes => Ok(t),
+                    other => Err(format!(
+                        "checkpoint.py built a dict of {other:?} bytes, ferry one of {bytes}: the two sides disagree"
+                    )),
+                }
+            });
+        match started {
+            Ok(t) => {
+                pytorch_version = Some(t.label());
+                torch = Some(t);
+            }
+            Err(err) => pytorch_note = Some(format!("no PyTorch rows: {err}")),
+        }
+    }
+    println!(
+        "checkpoint of {:.2} GiB ({} tensors) on {} ({}); ferry's staging bound {} MiB; files in {}",
+        bytes as f64 / f64::from(1 << 30),
+        dict.len(),
+        dev.device(),
+        dev.info().name,
+        args.staging_mib,
+        dir.display()
+    );
+    if let Some(v) = &pytorch_version {
+        println!("PyTorch {v}");
+    }
+    println!(
+        "{} round(s) after {} warm-up; times are medians, memory the largest of the samples",
+        args.samples, args.warmup
+    );
+
+    let mut rows = vec![
+        Row::new("ferry_save", "ferry save_with (durable)", true),
+        Row::new("ferry_load", "ferry load_to(cuda)", false),
+    ];
+    if torch.is_some() {
+        rows.extend(
+            PYTORCH_ROWS
+                .iter()
+                .map(|&(id, name, save)| Row::new(id, name, save)),
+        );
+    }
+    for round in 0..args.warmup + args.samples {
+        let timed = round >= args.warmup;
+        eprintln!("round {} of {} ...", round + 1, args.warmup + args.samples);
+        if rows[0].error.is_none() {
+            match ferry_round(&dict, &path, staging, &dev, pool) {
+                Ok((save, load)) if timed => {
+                    rows[0].samples.push(save);
+                    rows[1].samples.push(load);
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    let _ = std::fs::remove_file(&path);
+                    rows[0].error = Some(err.to_string());
+                    rows[1].error = Some(err.to_string());
+                }
+            }
+        }
+        if let Some(t) = torch.as_mut() {
+            pytorch_round(t, &mut rows[2..], timed);
+        }
+    }
+    drop(torch);
+    print_rows(&rows, bytes, staging);
+    if let Some(note) = &pytorch_note {
+        println!("note: {note}");
+    }
+    if let Some(file) = &args.json {
+        let doc = to_json(
+            &args,
+            &dev,
+            &rows,
+            bytes,
+            dict.len(),
+            staging,
+            pytorch_version,
+            pytorch_note,
+        );
+        std::fs::write(file, serde_json::to_string_pretty(&doc)? + "\n")?;
+        println!("wrote every sample to {}", file.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn sizes_parse_and_bad_ones_say_why() {
+        assert_eq!(parse_gb("10"), Ok(10.0));
+        assert_eq!(parse_gb("0.5"), Ok(0.5));
+        for bad in ["0", "-1", "nan", "inf", "ten", "5000"] {
+            let err = parse_gb(bad).unwrap_err();
+            assert!(err.contains("GiB"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn pytorch_rows_add_the_fsync_to_the_durable_ones() {
+        let reply = json!({"ms": 100.0, "fsync_ms": 20.0, "extra_device": 0.0, "extra_host": 5e6});
+        assert_eq!(pytorch_sample(&reply, false).ms, 100.0);
+        assert_eq!(pytorch_sample(&reply, true).ms, 120.0);
+        assert_eq!(pytorch_sample(&reply, true).extra_host, Some(5e6));
+        // Every durable row has its plain case, and every case a row.
+        for (id, _, _) in PYTORCH_ROWS {
+            let case = id.strip_suffix("_fsync").unwrap_or(id);
+            assert!(PYTORCH_ROWS.iter().any(|(i, _, _)| *i == case), "{id}");
+        }
+    }
+
+    /// The Python script builds the same dict: same count rule, same side, same extra tensors.
+    #[test]
+    fn the_python_script_builds_the_same_dict() {
+        let script = include_str!("../python/checkpoint.py");
+        for needle in [
+            "SIDE = 8192",
+            "math.floor(gb * 4 + 0.5)",
+            "layers.{i}.weight",
+            "layers.{i}.bias",
+            "torch.randn(4096, 4096, device=\"cuda\").half()",
+            "\"step\"",
+        ] {
+            assert!(
+                script.contains(needle),
+                "crates/ferry-bench/python/checkpoint.py lacks {needle}"
+            );
+        }
+        for (id, _, _) in PYTORCH_ROWS {
+            let case = id.strip_suffix("_fsync").unwrap_or(id);
+            assert!(script.contains(&format!("\"{case}\"")), "{case}");
+        }
+    }
+
+    #[test]
+    fn without_a_gpu_it_says_so_and_succeeds() {
+        if CudaDevice::get(0).is_ok() {
+            return; // the GPU machine runs the real thing
+        }
+        let args = CheckpointArgs {
+            pytorch: PyTorchArgs {
+                compare_pytorch: true,
+                ..PyTorchArgs::default()
+            },
+            json: None,
+            gb: 0.25,
+            staging_mib: 256,
+            samples: 1,
+            warmup: 0,
+            dir: None,
+        };
+        assert!(run(args).is_ok());
+    }
+}

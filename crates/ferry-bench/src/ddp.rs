@@ -1,0 +1,489 @@
+//! `ferry bench ddp`: data-parallel training steps of the wide MLP (1024-4096-4096-10, fp32,
+//! Adam) on one GPU alone, with [`DataParallel`] on one GPU (its overhead) and on two GPUs, and,
+//! with --compare-pytorch, PyTorch's DistributedDataParallel (python/ddp.py, one process per
+//! GPU) the same three ways.
+//!
+//! Weak scaling: every replica trains on `--batch` samples of its own a step. A step is
+//! zero_grad, forward, cross-entropy, backward, [`DataParallel::finish`] (DDP rows), Adam step,
+//! then a synchronize of the replica's device; each step is timed on its own. After `--warmup`
+//! untimed steps come `--steps` timed ones; a row's step time is the median over steps of the
+//! slowest replica's time for that step. Scaling efficiency is the two-GPU samples/s over twice
+//! the one-GPU (plain) samples/s. After the last step every replica's weights are read back and
+//! compared with rank 0's: the column `replicas equal` says whether data parallelism kept them
+//! identical.
+//!
+//! `--host` runs the same loop on the CPU with [`ProcessGroup::host`] (threads as ranks) and a
+//! small MLP, so the whole path runs without a GPU.
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use ferry::distributed::{self, DataParallel, DdpOptions, DdpStats, ProcessGroup, run_replicas};
+use ferry::memory::cuda::{self, CudaDevice};
+use ferry::nn::{Sequential, cross_entropy};
+use ferry::optim::Adam;
+use ferry::prelude::*;
+use serde_json::{Value, json};
+
+use super::pytorch::{self, PyTorchArgs};
+use super::report::significant;
+use super::train::LR;
+use crate::Measured;
+use output::{print_results, samples_per_s, to_json};
+
+mod output;
+#[cfg(test)]
+mod tests;
+
+/// The wide MLP of `ferry bench train`, input first.
+const GPU_WIDTHS: &[usize] = &[1024, 4096, 4096, 10];
+/// `--host`'s MLP: small enough for a CPU step in milliseconds.
+const HOST_WIDTHS: &[usize] = &[32, 64, 64, 10];
+const CLASSES: usize = 10;
+
+/// The rows, as python/ddp.py names them: (id, replicas, wrapped in DataParallel).
+const ROWS: [(&str, usize, bool); 3] = [
+    ("plain_1", 1, false),
+    ("ddp_1", 1, true),
+    ("ddp_2", 2, true),
+];
+
+/// `ferry bench ddp`'s options.
+#[derive(Args, Debug)]
+pub struct DdpArgs {
+    #[command(flatten)]
+    pytorch: PyTorchArgs,
+    /// Write every number, every step's time included, to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Samples per replica per step [default: 1024 on GPUs, 32 with --host].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: Option<u64>,
+    /// Timed steps per row; the table shows their median.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: u32,
+    /// Untimed steps per row before the timed ones.
+    #[arg(long, default_value_t = 10)]
+    warmup: u32,
+    /// Gradient bucket size in MiB (ferry's DdpOptions::bucket_bytes and PyTorch's
+    /// bucket_cap_mb).
+    #[arg(long, default_value_t = 25.0, value_name = "MIB")]
+    bucket_mib: f64,
+    /// Run on the CPU: ranks are threads (ProcessGroup::host) and the MLP is 32-64-64-10.
+    #[arg(long, conflicts_with = "compare_pytorch")]
+    host: bool,
+}
+
+/// What every row runs: the model, the batch per replica, how many steps, the bucket size.
+#[derive(Debug, Clone, Copy)]
+pub struct Config {
+    /// Layer widths, input first: Linear layers between neighbours, ReLU between Linears.
+    pub widths: &'static [usize],
+    /// Samples per replica per step.
+    pub batch: usize,
+    /// Timed steps per row.
+    pub steps: u32,
+    /// Untimed steps per row before them.
+    pub warmup: u32,
+    /// [`DdpOptions::bucket_bytes`].
+    pub bucket_bytes: usize,
+    /// Threads as ranks, CPU tensors (`--host`); else NCCL, one GPU per rank.
+    pub host: bool,
+}
+
+/// One replica's run: per-step milliseconds, its last loss, its weights after the last step.
+struct ReplicaOut {
+    step_ms: Vec<f64>,
+    loss: f64,
+    weights: Vec<Vec<f32>>,
+    /// The last step's [`DataParallel::finish`] report (DDP rows).
+    stats: Option<DdpStats>,
+}
+
+/// One row of one side, as measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// `plain_1`, `ddp_1` or `ddp_2`, as python/ddp.py names them.
+    pub id: &'static str,
+    /// Replicas (GPUs, or host threads with `--host`).
+    pub replicas: usize,
+    /// Per timed step, the slowest replica's milliseconds; the error is why the row has no
+    /// numbers (or why they mean nothing).
+    pub steps: Measured,
+    /// Rank 0's loss after the last step.
+    pub final_loss: Option<f64>,
+    /// The largest |w - w_rank0| over every weight of every other replica (`None` for one
+    /// replica, where there is nothing to compare).
+    pub max_weight_diff: Option<f64>,
+    /// Rank 0's last step: buckets all-reduced, and how many of them backward started.
+    pub buckets: Option<(usize, usize)>,
+}
+
+impl Row {
+    fn failed(id: &'static str, replicas: usize, error: String) -> Self {
+        Self {
+            id,
+            replicas,
+            steps: Measured::failed(error),
+            final_loss: None,
+            max_weight_diff: None,
+            buckets: None,
+        }
+    }
+
+    /// The median step time; `None` without steps.
+    pub fn median_ms(&self) -> Option<f64> {
+        self.steps.median()
+    }
+
+    /// Samples a second over all replicas at the median step time.
+    pub fn samples_per_s(&self, batch: usize) -> Option<f64> {
+        self.median_ms()
+            .map(|ms| samples_per_s(self.replicas, batch, ms))
+    }
+}
+
+/// The MLP on `device`, and this replica's batch, made with this thread's seed.
+fn build(
+    widths: &[usize],
+    batch: usize,
+    device: Device,
+    seed: u64,
+) -> ferry::Result<(Sequential, Tensor, Tensor)> {
+    ferry::manual_seed(seed);
+    let model = ferry::models::mlp(widths, 0.0, device)?;
+    let x = Tensor::randn(&[batch, widths[0]], DType::F32, device)?;
+    let y = Tensor::rand(&[batch], DType::F32, device)?
+        .mul_scalar(CLASSES as f64)?
+        .to_dtype(DType::I64)?;
+    Ok((model, x, y))
+}
+
+/// Waits for every stream of the replica's GPU (the compute and the collectives' streams); on
+/// the CPU there is nothing to wait for.
+fn synchronize(cuda: Option<&CudaDevice>) -> ferry::Result<()> {
+    match cuda {
+        Some(dev) => Ok(dev.synchronize()?),
+        None => Ok(()),
+    }
+}
+
+/// One replica's steps: warm-up, then timed steps, each ending with a synchronize. `group` wraps
+/// the parameters in [`DataParallel`]; without it the model trains alone. Every replica gets
+/// its own seed, so its initial weights and batch differ from the others' (DataParallel's
+/// broadcast and averaged gradients must make the weights equal).
+fn replica(cfg: &Config, device: Device, group: Option<ProcessGroup>) -> ferry::Result<ReplicaOut> {
+    let rank = group.as_ref().map_or(0, ProcessGroup::rank);
+    let (model, x, y) = build(cfg.widths, cfg.batch, device, 1 + rank as u64)?;
+    let ddp = match group {
+        Some(group) => {
+            let options = DdpOptions {
+                bucket_bytes: cfg.bucket_bytes,
+            };
+            Some(DataParallel::new(model.parameters(), group, options)?)
+        }
+        None => None,
+    };
+    let mut opt = Adam::new(model.parameters(), LR)?;
+    let cuda = match device {
+        Device::Cuda(ordinal) => Some(CudaDevice::get(ordinal)?),
+        Device::Cpu => None,
+    };
+    let mut step_ms = Vec::with_capacity(cfg.steps as usize);
+    let mut loss = None;
+    let mut stats = None;
+    synchronize(cuda.as_ref())?;
+    for i in 0..cfg.warmup + cfg.steps {
+        let start = Instant::now();
+        opt.zero_grad();
+        let l = cross_entropy(&model.forward(&x)?, &y)?;
+        l.backward()?;
+        if let Some(ddp) = &ddp {
+            stats = Some(ddp.finish()?);
+        }
+        opt.step()?;
+        synchronize(cuda.as_ref())?;
+        if i >= cfg.warmup {
+            step_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        loss = Some(l.detach());
+    }
+    let loss = match loss {
+        Some(l) => l.item()?,
+        None => f64::NAN,
+    };
+    let weights = model
+        .parameters()
+        .iter()
+        .map(|p| p.to_vec::<f32>())
+        .collect::<ferry::Result<_>>()?;
+    Ok(ReplicaOut {
+        step_ms,
+        loss,
+        weights,
+        stats,
+    })
+}
+
+/// Per step, the slowest replica; rank 0's loss; the largest weight difference from rank 0.
+fn combine(id: &'static str, outs: Vec<ReplicaOut>) -> Row {
+    let replicas = outs.len();
+    let steps = outs.iter().map(|o| o.step_ms.len()).min().unwrap_or(0);
+    let step_ms = (0..steps)
+        .map(|s| outs.iter().map(|o| o.step_ms[s]).fold(0.0, f64::max))
+        .collect();
+    let max_weight_diff = outs.first().filter(|_| replicas > 1).map(|first| {
+        let mut diff = 0.0f64;
+        for other in &outs[1..] {
+            for (a, b) in first.weights.iter().zip(&other.weights) {
+                if a.len() != b.len() {
+                    return f64::INFINITY;
+                }
+                for (x, y) in a.iter().zip(b) {
+                    diff = diff.max(f64::from((x - y).abs()));
+                }
+            }
+        }
+        diff
+    });
+    Row {
+        id,
+        replicas,
+        steps: Measured::from_samples(step_ms),
+        final_loss: outs.first().map(|o| o.loss),
+        max_weight_diff,
+        buckets: outs
+            .first()
+            .and_then(|o| o.stats)
+            .map(|s| (s.buckets, s.started_in_backward)),
+    }
+}
+
+/// The groups of a DDP row: NCCL over cuda:0..n, or n host threads.
+fn groups(cfg: &Config, replicas: usize) -> ferry::Result<Vec<ProcessGroup>> {
+    if cfg.host {
+        return Ok(ProcessGroup::host(replicas));
+    }
+    let devices: Vec<Device> = (0..replicas).map(Device::Cuda).collect();
+    ProcessGroup::nccl(&devices)
+}
+
+/// ferry's rows. `gpus` is how many devices the rows may use (`ddp_2` needs two); with
+/// `cfg.host` they are threads.
+pub fn measure(cfg: &Config, gpus: usize) -> Vec<Row> {
+    let home = if cfg.host {
+        Device::Cpu
+    } else {
+        Device::Cuda(0)
+    };
+    ROWS.iter()
+        .map(|&(id, replicas, wrapped)| {
+            if replicas > gpus {
+                return Row::failed(
+                    id,
+                    replicas,
+                    format!(
+                        "needs {replicas} GPUs; this machine has {gpus} (run it on nvidia-h200-x2)"
+                    ),
+                );
+            }
+            eprintln!("measuring {id} ...");
+            let outs = if wrapped {
+                groups(cfg, replicas).and_then(|g| {
+                    run_replicas(g, |group| {
+                        let device = group.device();
+                        replica(cfg, device, Some(group))
+                    })
+                })
+            } else {
+                replica(cfg, home, None).map(|out| vec![out])
+            };
+            match outs {
+                Ok(outs) => {
+                    let mut row = combine(id, outs);
+                    if let Some(loss) = row.final_loss.filter(|l| !l.is_finite()) {
+                        row.steps.fail(format!(
+                            "the loss became {loss}: the step times mean nothing"
+                        ));
+                    }
+                    row
+                }
+                Err(err) => Row::failed(id, replicas, err.to_string()),
+            }
+        })
+        .collect()
+}
+
+/// Why the GPU rows cannot run here (no driver, no GPU, no libnccl), or how many GPUs there are.
+fn gpus_available(found: Result<usize, String>, nccl: bool) -> Result<usize, String> {
+    match found {
+        Err(err) => Err(format!(
+            "ferry bench ddp needs a CUDA device and libnccl: {err}. `--host` runs the same \
+             loop on the CPU"
+        )),
+        Ok(0) => Err(
+            "ferry bench ddp needs a CUDA device (none found). `--host` runs the same loop on \
+             the CPU"
+                .into(),
+        ),
+        Ok(_) if !nccl => Err(
+            "ferry bench ddp needs NCCL: libnccl.so.2 was not found (install libnccl2, e.g. \
+             `apt install libnccl2`, or add its directory to LD_LIBRARY_PATH)"
+                .into(),
+        ),
+        Ok(n) => Ok(n),
+    }
+}
+
+/// PyTorch's rows from python/ddp.py's one JSON line.
+fn parse_pytorch(doc: &Value) -> Result<(String, Vec<Row>), String> {
+    if let Some(err) = doc.get("error") {
+        return Err(err.as_str().unwrap_or("unknown error").to_string());
+    }
+    let text = |key: &str| doc.get(key).and_then(Value::as_str).unwrap_or("?");
+    let label = format!(
+        "PyTorch {} (CUDA {}, NCCL {}) on {}",
+        text("torch"),
+        text("cuda"),
+        text("nccl"),
+        text("device")
+    );
+    let rows = ROWS
+        .iter()
+        .map(|&(id, replicas, _)| {
+            let row = doc.get("rows").and_then(|r| r.get(id));
+            let error = doc
+                .get("errors")
+                .and_then(|e| e.get(id))
+                .and_then(Value::as_str);
+            match (row, error) {
+                (Some(row), _) => {
+                    let step_ms: Vec<f64> = row
+                        .get("step_ms")
+                        .and_then(Value::as_array)
+                        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+                        .unwrap_or_default();
+                    if step_ms.is_empty() {
+                        return Row::failed(id, replicas, "no step times in its answer".into());
+                    }
+                    Row {
+                        id,
+                        replicas,
+                        steps: Measured::from_samples(step_ms),
+                        final_loss: row.get("final_loss").and_then(Value::as_f64),
+                        max_weight_diff: None,
+                        buckets: None,
+                    }
+                }
+                (None, Some(err)) => Row::failed(id, replicas, err.to_string()),
+                (None, None) => Row::failed(id, replicas, "not in its answer".into()),
+            }
+        })
+        .collect();
+    Ok((label, rows))
+}
+
+/// The script's arguments for the same rows as ferry's.
+fn pytorch_args(cfg: &Config, bucket_mib: f64) -> Vec<String> {
+    vec![
+        "--batch".into(),
+        cfg.batch.to_string(),
+        "--steps".into(),
+        cfg.steps.to_string(),
+        "--warmup".into(),
+        cfg.warmup.to_string(),
+        "--bucket-mib".into(),
+        bucket_mib.to_string(),
+    ]
+}
+
+/// Runs ddp.py once (it starts one process per GPU itself) and reads its rows.
+/// NCCL_NVLS_ENABLE=0 unless set.
+fn run_pytorch(
+    python: &str,
+    script: &std::path::Path,
+    args: &[String],
+) -> Result<(String, Vec<Row>), String> {
+    pytorch::run_once(python, script, args, &[("NCCL_NVLS_ENABLE", "0")])
+        .and_then(|doc| parse_pytorch(&doc))
+}
+
+fn config(args: &DdpArgs) -> Result<Config, String> {
+    if !(args.bucket_mib.is_finite() && args.bucket_mib > 0.0) {
+        return Err(format!(
+            "--bucket-mib {} must be a positive number of MiB, e.g. --bucket-mib 25",
+            args.bucket_mib
+        ));
+    }
+    let default_batch = if args.host { 32 } else { 1024 };
+    let batch = usize::try_from(args.batch.unwrap_or(default_batch))
+        .map_err(|_| "--batch is larger than this machine can address".to_string())?;
+    Ok(Config {
+        widths: if args.host { HOST_WIDTHS } else { GPU_WIDTHS },
+        batch,
+        steps: args.steps,
+        warmup: args.warmup,
+        bucket_bytes: ((args.bucket_mib * 1024.0 * 1024.0) as usize).max(1),
+        host: args.host,
+    })
+}
+
+pub fn run(args: DdpArgs) -> Result<(), Box<dyn Error>> {
+    let cfg = config(&args)?;
+    let (device, gpus) = if cfg.host {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (format!("cpu ({threads} threads), host process group"), 2)
+    } else {
+        let found = cuda::devices().map(|d| d.len()).map_err(|e| e.to_string());
+        match gpus_available(found, distributed::nccl_present()) {
+            Ok(n) => {
+                let name =
+                    CudaDevice::get(0).map_or_else(|e| e.to_string(), |d| d.info().name.clone());
+                (format!("{n} x {name}"), n)
+            }
+            Err(why) => {
+                println!("{why}");
+                if let Some(path) = &args.json {
+                    let doc = json!({ "bench": "ddp", "skipped": why });
+                    std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+                }
+                return Ok(());
+            }
+        }
+    };
+    let widths: Vec<String> = cfg.widths.iter().map(usize::to_string).collect();
+    println!(
+        "ferry bench ddp: MLP {} (fp32, Adam), batch {} per replica, buckets {} MiB, on {device}",
+        widths.join("-"),
+        cfg.batch,
+        significant(args.bucket_mib)
+    );
+    let ferry = measure(&cfg, gpus);
+    let mut notes = Vec::new();
+    let mut torch = None;
+    if args.pytorch.compare_pytorch {
+        eprintln!("running {}/ddp.py ...", pytorch::SCRIPT_DIR);
+        let (python, script) = (&args.pytorch.python, &args.pytorch.pytorch_script);
+        match pytorch::locate_script(script.as_deref(), "ddp.py")
+            .and_then(|script| run_pytorch(python, &script, &pytorch_args(&cfg, args.bucket_mib)))
+        {
+            Ok(t) => {
+                println!("{}", t.0);
+                torch = Some(t);
+            }
+            Err(err) => notes.push(format!("no PyTorch column: {err}")),
+        }
+    }
+    print_results(&cfg, &ferry, torch.as_ref());
+    for note in &notes {
+        println!("{note}");
+    }
+    if let Some(path) = &args.json {
+        let doc = to_json(&cfg, &device, &ferry, torch.as_ref(), &notes);
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        println!("wrote every step to {}", path.display());
+    }
+    Ok(())
+}

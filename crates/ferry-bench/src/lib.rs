@@ -1,0 +1,114 @@
+//! ferry-bench: the `ferry bench` harness, ferry measured side by side with PyTorch on the same
+//! machine, in one run.
+//!
+//! It owns every benchmark (one module per `ferry bench` subcommand: `transfer`, `train`,
+//! `autograd`, `pipeline`, `checkpoint`, `offload`, `peer`, `ddp`), their PyTorch twins (the
+//! scripts in `python/`, beside this crate's sources) and what they share: [`Measured`]
+//! samples and their statistics, the run facts every JSON file records ([`RunInfo`]), the
+//! tables and verdicts (`report`), and the one way to start and talk to Python (`pytorch`). It
+//! does not own the models it times (they come from [`ferry::models`]) nor the `ferry` binary
+//! (ferry-cli parses the command line and calls [`run`]).
+//!
+//! The key design decision: PyTorch runs as a long-lived child (`script.py --serve`) answering
+//! one JSON line per request, so ferry's and PyTorch's samples interleave in one process pair on
+//! one machine, and whatever goes wrong on PyTorch's side becomes a note beside ferry's column,
+//! never the end of the benchmark.
+#![warn(missing_docs)]
+
+use std::error::Error;
+
+use clap::{Args, Subcommand};
+
+pub use measure::Measured;
+pub use run_info::RunInfo;
+
+mod autograd;
+mod autograd_chains;
+mod autograd_json;
+mod autograd_output;
+mod checkpoint;
+mod ddp;
+mod ferry_cases;
+mod measure;
+mod offload;
+mod peer;
+mod pipeline;
+mod pipeline_trace;
+mod pytorch;
+mod report;
+mod resnet50;
+mod run_info;
+mod train;
+mod train_output;
+mod transfer;
+mod transfer_cases;
+mod transfer_output;
+
+/// `ferry bench`: which benchmark to run, with its flags.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    command: BenchCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Device transfers (400 MB, a resnet50 state dict, small tensors) against the link's limit
+    /// and, with --compare-pytorch, against PyTorch, interleaved in one run.
+    Transfer(transfer::TransferArgs),
+    /// Training steps (forward, cross-entropy, backward, Adam) of the digits MLP and a
+    /// 1024-4096-4096-10 MLP and, with --compare-pytorch, of the same in PyTorch, interleaved.
+    Train(train::TrainBenchArgs),
+    /// The autograd core: device memory kept by standard chains and peak during backward,
+    /// CPU thread scaling and per-op overhead; with --compare-pytorch, PyTorch's alongside.
+    Autograd(autograd::AutogradArgs),
+    /// A video pipeline: frames produced on the GPU, moved to the host, reduced there; serial,
+    /// ferry's overlapped pipeline and stream_to against the ideal and, with --compare-pytorch,
+    /// PyTorch's best (side stream, pinned double buffering).
+    Pipeline(pipeline::PipelineArgs),
+    /// A GPU state dict (10 GiB by default) saved and loaded through bounded staging: time,
+    /// GB/s, extra device and host memory; with --compare-pytorch, torch.save and safetensors.
+    Checkpoint(checkpoint::CheckpointArgs),
+    /// Activation offload on an MLP with >= 4 GB of saved activations: step time, peak device
+    /// memory and saved bytes with and without it; with --compare-pytorch, PyTorch's
+    /// save_on_cpu(pin_memory=True) alongside.
+    Offload(offload::OffloadArgs),
+    /// Moves between two GPUs (4 MiB to 1 GiB, both directions); with --compare-pytorch,
+    /// PyTorch's `.to('cuda:N')` and `non_blocking=True` interleaved. Needs two GPUs.
+    Peer(peer::PeerArgs),
+    /// Data-parallel training of the 1024-4096-4096-10 MLP: one GPU alone, DataParallel on one
+    /// and two GPUs (step time, samples/s, scaling efficiency, replicas equal); with
+    /// --compare-pytorch, PyTorch's DistributedDataParallel (one process per GPU). --host runs
+    /// it on the CPU.
+    Ddp(ddp::DdpArgs),
+}
+
+/// Runs the chosen benchmark: prints its table (and writes its JSON with `--json`). Without
+/// the GPU(s) a benchmark needs, it says so and returns `Ok`.
+pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
+    match args.command {
+        BenchCommand::Transfer(args) => transfer::run(args),
+        BenchCommand::Train(args) => train::run(args),
+        BenchCommand::Autograd(args) => autograd::run(args),
+        BenchCommand::Pipeline(args) => pipeline::run(args),
+        BenchCommand::Checkpoint(args) => checkpoint::run(args),
+        BenchCommand::Offload(args) => offload::run(args),
+        BenchCommand::Peer(args) => peer::run(args),
+        BenchCommand::Ddp(args) => ddp::run(args),
+    }
+}
+
+/// Parses a whole `ferry bench ...` command line as the binary does, for the benches' tests.
+#[cfg(test)]
+fn parse_bench(command: &str) -> Result<BenchCommand, clap::Error> {
+    use clap::Parser;
+
+    /// The `ferry` binary, as far as `bench` goes.
+    #[derive(Parser, Debug)]
+    #[command(name = "ferry")]
+    enum Ferry {
+        Bench(BenchArgs),
+    }
+    let Ferry::Bench(args) = Ferry::try_parse_from(command.split_whitespace())?;
+    Ok(args.command)
+}

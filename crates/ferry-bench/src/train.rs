@@ -1,0 +1,470 @@
+//! `ferry bench train`: training steps of two MLPs, the digits CNN and the character-level GPT,
+//! ferry and PyTorch side by side in one run.
+//!
+//! A step is zero_grad, forward, cross-entropy, backward and an Adam (lr 1e-3) step, the same on
+//! both sides; PyTorch's is python/train.py, eager with TF32 off. A round synchronizes the device,
+//! runs many steps, synchronizes again and gives the mean time per step; rounds alternate ferry
+//! then PyTorch, and the table shows medians. No loss is read inside a round (`item()` would
+//! synchronize every step); it stays on the device until the rounds are over.
+//!
+//! `ferry train`'s step also counts correct predictions (argmax, compare, sum), which
+//! PyTorch's step would not do, so the step timed here is its loss-only core.
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::pytorch::{self, PyTorch, PyTorchArgs};
+use super::report::Target;
+use super::train_output::{CaseResult, RunSetup, print_header, print_results, to_json};
+use crate::Measured;
+use clap::Args;
+use ferry::memory::cuda::CudaDevice;
+use ferry::nn::{Module, cross_entropy};
+use ferry::optim::Adam;
+use ferry::prelude::*;
+
+pub const LR: f64 = 1e-3;
+const CLASSES: usize = 10;
+
+/// Which model a case trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Model {
+    /// Linear layers between neighbouring `widths`, ReLU between them.
+    Mlp,
+    /// `ferry train digits-cnn`'s CNN (without dropout); `widths` = [features, classes].
+    DigitsCnn,
+    /// `ferry train gpt`'s character-level GPT (4 blocks of width 128, 4 heads); `widths` =
+    /// [context, vocabulary].
+    Gpt,
+}
+
+/// A model and batch to time; python/train.py's `CASES` has the same ids, widths and batches.
+#[derive(Debug)]
+pub struct Case {
+    pub id: &'static str,
+    pub model: Model,
+    /// Layer widths, input first (see [`Model`] for the other models).
+    pub widths: &'static [usize],
+    pub batch: usize,
+    /// Steps per round on a GPU.
+    pub steps: u32,
+    /// Steps per round on the CPU, where a step can take a second.
+    pub cpu_steps: u32,
+    /// The goal from issue 6, for cuda:0 on the H200.
+    pub target: Target,
+}
+
+pub const CASES: [Case; 4] = [
+    Case {
+        id: "digits_mlp",
+        model: Model::Mlp,
+        widths: &[64, 128, CLASSES],
+        batch: 64,
+        steps: 200,
+        cpu_steps: 50,
+        // PyTorch eager on the H200: 0.935 ms a step.
+        target: Target::AtMostMs(0.3),
+    },
+    Case {
+        id: "mlp_4096",
+        model: Model::Mlp,
+        widths: &[1024, 4096, 4096, CLASSES],
+        batch: 1024,
+        steps: 50,
+        cpu_steps: 1,
+        // PyTorch eager on the H200: 2.82 ms a step.
+        target: Target::AtMostTimesPyTorch(1.05),
+    },
+    Case {
+        id: "digits_cnn",
+        model: Model::DigitsCnn,
+        widths: &[64, CLASSES],
+        batch: 64,
+        steps: 100,
+        cpu_steps: 10,
+        target: Target::AtMostTimesPyTorch(0.9),
+    },
+    Case {
+        id: "gpt",
+        model: Model::Gpt,
+        widths: &[64, 57],
+        batch: 32,
+        steps: 50,
+        cpu_steps: 2,
+        target: Target::AtMostTimesPyTorch(0.9),
+    },
+];
+
+impl Case {
+    /// "MLP 64-128-10, batch 64".
+    pub fn describe(&self) -> String {
+        match self.model {
+            Model::Mlp => {
+                let widths: Vec<String> = self.widths.iter().map(usize::to_string).collect();
+                format!("MLP {}, batch {}", widths.join("-"), self.batch)
+            }
+            Model::DigitsCnn => format!("digits CNN (no dropout), batch {}", self.batch),
+            Model::Gpt => format!(
+                "char GPT 4x128, context {}, vocabulary {}, batch {}",
+                self.widths[0], self.widths[1], self.batch
+            ),
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct TrainBenchArgs {
+    #[command(flatten)]
+    pytorch: PyTorchArgs,
+    /// Write every number, all rounds included, to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Where ferry trains: cuda:N or cpu (PyTorch's column is for the GPU only).
+    #[arg(long, default_value = "cuda:0")]
+    device: Device,
+    /// Timed rounds per case and side; the table shows their median (claims need 9 or more).
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Untimed rounds per case and side before the timed ones.
+    #[arg(long, default_value_t = 2)]
+    warmup: u32,
+    /// Steps per round for every case [default: each case's own, fewer on the CPU].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: Option<u32>,
+    /// Only these cases (ids joined by commas: digits_mlp, mlp_4096, digits_cnn, gpt).
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    cases: Vec<String>,
+}
+
+/// ferry's side of a case: model, optimizer and batch, made before any clock starts.
+struct FerryRun {
+    model: Box<dyn Module>,
+    opt: Adam,
+    x: Tensor,
+    y: Tensor,
+    /// The last step's loss, detached, still on the device.
+    loss: Option<Tensor>,
+    cuda: Option<CudaDevice>,
+}
+
+impl FerryRun {
+    fn new(case: &Case, device: Device) -> Result<Self, Box<dyn Error>> {
+        let (widths, batch) = (case.widths, case.batch);
+        let cuda = match device {
+            Device::Cuda(ordinal) => Some(CudaDevice::get(ordinal)?),
+            Device::Cpu => None,
+        };
+        ferry::manual_seed(0);
+        let labels = |shape: &[usize], classes: usize| -> ferry::Result<Tensor> {
+            Tensor::rand(shape, DType::F32, device)?
+                .mul_scalar(classes as f64)?
+                .to_dtype(DType::I64)
+        };
+        let (model, x, y): (Box<dyn Module>, Tensor, Tensor) = match case.model {
+            Model::Mlp => {
+                let model = ferry::models::mlp(widths, 0.0, device)?;
+                let x = Tensor::randn(&[batch, widths[0]], DType::F32, device)?;
+                (Box::new(model), x, labels(&[batch], CLASSES)?)
+            }
+            Model::DigitsCnn => {
+                let x = Tensor::randn(&[batch, widths[0]], DType::F32, device)?;
+                let model = ferry::models::digits_cnn(device, 0.0)?;
+                (Box::new(model), x, labels(&[batch], widths[1])?)
+            }
+            Model::Gpt => {
+                let (context, vocab) = (widths[0], widths[1]);
+                let config = ferry::models::GptConfig {
+                    vocab,
+                    context,
+                    width: 128,
+                    layers: 4,
+                    heads: 4,
+                };
+                let model = ferry::models::Gpt::new(config, device)?;
+                let x = labels(&[batch, context], vocab)?;
+                (Box::new(model), x, labels(&[batch * context], vocab)?)
+            }
+        };
+        let opt = Adam::new(model.parameters(), LR)?;
+        let run = Self {
+            model,
+            opt,
+            x,
+            y,
+            loss: None,
+            cuda,
+        };
+        run.synchronize()?;
+        Ok(run)
+    }
+
+    fn synchronize(&self) -> Result<(), Box<dyn Error>> {
+        match &self.cuda {
+            Some(dev) => Ok(dev.synchronize()?),
+            None => Ok(()),
+        }
+    }
+
+    fn step(&mut self) -> ferry::Result<()> {
+        self.opt.zero_grad();
+        let logits = self.model.forward(&self.x)?;
+        // The GPT's logits are [batch, context, vocabulary]: one prediction per position.
+        let rows = self.y.numel();
+        let loss = cross_entropy(&logits.reshape(&[rows, logits.numel() / rows])?, &self.y)?;
+        loss.backward()?;
+        self.opt.step()?;
+        self.loss = Some(loss.detach());
+        Ok(())
+    }
+
+    /// One round: mean milliseconds per step over `steps` steps, device synchronized both ends.
+    fn round_ms_per_step(&mut self, steps: u32) -> Result<f64, Box<dyn Error>> {
+        self.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..steps {
+            self.step()?;
+        }
+        self.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3 / f64::from(steps))
+    }
+}
+
+/// The line python/train.py answers with one round: `CASE STEPS`.
+fn request(case: &Case, steps: u32) -> String {
+    format!("{} {steps}", case.id)
+}
+
+/// Warm-up rounds, then timed rounds; each round runs ferry's, then PyTorch's.
+fn measure<'a>(
+    case: &'a Case,
+    device: Device,
+    steps: u32,
+    mut torch: Option<&mut PyTorch>,
+    warmup: u32,
+    rounds: u32,
+) -> CaseResult<'a> {
+    let mut m = CaseResult {
+        case,
+        steps,
+        ferry: Measured::new(),
+        final_loss: None,
+        pytorch: Measured::new(),
+    };
+    let mut ferry = FerryRun::new(case, device)
+        .map_err(|e| m.ferry.fail(e.to_string()))
+        .ok();
+    for round in 0..warmup + rounds {
+        let timed = round >= warmup;
+        if let Some(run) = ferry.as_mut() {
+            match run.round_ms_per_step(steps) {
+                Ok(ms) if timed => m.ferry.push(ms),
+                Ok(_) => {}
+                Err(err) => {
+                    m.ferry.fail(err.to_string());
+                    ferry = None;
+                }
+            }
+        }
+        if let (Some(torch), false) = (torch.as_deref_mut(), m.pytorch.is_failed()) {
+            match torch.sample(&request(case, steps)) {
+                Ok(ms) if timed => m.pytorch.push(ms),
+                Ok(_) => {}
+                Err(err) => m.pytorch.fail(err),
+            }
+        }
+        if ferry.is_none() && (torch.is_none() || m.pytorch.is_failed()) {
+            break;
+        }
+    }
+    if let Some(loss) = ferry.as_ref().and_then(|run| run.loss.as_ref()) {
+        match loss.item() {
+            Ok(v) if v.is_finite() => m.final_loss = Some(v),
+            Ok(v) => m
+                .ferry
+                .fail(format!("the loss became {v}: the timings mean nothing")),
+            Err(err) => m.ferry.fail(err.to_string()),
+        }
+    }
+    m
+}
+
+fn select(ids: &[String]) -> Result<Vec<&'static Case>, String> {
+    if let Some(unknown) = ids.iter().find(|id| !CASES.iter().any(|c| c.id == *id)) {
+        let known: Vec<&str> = CASES.iter().map(|c| c.id).collect();
+        return Err(format!(
+            "no case `{unknown}`; the cases are {}",
+            known.join(", ")
+        ));
+    }
+    Ok(CASES
+        .iter()
+        .filter(|c| ids.is_empty() || ids.iter().any(|i| i == c.id))
+        .collect())
+}
+
+pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
+    let selected = select(&args.cases)?;
+    let device_name = match args.device {
+        Device::Cpu => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            format!("cpu ({threads} threads)")
+        }
+        Device::Cuda(ordinal) => match CudaDevice::get(ordinal) {
+            Ok(dev) => format!("{} ({})", dev.device(), dev.info().name),
+            Err(err) => {
+                println!("no CUDA device: {err}");
+                return Ok(());
+            }
+        },
+    };
+    let on_gpu = args.device != Device::Cpu;
+    let mut info = RunSetup {
+        device: device_name,
+        on_gpu,
+        rounds: args.rounds,
+        warmup: args.warmup,
+        pytorch: None,
+        pytorch_note: None,
+    };
+    let mut torch = None;
+    if args.pytorch.compare_pytorch && !on_gpu {
+        info.pytorch_note = Some("no PyTorch column: it is compared on the GPU only".into());
+    } else if args.pytorch.compare_pytorch {
+        match args.pytorch.start("train.py") {
+            Ok(t) => {
+                info.pytorch = Some(t.label());
+                torch = Some(t);
+            }
+            Err(err) => info.pytorch_note = Some(format!("no PyTorch column: {err}")),
+        }
+    }
+    print_header(&info);
+    let mut measured = Vec::new();
+    for case in selected {
+        let steps = args
+            .steps
+            .unwrap_or(if on_gpu { case.steps } else { case.cpu_steps });
+        eprintln!("measuring {} ({steps} step(s) a round) ...", case.id);
+        let m = measure(
+            case,
+            args.device,
+            steps,
+            torch.as_mut(),
+            args.warmup,
+            args.rounds,
+        );
+        if let Some(err) = &m.pytorch.error
+            && pytorch::forget_if_ended(&mut torch)
+        {
+            info.pytorch_note = Some(format!(
+                "the PyTorch script ended during {}: {err}",
+                case.id
+            ));
+        }
+        measured.push(m);
+    }
+    print_results(&measured, &info);
+    if let Some(path) = &args.json {
+        let doc = to_json(&info, &measured);
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        println!("wrote every round to {}", path.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    const TINY: Case = Case {
+        id: "tiny",
+        model: Model::Mlp,
+        widths: &[8, 16, CLASSES],
+        batch: 32,
+        steps: 3,
+        cpu_steps: 3,
+        target: Target::AtMostMs(1.0),
+    };
+
+    /// python/train.py must time the same models as this table.
+    #[test]
+    fn the_cases_match_train_py() {
+        let script = include_str!("../python/train.py");
+        for case in &CASES {
+            let entry = format!(
+                "\"{}\": ({:?}, {}, {}),",
+                case.id, case.widths, case.batch, case.steps
+            );
+            assert!(script.contains(&entry), "train.py lacks `{entry}`");
+        }
+        assert!(script.contains("allow_tf32 = False"));
+        assert!(
+            script.contains(&format!("LR = {LR:e}")),
+            "train.py must use lr {LR}"
+        );
+        assert_eq!(request(&CASES[1], 50), "mlp_4096 50");
+        assert!(select(&["mlp_4096".into()]).unwrap()[0].id == "mlp_4096");
+        assert_eq!(select(&[]).unwrap().len(), CASES.len());
+        let err = select(&["resnet".into()]).unwrap_err();
+        assert_eq!(
+            err,
+            "no case `resnet`; the cases are digits_mlp, mlp_4096, digits_cnn, gpt"
+        );
+    }
+
+    /// The timed step really trains: Adam brings a fixed batch's loss down.
+    #[test]
+    fn ferry_steps_lower_the_loss_on_the_cpu() {
+        let mut run = FerryRun::new(&TINY, Device::Cpu).unwrap();
+        assert_eq!(run.y.dtype(), DType::I64);
+        let labels: Vec<i64> = run.y.to_vec().unwrap();
+        assert!(labels.iter().all(|l| (0..CLASSES as i64).contains(l)));
+        run.step().unwrap();
+        let first = run.loss.as_ref().unwrap().item().unwrap();
+        let ms = run.round_ms_per_step(200).unwrap();
+        let last = run.loss.as_ref().unwrap().item().unwrap();
+        assert!(ms > 0.0 && ms.is_finite());
+        assert!(last < first - 0.1, "loss {first} -> {last}");
+        assert_eq!(run.opt.steps(), 201);
+    }
+
+    /// A stand-in for train.py (`sh -u script --serve` runs it): its round takes STEPS ms a step,
+    /// and `broken` fails.
+    fn fake_server(dir: &Path) -> PathBuf {
+        pytorch::fake_script(
+            dir,
+            r#"echo '{"ready": true, "torch": "2.11.0", "cuda": "13.0", "device": "Fake GPU"}'
+while read case steps; do
+  case "$case" in
+    quit) exit 0 ;;
+    broken) echo '{"error": "CUDA out of memory"}' ;;
+    *) echo "{\"case\": \"$case\", \"ms\": $steps}" ;;
+  esac
+done
+"#,
+        )
+    }
+
+    #[test]
+    fn rounds_alternate_and_each_side_keeps_its_own_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut torch = PyTorch::start("sh", &fake_server(dir.path())).unwrap();
+        let m = measure(&TINY, Device::Cpu, 3, Some(&mut torch), 1, 4);
+        assert_eq!(m.pytorch.samples_ms, [3.0; 4]);
+        assert_eq!(m.ferry.samples_ms.len(), 4);
+        assert!(!m.ferry.is_failed() && !m.pytorch.is_failed());
+        assert!(m.final_loss.is_some_and(f64::is_finite));
+
+        let broken = Case {
+            id: "broken",
+            ..TINY
+        };
+        let m = measure(&broken, Device::Cpu, 2, Some(&mut torch), 0, 3);
+        assert_eq!(m.ferry.samples_ms.len(), 3);
+        assert_eq!(m.pytorch.error.as_deref(), Some("CUDA out of memory"));
+        assert!(torch.is_alive());
+    }
+}

@@ -1,0 +1,161 @@
+//! `ferry bench transfer`: the device moves of the performance issue, measured against the link
+//! and, with --compare-pytorch, against PyTorch, in one run on one machine.
+//!
+//! The link (a plain pinned DMA of the same 400 MB, each direction) is measured first. Every
+//! case is then warmed up and sampled alternately, ferry then PyTorch, and reported as medians.
+//! ferry's side of each case is one function in `ferry_cases`; PyTorch's is the function of the
+//! same id in python/transfer.py.
+
+use std::error::Error;
+use std::path::PathBuf;
+
+use clap::Args;
+use ferry::memory::cuda::CudaDevice;
+
+use super::ferry_cases::{self as ferry_side, BenchResult, Fixture};
+use super::pytorch::{self, PyTorch, PyTorchArgs};
+use super::transfer_cases::{Case, cases, select};
+use super::transfer_output::{
+    CaseResult, LinkSpeed, RunSetup, print_header, print_results, to_json,
+};
+use crate::Measured;
+
+#[derive(Args, Debug)]
+pub struct TransferArgs {
+    #[command(flatten)]
+    pytorch: PyTorchArgs,
+    /// Write every number, all samples included, to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Timed samples per case and side; the table shows their median (claims need 9 or more).
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..))]
+    samples: u32,
+    /// Untimed rounds per case and side before the samples.
+    #[arg(long, default_value_t = 2)]
+    warmup: u32,
+    /// Only these cases (ids joined by commas, listed under the table); the link always runs.
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    cases: Vec<String>,
+    /// Internal: time one cpu() in this fresh process and print its milliseconds.
+    #[arg(long, hide = true)]
+    first_cpu_sample: bool,
+}
+
+/// Warm-up rounds, then timed rounds; each round runs ferry's sample, then PyTorch's.
+fn measure<'a>(
+    case: &'a Case,
+    fx: &mut Fixture,
+    mut torch: Option<&mut PyTorch>,
+    warmup: u32,
+    samples: u32,
+) -> BenchResult<CaseResult<'a>> {
+    let mut m = CaseResult {
+        case,
+        ferry: Measured::new(),
+        staging_peak: None,
+        pytorch: Measured::new(),
+    };
+    for round in 0..warmup + samples {
+        let timed = round >= warmup;
+        if !m.ferry.is_failed() {
+            fx.dev.synchronize()?;
+            match (case.run)(fx) {
+                Ok(sample) if timed => {
+                    m.ferry.push(sample.ms);
+                    m.staging_peak = m.staging_peak.max(sample.staging_peak_bytes);
+                }
+                Ok(_) => {}
+                Err(err) => m.ferry.fail(err.to_string()),
+            }
+        }
+        if let (Some(torch), false) = (torch.as_deref_mut(), m.pytorch.is_failed()) {
+            match torch.sample(case.id) {
+                Ok(ms) if timed => m.pytorch.push(ms),
+                Ok(_) => {}
+                Err(err) => m.pytorch.fail(err),
+            }
+        }
+        if m.ferry.is_failed() && (torch.is_none() || m.pytorch.is_failed()) {
+            break;
+        }
+    }
+    Ok(m)
+}
+
+pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
+    if args.first_cpu_sample {
+        println!("{}", ferry_side::first_cpu_in_this_process()?);
+        return Ok(());
+    }
+    let all = cases();
+    let selected = select(&all, &args.cases)?;
+    let dev = match CudaDevice::get(0) {
+        Ok(dev) => dev,
+        Err(err) => {
+            println!("no CUDA device: {err}");
+            return Ok(());
+        }
+    };
+    let mut info = RunSetup {
+        device: format!("{} ({})", dev.device(), dev.info().name),
+        samples: args.samples,
+        warmup: args.warmup,
+        pytorch: None,
+        pytorch_note: None,
+    };
+    let mut torch = None;
+    if args.pytorch.compare_pytorch {
+        match args.pytorch.start("transfer.py") {
+            Ok(t) => {
+                info.pytorch = Some(t.label());
+                torch = Some(t);
+            }
+            Err(err) => info.pytorch_note = Some(format!("no PyTorch column: {err}")),
+        }
+    }
+    print_header(&info);
+    let mut fx = Fixture::new(dev)?;
+    let mut measured = Vec::new();
+    for case in &selected {
+        eprintln!("measuring {} ...", case.id);
+        let m = measure(case, &mut fx, torch.as_mut(), args.warmup, args.samples)?;
+        if let Some(err) = &m.pytorch.error
+            && pytorch::forget_if_ended(&mut torch)
+        {
+            info.pytorch_note = Some(format!(
+                "the PyTorch script ended during {}: {err}",
+                case.id
+            ));
+        }
+        measured.push(m);
+    }
+    drop(fx);
+    let link = LinkSpeed::from_measured(&measured);
+    print_results(&measured, link, &info);
+    if let Some(path) = &args.json {
+        let doc = to_json(&info, &measured, link);
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        println!("wrote every sample to {}", path.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+
+    /// crates/ferry-bench/README.md's commands are the ones a reader copies: they must parse.
+    #[test]
+    fn the_readme_commands_parse() {
+        let readme = include_str!("../README.md");
+        let commands: Vec<&str> = readme
+            .lines()
+            .filter_map(|l| l.strip_prefix("cargo run --release -p ferry-cli -- "))
+            .collect();
+        assert!(!commands.is_empty());
+        for command in commands {
+            if let Err(err) = crate::parse_bench(&format!("ferry {command}")) {
+                panic!("`{command}` does not parse: {err}");
+            }
+        }
+    }
+}
