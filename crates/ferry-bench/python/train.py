@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch's side of `ferry bench train`: training steps of two MLPs, the digits CNN and the
-character-level GPT (tests/torch/gpt.py's model), eager, timed the same way as ferry.
+character-level GPT (tests/torch/gpt.py's model), eager, timed the same way as ferry; each in
+fp32, three of them in bf16 autocast as well, and the wide MLP's matrix products alone.
 
 Two ways to run it:
   python3 train.py --cases all           every case alone: warm-up, rounds, one JSON object
@@ -12,7 +13,10 @@ A step is what ferry's is: zero_grad (set to None), forward, cross-entropy, back
 (lr 1e-3, PyTorch's default implementation) step. Eager only: no torch.compile, no CUDA graphs,
 and TF32 off, so both sides compute in fp32. Inputs are standard normal, labels uniform ints in
 [0, 10), made on the GPU before any clock starts. A round synchronizes the GPU, runs STEPS steps,
-synchronizes again and reports the mean time per step; no loss is read inside a round. Case ids,
+synchronizes again and reports the mean time per step; no loss is read inside a round. The
+`_bf16` cases run forward and loss inside `torch.autocast("cuda", dtype=torch.bfloat16)`, with
+fp32 weights and optimizer. `mlp_4096_gemms` times only the eight fp32 products of mlp_4096's
+step (torch.mm of the same shapes, under no_grad). Case ids,
 layer widths and batch sizes match crates/ferry-bench/src/train.rs (a Rust test checks).
 Needs only torch (and a GPU).
 """
@@ -31,7 +35,13 @@ CASES = {
     "mlp_4096": ([1024, 4096, 4096, 10], 1024, 50),
     "digits_cnn": ([64, 10], 64, 100),
     "gpt": ([64, 57], 32, 50),
+    "mlp_4096_gemms": ([1024, 4096, 4096, 10], 1024, 50),
+    "mlp_4096_bf16": ([1024, 4096, 4096, 10], 1024, 50),
+    "digits_cnn_bf16": ([64, 10], 64, 100),
+    "gpt_bf16": ([64, 57], 32, 50),
 }
+# the cases whose forward and loss run in bf16 autocast
+BF16 = {"mlp_4096_bf16", "digits_cnn_bf16", "gpt_bf16"}
 CLASSES = 10
 LR = 1e-3
 
@@ -50,7 +60,15 @@ class Run:
         nn = torch.nn
         torch.manual_seed(0)
         self.torch = torch
-        if case == "digits_cnn":
+        self.bf16 = case in BF16
+        self.gemms = None
+        self.loss = None
+        model_id = case.removesuffix("_bf16")
+        if case == "mlp_4096_gemms":
+            self.gemms = mlp_gemms(torch, widths, batch)
+            torch.cuda.synchronize()
+            return
+        if model_id == "digits_cnn":
             # ferry train digits-cnn's CNN, without dropout
             model = nn.Sequential(
                 nn.Unflatten(1, (1, 8, 8)),
@@ -61,7 +79,7 @@ class Run:
                 nn.Linear(64, widths[1]))
             self.x = torch.randn(batch, widths[0], device="cuda")
             self.y = (torch.rand(batch, device="cuda") * widths[1]).to(torch.int64)
-        elif case == "gpt":
+        elif model_id == "gpt":
             # ferry train gpt's model, from tests/torch/gpt.py
             import importlib.util
             import pathlib
@@ -84,13 +102,19 @@ class Run:
             self.y = (torch.rand(batch, device="cuda") * CLASSES).to(torch.int64)
         self.model = model.cuda()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
-        self.loss = None
         torch.cuda.synchronize()
 
     def step(self):
+        torch = self.torch
+        if self.gemms is not None:
+            with torch.no_grad():
+                for left, right in self.gemms:
+                    torch.mm(left, right)
+            return
         self.opt.zero_grad()
-        logits = self.model(self.x)
-        loss = self.torch.nn.functional.cross_entropy(logits.reshape(self.y.numel(), -1), self.y)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
+            logits = self.model(self.x)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(self.y.numel(), -1), self.y)
         loss.backward()
         self.opt.step()
         self.loss = loss.detach()  # stays on the GPU: reading it would synchronize
@@ -101,6 +125,20 @@ class Run:
                 self.step()
 
         return harness.synced_ms(self.torch, round_) / steps
+
+
+def mlp_gemms(torch, widths, batch):
+    """The eight products of an MLP step (as crates/ferry-bench/src/train.rs's mlp_gemms): per
+    layer forward a @ W.T, backward g.T @ a and, past the first layer, g @ W."""
+    products = []
+    for layer, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
+        a = torch.randn(batch, fan_in, device="cuda")
+        w = torch.randn(fan_out, fan_in, device="cuda")
+        g = torch.randn(batch, fan_out, device="cuda")
+        products += [(a, w.t()), (g.t(), a)]
+        if layer > 0:
+            products.append((g, w))
+    return products
 
 
 class Runs:
@@ -157,7 +195,7 @@ def run_alone(ids, rounds, warmup, steps):
                 "steps_per_round": n,
                 "ms_per_step": times,
                 "median_ms_per_step": harness.median(times),
-                "final_loss": run.loss.item(),
+                "final_loss": None if run.loss is None else run.loss.item(),
             }
         except Exception as err:
             results[case] = {"error": f"{type(err).__name__}: {err}"}

@@ -7,6 +7,13 @@
 //! then PyTorch, and the table shows medians. No loss is read inside a round (`item()` would
 //! synchronize every step); it stays on the device until the rounds are over.
 //!
+//! The `_bf16` cases run the same step with forward and loss inside a bf16 autocast scope
+//! (fp32 master weights; PyTorch's `torch.autocast("cuda", torch.bfloat16)`). `mlp_4096_gemms`
+//! is no training step: it times only the eight fp32 matrix products of `mlp_4096`'s step
+//! (three forward, five backward), with nothing recorded, on each side. It is the floor that
+//! both frameworks' steps stand on (the same cuBLAS kernels), so it says how much of a step is
+//! left to win.
+//!
 //! `ferry train`'s step also counts correct predictions (argmax, compare, sum), which
 //! PyTorch's step would not do, so the step timed here is its loss-only core.
 
@@ -37,6 +44,16 @@ pub enum Model {
     /// `ferry train gpt`'s character-level GPT (4 blocks of width 128, 4 heads); `widths` =
     /// [context, vocabulary].
     Gpt,
+    /// Only the matrix products of an MLP step with these `widths` (no autograd, no optimizer).
+    MlpGemms,
+}
+
+/// The precision a case computes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    F32,
+    /// Forward and loss inside a bf16 autocast scope, weights and optimizer in f32.
+    Bf16Autocast,
 }
 
 /// A model and batch to time; python/train.py's `CASES` has the same ids, widths and batches.
@@ -44,6 +61,7 @@ pub enum Model {
 pub struct Case {
     pub id: &'static str,
     pub model: Model,
+    pub precision: Precision,
     /// Layer widths, input first (see [`Model`] for the other models).
     pub widths: &'static [usize],
     pub batch: usize,
@@ -55,10 +73,11 @@ pub struct Case {
     pub target: Target,
 }
 
-pub const CASES: [Case; 4] = [
+pub const CASES: [Case; 8] = [
     Case {
         id: "digits_mlp",
         model: Model::Mlp,
+        precision: Precision::F32,
         widths: &[64, 128, CLASSES],
         batch: 64,
         steps: 200,
@@ -69,6 +88,7 @@ pub const CASES: [Case; 4] = [
     Case {
         id: "mlp_4096",
         model: Model::Mlp,
+        precision: Precision::F32,
         widths: &[1024, 4096, 4096, CLASSES],
         batch: 1024,
         steps: 50,
@@ -79,6 +99,7 @@ pub const CASES: [Case; 4] = [
     Case {
         id: "digits_cnn",
         model: Model::DigitsCnn,
+        precision: Precision::F32,
         widths: &[64, CLASSES],
         batch: 64,
         steps: 100,
@@ -88,6 +109,47 @@ pub const CASES: [Case; 4] = [
     Case {
         id: "gpt",
         model: Model::Gpt,
+        precision: Precision::F32,
+        widths: &[64, 57],
+        batch: 32,
+        steps: 50,
+        cpu_steps: 2,
+        target: Target::AtMostTimesPyTorch(0.9),
+    },
+    Case {
+        id: "mlp_4096_gemms",
+        model: Model::MlpGemms,
+        precision: Precision::F32,
+        widths: &[1024, 4096, 4096, CLASSES],
+        batch: 1024,
+        steps: 50,
+        cpu_steps: 1,
+        target: Target::None,
+    },
+    Case {
+        id: "mlp_4096_bf16",
+        model: Model::Mlp,
+        precision: Precision::Bf16Autocast,
+        widths: &[1024, 4096, 4096, CLASSES],
+        batch: 1024,
+        steps: 50,
+        cpu_steps: 1,
+        target: Target::AtMostTimesPyTorch(0.9),
+    },
+    Case {
+        id: "digits_cnn_bf16",
+        model: Model::DigitsCnn,
+        precision: Precision::Bf16Autocast,
+        widths: &[64, CLASSES],
+        batch: 64,
+        steps: 100,
+        cpu_steps: 10,
+        target: Target::AtMostTimesPyTorch(0.9),
+    },
+    Case {
+        id: "gpt_bf16",
+        model: Model::Gpt,
+        precision: Precision::Bf16Autocast,
         widths: &[64, 57],
         batch: 32,
         steps: 50,
@@ -99,16 +161,23 @@ pub const CASES: [Case; 4] = [
 impl Case {
     /// "MLP 64-128-10, batch 64".
     pub fn describe(&self) -> String {
-        match self.model {
-            Model::Mlp => {
-                let widths: Vec<String> = self.widths.iter().map(usize::to_string).collect();
-                format!("MLP {}, batch {}", widths.join("-"), self.batch)
-            }
+        let widths: Vec<String> = self.widths.iter().map(usize::to_string).collect();
+        let model = match self.model {
+            Model::Mlp => format!("MLP {}, batch {}", widths.join("-"), self.batch),
+            Model::MlpGemms => format!(
+                "its 8 GEMMs alone (MLP {}, batch {})",
+                widths.join("-"),
+                self.batch
+            ),
             Model::DigitsCnn => format!("digits CNN (no dropout), batch {}", self.batch),
             Model::Gpt => format!(
                 "char GPT 4x128, context {}, vocabulary {}, batch {}",
                 self.widths[0], self.widths[1], self.batch
             ),
+        };
+        match self.precision {
+            Precision::F32 => model,
+            Precision::Bf16Autocast => format!("{model}, bf16 autocast"),
         }
     }
 }
@@ -137,15 +206,50 @@ pub struct TrainBenchArgs {
     cases: Vec<String>,
 }
 
+/// What one of ferry's steps runs.
+enum Work {
+    /// A training step of `model` on the batch `(x, y)`.
+    Train {
+        model: Box<dyn Module>,
+        opt: Adam,
+        x: Tensor,
+        y: Tensor,
+        precision: Precision,
+    },
+    /// The matrix products of an MLP step: `(left, right, transpose_left)` for each.
+    Gemms(Vec<(Tensor, Tensor, bool)>),
+}
+
 /// ferry's side of a case: model, optimizer and batch, made before any clock starts.
 struct FerryRun {
-    model: Box<dyn Module>,
-    opt: Adam,
-    x: Tensor,
-    y: Tensor,
+    work: Work,
     /// The last step's loss, detached, still on the device.
     loss: Option<Tensor>,
     cuda: Option<CudaDevice>,
+}
+
+/// The eight products of an MLP step with `widths` and `batch`: for each layer (fan_in ->
+/// fan_out) forward `a · Wᵀ`, backward `gᵀ · a` (the weight gradient) and, past the first
+/// layer, `g · W` (the input gradient). Operands are standard normal; only their shapes matter.
+fn mlp_gemms(
+    widths: &[usize],
+    batch: usize,
+    device: Device,
+) -> ferry::Result<Vec<(Tensor, Tensor, bool)>> {
+    let randn = |shape: &[usize]| Tensor::randn(shape, DType::F32, device);
+    let mut products = Vec::new();
+    for (layer, pair) in widths.windows(2).enumerate() {
+        let (fan_in, fan_out) = (pair[0], pair[1]);
+        let activation = randn(&[batch, fan_in])?;
+        let weight = randn(&[fan_out, fan_in])?;
+        let grad = randn(&[batch, fan_out])?;
+        products.push((activation.clone(), weight.t()?, false));
+        products.push((grad.clone(), activation, true));
+        if layer > 0 {
+            products.push((grad, weight, false));
+        }
+    }
+    Ok(products)
 }
 
 impl FerryRun {
@@ -162,6 +266,15 @@ impl FerryRun {
                 .to_dtype(DType::I64)
         };
         let (model, x, y): (Box<dyn Module>, Tensor, Tensor) = match case.model {
+            Model::MlpGemms => {
+                let run = Self {
+                    work: Work::Gemms(mlp_gemms(widths, batch, device)?),
+                    loss: None,
+                    cuda,
+                };
+                run.synchronize()?;
+                return Ok(run);
+            }
             Model::Mlp => {
                 let model = ferry::models::mlp(widths, 0.0, device)?;
                 let x = Tensor::randn(&[batch, widths[0]], DType::F32, device)?;
@@ -188,10 +301,13 @@ impl FerryRun {
         };
         let opt = Adam::new(model.parameters(), LR)?;
         let run = Self {
-            model,
-            opt,
-            x,
-            y,
+            work: Work::Train {
+                model,
+                opt,
+                x,
+                y,
+                precision: case.precision,
+            },
             loss: None,
             cuda,
         };
@@ -207,13 +323,40 @@ impl FerryRun {
     }
 
     fn step(&mut self) -> ferry::Result<()> {
-        self.opt.zero_grad();
-        let logits = self.model.forward(&self.x)?;
-        // The GPT's logits are [batch, context, vocabulary]: one prediction per position.
-        let rows = self.y.numel();
-        let loss = cross_entropy(&logits.reshape(&[rows, logits.numel() / rows])?, &self.y)?;
+        let (model, opt, x, y, precision) = match &mut self.work {
+            Work::Gemms(products) => {
+                let _no_grad = ferry::no_grad();
+                for (left, right, transpose_left) in products.iter() {
+                    let left = if *transpose_left {
+                        left.t()?
+                    } else {
+                        left.clone()
+                    };
+                    left.matmul(right)?;
+                }
+                return Ok(());
+            }
+            Work::Train {
+                model,
+                opt,
+                x,
+                y,
+                precision,
+            } => (model, opt, x, y, *precision),
+        };
+        opt.zero_grad();
+        let forward = || {
+            let logits = model.forward(x)?;
+            // The GPT's logits are [batch, context, vocabulary]: one prediction per position.
+            let rows = y.numel();
+            cross_entropy(&logits.reshape(&[rows, logits.numel() / rows])?, y)
+        };
+        let loss = match precision {
+            Precision::F32 => forward()?,
+            Precision::Bf16Autocast => ferry::amp::autocast(DType::BF16, forward)?,
+        };
         loss.backward()?;
-        self.opt.step()?;
+        opt.step()?;
         self.loss = Some(loss.detach());
         Ok(())
     }
@@ -382,6 +525,7 @@ mod tests {
     const TINY: Case = Case {
         id: "tiny",
         model: Model::Mlp,
+        precision: Precision::F32,
         widths: &[8, 16, CLASSES],
         batch: 32,
         steps: 3,
@@ -400,6 +544,19 @@ mod tests {
             );
             assert!(script.contains(&entry), "train.py lacks `{entry}`");
         }
+        let bf16: Vec<&str> = CASES
+            .iter()
+            .filter(|c| c.precision == Precision::Bf16Autocast)
+            .map(|c| c.id)
+            .collect();
+        assert!(
+            script.contains(
+                &format!("BF16 = {bf16:?}")
+                    .replace('[', "{")
+                    .replace(']', "}")
+            ),
+            "train.py's BF16 must be {bf16:?}"
+        );
         assert!(script.contains("allow_tf32 = False"));
         assert!(
             script.contains(&format!("LR = {LR:e}")),
@@ -411,7 +568,8 @@ mod tests {
         let err = select(&["resnet".into()]).unwrap_err();
         assert_eq!(
             err,
-            "no case `resnet`; the cases are digits_mlp, mlp_4096, digits_cnn, gpt"
+            "no case `resnet`; the cases are digits_mlp, mlp_4096, digits_cnn, gpt, \
+             mlp_4096_gemms, mlp_4096_bf16, digits_cnn_bf16, gpt_bf16"
         );
     }
 
@@ -419,8 +577,11 @@ mod tests {
     #[test]
     fn ferry_steps_lower_the_loss_on_the_cpu() {
         let mut run = FerryRun::new(&TINY, Device::Cpu).unwrap();
-        assert_eq!(run.y.dtype(), DType::I64);
-        let labels: Vec<i64> = run.y.to_vec().unwrap();
+        let Work::Train { y, .. } = &run.work else {
+            unreachable!("an MLP case trains")
+        };
+        assert_eq!(y.dtype(), DType::I64);
+        let labels: Vec<i64> = y.to_vec().unwrap();
         assert!(labels.iter().all(|l| (0..CLASSES as i64).contains(l)));
         run.step().unwrap();
         let first = run.loss.as_ref().unwrap().item().unwrap();
@@ -428,7 +589,57 @@ mod tests {
         let last = run.loss.as_ref().unwrap().item().unwrap();
         assert!(ms > 0.0 && ms.is_finite());
         assert!(last < first - 0.1, "loss {first} -> {last}");
-        assert_eq!(run.opt.steps(), 201);
+        let Work::Train { opt, .. } = &run.work else {
+            unreachable!("an MLP case trains")
+        };
+        assert_eq!(opt.steps(), 201);
+    }
+
+    /// An MLP step has three products per layer but the first (whose input needs no
+    /// gradient), shaped as the layer's forward and backward are.
+    #[test]
+    fn the_gemm_floor_has_the_step_s_products() {
+        let products = mlp_gemms(&[1024, 4096, 4096, 10], 8, Device::Cpu).unwrap();
+        assert_eq!(products.len(), 8);
+        let shapes: Vec<(Vec<usize>, Vec<usize>)> = products
+            .iter()
+            .map(|(l, r, t)| {
+                let l = if *t { l.t().unwrap() } else { l.clone() };
+                (l.shape().to_vec(), r.shape().to_vec())
+            })
+            .collect();
+        assert_eq!(shapes[0], (vec![8, 1024], vec![1024, 4096]));
+        assert_eq!(shapes[1], (vec![4096, 8], vec![8, 1024]));
+        assert_eq!(shapes[3], (vec![4096, 8], vec![8, 4096]));
+        assert_eq!(shapes[4], (vec![8, 4096], vec![4096, 4096]));
+        assert_eq!(shapes[7], (vec![8, 10], vec![10, 4096]));
+        let mut run = FerryRun::new(
+            &Case {
+                id: "gemms",
+                model: Model::MlpGemms,
+                widths: &[8, 16, CLASSES],
+                ..TINY
+            },
+            Device::Cpu,
+        )
+        .unwrap();
+        assert!(run.round_ms_per_step(3).unwrap() > 0.0);
+        assert!(run.loss.is_none());
+    }
+
+    /// A bf16 autocast step trains as well (on the CPU too).
+    #[test]
+    fn bf16_autocast_steps_lower_the_loss() {
+        let case = Case {
+            precision: Precision::Bf16Autocast,
+            ..TINY
+        };
+        let mut run = FerryRun::new(&case, Device::Cpu).unwrap();
+        run.step().unwrap();
+        let first = run.loss.as_ref().unwrap().item().unwrap();
+        run.round_ms_per_step(100).unwrap();
+        let last = run.loss.as_ref().unwrap().item().unwrap();
+        assert!(last < first - 0.1, "loss {first} -> {last}");
     }
 
     /// A stand-in for train.py (`sh -u script --serve` runs it): its round takes STEPS ms a step,
