@@ -49,6 +49,8 @@ enum Backing {
         base: NonNull<u8>,
         len: usize,
     },
+    /// Memory another runtime owns, kept alive by `owner` and given back by dropping it.
+    External(Box<dyn Send + Sync>),
     /// Moved out (into the pool); nothing to free.
     Gone,
 }
@@ -89,6 +91,29 @@ impl HostBuffer {
         let align = if len >= PAGE_ALIGN_FROM { PAGE } else { ALIGN };
         Layout::from_size_align(len.max(1), align)
             .map_err(|_| MemoryError::HostOutOfMemory { bytes: len })
+    }
+
+    /// A buffer over `len` bytes at `ptr` that another runtime owns (a torch tensor received
+    /// through DLPack, say): no copy is made, and the bytes stay valid for as long as the
+    /// buffer lives because it holds `owner`, which it drops when it is dropped. Not counted in
+    /// [`host_stats`]: ferry did not allocate it.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be readable and writable host memory that stays allocated, and is
+    /// not freed or reused by anyone, until `owner` is dropped.
+    pub unsafe fn from_external(ptr: NonNull<u8>, len: usize, owner: Box<dyn Send + Sync>) -> Self {
+        Self {
+            ptr,
+            len,
+            backing: Backing::External(owner),
+            pooled: false,
+            counted: 0,
+        }
+    }
+
+    /// Whether the bytes belong to another runtime ([`HostBuffer::from_external`]).
+    pub fn is_external(&self) -> bool {
+        matches!(self.backing, Backing::External(_))
     }
 
     /// Frees the blocks this thread keeps for [`HostBuffer::for_overwrite`].
@@ -231,8 +256,10 @@ impl Drop for HostBuffer {
             HOST_POOL.give_back(buffer);
             return;
         }
-        match self.backing {
+        match std::mem::replace(&mut self.backing, Backing::Gone) {
             Backing::Gone => {}
+            // The owner gives the bytes back to the runtime they came from.
+            Backing::External(owner) => drop(owner),
             Backing::Heap(layout) => {
                 if let Err(ptr) = recycle::keep(layout, self.ptr) {
                     // SAFETY: allocated in `zeroed` with exactly this layout; the recycler

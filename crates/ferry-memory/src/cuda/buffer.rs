@@ -39,7 +39,7 @@ use crate::{Device, MemoryError};
 pub struct DeviceBuffer {
     device: CudaDevice,
     /// `None` for an empty buffer (the driver refuses zero-byte allocations).
-    block: Option<Block>,
+    block: Option<Memory>,
     len: usize,
     /// The stream it was allocated on; the block's reuse is ordered on it.
     stream: Stream,
@@ -47,6 +47,18 @@ pub struct DeviceBuffer {
     foreign: Mutex<ForeignUses>,
     /// `foreign.in_flight.len()`, read without the lock: most buffers never leave home.
     in_flight: AtomicUsize,
+}
+
+/// Where a buffer's bytes come from.
+enum Memory {
+    /// A block of the device's caching allocator, given back to it on drop.
+    Pooled(Block),
+    /// Memory another runtime owns ([`DeviceBuffer::from_external`]), released by dropping
+    /// `owner` once the work queued on it is done.
+    External {
+        ptr: u64,
+        owner: Box<dyn Send + Sync>,
+    },
 }
 
 /// What a buffer knows of its uses on streams other than its home stream.
@@ -67,7 +79,7 @@ impl DeviceBuffer {
     pub(crate) fn new(device: CudaDevice, block: Block, len: usize, stream: Stream) -> Self {
         Self {
             device,
-            block: Some(block),
+            block: Some(Memory::Pooled(block)),
             len,
             stream,
             foreign: Mutex::new(ForeignUses::default()),
@@ -84,6 +96,38 @@ impl DeviceBuffer {
             foreign: Mutex::new(ForeignUses::default()),
             in_flight: AtomicUsize::new(0),
         }
+    }
+
+    /// A buffer over `len` bytes of `device` memory at `ptr` that another runtime owns (a torch
+    /// tensor received through DLPack, say), used in place: work on it is ordered on `stream`
+    /// like any buffer's, and dropping it waits for that work before it drops `owner`, which
+    /// gives the memory back to its runtime. Not counted in the allocator's statistics.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be memory of `device` (or reachable from it) that stays allocated,
+    /// and is not reused by anyone, until `owner` is dropped; any work the other runtime queued
+    /// on it must be ordered before the work queued here (for DLPack, the consumer's stream
+    /// passed to `__dlpack__`).
+    pub unsafe fn from_external(
+        device: &CudaDevice,
+        ptr: u64,
+        len: usize,
+        stream: &Stream,
+        owner: Box<dyn Send + Sync>,
+    ) -> Self {
+        Self {
+            device: device.clone(),
+            block: Some(Memory::External { ptr, owner }),
+            len,
+            stream: stream.clone(),
+            foreign: Mutex::new(ForeignUses::default()),
+            in_flight: AtomicUsize::new(0),
+        }
+    }
+
+    /// Whether the bytes belong to another runtime ([`DeviceBuffer::from_external`]).
+    pub fn is_external(&self) -> bool {
+        matches!(self.block, Some(Memory::External { .. }))
     }
 
     /// Length in bytes.
@@ -113,7 +157,11 @@ impl DeviceBuffer {
 
     /// The raw `CUdeviceptr` as an integer, for kernel arguments (0 for an empty buffer).
     pub fn device_ptr(&self) -> u64 {
-        self.block.as_ref().map_or(0, |b| b.ptr)
+        match &self.block {
+            Some(Memory::Pooled(block)) => block.ptr,
+            Some(Memory::External { ptr, .. }) => *ptr,
+            None => 0,
+        }
     }
 
     /// Notes that work on `stream` is about to use this buffer, and orders it: on a stream
@@ -532,8 +580,13 @@ fn mark_pending(pinned: &mut PinnedBuffer, stream: &Stream) -> Result<(), Memory
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        let Some(block) = self.block.take() else {
-            return;
+        let block = match self.block.take() {
+            None => return,
+            Some(Memory::Pooled(block)) => block,
+            Some(Memory::External { owner, .. }) => {
+                self.release_external(owner);
+                return;
+            }
         };
         let what = |doing: &str| {
             format!(
@@ -585,6 +638,27 @@ impl Drop for DeviceBuffer {
                 e,
             );
         }
+    }
+}
+
+impl DeviceBuffer {
+    /// Waits for every stream that used this external memory, then drops its owner: the other
+    /// runtime may reuse the memory at once, on a stream ferry does not order against.
+    fn release_external(&mut self, owner: Box<dyn Send + Sync>) {
+        let foreign = std::mem::take(self.foreign.get_mut());
+        let streams =
+            std::iter::once(self.stream.clone()).chain(foreign.streams.into_iter().map(|(s, _)| s));
+        for stream in streams {
+            if let Err(e) = stream.synchronize() {
+                let doing = format!(
+                    "waiting for the work on a {} external device buffer on {} being dropped",
+                    human_bytes(self.len),
+                    self.device.device()
+                );
+                self.device.defer(doing, e);
+            }
+        }
+        drop(owner);
     }
 }
 

@@ -1,0 +1,157 @@
+"""``python -m ferry.bench``: the seven ways PyTorch code moves a CUDA tensor, done the PyTorch
+way and through ferry, side by side in one process, samples interleaved.
+
+Each case times one move from issue to usable result (the device is synchronized before each
+sample; a non-blocking move is waited for). The table shows medians, ferry / PyTorch, and the
+speedup. ``--json FILE`` writes every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import ferry
+
+MB = 1 << 20
+
+
+def _resnet50_like_state_dict(device):
+    """Shapes of torchvision's resnet50 state dict (25.6 M parameters, 320 tensors), built
+    without torchvision: conv weights, batch-norm weights, biases, running stats, counters."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    sd = {}
+
+    def add(name, *shape, dtype=torch.float32):
+        if dtype == torch.int64:
+            sd[name] = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            sd[name] = torch.randn(shape, generator=g).to(device)
+
+    def bn(prefix, c):
+        add(f"{prefix}.weight", c)
+        add(f"{prefix}.bias", c)
+        add(f"{prefix}.running_mean", c)
+        add(f"{prefix}.running_var", c)
+        add(f"{prefix}.num_batches_tracked", dtype=torch.int64)
+
+    add("conv1.weight", 64, 3, 7, 7)
+    bn("bn1", 64)
+    inplanes = 64
+    for layer, (planes, blocks) in enumerate([(64, 3), (128, 4), (256, 6), (512, 3)], start=1):
+        for b in range(blocks):
+            p = f"layer{layer}.{b}"
+            add(f"{p}.conv1.weight", planes, inplanes, 1, 1)
+            bn(f"{p}.bn1", planes)
+            add(f"{p}.conv2.weight", planes, planes, 3, 3)
+            bn(f"{p}.bn2", planes)
+            add(f"{p}.conv3.weight", planes * 4, planes, 1, 1)
+            bn(f"{p}.bn3", planes * 4)
+            if b == 0:
+                add(f"{p}.downsample.0.weight", planes * 4, inplanes, 1, 1)
+                bn(f"{p}.downsample.1", planes * 4)
+            inplanes = planes * 4
+    add("fc.weight", 1000, 2048)
+    add("fc.bias", 1000)
+    return sd
+
+
+def _cases(mb: int):
+    n = mb * MB // 4
+    x = torch.randn(n, device="cuda")
+    xg = x.clone().requires_grad_(True)
+    rows = x.view(-1, 1024)
+    host = x.cpu()
+    sd = _resnet50_like_state_dict("cuda")
+
+    def torch_non_blocking():
+        out = x.to("cpu", non_blocking=True)
+        torch.cuda.synchronize()
+        return out
+
+    def ferry_non_blocking():
+        p = ferry.to(x, "cpu", non_blocking=True)
+        return p.wait() if isinstance(p, ferry.PendingMove) else p
+
+    return [
+        ("cpu", f".cpu() of {mb} MB", lambda: x.cpu(), lambda: ferry.cpu(x)),
+        (
+            "to_fp16",
+            f".to('cpu', float16) of {mb} MB",
+            lambda: x.to("cpu", torch.float16),
+            lambda: ferry.to(x, "cpu", dtype=torch.float16),
+        ),
+        (
+            "detach_cpu",
+            f".detach().cpu() of {mb} MB (requires grad)",
+            lambda: xg.detach().cpu(),
+            lambda: ferry.cpu(xg.detach()),
+        ),
+        ("non_blocking", f"non_blocking .to('cpu') of {mb} MB", torch_non_blocking, ferry_non_blocking),
+        (
+            "chunked",
+            f"4 chunks of {mb} MB into one host tensor",
+            lambda: torch.cat([c.cpu() for c in rows.chunk(4)]),
+            lambda: ferry.to_chunked(rows, "cpu", chunks=4),
+        ),
+        ("to_cuda", f".to('cuda') of {mb} MB from pageable memory", lambda: host.to("cuda"), lambda: ferry.to(host, "cuda")),
+        (
+            "state_dict",
+            "resnet50 state dict to the CPU",
+            lambda: {k: v.cpu() for k, v in sd.items()},
+            lambda: ferry.move_state_dict(sd, "cpu"),
+        ),
+    ]
+
+
+def _time(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) * 1e3
+    del out
+    return elapsed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ferry.bench", description=__doc__)
+    parser.add_argument("--mb", type=int, default=400, help="tensor size in MB (default 400)")
+    parser.add_argument("--samples", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    if not (torch.cuda.is_available() and ferry.cuda_available()):
+        print("no CUDA device: the benchmark moves CUDA tensors; nothing to measure here")
+        return 0
+    rows, record = [], {"torch": torch.__version__, "ferry": ferry.__version__,
+                        "device": torch.cuda.get_device_name(0), "cases": {}}
+    for case_id, what, torch_fn, ferry_fn in _cases(args.mb):
+        samples = {"pytorch": [], "ferry": []}
+        for i in range(args.warmup + args.samples):
+            for side, fn in (("ferry", ferry_fn), ("pytorch", torch_fn)):
+                ms = _time(fn)
+                if i >= args.warmup:
+                    samples[side].append(ms)
+        f, p = statistics.median(samples["ferry"]), statistics.median(samples["pytorch"])
+        rows.append((what, p, f, f / p, p / f))
+        record["cases"][case_id] = {"what": what, **samples, "median_ms": {"pytorch": p, "ferry": f}}
+    print(f"ferry {ferry.__version__} against torch {torch.__version__} on {record['device']}, "
+          f"medians of {args.samples}")
+    print(f"| case | PyTorch ms | ferry ms | ferry / PyTorch | speedup |")
+    print("|---|---|---|---|---|")
+    for what, p, f, ratio, speedup in rows:
+        print(f"| {what} | {p:.3g} | {f:.3g} | {ratio:.3f} | {speedup:.1f}x |")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(record, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

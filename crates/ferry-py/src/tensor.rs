@@ -1,0 +1,222 @@
+//! The Python-side handles: `ferry.Tensor` (a ferry tensor torch can take through DLPack), a
+//! pending move, and a transfer report.
+
+use ferry::memory::{DType, Device};
+use ferry::tensor::Buffer;
+use ferry::{Tensor, TransferPath, TransferReport};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::dlpack;
+use crate::errors::to_py;
+
+/// torch's name of a ferry dtype (`float32`, `bfloat16`, ...).
+pub fn torch_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::I64 => "int64",
+        DType::U8 => "uint8",
+    }
+}
+
+/// A dtype from torch's or ferry's name (`float32`, `torch.float32`, `f32`, ...).
+pub fn parse_dtype(name: &str) -> PyResult<DType> {
+    let name = name.strip_prefix("torch.").unwrap_or(name);
+    let dtype = match name {
+        "float32" | "float" => DType::F32,
+        "float64" | "double" => DType::F64,
+        "float16" | "half" => DType::F16,
+        "bfloat16" => DType::BF16,
+        "int64" | "long" => DType::I64,
+        "uint8" => DType::U8,
+        other => other.parse().map_err(|_| {
+            PyValueError::new_err(format!(
+                "unknown dtype `{other}`: use float32, float64, float16, bfloat16, int64 or uint8"
+            ))
+        })?,
+    };
+    Ok(dtype)
+}
+
+/// A device from `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(name: &str) -> PyResult<Device> {
+    name.parse()
+        .map_err(|e: ferry::memory::MemoryError| PyValueError::new_err(e.to_string()))
+}
+
+/// A ferry tensor. Hand it to `torch.from_dlpack` (which `ferry.to_torch` does) to get a
+/// torch tensor over the same memory.
+#[pyclass(name = "Tensor", module = "ferry", frozen)]
+pub struct PyTensor {
+    pub inner: Tensor,
+}
+
+#[pymethods]
+impl PyTensor {
+    /// The shape, as a tuple.
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        self.inner.shape().to_vec()
+    }
+
+    /// torch's name of the dtype.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        torch_name(self.inner.dtype())
+    }
+
+    /// `cpu` or `cuda:N`.
+    #[getter]
+    fn device(&self) -> String {
+        self.inner.device().to_string()
+    }
+
+    /// Whether the bytes live in page-locked memory (a GPU-to-host move's landing place).
+    #[getter]
+    fn is_pinned(&self) -> bool {
+        matches!(&*self.inner.storage().read(), Buffer::Pinned(_))
+    }
+
+    /// DLPack export; waits for a copy still landing in the tensor.
+    #[pyo3(signature = (stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<isize>,
+        max_version: Option<Bound<'_, PyAny>>,
+        dl_device: Option<Bound<'_, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let _ = (max_version, dl_device);
+        if copy == Some(true) {
+            return Err(PyValueError::new_err(
+                "ferry exports without copying; call .clone() on the torch tensor instead",
+            ));
+        }
+        dlpack::export(py, &self.inner, stream)
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        dlpack::device_of(&self.inner)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ferry.Tensor(shape={:?}, dtype={}, device={})",
+            self.inner.shape(),
+            torch_name(self.inner.dtype()),
+            self.inner.device()
+        )
+    }
+}
+
+/// A non-blocking move still in flight: `wait()` hands the tensor out once its copy is done,
+/// so it cannot be read early.
+#[pyclass(name = "Pending", module = "ferry")]
+pub struct PyPending {
+    pub tensor: Option<Tensor>,
+    /// The imported source, released after the copy.
+    pub source: Option<Tensor>,
+    pub report: TransferReport,
+}
+
+#[pymethods]
+impl PyPending {
+    /// Whether the copy has finished (never blocks).
+    fn ready(&self) -> bool {
+        match &self.tensor {
+            Some(t) => match &*t.storage().read() {
+                Buffer::Pinned(b) => b.is_ready(),
+                _ => true,
+            },
+            None => true,
+        }
+    }
+
+    /// Blocks until the copy has finished and returns `(tensor, report)`; a second call is an
+    /// error.
+    fn wait(&mut self, py: Python<'_>) -> PyResult<(PyTensor, PyReport)> {
+        let t = self.tensor.take().ok_or_else(|| {
+            PyValueError::new_err("wait() was already called on this pending move")
+        })?;
+        let (ready, source) = (t.clone(), self.source.take());
+        py.detach(move || {
+            let waited = match &*ready.storage().read() {
+                Buffer::Pinned(b) => b.wait(),
+                _ => Ok(()),
+            };
+            drop(source);
+            waited
+        })
+        .map_err(|e| to_py(e.into()))?;
+        Ok((PyTensor { inner: t }, PyReport::from(&self.report)))
+    }
+}
+
+/// What a move did: bytes, route, staging, graph nodes, time.
+#[pyclass(name = "TransferReport", module = "ferry", frozen, get_all)]
+#[derive(Clone)]
+pub struct PyReport {
+    /// Bytes that crossed the device boundary.
+    pub bytes_moved: usize,
+    /// The route (`same_device`, `host_to_device`, `device_to_pinned`, `device_to_pageable`,
+    /// `chunked`, `peer`, ...).
+    pub path: String,
+    /// Pieces of a chunked or peer move, tensors of a batched one (1 otherwise).
+    pub chunks: usize,
+    /// Largest staging memory in use at once.
+    pub staging_peak_bytes: usize,
+    /// Graph nodes the move recorded.
+    pub nodes_recorded: usize,
+    /// Graph nodes pruned because the move let go of the source.
+    pub nodes_pruned: usize,
+    /// Bytes of gradient buffers copied (always 0).
+    pub grad_bytes_copied: usize,
+    /// Wall time of the move in milliseconds (until enqueued, for a non-blocking move).
+    pub elapsed_ms: f64,
+}
+
+impl From<&TransferReport> for PyReport {
+    fn from(r: &TransferReport) -> Self {
+        let (path, chunks) = match r.path {
+            TransferPath::SameDevice => ("same_device", 1),
+            TransferPath::HostToDevice => ("host_to_device", 1),
+            TransferPath::DeviceToPinned => ("device_to_pinned", 1),
+            TransferPath::DeviceToPageable => ("device_to_pageable", 1),
+            TransferPath::DeviceToDevice => ("device_to_device", 1),
+            TransferPath::Peer { chunks, .. } => ("peer", chunks),
+            TransferPath::Chunked { chunks } => ("chunked", chunks),
+            TransferPath::Batched { tensors } => ("batched", tensors),
+            _ => ("other", 1),
+        };
+        Self {
+            bytes_moved: r.bytes_moved,
+            path: path.to_string(),
+            chunks,
+            staging_peak_bytes: r.staging_peak_bytes,
+            nodes_recorded: r.nodes_recorded,
+            nodes_pruned: r.nodes_pruned,
+            grad_bytes_copied: r.grad_bytes_copied,
+            elapsed_ms: r.elapsed.as_secs_f64() * 1e3,
+        }
+    }
+}
+
+#[pymethods]
+impl PyReport {
+    fn __repr__(&self) -> String {
+        format!(
+            "TransferReport(path={}, bytes_moved={}, chunks={}, staging_peak_bytes={}, \
+             nodes_recorded={}, elapsed_ms={:.3})",
+            self.path,
+            self.bytes_moved,
+            self.chunks,
+            self.staging_peak_bytes,
+            self.nodes_recorded,
+            self.elapsed_ms
+        )
+    }
+}

@@ -1,0 +1,181 @@
+"""ferry's Python package against torch: zero-copy exchange and lifetimes, the moves, autograd
+across the boundary, errors. Skipped where torch is not installed (CI runs test_numpy.py); the
+CUDA tests skip without a GPU (they run on the GPU machine)."""
+
+import gc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ferry  # noqa: E402
+
+cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and ferry.cuda_available()),
+    reason="needs a CUDA device",
+)
+
+
+def test_exchange_shares_memory_both_ways():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    x = ferry.from_torch(t)
+    assert x.shape == [3, 4] and x.dtype == "float32" and x.device == "cpu"
+    back = ferry.to_torch(x)
+    t[1, 2] = 100.0  # a write through torch is seen through ferry's view
+    assert back[1, 2].item() == 100.0
+    assert back.data_ptr() == t.data_ptr()
+
+
+def test_a_ferry_tensor_keeps_the_torch_memory_alive():
+    t = torch.full((256, 256), 7.0)
+    x = ferry.from_torch(t)
+    del t
+    gc.collect()
+    torch.zeros(256, 256) + 1  # would likely reuse freed memory
+    assert torch.equal(ferry.to_torch(x), torch.full((256, 256), 7.0))
+
+
+def test_strided_views_cross_without_a_copy():
+    t = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    view = t.t()[1:, ::2]
+    back = ferry.to_torch(ferry.from_torch(view))
+    assert torch.equal(back, view)
+    assert back.stride() == view.stride()
+
+
+def test_numpy_reads_a_ferry_tensor():
+    t = torch.randn(5, 3)
+    out = ferry.cpu(t)
+    assert np.array_equal(np.from_dlpack(ferry.from_torch(out)), t.numpy())
+
+
+def test_cast_on_the_host_matches_torch():
+    t = torch.randn(64, 32)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        out, report = ferry.to(t, "cpu", dtype=dtype, report=True)
+        assert out.dtype == dtype
+        assert torch.equal(out, t.to(dtype))
+        assert report.path == "same_device" and report.grad_bytes_copied == 0
+
+
+def test_autograd_sends_the_gradient_home_in_the_source_dtype():
+    x = torch.randn(8, 4, requires_grad=True)
+    y = ferry.to(x, "cpu", dtype=torch.float64)
+    assert y.dtype == torch.float64 and y.requires_grad
+    (y * 3).sum().backward()
+    assert x.grad.dtype == torch.float32
+    assert torch.equal(x.grad, torch.full((8, 4), 3.0))
+
+
+def test_no_grad_moves_record_nothing():
+    x = torch.randn(4, requires_grad=True)
+    with torch.no_grad():
+        y = ferry.cpu(x)
+    assert not y.requires_grad
+
+
+def test_state_dict_moves_keep_names_and_values():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    sd = model.state_dict()
+    moved, report = ferry.move_state_dict(sd, "cpu", report=True)
+    assert list(moved) == list(sd)
+    for name in sd:
+        assert torch.equal(moved[name], sd[name])
+
+
+def test_errors_name_the_fix():
+    t = torch.ones(3)
+    with pytest.raises(ValueError, match="cuda:N"):
+        ferry.to(t, "tpu")
+    with pytest.raises(TypeError, match="convert to float32"):
+        ferry.from_torch(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="not both"):
+        ferry.to_chunked(t, "cpu", chunks=2, max_staging_bytes=64)
+    assert issubclass(ferry.FerryError, RuntimeError)
+
+
+def test_the_pinned_budget_is_visible_and_settable():
+    if not ferry.cuda_available():
+        with pytest.raises(ferry.FerryError, match="CUDA"):
+            ferry.pinned_budget()
+        return
+    before = ferry.pinned_budget()
+    ferry.set_pinned_budget(64 << 20)
+    assert ferry.pinned_budget() == 64 << 20
+    assert ferry.pinned_stats()["budget_bytes"] == 64 << 20
+    ferry.set_pinned_budget(before)
+
+
+@cuda
+def test_cpu_of_a_cuda_tensor_matches_torch():
+    t = torch.randn(1000, 333, device="cuda")
+    out, report = ferry.cpu(t, report=True)
+    assert out.device.type == "cpu"
+    assert torch.equal(out, t.cpu())
+    assert report.path in ("device_to_pinned", "device_to_pageable", "chunked")
+    assert report.bytes_moved == t.numel() * 4
+
+
+@cuda
+def test_to_cuda_and_casts_on_the_gpu_match_torch():
+    t = torch.randn(257, 129)
+    out = ferry.to(t, "cuda")
+    assert out.device == torch.device("cuda:0") and torch.equal(out.cpu(), t)
+    g = torch.randn(300, 300, device="cuda")
+    half = ferry.to(g, "cpu", dtype=torch.bfloat16)
+    assert torch.equal(half, g.to(torch.bfloat16).cpu())
+
+
+@cuda
+def test_work_queued_on_torch_side_streams_is_seen():
+    t = torch.zeros(4096, 1024, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # a long kernel before the write
+        t.fill_(3.0)
+        out = ferry.cpu(t)
+    assert torch.all(out == 3.0)
+
+
+@cuda
+def test_non_blocking_is_handed_out_only_after_the_copy():
+    t = torch.randn(64 << 20 // 4, device="cuda")
+    pending = ferry.to(t, "cpu", non_blocking=True)
+    if isinstance(pending, ferry.PendingMove):
+        out = pending.wait()
+        assert pending.report is not None
+    else:  # beyond the pinned budget the move blocked
+        out = pending
+    assert torch.equal(out, t.cpu())
+
+
+@cuda
+def test_gradients_cross_devices_like_torch():
+    x = torch.randn(64, 8, device="cuda", requires_grad=True)
+    y = ferry.cpu(x)
+    (y ** 2).sum().backward()
+    assert x.grad.device == x.device
+    assert torch.allclose(x.grad, 2 * x.detach())
+
+
+@cuda
+def test_chunked_and_state_dict_moves_match_torch():
+    t = torch.randn(4096, 256, device="cuda")
+    out, report = ferry.to_chunked(t, "cpu", max_staging_bytes=1 << 20, report=True)
+    assert torch.equal(out, t.cpu())
+    assert report.staging_peak_bytes <= 1 << 20 and report.chunks > 1
+    model = torch.nn.Linear(512, 512).cuda()
+    moved = ferry.move_state_dict(model.state_dict(), "cpu")
+    for name, value in model.state_dict().items():
+        assert torch.equal(moved[name], value.cpu())
+
+
+@cuda
+def test_memory_returns_to_ferrys_pool_when_torch_frees_it():
+    t = torch.randn(8 << 20 // 4, device="cuda")
+    out = ferry.cpu(t)
+    held = ferry.pinned_stats()["allocated_bytes"]
+    del out
+    gc.collect()
+    assert ferry.pinned_stats()["allocated_bytes"] < held
