@@ -207,10 +207,7 @@ mod tests {
             .pytorch
             .fail("the PyTorch script exited without answering");
         let rows = table_rows(&runs, true);
-        assert_eq!(
-            rows[1][1..],
-            ["3.00", "error", "-", "<= 0.9x PyTorch", "?"]
-        );
+        assert_eq!(rows[1][1..], ["3.00", "error", "-", "<= 0.9x PyTorch", "?"]);
 
         let info = RunSetup {
             device: "cuda:0 (test)".into(),

@@ -25,15 +25,21 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::PyTensor>()?;
     m.add_class::<tensor::PyPending>()?;
     m.add_class::<tensor::PyReport>()?;
+    m.add_class::<moves::PyChunkStream>()?;
     m.add_function(wrap_pyfunction!(moves::from_dlpack, m)?)?;
     m.add_function(wrap_pyfunction!(moves::to, m)?)?;
     m.add_function(wrap_pyfunction!(moves::to_chunked, m)?)?;
+    m.add_function(wrap_pyfunction!(moves::to_async, m)?)?;
+    m.add_function(wrap_pyfunction!(moves::stream_to, m)?)?;
     m.add_function(wrap_pyfunction!(moves::move_state_dict, m)?)?;
     m.add_function(wrap_pyfunction!(moves::pinned_budget, m)?)?;
     m.add_function(wrap_pyfunction!(moves::set_pinned_budget, m)?)?;
     m.add_function(wrap_pyfunction!(moves::pinned_stats, m)?)?;
     m.add_function(wrap_pyfunction!(moves::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(moves::empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(moves::memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(moves::empty_pinned, m)?)?;
+    m.add_function(wrap_pyfunction!(moves::reset_peak_memory_stats, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

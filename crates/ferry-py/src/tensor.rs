@@ -3,7 +3,7 @@
 
 use ferry::memory::{DType, Device};
 use ferry::tensor::Buffer;
-use ferry::{Tensor, TransferPath, TransferReport};
+use ferry::{PendingTensor, Tensor, TransferPath, TransferReport};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -117,21 +117,51 @@ impl PyTensor {
 /// so it cannot be read early.
 #[pyclass(name = "Pending", module = "ferry")]
 pub struct PyPending {
-    pub tensor: Option<Tensor>,
-    /// The imported source, released after the copy.
-    pub source: Option<Tensor>,
-    pub report: TransferReport,
+    /// `None` once `wait()` has handed the tensor out.
+    in_flight: Option<InFlight>,
+}
+
+/// The two kinds of move in flight.
+enum InFlight {
+    /// A `non_blocking` move on the default stream: its result's pinned buffer carries the
+    /// copy's event; the imported source is released after the copy.
+    Landing {
+        tensor: Tensor,
+        source: Tensor,
+        report: TransferReport,
+    },
+    /// A move queued on a copy stream ([`ferry::DeviceMove::to_async`]).
+    Queued(PendingTensor),
+}
+
+impl PyPending {
+    pub fn landing(tensor: Tensor, source: Tensor, report: TransferReport) -> Self {
+        Self {
+            in_flight: Some(InFlight::Landing {
+                tensor,
+                source,
+                report,
+            }),
+        }
+    }
+
+    pub fn queued(pending: PendingTensor) -> Self {
+        Self {
+            in_flight: Some(InFlight::Queued(pending)),
+        }
+    }
 }
 
 #[pymethods]
 impl PyPending {
     /// Whether the copy has finished (never blocks).
     fn ready(&self) -> bool {
-        match &self.tensor {
-            Some(t) => match &*t.storage().read() {
+        match &self.in_flight {
+            Some(InFlight::Landing { tensor, .. }) => match &*tensor.storage().read() {
                 Buffer::Pinned(b) => b.is_ready(),
                 _ => true,
             },
+            Some(InFlight::Queued(pending)) => pending.is_ready(),
             None => true,
         }
     }
@@ -139,20 +169,28 @@ impl PyPending {
     /// Blocks until the copy has finished and returns `(tensor, report)`; a second call is an
     /// error.
     fn wait(&mut self, py: Python<'_>) -> PyResult<(PyTensor, PyReport)> {
-        let t = self.tensor.take().ok_or_else(|| {
+        let in_flight = self.in_flight.take().ok_or_else(|| {
             PyValueError::new_err("wait() was already called on this pending move")
         })?;
-        let (ready, source) = (t.clone(), self.source.take());
-        py.detach(move || {
-            let waited = match &*ready.storage().read() {
-                Buffer::Pinned(b) => b.wait(),
-                _ => Ok(()),
-            };
-            drop(source);
-            waited
-        })
-        .map_err(|e| to_py(e.into()))?;
-        Ok((PyTensor { inner: t }, PyReport::from(&self.report)))
+        let (tensor, report) = py
+            .detach(move || match in_flight {
+                InFlight::Landing {
+                    tensor,
+                    source,
+                    report,
+                } => {
+                    let waited = match &*tensor.storage().read() {
+                        Buffer::Pinned(b) => b.wait(),
+                        _ => Ok(()),
+                    };
+                    drop(source);
+                    waited.map_err(ferry::TensorError::from)?;
+                    Ok((tensor, report))
+                }
+                InFlight::Queued(pending) => pending.wait(),
+            })
+            .map_err(to_py)?;
+        Ok((PyTensor { inner: tensor }, PyReport::from(&report)))
     }
 }
 

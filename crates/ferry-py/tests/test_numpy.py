@@ -77,3 +77,27 @@ def test_cuda_queries_answer_without_a_gpu():
     if not ferry.cuda_available():
         with pytest.raises(ferry.FerryError, match="CUDA"):
             ferry.pinned_budget()
+
+
+def test_a_host_array_streams_in_order():
+    a = np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256)
+    stream = _ferry.stream_to(a, 4)
+    n = len(stream)
+    assert n >= 4
+    rows = []
+    for index, start, stop, chunk in stream:
+        assert np.array_equal(np.from_dlpack(chunk), a[start:stop])
+        rows.append((index, start, stop))
+    assert [r[0] for r in rows] == list(range(n))
+    assert rows[0][1] == 0 and rows[-1][2] == 4096
+    assert all(rows[i][2] == rows[i + 1][1] for i in range(n - 1))
+    with pytest.raises(ValueError, match="not both"):
+        _ferry.stream_to(a, 2, 64)
+
+
+def test_memory_stats_are_about_a_gpu():
+    with pytest.raises(ValueError, match="pinned_stats"):
+        _ferry.memory_stats("cpu")
+    if not ferry.cuda_available():
+        with pytest.raises(ferry.FerryError):
+            _ferry.memory_stats("cuda:0")

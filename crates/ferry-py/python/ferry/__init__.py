@@ -18,10 +18,14 @@ Errors are ``ferry.FerryError`` (a ``RuntimeError``) with ferry's message, which
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from . import _ferry
 from ._ferry import FerryError, Pending, Tensor, TransferReport
 
 __all__ = [
+    "Chunk",
+    "ChunkStream",
     "FerryError",
     "PendingMove",
     "Tensor",
@@ -29,12 +33,18 @@ __all__ = [
     "cpu",
     "cuda_available",
     "empty_cache",
+    "empty_pinned",
     "from_torch",
+    "memory_stats",
     "move_state_dict",
+    "offload_saved",
     "pinned_budget",
     "pinned_stats",
+    "reset_peak_memory_stats",
     "set_pinned_budget",
+    "stream_to",
     "to",
+    "to_async",
     "to_chunked",
     "to_torch",
 ]
@@ -42,6 +52,8 @@ __version__ = _ferry.__version__
 
 cuda_available = _ferry.cuda_available
 empty_cache = _ferry.empty_cache
+memory_stats = _ferry.memory_stats
+reset_peak_memory_stats = _ferry.reset_peak_memory_stats
 pinned_budget = _ferry.pinned_budget
 pinned_stats = _ferry.pinned_stats
 set_pinned_budget = _ferry.set_pinned_budget
@@ -155,8 +167,9 @@ def cpu(t, report: bool = False):
 
 
 def to_chunked(t, device, chunks=None, max_staging_bytes=None, report: bool = False):
-    """``t`` on ``device`` in pieces along axis 0 through bounded pinned staging (``chunks``
-    pieces, or at most ``max_staging_bytes`` of staging). Detached: no gradient path."""
+    """``t`` on ``device`` in pieces along axis 0 through bounded pinned staging: at most a
+    ``chunks``-th of the tensor (a quarter by default), or at most ``max_staging_bytes``, never
+    less than one row. Detached: no gradient path."""
     tensor, rep = _ferry.to_chunked(
         t.detach(), _device_name(device), chunks, max_staging_bytes
     )
@@ -170,3 +183,79 @@ def move_state_dict(state_dict, device, report: bool = False):
     moved, rep = _ferry.move_state_dict(detached, _device_name(device))
     out = {name: to_torch(value) for name, value in moved.items()}
     return (out, rep) if report else out
+
+
+def empty_pinned(shape, dtype="float32"):
+    """An uninitialised host tensor (torch) of ``shape`` in page-locked memory from ferry's
+    pinned pool, or ``None`` when the pinned budget has no room. Its block returns to the pool
+    when torch frees the tensor."""
+    block = _ferry.empty_pinned(list(shape), _dtype_name(dtype))
+    return None if block is None else to_torch(block)
+
+
+def to_async(t, device) -> PendingMove:
+    """``t`` on ``device`` (a GPU-to-host or host-to-GPU move), queued on a copy stream ferry
+    keeps for that GPU and returned at once: the copy runs while torch's default stream
+    computes. Ordered after the work already queued on the default stream; ``wait()`` hands the
+    tensor out once it has landed. Detached: no gradient path."""
+    source = t.detach() if getattr(t, "requires_grad", False) else t
+    return PendingMove(_ferry.to_async(source, _device_name(device)))
+
+
+class Chunk(NamedTuple):
+    """One host chunk of a streamed tensor: its position, the rows of the source it holds, and
+    the rows themselves (a torch tensor on the host, detached)."""
+
+    index: int
+    rows: range
+    tensor: object
+
+
+class ChunkStream:
+    """The host chunks of a tensor along axis 0, in order (see :func:`stream_to`). Iterate it;
+    ``close()`` (or leaving a ``with`` block) stops early and gives the staging back."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        index, start, stop, tensor = next(self._inner)
+        return Chunk(index, range(start, stop), to_torch(tensor))
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    @property
+    def waited_ms(self) -> float:
+        """How long iteration has waited for copies, in all (near 0 when the work per chunk
+        outlasts a chunk's copy)."""
+        return self._inner.waited_ms
+
+    @property
+    def report(self) -> TransferReport | None:
+        return self._inner.report
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def __enter__(self) -> ChunkStream:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
+def stream_to(t, chunks=None, max_staging_bytes=None) -> ChunkStream:
+    """The host chunks of ``t`` along axis 0, in order, while the next ones are in flight: a GPU
+    tensor's chunks come through a ring of pinned staging (at most a ``chunks``-th of the
+    tensor, a quarter by default, or at most ``max_staging_bytes``), a host tensor's are views of its
+    rows. Each chunk is detached data; keeping one is safe (the ring takes a fresh block).
+    Do not write ``t`` in place until the stream is done."""
+    return ChunkStream(_ferry.stream_to(t.detach(), chunks, max_staging_bytes))
+
+
+from .offload import offload_saved  # noqa: E402  (uses the moves above)

@@ -1,0 +1,218 @@
+"""``ferry.offload_saved``: the tensors torch's autograd saves for backward, moved to pinned host
+memory as the forward saves them and brought back ahead of their use in backward.
+
+The counterpart of ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, built on torch's
+``saved_tensors_hooks``. What differs:
+
+- Host memory comes from ferry's pinned pool, within its budget: blocks are cached and reused
+  (``save_on_cpu`` asks the driver for page-locked memory for every saved tensor, which costs
+  milliseconds each), and a tensor that would not fit the budget stays on the GPU instead of
+  failing.
+- The copies run on a side stream while the forward and the backward keep computing on the
+  current stream. The scope holds a saved tensor until its copy has completed, then lets go, so
+  torch's allocator reuses its memory at once, in stream order; the forward waits on the host
+  only when more than ``in_flight`` copies are still running. (Handing the tensor back at once
+  with ``record_stream`` instead was measured: torch's allocator then cannot reuse a block
+  before its copy's event has been seen complete, and a forward queued far ahead of the GPU
+  took fresh memory; peak reserved memory did not go down at all.)
+- Backward uploads the next ``prefetch`` tensors (in reverse order of saving) while the current
+  op computes; the current stream waits for an upload on the device, never on the host.
+- A tensor saved by two ops (tanh's output, read again by the next linear layer) is copied once,
+  and parameters and the input batch stay where they are: their owners keep them alive, so a
+  copy would free nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+
+from . import _ferry, _torch, to_torch
+
+_FERRY_DTYPES = {"float32", "float64", "float16", "bfloat16", "int64", "uint8"}
+
+
+class _Saved:
+    """One offloaded tensor: its pinned host copy, and its upload once started."""
+
+    __slots__ = ("index", "scope", "device", "shape", "dtype", "host", "on_device", "uploaded",
+                 "used", "__weakref__")
+
+    def __init__(self, index, scope, t, host):
+        self.index = index
+        self.scope = scope
+        self.device = t.device
+        self.shape = t.shape
+        self.dtype = t.dtype
+        self.host = host  # torch tensor over ferry's pinned block, written on the side stream
+        self.on_device = None  # the upload's destination, once started
+        self.uploaded = None  # event on the side stream after the upload
+        self.used = False
+
+    def start_upload(self):
+        if self.on_device is not None:
+            return
+        torch = _torch()
+        side = self.scope._side_stream(self.device)
+        # Allocated on the current stream; the side stream first waits for the work queued there,
+        # which may still read the memory torch hands out now.
+        dest = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            dest.copy_(self.host, non_blocking=True)
+            self.uploaded = torch.cuda.Event()
+            self.uploaded.record(side)
+        dest.record_stream(side)
+        self.on_device = dest
+        # The pinned block goes back to ferry's pool only after the upload has read it.
+        self.scope._releasing.append((self.uploaded, self.host))
+
+
+class offload_saved:
+    """A context manager: inside it, every tensor that torch's autograd saves for backward, that
+    lives on a GPU, holds at least ``min_bytes`` and was made by a recorded op (it has a
+    ``grad_fn``), moves to pinned host memory, with at most ``in_flight`` copies running at once.
+    Backward brings each back, uploading the next ``prefetch`` ones while the current one is
+    used. Gradients are the same bits as without the
+    scope. ``stats`` counts what happened::
+
+        with ferry.offload_saved() as scope:
+            loss = model(x).square().mean()
+        loss.backward()
+        print(scope.stats)
+    """
+
+    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 2, in_flight: int = 2):
+        if min_bytes < 0 or prefetch < 0 or in_flight < 1:
+            raise ValueError("min_bytes and prefetch must be >= 0, in_flight >= 1")
+        self.min_bytes = min_bytes
+        self.prefetch = prefetch
+        self.in_flight = in_flight
+        self.stats = {
+            "offloaded": 0,
+            "offloaded_bytes": 0,
+            "shared": 0,
+            "kept": 0,
+            "kept_over_budget": 0,
+            "prefetched": 0,
+            "fetched_on_demand": 0,
+        }
+        # Weak: a saved tensor lives as long as torch's graph holds it, not as long as the scope.
+        self._saved: list[weakref.ref] = []
+        self._seen: dict = {}
+        self._streams: dict = {}
+        self._releasing: deque = deque()  # (event, pinned tensor) until the event completes
+        self._copies: deque = deque()  # (event, GPU tensor) of the copies to the host running
+        self._hooks = None
+
+    def __enter__(self) -> offload_saved:
+        torch = _torch()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._hooks.__exit__(*exc)
+        self._seen.clear()
+        return False
+
+    def __del__(self):
+        # Copies still running hold pinned blocks of ferry's pool: let them finish first.
+        if getattr(self, "_releasing", None) or getattr(self, "_copies", None):
+            self.settle(wait=True)
+
+    def _drain_copies(self, keep: int, wait: bool) -> None:
+        """Lets go of the GPU tensors whose copies to the host have completed, waiting for the
+        oldest while more than ``keep`` are running (for all with ``wait``)."""
+        while self._copies:
+            event, _ = self._copies[0]
+            if wait or len(self._copies) > keep:
+                event.synchronize()
+            elif not event.query():
+                return
+            self._copies.popleft()
+
+    def settle(self, wait: bool = False) -> None:
+        """Lets go of the GPU tensors whose copies to the host have completed, and of the pinned
+        blocks whose copies have (all of them, waiting, with ``wait=True``); a block returns to
+        ferry's pool once its record is gone too. Each save and each unpack does this as well."""
+        self._drain_copies(self.in_flight, wait)
+        while self._releasing:
+            event, _ = self._releasing[0]
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                return
+            self._releasing.popleft()
+
+    def _side_stream(self, device):
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = _torch().cuda.Stream(device)
+        return stream
+
+    def _offloadable(self, t) -> bool:
+        if not t.is_cuda or t.numel() * t.element_size() < self.min_bytes:
+            return False
+        if str(t.dtype).replace("torch.", "") not in _FERRY_DTYPES:
+            return False
+        base = t._base if t._base is not None else t
+        return base.grad_fn is not None
+
+    def _pack(self, t):
+        if not self._offloadable(t):
+            self.stats["kept"] += 1
+            return t
+        # The same tensor saved again (by the next op) while it is alive. Once it has been freed,
+        # its memory may hold a new tensor with the same key: the weak reference tells them apart.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t._version)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is t:
+            self.stats["shared"] += 1
+            return seen[1]
+        self.settle()
+        block = _ferry.empty_pinned(list(t.shape), str(t.dtype).replace("torch.", ""))
+        if block is None:
+            self.stats["kept_over_budget"] += 1
+            return t
+        torch = _torch()
+        host = to_torch(block)
+        side = self._side_stream(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))  # t was computed there
+        with torch.cuda.stream(side):
+            host.copy_(t, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(side)
+        # t is held until its copy has completed (then torch frees it in stream order).
+        self._copies.append((copied, t))
+        # Whatever happens to the record (a graph dropped unused), the block is not given back
+        # to ferry's pool while the copy still writes it.
+        self._releasing.append((copied, host))
+        self._drain_copies(self.in_flight, wait=False)
+        saved = _Saved(len(self._saved), self, t, host)
+        self._saved.append(weakref.ref(saved))
+        self._seen[key] = (weakref.ref(t), saved)
+        self.stats["offloaded"] += 1
+        self.stats["offloaded_bytes"] += t.numel() * t.element_size()
+        return saved
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        self.settle()
+        if not saved.used:
+            saved.used = True
+            if saved.on_device is None:
+                self.stats["fetched_on_demand"] += 1
+                saved.start_upload()
+            else:
+                self.stats["prefetched"] += 1
+            for ref in reversed(self._saved[max(0, saved.index - self.prefetch) : saved.index]):
+                earlier = ref()
+                if earlier is not None and not earlier.used:
+                    earlier.start_upload()
+        torch = _torch()
+        torch.cuda.current_stream(saved.device).wait_event(saved.uploaded)
+        # Kept for a second op that saved the same tensor; freed with the record, when torch's
+        # graph lets go of it (as the tensor itself would have been).
+        return saved.on_device
