@@ -1,0 +1,95 @@
+//! Streaming from Python: a tensor's host chunks as an iterator, the next ones in flight while
+//! the caller works on one.
+
+use ferry::memory::Device;
+use ferry::{ChunkStream, DeviceMove};
+use pyo3::prelude::*;
+
+use crate::dlpack;
+use crate::errors::to_py;
+use crate::moves::chunk_spec;
+use crate::tensor::{PyReport, PyTensor};
+
+/// The host chunks of `t` along axis 0, in order, through a ring of pinned staging (at most a
+/// `chunks`-th of the tensor, or at most `max_staging_bytes`; a quarter when neither is given):
+/// an iterator of
+/// `(index, start_row, stop_row, tensor)`. Detached data.
+#[pyfunction]
+#[pyo3(signature = (t, chunks=None, max_staging_bytes=None))]
+pub fn stream_to(
+    py: Python<'_>,
+    t: &Bound<'_, PyAny>,
+    chunks: Option<usize>,
+    max_staging_bytes: Option<usize>,
+) -> PyResult<PyChunkStream> {
+    let spec = chunk_spec(chunks, max_staging_bytes)?;
+    let source = dlpack::import(py, t)?;
+    let stream = py
+        .detach(move || source.stream_to(Device::Cpu, spec))
+        .map_err(to_py)?;
+    Ok(PyChunkStream {
+        inner: Some(stream),
+    })
+}
+
+/// A GPU tensor's host chunks in flight: iterate it, or `close()` it to stop early and give the
+/// staging back.
+#[pyclass(name = "ChunkStream", module = "ferry")]
+pub struct PyChunkStream {
+    /// `None` once closed.
+    inner: Option<ChunkStream>,
+}
+
+#[pymethods]
+impl PyChunkStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    /// The next chunk, `(index, start_row, stop_row, tensor)`; waits for its copy only.
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<(usize, usize, usize, PyTensor)>> {
+        let Some(stream) = self.inner.as_mut() else {
+            return Ok(None);
+        };
+        match py.detach(|| stream.next()) {
+            None => Ok(None),
+            Some(Err(err)) => {
+                self.close(py);
+                Err(to_py(err))
+            }
+            Some(Ok(chunk)) => {
+                let (index, rows) = (chunk.index(), chunk.rows());
+                let tensor = PyTensor {
+                    inner: chunk.into_tensor(),
+                };
+                Ok(Some((index, rows.start, rows.end, tensor)))
+            }
+        }
+    }
+
+    /// Chunks in all.
+    fn __len__(&self) -> usize {
+        self.inner.as_ref().map_or(0, ChunkStream::chunks)
+    }
+
+    /// Milliseconds `next()` has waited for copies in all.
+    #[getter]
+    fn waited_ms(&self) -> f64 {
+        self.inner
+            .as_ref()
+            .map_or(0.0, |s| s.waited().as_secs_f64() * 1e3)
+    }
+
+    /// What the stream has done so far: bytes handed out, staging peak, pieces.
+    #[getter]
+    fn report(&self) -> Option<PyReport> {
+        self.inner.as_ref().map(|s| PyReport::from(&s.report()))
+    }
+
+    /// Stops early: waits for the copies in flight and gives the staging back.
+    fn close(&mut self, py: Python<'_>) {
+        if let Some(stream) = self.inner.take() {
+            py.detach(move || drop(stream));
+        }
+    }
+}
