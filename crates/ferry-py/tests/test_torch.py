@@ -305,3 +305,95 @@ def test_memory_stats_count_ferrys_device_memory():
     assert stats["allocated_bytes"] >= before + (4 << 20)
     assert stats["peak_allocated_bytes"] >= stats["allocated_bytes"]
     del on_gpu
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+@pytest.fixture
+def host_offload(monkeypatch):
+    """offload_saved's bookkeeping on host tensors: streams and events stubbed out, host
+    tensors offloadable, plain torch memory in place of ferry's pinned pool."""
+    import contextlib
+    import types
+
+    from ferry import offload
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    pinned = types.SimpleNamespace(empty_pinned=lambda shape, dtype: torch.empty(shape))
+    monkeypatch.setattr(offload, "_ferry", pinned)
+    monkeypatch.setattr(offload, "to_torch", lambda block: block)
+
+    def offloadable(self, t):
+        base = t._base if t._base is not None else t
+        return t.numel() * t.element_size() >= self.min_bytes and base.grad_fn is not None
+
+    monkeypatch.setattr(offload.offload_saved, "_offloadable", offloadable)
+
+
+def test_offload_bookkeeping_on_host_tensors(host_offload):
+    import weakref
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(32, 64)
+    model(x).square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    from ferry import offload
+
+    packed = []
+    pack = offload.offload_saved._pack
+
+    def spy(self, t):
+        if type(t.grad_fn).__name__ == "TanhBackward0":
+            packed.append(t.untyped_storage())
+        return pack(self, t)
+
+    for _ in range(2):  # the second step reuses the first one's freed memory
+        model.zero_grad(set_to_none=True)
+        packed.clear()
+        offload.offload_saved._pack = spy
+        try:
+            with ferry.offload_saved(min_bytes=0, prefetch=2) as scope:
+                loss = model(x).square().mean()
+                probes = [weakref.ref(s()) for s in scope._saved]
+        finally:
+            offload.offload_saved._pack = pack
+        scope.settle(wait=True)
+        # After the forward, nothing but this test holds what was offloaded.
+        held = [torch._C._storage_Use_Count(s._cdata) for s in packed]
+        packed.clear()
+        assert held and max(held) == 1, held
+        loss.backward()
+        assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+        stats = scope.stats
+        # six tanh outputs, each saved by tanh and again by the next op
+        assert stats["offloaded"] == 6 and stats["shared"] == 6
+        assert stats["prefetched"] + stats["fetched_on_demand"] == 6
+        assert stats["fetched_on_demand"] == 1 and stats["prefetched"] == 5
+        assert not scope._copies and not scope._releasing
+        del loss
+        assert all(p() is None for p in probes)  # records go with torch's graph
