@@ -67,6 +67,34 @@ __device__ void reduce_col(int op, const T* x, T* out, i64* out_index, u64 outer
     }
 }
 
+// A sum down long columns (`len` rows of `inner` columns, `outer` times), tiled: a 32x32 block
+// takes 32 neighbouring columns, its 32 rows of threads each add every 32nd row (reads stay
+// coalesced along the columns), and the 32 partials of each column are added in shared memory.
+// One thread per column, as reduce_col does, leaves most of the GPU idle when there are few
+// columns (a bias gradient: 4096 columns of 1024 rows).
+#define COL_TILE 32
+template <typename T>
+__device__ void sum_col_tiled(const T* x, T* out, u64 outer, u64 len, u64 inner) {
+    __shared__ double part[COL_TILE][COL_TILE + 1];
+    const u64 tiles = (inner + COL_TILE - 1) / COL_TILE;
+    for (u64 b = blockIdx.x; b < outer * tiles; b += gridDim.x) {
+        const u64 o = b / tiles, i = (b % tiles) * COL_TILE + threadIdx.x;
+        double acc = 0.0;
+        if (i < inner) {
+            const T* base = x + o * len * inner + i;
+            for (u64 j = threadIdx.y; j < len; j += COL_TILE) acc += (double)Num<T>::load(base[j * inner]);
+        }
+        part[threadIdx.y][threadIdx.x] = acc;
+        __syncthreads();
+        if (threadIdx.y == 0 && i < inner) {
+            double s = 0.0;
+            for (int y = 0; y < COL_TILE; ++y) s += part[y][threadIdx.x];
+            out[o * inner + i] = Num<T>::store((typename Num<T>::Acc)s);
+        }
+        __syncthreads();
+    }
+}
+
 // Pass one of a whole-tensor sum: each block leaves one partial, in f64.
 template <typename T>
 __device__ void sum_partial(const T* x, u64 n, double* partials) {
@@ -105,6 +133,9 @@ __device__ void sum_finish(const double* partials, u64 parts, T* out) {
     extern "C" __global__ void reduce_col_##T(int op, const T* x, T* o, i64* oi, u64 outer,       \
                                               u64 len, u64 inner) {                                \
         reduce_col<T>(op, x, o, oi, outer, len, inner);                                            \
+    }                                                                                              \
+    extern "C" __global__ void sum_col_tiled_##T(const T* x, T* o, u64 outer, u64 len, u64 inner) { \
+        sum_col_tiled<T>(x, o, outer, len, inner);                                                 \
     }                                                                                              \
     extern "C" __global__ void sum_partial_##T(const T* x, u64 n, double* p) { sum_partial<T>(x, n, p); } \
     extern "C" __global__ void sum_finish_##T(const double* p, u64 parts, T* o) { sum_finish<T>(p, parts, o); }

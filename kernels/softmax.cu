@@ -53,3 +53,86 @@ SOFTMAX_KERNELS(float)
 SOFTMAX_KERNELS(double)
 SOFTMAX_KERNELS(f16)
 SOFTMAX_KERNELS(bf16)
+
+// Negative log-likelihood of [rows, cols] log-probabilities at one class per row, averaged: one
+// block sums the picked entries. A target outside 0..cols reads nothing; it is counted in bad[0]
+// and kept in bad[1] (one of them), and makes the loss NaN, so a step that used it cannot pass
+// for a good one before the host reads the flag.
+template <typename T>
+__device__ void nll(const T* logp, const i64* targets, T* loss, u64 rows, u64 cols, i64* bad) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[SOFTMAX_THREADS];
+    A s = 0;
+    for (u64 i = threadIdx.x; i < rows; i += blockDim.x) {
+        const i64 t = targets[i];
+        if (t < 0 || (u64)t >= cols) {
+            atomicAdd((unsigned long long*)&bad[0], 1ull);
+            atomicExch((unsigned long long*)&bad[1], (unsigned long long)t);
+            s += m_neg_inf((A)0) - m_neg_inf((A)0);  // NaN
+        } else {
+            s += Num<T>::load(logp[i * cols + (u64)t]);
+        }
+    }
+    s = block_reduce(s, false, scratch);
+    if (threadIdx.x == 0) loss[0] = Num<T>::store(-s / (A)rows);
+}
+
+// nll's gradient with respect to the log-probabilities: -g / rows at each row's target, 0
+// elsewhere (a row whose target is out of range gets zeros; nll flagged it already).
+template <typename T>
+__device__ void nll_backward(const i64* targets, const T* g, T* out, u64 rows, u64 cols) {
+    typedef typename Num<T>::Acc A;
+    const A scale = -Num<T>::load(g[0]) / (A)rows;
+    const u64 n = rows * cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 row = i / cols;
+        out[i] = Num<T>::store((u64)targets[row] == i - row * cols ? scale : (A)0);
+    }
+}
+
+#define NLL_KERNELS(T)                                                                            \
+    extern "C" __global__ void nll_##T(const T* logp, const i64* targets, T* loss, u64 rows,      \
+                                       u64 cols, i64* bad) {                                      \
+        nll<T>(logp, targets, loss, rows, cols, bad);                                             \
+    }                                                                                             \
+    extern "C" __global__ void nll_backward_##T(const i64* targets, const T* g, T* out, u64 rows, \
+                                                u64 cols) {                                       \
+        nll_backward<T>(targets, g, out, rows, cols);                                             \
+    }
+NLL_KERNELS(float)
+NLL_KERNELS(double)
+NLL_KERNELS(f16)
+NLL_KERNELS(bf16)
+
+// Softmax's and log-softmax's gradient over the last axis from the saved output y, fused like
+// the forward: one block per row. log: dx = g - exp(y) * sum(g); else dx = y * (g - sum(g * y)).
+template <typename T>
+__device__ void softmax_backward(const T* y, const T* g, T* dx, u64 rows, u64 cols, int log_space) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[SOFTMAX_THREADS];
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* yr = y + row * cols;
+        const T* gr = g + row * cols;
+        T* o = dx + row * cols;
+        A s = 0;
+        for (u64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            A gv = Num<T>::load(gr[j]);
+            s += log_space ? gv : gv * Num<T>::load(yr[j]);
+        }
+        s = block_reduce(s, false, scratch);
+        for (u64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            A yv = Num<T>::load(yr[j]), gv = Num<T>::load(gr[j]);
+            o[j] = Num<T>::store(log_space ? gv - m_exp(yv) * s : yv * (gv - s));
+        }
+    }
+}
+
+#define SOFTMAX_BACKWARD_KERNELS(T)                                                           \
+    extern "C" __global__ void softmax_backward_##T(const T* y, const T* g, T* dx, u64 rows,  \
+                                                    u64 cols, int log_space) {                \
+        softmax_backward<T>(y, g, dx, rows, cols, log_space);                                 \
+    }
+SOFTMAX_BACKWARD_KERNELS(float)
+SOFTMAX_BACKWARD_KERNELS(double)
+SOFTMAX_BACKWARD_KERNELS(f16)
+SOFTMAX_BACKWARD_KERNELS(bf16)

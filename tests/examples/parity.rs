@@ -125,6 +125,16 @@ fn cases() -> Vec<Case> {
             f: |x| x[0].t()?.matmul(&x[1].t()?),
         },
         Case {
+            name: "linear",
+            inputs: &[(&[8, 16], F), (&[4, 16], F), (&[4], F)],
+            f: |x| x[0].linear(&x[1], Some(&x[2])),
+        },
+        Case {
+            name: "linear_relu",
+            inputs: &[(&[8, 16], F), (&[4, 16], F), (&[4], F)],
+            f: |x| x[0].linear_relu(&x[1], Some(&x[2])),
+        },
+        Case {
             name: "transpose_reshape_narrow",
             inputs: &[(&[4, 6], F)],
             f: |x| x[0].transpose(0, 1)?.reshape(&[3, 8])?.narrow(1, 2, 4),

@@ -12,6 +12,8 @@ mod grad_index;
 mod grad_ops;
 // conv2d (stride, padding, dilation, groups), max and average pooling, Conv2d and pools.
 mod grad_conv;
+// Fused step ops (cuBLASLt linear, nll, softmax backward, column sums, Adam) against f64.
+mod fused;
 // Broadcasting against a naive reference, by hand and by proptest.
 mod broadcasting;
 // Hand-worked derivatives and naive references for matmul, reductions and argmax.

@@ -37,6 +37,8 @@ CASES = {
     "matmul": lambda x: x[0] @ x[1],
     "matmul_batched_broadcast": lambda x: x[0] @ x[1],
     "matmul_transposed": lambda x: x[0].t() @ x[1].t(),
+    "linear": lambda x: torch.nn.functional.linear(x[0], x[1], x[2]),
+    "linear_relu": lambda x: torch.nn.functional.linear(x[0], x[1], x[2]).relu(),
     "transpose_reshape_narrow": lambda x: x[0].transpose(0, 1).reshape(3, 8).narrow(1, 2, 4),
     "chunk_cat": lambda x: torch.cat([x[0].chunk(3, 0)[2], x[0].chunk(3, 0)[0]], 1),
     "unsqueeze_broadcast_squeeze": lambda x: x[0].unsqueeze(0).expand(3, 5).sum(0, keepdim=True).squeeze(0),

@@ -266,6 +266,18 @@ pub enum MemoryError {
         /// The argument's device.
         actual: Device,
     },
+    /// A kernel found its input invalid (checked on the device, read by the host without waiting:
+    /// see `CudaDevice::check_later`); reported by the first checked call the same thread makes
+    /// on the device after the flag reached the host, in place of that call's result.
+    #[error(
+        "{op} found invalid input on the device (reported by this thread's next call on the device, in place of its result): {message}"
+    )]
+    DeviceCheck {
+        /// The op whose kernel checked.
+        op: &'static str,
+        /// What was wrong and how to fix it.
+        message: String,
+    },
     /// A CUDA call failed where no error can be returned (a destructor, a read through `Deref`,
     /// ordering a buffer's use); it is reported by the next checked call on the same device or
     /// pool, as cudarc does, and that call did not run.

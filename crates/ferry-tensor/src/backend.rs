@@ -56,6 +56,37 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
     on!(x.device(), cpu => cpu::reduce::sum_all(x), cuda => cuda::sum_all(x))
 }
 
+/// `x [rows, in] · wᵀ + b`, then ReLU when `relu`, as one fused product on a GPU (the caller
+/// checked that it can be); the CPU computes the same with the plain ops.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: &Tensor, relu: bool) -> Result<Tensor> {
+    on!(x.device(),
+        cpu => ferry_graph::with_no_grad(|| {
+            let out = x.matmul(&w.t()?)?.add(b)?;
+            if relu { out.relu() } else { Ok(out) }
+        }),
+        cuda => cuda::linear(x, w, b, relu))
+}
+
+/// Softmax's (or log-softmax's) gradient over the last axis from its output; CUDA only (the CPU
+/// composes it).
+pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tensor> {
+    cuda::softmax_backward(y, g, log)
+}
+
+/// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities (cross-entropy's last
+/// step). The CPU checks the targets at once; CUDA checks them on the device and reports a bad
+/// one from a later call (see `CudaDevice::check_later`).
+pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    on!(logp.device(), cpu => cpu::reduce::nll(logp, targets), cuda => cuda::nll(logp, targets))
+}
+
+/// nll's gradient with respect to `[rows, classes]` log-probabilities, from the 0-d `g`.
+pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Tensor> {
+    on!(g.device(),
+        cpu => cpu::reduce::nll_backward(targets, g, classes),
+        cuda => cuda::nll_backward(targets, g, classes))
+}
+
 /// Softmax (or log-softmax) over the last axis.
 pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
     on!(x.device(), cpu => cpu::reduce::softmax(x, log), cuda => cuda::softmax(x, log))

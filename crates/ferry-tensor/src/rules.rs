@@ -262,6 +262,33 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Rule<(Shape, Shape)> {
     })
 }
 
+/// `x · Wᵀ + b`, then ReLU when `relu` (one node): the gradient goes through ReLU's mask (from
+/// the saved output), then `dx = g · W`, `dW = gᵀ · x`, `db = Σ_rows g`, over the input's rows.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: &Tensor, relu: bool) -> Rule<(Shape, bool)> {
+    let save = Save::input_if(1, x.requires_grad())
+        .and(Save::input_if(0, w.requires_grad()))
+        .and(if relu { Save::OUTPUT } else { Save::NOTHING });
+    let _ = b;
+    Rule::new(save, (x.dims(), relu), |saved, (shape, relu), g, wanted| {
+        let out_features = g.shape()[g.ndim() - 1];
+        let rows = g.numel() / out_features.max(1);
+        let g = if *relu {
+            g.relu_backward(&saved.output()?)?
+        } else {
+            g.clone()
+        };
+        let g = g.reshape(&[rows, out_features])?;
+        let dx = want(wanted[0], || g.matmul(&saved.input(1)?)?.reshape(shape))?;
+        let dw = want(wanted[1], || {
+            let x = saved.input(0)?;
+            let in_features = x.shape()[x.ndim() - 1];
+            g.t()?.matmul(&x.reshape(&[rows, in_features])?)
+        })?;
+        let db = want(wanted[2], || g.sum_axis(0, false))?;
+        Ok(smallvec![dx, dw, db])
+    })
+}
+
 /// Swapping axes back.
 pub(crate) fn transpose(a: usize, b: usize) -> Rule<(usize, usize)> {
     Rule::new(Save::NOTHING, (a, b), |_, &(a, b), g, _| {
@@ -337,6 +364,12 @@ pub(crate) fn cast(from: DType) -> Rule<DType> {
 pub(crate) fn softmax(log: bool) -> Rule<bool> {
     Rule::new(Save::OUTPUT, log, |saved, &log, g, _| {
         let y = saved.output()?;
+        if !ferry_graph::is_grad_enabled() && y.device().is_cuda() && g.dtype() == y.dtype() {
+            // One fused kernel on a GPU; composed (and so differentiable) otherwise.
+            return Ok(smallvec![Some(crate::backend::softmax_backward(
+                &y, g, log
+            )?)]);
+        }
         let dx = if log {
             g.sub(&y.exp()?.mul(&g.sum_axis(-1, true)?)?)?
         } else {
@@ -351,9 +384,15 @@ pub(crate) fn softmax(log: bool) -> Rule<bool> {
 pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Rule<usize> {
     Rule::new(Save::NOTHING, logp.shape()[1], |saved, &classes, g, _| {
         let targets = saved.aux()?;
-        let one_hot = Tensor::one_hot(&targets, classes, g.dtype())?;
-        let scale = g.div_scalar(-(targets.numel() as f64))?;
-        Ok(smallvec![Some(one_hot.mul(&scale)?)])
+        if ferry_graph::is_grad_enabled() {
+            // A gradient of the gradient: composed from recorded ops.
+            let one_hot = Tensor::one_hot(&targets, classes, g.dtype())?;
+            let scale = g.div_scalar(-(targets.numel() as f64))?;
+            return Ok(smallvec![Some(one_hot.mul(&scale)?)]);
+        }
+        Ok(smallvec![Some(crate::backend::nll_backward(
+            &targets, g, classes
+        )?)])
     })
     .with_aux(targets.clone())
 }

@@ -70,11 +70,11 @@ pub struct GemmOutput<'a> {
     pub stride: usize,
 }
 
-fn bad(argument: &'static str, reason: String) -> MemoryError {
+pub(super) fn bad(argument: &'static str, reason: String) -> MemoryError {
     MemoryError::GemmArgument { argument, reason }
 }
 
-fn to_int(argument: &'static str, value: usize) -> Result<c_int, MemoryError> {
+pub(super) fn to_int(argument: &'static str, value: usize) -> Result<c_int, MemoryError> {
     c_int::try_from(value).map_err(|_| {
         bad(
             argument,
@@ -97,18 +97,18 @@ fn extent(rows: usize, cols: usize, ld: usize, stride: usize, batch: usize) -> O
 }
 
 /// Where one operand lives, for validation.
-struct Placement<'a> {
-    name: &'static str,
-    ld_name: &'static str,
-    buffer: &'a DeviceBuffer,
-    offset: usize,
-    ld: usize,
-    stride: usize,
+pub(super) struct Placement<'a> {
+    pub(super) name: &'static str,
+    pub(super) ld_name: &'static str,
+    pub(super) buffer: &'a DeviceBuffer,
+    pub(super) offset: usize,
+    pub(super) ld: usize,
+    pub(super) stride: usize,
 }
 
 /// Checks that one stored rows×cols operand lies inside its buffer; returns its leading
 /// dimension as a C int.
-fn check_operand(
+pub(super) fn check_operand(
     place: Placement<'_>,
     (rows, cols): (usize, usize),
     batch: usize,
@@ -321,11 +321,26 @@ impl CudaDevice {
         // which is current.
         unsafe { blas::set_stream(raw, stream.cudarc().cu_stream() as _) }
             .map_err(cublas("cublasSetStream"))?;
+        let name = || {
+            let t = |t: bool| if t { 'T' } else { 'N' };
+            format!(
+                "gemm {m}x{n}x{k} {}{} {:?}{}",
+                t(transa),
+                t(transb),
+                spec.dtype,
+                if batch_count > 1 {
+                    format!(" batch {batch_count}")
+                } else {
+                    String::new()
+                }
+            )
+            .into()
+        };
         // SAFETY: every operand's extent was checked against its buffer above; the buffers are
         // borrowed for the call and marked used on `stream`, so their memory is not reused
         // before the product finishes; alpha and beta are host scalars of the compute type that
         // outlive the call (cuBLAS reads them before returning in host pointer mode).
-        unsafe {
+        self.profiled(stream, name, || unsafe {
             blas::gemm_strided_batched_ex(
                 raw,
                 op(transa),
@@ -351,8 +366,8 @@ impl CudaDevice {
                 compute,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-        }
-        .map_err(cublas("cublasGemmStridedBatchedEx"))
+            .map_err(cublas("cublasGemmStridedBatchedEx"))
+        })
     }
 }
 

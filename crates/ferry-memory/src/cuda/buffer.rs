@@ -312,7 +312,10 @@ impl DeviceBuffer {
         // synchronize below, so nothing reads it while the DMA writes.
         unsafe { result::memcpy_dtoh_async(dst, src, stream.cudarc().cu_stream()) }
             .map_err(driver("cuMemcpyDtoHAsync"))?;
-        stream.synchronize()
+        stream.synchronize()?;
+        // The stream's earlier work is done, so are the flag copies queued on it: a value read
+        // back never hides a failed device check that came before it.
+        self.cuda_device().poll_checks(false)
     }
 
     /// Queues a copy of all of `src` (same device, same length) into this buffer.

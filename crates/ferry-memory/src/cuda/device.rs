@@ -13,10 +13,12 @@ use parking_lot::Mutex;
 
 use super::allocator::{DeviceAllocator, MemoryStats};
 use super::blas::BlasHandle;
+use super::blas_lt::LtState;
 use super::buffer::DeviceBuffer;
 use super::discover::{self, CudaDeviceInfo};
 use super::dnn::DnnState;
 use super::kernels::KernelCache;
+use super::profile::Profiler;
 use super::stream::{Stream, driver};
 use crate::{Device, MemoryError};
 
@@ -39,8 +41,12 @@ pub(crate) struct DeviceInner {
     pub(crate) kernels: Mutex<KernelCache>,
     pub(crate) compile_nanos: AtomicU64,
     pub(crate) blas: Mutex<Option<BlasHandle>>,
+    /// The cuBLASLt handle, workspace and algorithms, created on first use.
+    pub(crate) blas_lt: Mutex<Option<LtState>>,
     /// The cuDNN handle and chosen convolution algorithms, created on first use.
     pub(crate) dnn: Mutex<Option<DnnState>>,
+    /// Kernel timing, off unless [`CudaDevice::start_profile`] turned it on.
+    pub(crate) profiler: Profiler,
 }
 
 /// Devices live for the process, like the primary contexts they hold: a tensor may be created
@@ -82,7 +88,9 @@ impl CudaDevice {
                 kernels: Mutex::new(KernelCache::default()),
                 compile_nanos: AtomicU64::new(0),
                 blas: Mutex::new(None),
+                blas_lt: Mutex::new(None),
                 dnn: Mutex::new(None),
+                profiler: Profiler::default(),
             }),
         };
         devices.insert(ordinal, device.clone());
@@ -128,12 +136,14 @@ impl CudaDevice {
     }
 
     /// Blocks the host until every stream of this device is idle.
+    /// Reports the first failed [`CudaDevice::check_later`] check this thread queued, if any.
     pub fn synchronize(&self) -> Result<(), MemoryError> {
         self.check()?;
         self.inner
             .ctx
             .synchronize()
-            .map_err(driver("cuCtxSynchronize"))
+            .map_err(driver("cuCtxSynchronize"))?;
+        self.poll_checks(true)
     }
 
     /// The allocator's counters.
@@ -247,10 +257,10 @@ impl CudaDevice {
     /// Reports an error a destructor recorded, once (as [`MemoryError::FailedInDrop`], naming
     /// what failed).
     pub(crate) fn check(&self) -> Result<(), MemoryError> {
-        match self.inner.deferred.lock().take() {
-            Some(error) => Err(error),
-            None => Ok(()),
+        if let Some(error) = self.inner.deferred.lock().take() {
+            return Err(error);
         }
+        self.poll_checks(false)
     }
 
     /// Keeps an error raised where none can be returned (a destructor, ordering a buffer's use)

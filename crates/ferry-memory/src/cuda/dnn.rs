@@ -388,11 +388,12 @@ impl CudaDevice {
         );
         let o_ptr = ptr(out.buffer, out.offset_bytes);
         let w_ptr = ptr(&workspace, 0);
+        let name = || format!("cudnn conv {pass:?}").into();
         // SAFETY: every operand's extent was checked against its buffer above and matches the
         // descriptors; the buffers (and the workspace) are marked used on `stream`, so their
         // memory is not reused before the call's work finishes; alpha and beta are host scalars
         // of the compute type that outlive the call.
-        unsafe {
+        self.profiled(stream, name, || unsafe {
             match pass {
                 ConvPass::Forward => dnn::convolution_forward(
                     state.handle,
@@ -443,7 +444,7 @@ impl CudaDevice {
                 )
                 .map_err(failed("cudnnConvolutionBackwardFilter")),
             }
-        }
+        })
     }
 }
 

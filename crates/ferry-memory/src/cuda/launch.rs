@@ -157,23 +157,26 @@ impl<'a> Launch<'a> {
             .iter_mut()
             .map(|words| words.as_mut_ptr().cast())
             .collect();
-        // SAFETY: the function comes from a module loaded in this device's context, which the
-        // function keeps alive; each parameter points at owned, aligned storage that lives until
-        // after the call (the driver copies parameters at launch); every pointer argument is a
-        // live buffer of this device (checked above) whose reuse the allocator orders after this
-        // stream's work. That the kernel's signature matches the arguments and stays in bounds
-        // is the documented contract of `Launch`.
-        unsafe {
-            result::launch_kernel(
-                self.function.raw.cu_function(),
-                self.grid,
-                self.block,
-                self.shared_mem_bytes,
-                self.stream.cudarc().cu_stream(),
-                &mut params,
-            )
-        }
-        .map_err(driver("cuLaunchKernel"))
+        let name = || self.function.name().into();
+        self.device.profiled(self.stream, name, || {
+            // SAFETY: the function comes from a module loaded in this device's context, which the
+            // function keeps alive; each parameter points at owned, aligned storage that lives until
+            // after the call (the driver copies parameters at launch); every pointer argument is a
+            // live buffer of this device (checked above) whose reuse the allocator orders after this
+            // stream's work. That the kernel's signature matches the arguments and stays in bounds
+            // is the documented contract of `Launch`.
+            unsafe {
+                result::launch_kernel(
+                    self.function.raw.cu_function(),
+                    self.grid,
+                    self.block,
+                    self.shared_mem_bytes,
+                    self.stream.cudarc().cu_stream(),
+                    &mut params,
+                )
+            }
+            .map_err(driver("cuLaunchKernel"))
+        })
     }
 }
 

@@ -16,8 +16,10 @@
 mod allocator;
 mod batch;
 mod blas;
+mod blas_lt;
 mod buffer;
 pub(crate) mod cache;
+mod checks;
 mod device;
 mod discover;
 mod dnn;
@@ -25,6 +27,7 @@ mod kernels;
 mod launch;
 mod nccl;
 mod pinned;
+mod profile;
 mod stream;
 #[cfg(test)]
 pub(crate) mod test_hooks;
@@ -32,7 +35,9 @@ pub(crate) mod test_hooks;
 pub use allocator::{DeviceMemoryInfo, MemoryStats};
 pub use batch::PinnedBatch;
 pub use blas::{GemmInput, GemmOutput, GemmSpec};
+pub use blas_lt::{GemmEpilogue, cublaslt_present};
 pub use buffer::DeviceBuffer;
+pub use checks::CheckReport;
 pub use device::CudaDevice;
 pub use discover::{CudaDeviceInfo, devices, driver_present, driver_version};
 pub use dnn::{ConvInput, ConvOutput, ConvPass, ConvSpec, cudnn_present, cudnn_version};
@@ -40,4 +45,5 @@ pub use kernels::{CudaFunction, KernelModule, compile_ptx, nvrtc_present, nvrtc_
 pub use launch::{Dim3, Launch, blocks_for};
 pub use nccl::{Communicator, ReduceOp, UniqueId, group, nccl_present, nccl_version};
 pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PinnedStats};
+pub use profile::KernelTime;
 pub use stream::{Event, Stream};

@@ -142,3 +142,61 @@ fn sum_f64<T: Element>(values: &[T]) -> f64 {
         lanes.iter().sum::<f64>() + tail
     })
 }
+
+/// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities; targets outside
+/// `0..classes` are an error.
+pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logp = super::dense(logp)?;
+    let targets = super::dense(targets)?;
+    let classes = logp.shape()[1];
+    let t_off = targets.layout().offset();
+    let t = targets.storage().host::<i64>("cross_entropy")?;
+    let t = &t[t_off..t_off + targets.numel()];
+    let bad: Vec<i64> = t
+        .iter()
+        .copied()
+        .filter(|&k| k < 0 || k as usize >= classes)
+        .collect();
+    if let Some(&example) = bad.first() {
+        return Err(crate::TensorError::InvalidArgument {
+            op: "cross_entropy",
+            message: crate::ops::nn::classes_message(bad.len() as i64, example, classes),
+        });
+    }
+    float_dispatch!(logp.dtype(), "cross_entropy", |T| {
+        let off = logp.layout().offset();
+        let src = logp.storage().host::<T>("cross_entropy")?;
+        let src = &src[off..off + logp.numel()];
+        let picked: f64 = t
+            .iter()
+            .enumerate()
+            .map(|(row, &k)| src[row * classes + k as usize].to_f64())
+            .sum();
+        let mean = -picked / t.len().max(1) as f64;
+        build::<T>("cross_entropy", &[], |out| {
+            out[0] = <T as Element>::from_f64(mean)
+        })
+    })
+}
+
+/// nll's gradient: `-g / rows` at each row's target of a `[rows, classes]` tensor, 0 elsewhere.
+pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Tensor> {
+    let targets = super::dense(targets)?;
+    let t_off = targets.layout().offset();
+    let t = targets.storage().host::<i64>("cross_entropy backward")?;
+    let t = &t[t_off..t_off + targets.numel()];
+    let rows = t.len();
+    let g = super::dense(g)?;
+    float_dispatch!(g.dtype(), "cross_entropy backward", |T| {
+        let g_off = g.layout().offset();
+        let scale = -g.storage().host::<T>("cross_entropy backward")?[g_off].to_f64() / rows as f64;
+        build::<T>("cross_entropy backward", &[rows, classes], |out| {
+            out.fill(<T as Element>::from_f64(0.0));
+            for (row, &k) in t.iter().enumerate() {
+                if (0..classes as i64).contains(&k) {
+                    out[row * classes + k as usize] = <T as Element>::from_f64(scale);
+                }
+            }
+        })
+    })
+}

@@ -28,7 +28,7 @@ macro_rules! module {
 pub static ELEMENTWISE: KernelModule = module!("elementwise");
 /// Sums, maxima and argmax along an axis; two-pass whole-tensor sums.
 pub static REDUCE: KernelModule = module!("reduce");
-/// Fused row softmax and log-softmax.
+/// Fused row softmax and log-softmax, and the negative log-likelihood after them.
 pub static SOFTMAX: KernelModule = module!("softmax");
 /// Fused in-place optimizer updates.
 pub static OPTIM: KernelModule = module!("optim");
@@ -67,9 +67,17 @@ pub(crate) enum Kernel {
     Copy(usize),
     ReduceRow(DType),
     ReduceCol(DType),
+    /// Sums down long columns, 32 columns a block.
+    SumColTiled(DType),
     SumPartial(DType),
     SumFinish(DType),
     Softmax(DType),
+    /// Its gradient from the saved output.
+    SoftmaxBackward(DType),
+    /// Mean negative log-likelihood at one class per row, targets checked.
+    Nll(DType),
+    /// Its gradient with respect to the log-probabilities.
+    NllBackward(DType),
     /// Many byte regions into one buffer.
     Gather,
     /// One fused Adam step, in place.
@@ -114,9 +122,13 @@ impl Kernel {
         match self {
             Kernel::ReduceRow(_)
             | Kernel::ReduceCol(_)
+            | Kernel::SumColTiled(_)
             | Kernel::SumPartial(_)
             | Kernel::SumFinish(_) => &REDUCE,
-            Kernel::Softmax(_) => &SOFTMAX,
+            Kernel::Softmax(_)
+            | Kernel::SoftmaxBackward(_)
+            | Kernel::Nll(_)
+            | Kernel::NllBackward(_) => &SOFTMAX,
             Kernel::Adam(_) => &OPTIM,
             Kernel::Where(_) | Kernel::Dropout(_) | Kernel::MaskedScale(_) => &SELECT,
             _ => &ELEMENTWISE,
@@ -145,9 +157,13 @@ impl Kernel {
             Kernel::Copy(_) => "copy_b64",
             Kernel::ReduceRow(d) => typed_name!("reduce_row_", d),
             Kernel::ReduceCol(d) => typed_name!("reduce_col_", d),
+            Kernel::SumColTiled(d) => typed_name!("sum_col_tiled_", d),
             Kernel::SumPartial(d) => typed_name!("sum_partial_", d),
             Kernel::SumFinish(d) => typed_name!("sum_finish_", d),
             Kernel::Softmax(d) => typed_name!("softmax_", d),
+            Kernel::SoftmaxBackward(d) => typed_name!("softmax_backward_", d),
+            Kernel::Nll(d) => typed_name!("nll_", d),
+            Kernel::NllBackward(d) => typed_name!("nll_backward_", d),
             Kernel::Gather => "gather_regions",
             Kernel::Adam(d) => typed_name!("adam_", d),
             Kernel::Where(d) => typed_name!("where_", d),
@@ -194,9 +210,13 @@ pub(crate) fn every_kernel() -> Vec<Kernel> {
                 Kernel::Random(d),
                 Kernel::ReduceRow(d),
                 Kernel::ReduceCol(d),
+                Kernel::SumColTiled(d),
                 Kernel::SumPartial(d),
                 Kernel::SumFinish(d),
                 Kernel::Softmax(d),
+                Kernel::SoftmaxBackward(d),
+                Kernel::Nll(d),
+                Kernel::NllBackward(d),
             ]);
         }
     }

@@ -1,9 +1,9 @@
 //! Batched matrix products through cuBLAS, reading transposed and broadcast operands in place
 //! where their strides allow and copying only when they do not.
 
-use ferry_memory::cuda::{GemmInput, GemmOutput, GemmSpec};
+use ferry_memory::cuda::{GemmEpilogue, GemmInput, GemmOutput, GemmSpec};
 
-use super::{alloc, buffer, device_of, wrap};
+use super::{alloc, buffer, dense, device_of, wrap};
 use crate::layout::Layout;
 use crate::{Result, Tensor, TensorError};
 
@@ -144,5 +144,62 @@ pub(crate) fn matmul(
     };
     dev.gemm_strided_batched(&spec, first, second, c, dev.default_stream())?;
     drop((abuf, bbuf));
+    Ok(wrap(&dev, out, dtype, &shape))
+}
+
+/// `x [rows, k] · wᵀ + bias` (w is `[n, k]`), then ReLU when `relu`: one cuBLASLt product with the
+/// bias and ReLU in its epilogue. Operands are read in place where cuBLAS can, like [`matmul`].
+pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let dev = device_of(x)?;
+    let (rows, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+    let shape = [rows, n];
+    let wt = w.t()?;
+    let (lhs, rhs) = (
+        Operand::new(x, x.layout())?,
+        Operand::new(&wt, wt.layout())?,
+    );
+    let bias = dense(bias)?;
+    let mut out = alloc(&dev, "linear", &shape, dtype)?;
+    let (abuf, bbuf, biasbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?, buffer(&bias)?);
+    // As in `matmul`: row-major out = x·wᵀ is column-major outᵀ = w·xᵀ, whose rows are the
+    // output features, so the bias (one per feature) runs down each column.
+    let spec = GemmSpec {
+        dtype,
+        transa: !rhs.row_major,
+        transb: !lhs.row_major,
+        m: n,
+        n: rows,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        batch: 1,
+    };
+    let size = dtype.size();
+    let first = GemmInput {
+        buffer: &bbuf,
+        offset_bytes: rhs.tensor.layout().offset() * size,
+        ld: rhs.ld,
+        stride: 0,
+    };
+    let second = GemmInput {
+        buffer: &abuf,
+        offset_bytes: lhs.tensor.layout().offset() * size,
+        ld: lhs.ld,
+        stride: 0,
+    };
+    let c = GemmOutput {
+        buffer: &mut out,
+        offset_bytes: 0,
+        ld: n,
+        stride: 0,
+    };
+    let epilogue = GemmEpilogue {
+        bias: &biasbuf,
+        bias_offset_bytes: bias.layout().offset() * size,
+        relu,
+    };
+    dev.gemm_epilogue(&spec, first, second, c, epilogue, dev.default_stream())?;
+    drop((abuf, bbuf, biasbuf));
     Ok(wrap(&dev, out, dtype, &shape))
 }

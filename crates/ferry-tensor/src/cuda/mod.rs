@@ -6,6 +6,7 @@ pub(crate) mod conv;
 pub(crate) mod index;
 pub(crate) mod kernels;
 mod matmul;
+pub(crate) use matmul::linear;
 pub(crate) mod norm;
 pub(crate) mod select;
 
@@ -527,6 +528,17 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
             .arg_u64(outer as u64)
             .arg_u64(len as u64)
             .run()?;
+    } else if op == ReduceOp::Sum && len >= 32 {
+        let f = Kernel::SumColTiled(x.dtype()).load(&dev)?;
+        let tiles = outer * inner.div_ceil(32);
+        let blocks = (tiles.max(1) as u32).min(65535);
+        dev.launch(&f, (blocks, 1, 1), (32, 32, 1), 0, dev.default_stream())
+            .arg_buffer(&src)
+            .arg_buffer_mut(&mut out)
+            .arg_u64(outer as u64)
+            .arg_u64(len as u64)
+            .arg_u64(inner as u64)
+            .run()?;
     } else {
         let f = Kernel::ReduceCol(x.dtype()).load(&dev)?;
         let l = launch(&dev, &f, outputs).arg_i32(code).arg_buffer(&src);
@@ -601,6 +613,72 @@ pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
         .arg_i32(log as i32)
         .run()?;
     Ok(wrap(&dev, out, x.dtype(), x.shape()))
+}
+
+/// Softmax's (or log-softmax's) gradient over the last axis from its output `y`, fused.
+pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tensor> {
+    let (y, g) = (dense(y)?, dense(g)?);
+    let dev = device_of(&y)?;
+    let cols = *y.shape().last().unwrap_or(&1);
+    let rows = y.numel() / cols.max(1);
+    let mut out = alloc(&dev, "softmax backward", y.shape(), y.dtype())?;
+    let f = Kernel::SoftmaxBackward(y.dtype()).load(&dev)?;
+    let blocks = (rows.max(1) as u32).min(65535);
+    dev.launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
+        .arg_buffer(&*buffer(&y)?)
+        .arg_buffer(&*buffer(&g)?)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(rows as u64)
+        .arg_u64(cols as u64)
+        .arg_i32(log as i32)
+        .run()?;
+    Ok(wrap(&dev, out, y.dtype(), y.shape()))
+}
+
+/// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities, one kernel. Targets are
+/// checked on the device and the flag read later ([`CudaDevice::check_later`]), so the step does
+/// not wait for the GPU: a bad target makes the loss NaN at once and an error of the next call.
+pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    const OP: &str = "cross_entropy";
+    float_only(OP, logp.dtype())?;
+    let (logp, targets) = (dense(logp)?, dense(targets)?);
+    let dev = device_of(&logp)?;
+    let (rows, classes) = (logp.shape()[0], logp.shape()[1]);
+    let mut out = alloc(&dev, OP, &[], logp.dtype())?;
+    let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
+    let f = Kernel::Nll(logp.dtype()).load(&dev)?;
+    dev.launch(&f, (1, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
+        .arg_buffer(&*buffer(&logp)?)
+        .arg_buffer(&*buffer(&targets)?)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(rows as u64)
+        .arg_u64(classes as u64)
+        .arg_buffer_mut(&mut bad)
+        .run()?;
+    let report = move |flag: &[u8]| {
+        let flag: &[i64] = bytemuck::cast_slice(flag);
+        (flag[0] != 0).then(|| crate::ops::nn::classes_message(flag[0], flag[1], classes))
+    };
+    dev.check_later(OP, &bad, dev.default_stream(), Box::new(report))?;
+    Ok(wrap(&dev, out, logp.dtype(), &[]))
+}
+
+/// nll's gradient: `-g / rows` at each row's target of a `[rows, classes]` tensor, 0 elsewhere.
+pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Tensor> {
+    const OP: &str = "cross_entropy backward";
+    let (targets, g) = (dense(targets)?, dense(g)?);
+    let dev = device_of(&g)?;
+    let shape = [targets.numel(), classes];
+    let mut out = alloc(&dev, OP, &shape, g.dtype())?;
+    let f = Kernel::NllBackward(g.dtype()).load(&dev)?;
+    launch(&dev, &f, shape[0] * classes)
+        .arg_buffer(&*buffer(&targets)?)
+        .arg_buffer(&*buffer(&g)?)
+        .arg_buffer_mut(&mut out)
+        .arg_u64(shape[0] as u64)
+        .arg_u64(classes as u64)
+        .run()?;
+    Ok(wrap(&dev, out, g.dtype(), &shape))
 }
 
 /// Elements of a contiguous CUDA tensor, copied out to a `Vec`.

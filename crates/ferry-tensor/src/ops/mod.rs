@@ -11,6 +11,7 @@ pub(crate) mod conv;
 pub(crate) mod create;
 pub(crate) mod elementwise;
 pub(crate) mod index;
+pub(crate) mod linear;
 pub(crate) mod matmul;
 pub(crate) mod nn;
 pub(crate) mod norm;

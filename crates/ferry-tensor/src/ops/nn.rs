@@ -48,21 +48,23 @@ impl Tensor {
                 DType::I64,
             ));
         }
-        let classes = self.shape()[1];
-        check_classes(targets, classes)?;
+        if targets.device() != self.device() {
+            return Err(TensorError::DeviceMismatch {
+                op: "cross_entropy",
+                lhs: self.device(),
+                rhs: targets.device(),
+            });
+        }
         self.log_softmax(1)?.nll(targets)
     }
 
-    /// `-mean(self[i, targets[i]])` of `[n, classes]` log-probabilities; keeps only the targets
-    /// for backward, as PyTorch's `nll_loss` does.
+    /// `-mean(self[i, targets[i]])` of `[n, classes]` log-probabilities, one kernel; keeps only
+    /// the targets for backward, as PyTorch's `nll_loss` does. A target outside `0..classes` is
+    /// an error: at once on the CPU; on a GPU the kernel flags it, the loss is NaN, and the
+    /// error comes from the next call on the device once the flag has reached the host (the
+    /// step never waits for the GPU to find out).
     fn nll(&self, targets: &Tensor) -> Result<Tensor> {
-        let value = ferry_graph::with_no_grad(|| {
-            let one_hot = Tensor::one_hot(targets, self.shape()[1], self.dtype())?;
-            self.detach()
-                .mul(&one_hot)?
-                .sum()?
-                .div_scalar(-(self.shape()[0] as f64))
-        })?;
+        let value = backend::nll(self, targets)?;
         Ok(record(value, "nll", &[self], || rules::nll(self, targets)))
     }
 
@@ -75,23 +77,10 @@ impl Tensor {
     }
 }
 
-/// Targets must name a class; a row of zeros would silently drop the sample from the loss.
-fn check_classes(targets: &Tensor, classes: usize) -> Result<()> {
-    let _no_grad = ferry_graph::no_grad();
-    let zero = Tensor::zeros(&[], targets.dtype(), targets.device())?;
-    let limit = Tensor::full(&[], classes as f64, targets.dtype(), targets.device())?;
-    let outside = targets
-        .lt(&zero)?
-        .to_dtype(DType::F64)?
-        .add(&targets.ge(&limit)?.to_dtype(DType::F64)?)?;
-    let bad = outside.sum()?.item()?;
-    if bad > 0.0 {
-        return Err(TensorError::InvalidArgument {
-            op: "cross_entropy",
-            message: format!(
-                "{bad} target(s) lie outside 0..{classes}; targets are class indices of the logits' second axis"
-            ),
-        });
-    }
-    Ok(())
+/// What is wrong with `count` targets outside `0..classes` (one of them `example`).
+pub(crate) fn classes_message(count: i64, example: i64, classes: usize) -> String {
+    format!(
+        "{count} target(s) lie outside 0..{classes} (one is {example}); targets are class indices \
+         of the logits' second axis"
+    )
 }

@@ -12,6 +12,10 @@ impl Module for ReLU {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         input.relu()
     }
+
+    fn is_relu(&self) -> bool {
+        true
+    }
 }
 
 /// `tanh(x)`, elementwise.

@@ -79,13 +79,14 @@ impl Linear {
 }
 
 impl Module for Linear {
+    /// `input · Wᵀ + b` ([`Tensor::linear`]: one fused product on a GPU).
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        // The transpose is a view: matmul reads W with swapped strides, nothing is copied.
-        let out = input.matmul(&self.weight.t()?)?;
-        match &self.bias {
-            Some(b) => out.add(b),
-            None => Ok(out),
-        }
+        input.linear(&self.weight, self.bias.as_ref())
+    }
+
+    /// `relu(input · Wᵀ + b)`, the ReLU in the same product's epilogue on a GPU.
+    fn forward_relu(&self, input: &Tensor) -> Result<Tensor> {
+        input.linear_relu(&self.weight, self.bias.as_ref())
     }
 
     fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {

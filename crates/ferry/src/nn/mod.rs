@@ -84,6 +84,18 @@ pub trait Module {
         Ok(())
     }
 
+    /// Whether this module is `max(x, 0)` and nothing else, so that a [`Sequential`] may fuse
+    /// it into the layer before it.
+    fn is_relu(&self) -> bool {
+        false
+    }
+
+    /// `relu(self.forward(input))`. Layers that can fold the ReLU into their own work override
+    /// it: a [`Linear`] on a GPU applies it in its product's epilogue.
+    fn forward_relu(&self, input: &Tensor) -> Result<Tensor> {
+        self.forward(input)?.relu()
+    }
+
     /// Switches training behaviour (dropout) on or off; layers without any ignore it.
     fn set_training(&mut self, training: bool) {
         let _ = training;

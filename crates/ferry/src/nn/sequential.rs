@@ -44,10 +44,19 @@ impl std::fmt::Debug for Sequential {
 }
 
 impl Module for Sequential {
+    /// Each layer in turn; a layer followed by a [`ReLU`](super::ReLU) runs as one
+    /// [`Module::forward_relu`] (a linear layer then fuses the two on a GPU).
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         let mut x = input.clone();
-        for layer in &self.layers {
-            x = layer.forward(&x)?;
+        let mut i = 0;
+        while let Some(layer) = self.layers.get(i) {
+            if self.layers.get(i + 1).is_some_and(|next| next.is_relu()) {
+                x = layer.forward_relu(&x)?;
+                i += 2;
+            } else {
+                x = layer.forward(&x)?;
+                i += 1;
+            }
         }
         Ok(x)
     }
