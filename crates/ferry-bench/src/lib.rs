@@ -40,6 +40,7 @@ mod resnet50;
 mod run_info;
 mod train;
 mod train_output;
+mod train_profile;
 mod transfer;
 mod transfer_cases;
 mod transfer_output;

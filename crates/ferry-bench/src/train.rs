@@ -24,6 +24,7 @@ use std::time::Instant;
 use super::pytorch::{self, PyTorch, PyTorchArgs};
 use super::report::Target;
 use super::train_output::{CaseResult, RunSetup, print_header, print_results, to_json};
+use super::train_profile;
 use crate::Measured;
 use clap::Args;
 use ferry::memory::cuda::CudaDevice;
@@ -205,6 +206,40 @@ pub struct TrainBenchArgs {
     /// Only these cases (ids joined by commas: digits_mlp, mlp_4096, digits_cnn, gpt).
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     cases: Vec<String>,
+    /// After each case's rounds, show where ferry's step spends its time on the GPU: per phase,
+    /// as run and with the host ahead, and per kernel.
+    #[arg(long)]
+    profile: bool,
+}
+
+/// The parts of a training step, in order; each ends where the next begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    ZeroGrad,
+    Forward,
+    Loss,
+    Backward,
+    Optimizer,
+}
+
+pub const PHASES: [Phase; 5] = [
+    Phase::ZeroGrad,
+    Phase::Forward,
+    Phase::Loss,
+    Phase::Backward,
+    Phase::Optimizer,
+];
+
+impl Phase {
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::ZeroGrad => "zero_grad",
+            Phase::Forward => "forward",
+            Phase::Loss => "loss",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer step",
+        }
+    }
 }
 
 /// What one of ferry's steps runs.
@@ -222,11 +257,11 @@ enum Work {
 }
 
 /// ferry's side of a case: model, optimizer and batch, made before any clock starts.
-struct FerryRun {
+pub(crate) struct FerryRun {
     work: Work,
     /// The last step's loss, detached, still on the device.
     loss: Option<Tensor>,
-    cuda: Option<CudaDevice>,
+    pub(crate) cuda: Option<CudaDevice>,
 }
 
 /// The eight products of an MLP step with `widths` and `batch`: for each layer (fan_in ->
@@ -254,7 +289,7 @@ fn mlp_gemms(
 }
 
 impl FerryRun {
-    fn new(case: &Case, device: Device) -> Result<Self, Box<dyn Error>> {
+    pub(crate) fn new(case: &Case, device: Device) -> Result<Self, Box<dyn Error>> {
         let (widths, batch) = (case.widths, case.batch);
         let cuda = match device {
             Device::Cuda(ordinal) => Some(CudaDevice::get(ordinal)?),
@@ -316,7 +351,7 @@ impl FerryRun {
         Ok(run)
     }
 
-    fn synchronize(&self) -> Result<(), Box<dyn Error>> {
+    pub(crate) fn synchronize(&self) -> Result<(), Box<dyn Error>> {
         match &self.cuda {
             Some(dev) => Ok(dev.synchronize()?),
             None => Ok(()),
@@ -324,6 +359,15 @@ impl FerryRun {
     }
 
     fn step(&mut self) -> ferry::Result<()> {
+        self.step_marked(&mut |_| Ok(()))
+    }
+
+    /// A step that calls `mark` after each of its phases ([`PHASES`]; a GEMM-only case marks
+    /// nothing).
+    pub(crate) fn step_marked(
+        &mut self,
+        mark: &mut dyn FnMut(Phase) -> ferry::Result<()>,
+    ) -> ferry::Result<()> {
         let (model, opt, x, y, precision) = match &mut self.work {
             Work::Gemms(products) => {
                 let _no_grad = ferry::no_grad();
@@ -346,8 +390,10 @@ impl FerryRun {
             } => (model, opt, x, y, *precision),
         };
         opt.zero_grad();
-        let forward = || {
+        mark(Phase::ZeroGrad)?;
+        let mut forward = || {
             let logits = model.forward(x)?;
+            mark(Phase::Forward)?;
             // The GPT's logits are [batch, context, vocabulary]: one prediction per position.
             let rows = y.numel();
             cross_entropy(&logits.reshape(&[rows, logits.numel() / rows])?, y)
@@ -356,14 +402,17 @@ impl FerryRun {
             Precision::F32 => forward()?,
             Precision::Bf16Autocast => ferry::amp::autocast(DType::BF16, forward)?,
         };
+        mark(Phase::Loss)?;
         loss.backward()?;
+        mark(Phase::Backward)?;
         opt.step()?;
+        mark(Phase::Optimizer)?;
         self.loss = Some(loss.detach());
         Ok(())
     }
 
     /// One round: mean milliseconds per step over `steps` steps, device synchronized both ends.
-    fn round_ms_per_step(&mut self, steps: u32) -> Result<f64, Box<dyn Error>> {
+    pub(crate) fn round_ms_per_step(&mut self, steps: u32) -> Result<f64, Box<dyn Error>> {
         self.synchronize()?;
         let start = Instant::now();
         for _ in 0..steps {
@@ -387,6 +436,7 @@ fn measure<'a>(
     mut torch: Option<&mut PyTorch>,
     warmup: u32,
     rounds: u32,
+    profile: bool,
 ) -> CaseResult<'a> {
     let mut m = CaseResult {
         case,
@@ -420,6 +470,11 @@ fn measure<'a>(
         if ferry.is_none() && (torch.is_none() || m.pytorch.is_failed()) {
             break;
         }
+    }
+    if let (true, Some(run)) = (profile, ferry.as_mut())
+        && let Err(err) = train_profile::profile(case, run, steps.min(20))
+    {
+        println!("profile of {}: {err}", case.id);
     }
     if let Some(loss) = ferry.as_ref().and_then(|run| run.loss.as_ref()) {
         match loss.item() {
@@ -497,6 +552,7 @@ pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
             torch.as_mut(),
             args.warmup,
             args.rounds,
+            args.profile,
         );
         if let Some(err) = &m.pytorch.error
             && pytorch::forget_if_ended(&mut torch)
@@ -664,7 +720,7 @@ done
     fn rounds_alternate_and_each_side_keeps_its_own_errors() {
         let dir = tempfile::tempdir().unwrap();
         let mut torch = PyTorch::start("sh", &fake_server(dir.path())).unwrap();
-        let m = measure(&TINY, Device::Cpu, 3, Some(&mut torch), 1, 4);
+        let m = measure(&TINY, Device::Cpu, 3, Some(&mut torch), 1, 4, false);
         assert_eq!(m.pytorch.samples_ms, [3.0; 4]);
         assert_eq!(m.ferry.samples_ms.len(), 4);
         assert!(!m.ferry.is_failed() && !m.pytorch.is_failed());
@@ -674,7 +730,7 @@ done
             id: "broken",
             ..TINY
         };
-        let m = measure(&broken, Device::Cpu, 2, Some(&mut torch), 0, 3);
+        let m = measure(&broken, Device::Cpu, 2, Some(&mut torch), 0, 3, false);
         assert_eq!(m.ferry.samples_ms.len(), 3);
         assert_eq!(m.pytorch.error.as_deref(), Some("CUDA out of memory"));
         assert!(torch.is_alive());
