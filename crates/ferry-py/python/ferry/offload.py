@@ -16,7 +16,12 @@ The counterpart of ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, built 
   before its copy's event has been seen complete, and a forward queued far ahead of the GPU
   took fresh memory; peak reserved memory did not go down at all.)
 - Backward uploads the next ``prefetch`` tensors (in reverse order of saving) while the current
-  op computes; the current stream waits for an upload on the device, never on the host.
+  op computes, into memory allocated on the current stream (the blocks the forward freed); the
+  current stream waits for an upload on the device, never on the host. A tensor whose copy to
+  the host was still running when backward reached it (the last ones saved, when the host runs
+  ahead) is read where it is, with no upload.
+- Nothing outlives the step: once backward has used every record, the scope and what it held
+  are freed (no reference cycle is left for the collector).
 - A tensor saved by two ops (tanh's output, read again by the next linear layer) is copied once,
   and parameters and the input batch stay where they are: their owners keep them alive, so a
   copy would free nothing.
@@ -35,37 +40,67 @@ _FERRY_DTYPES = {"float32", "float64", "float16", "bfloat16", "int64", "uint8"}
 class _Saved:
     """One offloaded tensor: its pinned host copy, and its upload once started."""
 
-    __slots__ = ("index", "scope", "device", "shape", "dtype", "host", "on_device", "uploaded",
-                 "used", "__weakref__")
+    __slots__ = ("index", "scope", "device", "shape", "dtype", "host", "copied", "original",
+                 "on_device", "uploaded", "used", "__weakref__")
 
-    def __init__(self, index, scope, t, host):
+    def __init__(self, index, scope, t, host, copied):
         self.index = index
         self.scope = scope
         self.device = t.device
         self.shape = t.shape
         self.dtype = t.dtype
         self.host = host  # torch tensor over ferry's pinned block, written on the side stream
-        self.on_device = None  # the upload's destination, once started
-        self.uploaded = None  # event on the side stream after the upload
+        self.copied = copied  # event on the side stream after the copy to the host
+        self.original = t  # the GPU tensor while the scope holds it (its copy still running)
+        self.on_device = None  # what backward reads, once there
+        self.uploaded = None  # event on the side stream after which `on_device` may be read
         self.used = False
 
     def start_upload(self):
         if self.on_device is not None:
             return
+        if self.original is not None:
+            # Still on the GPU (the host ran ahead into backward before its copy finished): read
+            # it in place, once the copy that reads it has completed, and upload nothing.
+            self.on_device, self.original = self.original, None
+            self.uploaded = self.copied
+            self.scope.stats["read_in_place"] += 1
+            return
         torch = _torch()
+        current = torch.cuda.current_stream(self.device)
         side = self.scope._side_stream(self.device)
-        # Allocated on the current stream; the side stream first waits for the work queued there,
-        # which may still read the memory torch hands out now.
+        # Allocated on the current stream, from the blocks the forward's freed activations left
+        # in its pool (an allocation on the side stream would take fresh memory from a pool of
+        # its own, and the reserved peak would grow by the uploads). The side stream first waits
+        # for the work queued so far on the current stream, which may still use the block; the
+        # backward op queued next overlaps the copy.
         dest = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(current)
         with torch.cuda.stream(side):
             dest.copy_(self.host, non_blocking=True)
             self.uploaded = torch.cuda.Event()
             self.uploaded.record(side)
-        dest.record_stream(side)
+        # No record_stream: the current stream waits for the upload before it reads `dest`
+        # (in unpack) or before the block can be handed out again (in __del__, if never read),
+        # so the block returns to the current stream's pool in order, at once.
         self.on_device = dest
         # The pinned block goes back to ferry's pool only after the upload has read it.
         self.scope._releasing.append((self.uploaded, self.host))
+
+    def __del__(self):
+        # A record dropped with its graph while a copy may still use the GPU tensor it frees (the
+        # copy to the host of `original`, or an upload nothing read): work queued on the current
+        # stream after this point, which may reuse the block, runs after that copy.
+        pending = None
+        if self.original is not None:
+            pending = self.copied
+        elif self.on_device is not None and not self.used:
+            pending = self.uploaded
+        if pending is not None:
+            try:
+                _torch().cuda.current_stream(self.device).wait_event(pending)
+            except Exception:  # interpreter shutdown: nothing runs after it anyway
+                pass
 
 
 class offload_saved:
@@ -82,7 +117,7 @@ class offload_saved:
         print(scope.stats)
     """
 
-    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 2, in_flight: int = 2):
+    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 1, in_flight: int = 2):
         if min_bytes < 0 or prefetch < 0 or in_flight < 1:
             raise ValueError("min_bytes and prefetch must be >= 0, in_flight >= 1")
         self.min_bytes = min_bytes
@@ -96,13 +131,15 @@ class offload_saved:
             "kept_over_budget": 0,
             "prefetched": 0,
             "fetched_on_demand": 0,
+            "read_in_place": 0,
         }
         # Weak: a saved tensor lives as long as torch's graph holds it, not as long as the scope.
         self._saved: list[weakref.ref] = []
         self._seen: dict = {}
         self._streams: dict = {}
         self._releasing: deque = deque()  # (event, pinned tensor) until the event completes
-        self._copies: deque = deque()  # (event, GPU tensor) of the copies to the host running
+        # (event, record) of the copies to the host running; the record holds the GPU tensor.
+        self._copies: deque = deque()
         self._hooks = None
 
     def __enter__(self) -> offload_saved:
@@ -113,6 +150,9 @@ class offload_saved:
 
     def __exit__(self, *exc) -> bool:
         self._hooks.__exit__(*exc)
+        # The hooks hold bound methods of this scope: dropped here, so the scope is freed with
+        # the last record (as the graph is), not by the cycle collector some time later.
+        self._hooks = None
         self._seen.clear()
         return False
 
@@ -125,12 +165,15 @@ class offload_saved:
         """Lets go of the GPU tensors whose copies to the host have completed, waiting for the
         oldest while more than ``keep`` are running (for all with ``wait``)."""
         while self._copies:
-            event, _ = self._copies[0]
+            event, record = self._copies[0]
             if wait or len(self._copies) > keep:
                 event.synchronize()
             elif not event.query():
                 return
             self._copies.popleft()
+            saved = record()
+            if saved is not None:
+                saved.original = None
 
     def settle(self, wait: bool = False) -> None:
         """Lets go of the GPU tensors whose copies to the host have completed, and of the pinned
@@ -183,13 +226,14 @@ class offload_saved:
             host.copy_(t, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(side)
-        # t is held until its copy has completed (then torch frees it in stream order).
-        self._copies.append((copied, t))
         # Whatever happens to the record (a graph dropped unused), the block is not given back
         # to ferry's pool while the copy still writes it.
         self._releasing.append((copied, host))
+        # t is held (by its record) until its copy has completed, then torch frees it in stream
+        # order; backward reads it in place if it gets there first.
+        saved = _Saved(len(self._saved), self, t, host, copied)
+        self._copies.append((copied, weakref.ref(saved)))
         self._drain_copies(self.in_flight, wait=False)
-        saved = _Saved(len(self._saved), self, t, host)
         self._saved.append(weakref.ref(saved))
         self._seen[key] = (weakref.ref(t), saved)
         self.stats["offloaded"] += 1
