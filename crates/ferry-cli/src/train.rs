@@ -312,11 +312,14 @@ fn replica(
         .as_ref()
         .map_or((0, 1), |g| (g.rank(), g.world_size()));
     let lead = rank == 0;
+    // Drawn on the host and moved: a seed gives the same initial weights on every device (as it
+    // gives the same shuffles and dropout masks), so a run on a GPU follows the CPU's.
     ferry::manual_seed(args.seed);
     let mut model = match args.task {
-        Task::DigitsCnn => ferry::models::digits_cnn(device, args.dropout)?,
-        _ => ferry::models::digits_mlp(device, args.dropout)?,
+        Task::DigitsCnn => ferry::models::digits_cnn(Device::Cpu, args.dropout)?,
+        _ => ferry::models::digits_mlp(Device::Cpu, args.dropout)?,
     };
+    model.to(device)?;
     let lr = args.lr.unwrap_or(1e-2);
     let mut opt = AdamW::new(model.parameters(), lr)?.weight_decay(args.weight_decay);
     let mut history = Vec::new();
