@@ -1,6 +1,6 @@
 //! Optimizers: SGD (momentum, weight decay, Nesterov), Adam and AdamW, with state dicts;
-//! learning-rate schedules ([`LrSchedule`], [`Scheduled`]) and gradient clipping
-//! ([`clip_grad_norm`], [`clip_grad_value`]).
+//! learning-rate schedules ([`LrSchedule`], [`Scheduled`]), gradient clipping
+//! ([`clip_grad_norm`], [`clip_grad_value`]) and a moving average of the weights ([`Ema`]).
 //!
 //! An optimizer holds the parameter tensors themselves (clones of a tensor are the same
 //! tensor) and updates them in place under `no_grad`, so they stay the leaves the model owns.
@@ -30,11 +30,13 @@
 
 mod adam;
 mod clip;
+mod ema;
 mod schedule;
 mod sgd;
 
 pub use adam::{Adam, AdamW};
 pub use clip::{ClipOptions, clip_grad_norm, clip_grad_norm_with, clip_grad_value, grad_norm};
+pub use ema::Ema;
 pub use schedule::{Constant, Cosine, LrSchedule, Scheduled, StepDecay, Warmup};
 pub use sgd::Sgd;
 
