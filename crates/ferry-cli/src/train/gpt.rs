@@ -179,7 +179,7 @@ pub(super) fn train(args: &super::TrainArgs) -> Result<super::TrainSummary, Box<
     let mut history = Vec::new();
     let mut skipped = Vec::new();
     if args.resume
-        && let Some(resumed) = resume::resume(&args.out(), &mut model, &mut opt)?
+        && let Some(resumed) = resume::resume(&args.out(), &mut model, &mut opt, None)?
     {
         super::warn_skipped(&resumed.skipped);
         say(args, &format!("resuming from {}", resumed.path.display()));
@@ -241,7 +241,12 @@ pub(super) fn train(args: &super::TrainArgs) -> Result<super::TrainSummary, Box<
             "epoch {epoch}/{}: loss {:.4}, next-char accuracy {:.4} (train), {:.4} (held out)",
             args.epochs, stats.loss, stats.train_accuracy, stats.test_accuracy
         );
-        super::finish_epoch(args, epoch, &model, &opt, &history, &bar, &line)?;
+        let state = super::RunState {
+            model: &model,
+            opt: &opt,
+            ema: None,
+        };
+        super::finish_epoch(args, epoch, state, &history, &bar, &line)?;
     }
     bar.finish_and_clear();
     if !args.quiet {

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use ferry::checkpoint::Checkpoint;
 use ferry::nn::Module;
-use ferry::optim::Optimizer;
+use ferry::optim::{Ema, Optimizer};
 use ferry::with_no_grad;
 
 use super::EpochStats;
@@ -23,6 +23,15 @@ pub struct Skipped {
     pub epoch: usize,
     /// Why it could not be used.
     pub reason: String,
+}
+
+/// What an epoch file saves: the model, its optimizer and the moving average of the weights,
+/// if the run keeps one.
+#[derive(Clone, Copy)]
+pub(super) struct RunState<'a> {
+    pub model: &'a dyn Module,
+    pub opt: &'a dyn Optimizer,
+    pub ema: Option<&'a Ema>,
 }
 
 /// Where a resumed run starts.
@@ -78,17 +87,18 @@ pub(super) fn prune_epochs(dir: &Path, keep: usize) -> Result<Vec<PathBuf>, Box<
     Ok(deleted)
 }
 
-/// Loads the newest epoch file of `dir` that is whole and fits `model` and `opt`; `None` when
-/// `dir` has no epoch file. A file that fails leaves `model` and `opt` as they were, and the
-/// next older one is tried.
+/// Loads the newest epoch file of `dir` that is whole and fits `model`, `opt` and `ema`; `None`
+/// when `dir` has no epoch file. A file that fails leaves all three as they were, and the next
+/// older one is tried.
 pub fn resume(
     dir: &Path,
     model: &mut dyn Module,
     opt: &mut dyn Optimizer,
+    mut ema: Option<&mut Ema>,
 ) -> Result<Option<Resumed>, Box<dyn Error>> {
     let mut skipped = Vec::new();
     for (epoch, path) in epoch_files(dir)? {
-        match restore(&path, epoch, model, opt) {
+        match restore(&path, epoch, model, opt, ema.as_deref_mut()) {
             Ok(history) => {
                 return Ok(Some(Resumed {
                     path,
@@ -117,23 +127,42 @@ pub fn resume(
     .into())
 }
 
-/// Writes the epoch file (model under `model.`, optimizer under `optimizer.`, the history in
-/// the metadata) and `model.safetensors` (the model alone, PyTorch's key names).
+/// Writes the epoch file (model under `model.`, optimizer under `optimizer.`, the moving
+/// average, if any, under `ema.`, the history in the metadata) and `model.safetensors`: the
+/// model alone, PyTorch's key names, with the averaged weights when there is an `ema` (the
+/// weights the test accuracy was measured with).
 pub(super) fn save_epoch(
     dir: &Path,
     epoch: usize,
-    model: &dyn Module,
-    opt: &dyn Optimizer,
+    state: RunState<'_>,
     history: &[EpochStats],
 ) -> Result<(), Box<dyn Error>> {
+    let RunState { model, opt, ema } = state;
     let mut ck = Checkpoint::new();
     ck.insert_section("model", model.state_dict());
     ck.insert_section("optimizer", opt.state_dict());
+    if let Some(ema) = ema {
+        ck.insert_section("ema", ema.state_dict());
+    }
     ck.set_metadata("epoch", epoch.to_string());
     ck.set_metadata("history", encode_history(history));
     ck.save(epoch_file(dir, epoch))?;
-    ferry::checkpoint::save(dir.join("model.safetensors"), &model.state_dict())?;
+    ferry::checkpoint::save(dir.join("model.safetensors"), &shipped_state(model, ema))?;
     Ok(())
+}
+
+/// The model's state dict, with each parameter's average in its place when there is an `ema`
+/// (built over `model.parameters()`, which follow `named_parameters()`'s order).
+fn shipped_state(model: &dyn Module, ema: Option<&Ema>) -> ferry::StateDict {
+    let mut state = model.state_dict();
+    if let Some(ema) = ema {
+        for ((name, _), average) in model.named_parameters().iter().zip(ema.averages()) {
+            if let Some(entry) = state.iter_mut().find(|(k, _)| k == name) {
+                entry.1 = average.detach();
+            }
+        }
+    }
+    state
 }
 
 #[cfg(test)]
@@ -167,6 +196,7 @@ fn restore(
     epoch: usize,
     model: &mut dyn Module,
     opt: &mut dyn Optimizer,
+    ema: Option<&mut Ema>,
 ) -> Result<Vec<EpochStats>, String> {
     let ck = Checkpoint::load(path).map_err(|e| {
         let text = e.to_string();
@@ -183,6 +213,16 @@ fn restore(
             history.len()
         ));
     }
+    let ema_state = ck.section("ema");
+    match (&ema, ema_state.is_empty()) {
+        (Some(_), true) => {
+            return Err("it has no moving average of the weights (`ema.`), which --ema asks for; resume with --ema 0, or start afresh".into());
+        }
+        (None, false) => {
+            return Err("it holds a moving average of the weights (`ema.`); resume with the --ema it was trained with".into());
+        }
+        _ => {}
+    }
     let model_state = ck.section("model");
     ferry::nn::check_state("model", &model.named_parameters(), &model_state)
         .map_err(|e| text(&e))?;
@@ -195,10 +235,24 @@ fn restore(
     })
     .map_err(|e| text(&e))?;
     model.load_state_dict(&model_state).map_err(|e| text(&e))?;
-    if let Err(e) = opt.load_state_dict(&ck.section("optimizer")) {
-        // Keep "a failed load changes nothing" for the pair, not only for each half.
+    // The optimizer and the average check everything before changing anything; if either
+    // fails, the model goes back, so a failed load changes nothing.
+    let undo = |model: &mut dyn Module, e: &dyn std::fmt::Display| {
         model.load_state_dict(&snapshot).map_err(|e| text(&e))?;
-        return Err(text(&e));
+        Err(text(e))
+    };
+    if let Some(ema) = &ema {
+        let mut probe =
+            Ema::new(ema.averages().iter().cloned(), ema.decay()).map_err(|e| text(&e))?;
+        if let Err(e) = probe.load_state_dict(&ema_state) {
+            return undo(model, &e);
+        }
+    }
+    if let Err(e) = opt.load_state_dict(&ck.section("optimizer")) {
+        return undo(model, &e);
+    }
+    if let Some(ema) = ema {
+        ema.load_state_dict(&ema_state).map_err(|e| text(&e))?;
     }
     Ok(history)
 }
