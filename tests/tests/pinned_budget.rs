@@ -236,3 +236,58 @@ fn the_budgets_are_set_and_read_through_the_facade() {
         Ok(())
     });
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_host_tensor_pinned_in_place_moves_without_staging_and_counts_in_the_budget() {
+    run(|| {
+        let _budget = PinnedBudget::set(1 << 30)?;
+        let pool = PinnedPool::global()?;
+        let x = Tensor::rand(&[64 << 20 >> 2], DType::F32, Device::Cpu)?;
+        let expected = x.to_vec::<f32>()?;
+        // Pageable: 64 MiB goes through the staging pipeline.
+        let (_, pageable) = x.to_with(GPU, MoveOptions::default())?;
+        assert!(pageable.staging_peak_bytes > 0, "{pageable}");
+        let before = pool.stats().registered_bytes;
+        assert!(x.pin_in_place()?);
+        assert_eq!(pool.stats().registered_bytes, before + x.nbytes());
+        assert!(!x.pin_in_place()?, "pinned twice");
+        // Page-locked: one DMA straight from where it is.
+        let (y, pinned) = x.to_with(GPU, MoveOptions::default())?;
+        assert_eq!(pinned.staging_peak_bytes, 0, "{pinned}");
+        assert_eq!(y.to_vec::<f32>()?, expected);
+        drop(x);
+        assert_eq!(pool.stats().registered_bytes, before);
+        // A GPU tensor has nothing to pin; a budget without room refuses, naming it.
+        assert!(y.pin_in_place().is_err());
+        pool.set_budget(pool.stats().reserved_bytes + (1 << 20))?;
+        let big = Tensor::zeros(&[16 << 20 >> 2], DType::F32, Device::Cpu)?;
+        let err = big.pin_in_place().unwrap_err().to_string();
+        assert!(err.contains("FERRY_PINNED_BUDGET"), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn order_stream_keeps_a_callers_stream_behind_an_async_copy() {
+    run(|| {
+        let dev = CudaDevice::get(0)?;
+        let copy = dev.new_stream()?;
+        let caller = dev.new_stream()?;
+        let x = Tensor::ones(&[16 << 20], DType::F32, GPU)?;
+        let pending = x.to_async(Device::Cpu, &copy)?;
+        pending.order_stream(&caller)?;
+        // The caller's stream now completes only after the copy: an event recorded there is
+        // done once it is, and the copy is then done too.
+        let marker = caller.record()?;
+        marker.synchronize()?;
+        assert!(
+            pending.is_ready(),
+            "the caller's stream ran ahead of the copy"
+        );
+        let (y, _) = pending.wait()?;
+        assert!(y.to_vec::<f32>()?.iter().all(|&v| v == 1.0));
+        Ok(())
+    });
+}

@@ -83,7 +83,7 @@ pub enum MemoryError {
         "the pinned-memory budget of {} is full: {} is held by live pinned buffers and {} more was asked for (idle cached blocks were already trimmed). \
          Drop pinned buffers you no longer need, raise the budget with ferry::cuda::pinned::set_budget(bytes) or FERRY_PINNED_BUDGET (e.g. FERRY_PINNED_BUDGET=16G), \
          or call ferry::cuda::pinned::empty_cache() to give back blocks still in flight",
-        human_bytes(*.budget), human_bytes(.stats.allocated_bytes), human_bytes(*.requested)
+        human_bytes(*.budget), human_bytes(.stats.allocated_bytes + .stats.registered_bytes), human_bytes(*.requested)
     )]
     PinnedBudgetExceeded {
         /// Bytes asked for.

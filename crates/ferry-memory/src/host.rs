@@ -39,7 +39,13 @@ pub struct HostBuffer {
     /// Bytes this buffer adds to [`host_stats`]' `allocated_bytes`: its length, its pool block
     /// when pooled, 0 while it waits in the pool's cache.
     counted: usize,
+    /// The registration that page-locks the bytes in place, once the CUDA layer pinned them
+    /// (`PinnedPool::pin_in_place`); dropped, so unregistered, before the bytes are freed.
+    page_lock: PageLock,
 }
+
+/// Whatever keeps a buffer's pages locked; this module only holds it and drops it first.
+type PageLock = parking_lot::Mutex<Option<Box<dyn std::any::Any + Send + Sync>>>;
 
 /// Where the bytes came from, so drop gives them back the same way.
 enum Backing {
@@ -81,6 +87,7 @@ impl HostBuffer {
                 backing: Backing::Heap(layout),
                 pooled: false,
                 counted: 0,
+                page_lock: PageLock::default(),
             };
             return Ok(buffer.counted_as(len));
         }
@@ -108,6 +115,7 @@ impl HostBuffer {
             backing: Backing::External(owner),
             pooled: false,
             counted: 0,
+            page_lock: PageLock::default(),
         }
     }
 
@@ -132,6 +140,7 @@ impl HostBuffer {
             backing: Backing::Heap(layout),
             pooled: false,
             counted: 0,
+            page_lock: PageLock::default(),
         })
     }
 
@@ -179,6 +188,7 @@ impl HostBuffer {
             backing: Backing::Mapped { base, len: map_len },
             pooled: false,
             counted: 0,
+            page_lock: PageLock::default(),
         };
         use rayon::prelude::*;
         // Anonymous pages read as zero; writing a zero to each faults it in without changing
@@ -239,8 +249,17 @@ impl HostBuffer {
     }
 }
 
+impl HostBuffer {
+    /// The page lock the CUDA layer keeps in this buffer.
+    pub(crate) fn page_lock(&self) -> &PageLock {
+        &self.page_lock
+    }
+}
+
 impl Drop for HostBuffer {
     fn drop(&mut self) {
+        // Unlocked before the bytes go back to whoever owns them.
+        drop(self.page_lock.get_mut().take());
         if self.counted > 0 {
             counters::count_free(self.counted);
         }
@@ -252,6 +271,7 @@ impl Drop for HostBuffer {
                 backing: std::mem::replace(&mut self.backing, Backing::Gone),
                 pooled: false,
                 counted: 0,
+                page_lock: PageLock::default(),
             };
             HOST_POOL.give_back(buffer);
             return;

@@ -228,6 +228,20 @@ pub enum TensorError {
         /// Where the tensor is.
         device: Device,
     },
+    /// Typed access to bytes that do not start at a multiple of the element size.
+    #[error(
+        "{op}: the data at address {address:#x} is not aligned to the {align} bytes a {dtype} element needs (foreign memory viewed at an odd offset, say); copy it into aligned memory first (torch: `.clone()`, numpy: `.copy()`)"
+    )]
+    Misaligned {
+        /// The operation that met the data.
+        op: &'static str,
+        /// Where the data starts (a host or device address).
+        address: usize,
+        /// The alignment the dtype needs.
+        align: usize,
+        /// The element type.
+        dtype: DType,
+    },
     /// Leaving the graph (to ndarray, to a file) with a tensor whose history would be lost.
     #[error("{op}: the tensor requires grad; call `.detach()` first to leave the graph explicitly")]
     RequiresGrad {

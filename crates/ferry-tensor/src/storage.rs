@@ -282,11 +282,32 @@ impl Storage {
         }
     }
 
+    /// Refuses bytes that do not start at a multiple of the dtype's element size: typed access
+    /// to them would be undefined behaviour. ferry's own buffers are always aligned; foreign
+    /// memory (DLPack, registered host memory) may not be. Pinned blocks are page-aligned.
+    pub fn check_aligned(&self, op: &'static str) -> Result<()> {
+        let address = match &*self.read() {
+            Buffer::Host(b) => b.as_bytes().as_ptr() as usize,
+            Buffer::Cuda(b) => b.device_ptr() as usize,
+            Buffer::Pinned(_) => return Ok(()),
+        };
+        let align = self.dtype.size();
+        if address % align == 0 {
+            return Ok(());
+        }
+        Err(TensorError::Misaligned {
+            op,
+            address,
+            align,
+            dtype: self.dtype,
+        })
+    }
+
     fn check<T: Element>(&self, op: &'static str) -> Result<()> {
         if T::DTYPE != self.dtype {
             return Err(TensorError::dtype_mismatch(op, self.dtype, T::DTYPE));
         }
-        Ok(())
+        self.check_aligned(op)
     }
 }
 
@@ -363,5 +384,33 @@ mod tests {
         );
         assert_eq!(s.host::<f32>("read").unwrap().len(), 1);
         assert_eq!(s.host_mut::<f32>("write").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn misaligned_foreign_bytes_are_an_error_not_a_panic() {
+        // Foreign memory one byte into an allocation, labelled f32: typed access is refused.
+        let backing = vec![0u8; 4 * 9].into_boxed_slice();
+        let base = std::ptr::NonNull::new(backing.as_ptr() as *mut u8).unwrap();
+        // SAFETY: one byte into a 36-byte allocation.
+        let odd = unsafe { base.add(1) };
+        // SAFETY: `backing` outlives the buffer, which is dropped before it below.
+        let buffer = unsafe { HostBuffer::from_external(odd, 32, Box::new(())) };
+        let storage =
+            std::sync::Arc::new(Storage::new(Buffer::Host(buffer), DType::F32, Device::Cpu));
+        let Err(err) = storage.host::<f32>("read") else {
+            panic!("misaligned bytes were read");
+        };
+        assert!(
+            matches!(err, TensorError::Misaligned { align: 4, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains(".clone()"), "{err}");
+        let layout = crate::Layout::contiguous(&[8]);
+        let Err(err) = crate::Tensor::from_storage(storage.clone(), layout) else {
+            panic!("a tensor was made over misaligned bytes");
+        };
+        assert!(matches!(err, TensorError::Misaligned { .. }), "{err}");
+        drop(storage);
+        drop(backing);
     }
 }

@@ -41,6 +41,7 @@ impl Tensor {
     /// read or write other memory.
     pub fn from_storage(storage: Arc<Storage>, layout: Layout) -> Result<Self> {
         layout.check_fits("from_storage", storage.dtype(), storage.bytes())?;
+        storage.check_aligned("from_storage")?;
         Ok(Self::over(storage, layout))
     }
 

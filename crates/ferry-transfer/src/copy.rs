@@ -49,8 +49,12 @@ pub(crate) const PIPELINE_STAGING_BYTES: usize = 64 << 20;
 
 fn host_to_device(src: &Tensor, ordinal: usize) -> Result<(Tensor, TransferPath, usize)> {
     let src = dense(src)?;
-    let pageable = matches!(&*src.storage().read(), Buffer::Host(_));
-    if pageable && src.nbytes() >= PIPELINE_FROM_BYTES {
+    let dev = cuda(ordinal)?;
+    // Page-locked host memory (pinned in place, or another runtime's pinned tensor) is read by
+    // DMA directly, at the link; only pageable memory needs the staging pipeline.
+    let pageable = src.nbytes() >= PIPELINE_FROM_BYTES
+        && matches!(&*src.storage().read(), Buffer::Host(b) if !PinnedPool::is_page_locked(b));
+    if pageable {
         let spec = ChunkSpec::MaxStagingBytes(PIPELINE_STAGING_BYTES);
         if let Ok(plan) = ChunkPlan::new(src.shape(), src.dtype(), spec)
             && plan.len() > 1
@@ -59,7 +63,6 @@ fn host_to_device(src: &Tensor, ordinal: usize) -> Result<(Tensor, TransferPath,
             return Ok((moved, TransferPath::HostToDevice, report.staging_peak_bytes));
         }
     }
-    let dev = cuda(ordinal)?;
     let stream = dev.default_stream();
     let mut out = dev.alloc(src.nbytes(), stream)?;
     let guard = src.storage().read();
@@ -118,6 +121,19 @@ fn device_to_host(src: &Tensor, non_blocking: bool) -> Result<(Tensor, TransferP
         TransferPath::DeviceToPageable,
         0,
     ))
+}
+
+/// [`crate::DeviceMove::pin_in_place`]: a host tensor's storage page-locked where it is.
+pub(crate) fn pin_in_place(t: &Tensor) -> Result<bool> {
+    let storage = t.storage().read();
+    match &*storage {
+        Buffer::Host(b) => Ok(PinnedPool::global()?.pin_in_place(b)?),
+        Buffer::Pinned(_) => Ok(false),
+        _ => Err(TensorError::UnsupportedDevice {
+            op: "pin_in_place",
+            device: t.device(),
+        }),
+    }
 }
 
 /// A GPU-to-host move of a dense `src` whose result does not fit the pinned budget: through at

@@ -6,6 +6,7 @@ use ferry_memory::cuda::Stream;
 use ferry_tensor::{Result, Tensor};
 
 use crate::chunked::to_chunked;
+use crate::copy::pin_in_place;
 use crate::pending::{PendingTensor, to_async};
 use crate::plan::ChunkSpec;
 use crate::record::{MoveOptions, to_with};
@@ -95,6 +96,14 @@ pub trait DeviceMove: Sized {
     /// Dropping the stream early waits for the copies in flight and returns the staging. A
     /// host source streams views of its own rows, with no copy. Records nothing in the graph.
     fn stream_to(&self, device: Device, spec: ChunkSpec) -> Result<ChunkStream>;
+
+    /// Page-locks a host tensor's memory where it is (`cuMemHostRegister`), within the pinned
+    /// pool's budget, so that later moves of it to and from a GPU are direct DMA at the link
+    /// instead of going through pageable staging. Its storage stays locked until it is freed
+    /// (the registration is undone then). `Ok(false)` when the memory is page-locked already
+    /// (a pinned result of a move, or pinned before); an error naming the budget when it does
+    /// not fit (`PinnedBudgetExceeded`), and for a tensor on a GPU.
+    fn pin_in_place(&self) -> Result<bool>;
 }
 
 impl DeviceMove for Tensor {
@@ -136,5 +145,9 @@ impl DeviceMove for Tensor {
 
     fn stream_to(&self, device: Device, spec: ChunkSpec) -> Result<ChunkStream> {
         stream_to(self, device, spec)
+    }
+
+    fn pin_in_place(&self) -> Result<bool> {
+        pin_in_place(self)
     }
 }

@@ -63,6 +63,18 @@ impl PendingTensor {
         self.done.as_ref().is_none_or(Event::is_complete)
     }
 
+    /// Makes `stream` wait, on the device, for the copy: work queued there afterwards (an
+    /// in-place write of the source, a kernel that reads the result) runs only once the copy
+    /// has landed. The host never waits. For a caller's own stream, or another runtime's
+    /// ([`ferry_memory::cuda::CudaDevice::borrow_stream`]): ferry's own in-place writes are
+    /// ordered after the copy without it.
+    pub fn order_stream(&self, stream: &Stream) -> Result<()> {
+        if let Some(done) = &self.done {
+            stream.wait_event(done)?;
+        }
+        Ok(())
+    }
+
     /// Blocks until the copy has finished, then hands out the tensor and the move's report.
     /// When the source required grad (and grad mode was on when the move was issued), the result
     /// carries a transfer node whose backward sends the gradient home.

@@ -306,8 +306,19 @@ impl DeviceAllocator {
         self.ctx.synchronize().map_err(driver("cuCtxSynchronize"))?;
         let mut outcome = Ok(());
         for free in blocks {
+            // Copies that may still use the block can run on another GPU's stream (a peer
+            // copy queued there), which this context's synchronize does not wait for.
+            if let Some(e) = free.after.iter().find_map(|e| e.synchronize().err()) {
+                outcome = Err(e);
+                continue; // leaked: freeing it could be a use-after-free
+            }
+            // Waiting on an event binds the event's context; free in ours.
+            self.ctx
+                .bind_to_thread()
+                .map_err(driver("cuCtxSetCurrent"))?;
             // SAFETY: the block came from cuMemAlloc in this context, is in no live buffer
-            // (it was cached), and the synchronize above finished all work touching it.
+            // (it was cached), the synchronize above finished all work this context queued on
+            // it, and the events waited for, the work queued on other devices.
             if let Err(e) = unsafe { result::free_sync(free.block.ptr) } {
                 outcome = Err(driver("cuMemFree")(e));
             }
@@ -389,5 +400,48 @@ mod tests {
         assert_eq!(len.unwrap(), 1 << 20);
         let stats = dev.memory_stats();
         assert!(stats.reserved_bytes >= stats.allocated_bytes, "{stats:?}");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn emptying_the_cache_waits_for_copies_on_another_devices_stream() {
+        use std::sync::Arc;
+
+        use super::super::Stream;
+        use super::super::test_hooks::{hold, second_context};
+
+        let _serial = SERIAL.lock();
+        let dev = CudaDevice::get(0).unwrap();
+        // A copy that still uses the block runs on a stream this device's synchronize does not
+        // cover (another GPU's, here another context's), held there until the test says so.
+        let other = second_context(&dev);
+        let stream = Stream::wrap(other.new_stream().unwrap());
+        let held = hold(&stream);
+        let copy = Arc::new(stream.record().unwrap());
+        dev.bind().unwrap();
+        let home = dev.default_stream();
+        let allocator = &dev.inner.allocator;
+        let block = allocator.allocate(1 << 20, home).unwrap();
+        allocator
+            .release(block, home, true, vec![Arc::clone(&copy)])
+            .unwrap();
+        let emptier = {
+            let dev = dev.clone();
+            thread::spawn(move || dev.empty_cache())
+        };
+        // Ordering, not timing: the emptier cannot finish before the held copy completes.
+        thread::sleep(Duration::from_millis(500));
+        let freed_under_the_copy = emptier.is_finished();
+        held.release();
+        emptier.join().unwrap().unwrap();
+        assert!(
+            !freed_under_the_copy,
+            "empty_cache freed a block whose copy on another device's stream was still running"
+        );
+        assert!(copy.is_complete());
+        assert_eq!(
+            dev.memory_stats().reserved_bytes,
+            dev.memory_stats().allocated_bytes
+        );
     }
 }

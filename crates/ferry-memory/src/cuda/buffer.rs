@@ -188,16 +188,27 @@ impl DeviceBuffer {
         }
     }
 
+    /// Notes that work another runtime queued on `stream` uses this buffer (the counterpart of
+    /// `torch.Tensor.record_stream`): when the buffer is dropped, the home stream waits for the
+    /// work queued on `stream` by then before the block can be reused. Unlike
+    /// [`DeviceBuffer::record_stream`] it orders nothing now.
+    pub fn record_use(&self, stream: &Stream) {
+        if *stream == self.stream || self.is_empty() {
+            return;
+        }
+        let mut foreign = self.foreign.lock();
+        match foreign.streams.iter_mut().find(|(s, _)| s == stream) {
+            Some((_, last_copy)) => *last_copy = None,
+            None => foreign.streams.push((stream.clone(), None)),
+        }
+    }
+
     /// [`DeviceBuffer::record_stream`], returning the error.
     fn order_use(&self, stream: &Stream) -> Result<(), MemoryError> {
         if *stream != self.stream {
             // The bytes' producers run on the home stream.
             stream.wait_event(&self.stream.record()?)?;
-            let mut foreign = self.foreign.lock();
-            match foreign.streams.iter_mut().find(|(s, _)| s == stream) {
-                Some((_, last_copy)) => *last_copy = None,
-                None => foreign.streams.push((stream.clone(), None)),
-            }
+            self.record_use(stream);
         }
         if self.in_flight.load(Ordering::Acquire) == 0 {
             return Ok(());

@@ -97,6 +97,14 @@ impl CudaDevice {
         Ok(device)
     }
 
+    /// The devices made so far in this process (by [`CudaDevice::get`]), in ordinal order;
+    /// empty without a driver. Never initializes CUDA.
+    pub fn made() -> Vec<CudaDevice> {
+        let mut made: Vec<CudaDevice> = registry().lock().values().cloned().collect();
+        made.sort_by_key(CudaDevice::ordinal);
+        made
+    }
+
     /// The CUDA ordinal.
     pub fn ordinal(&self) -> usize {
         self.inner.info.ordinal
@@ -120,19 +128,51 @@ impl CudaDevice {
     /// A new stream that runs concurrently with the default one.
     pub fn new_stream(&self) -> Result<Stream, MemoryError> {
         self.check()?;
-        if !self.inner.multi_stream.swap(true, Ordering::SeqCst) {
-            // Blocks freed so far carry no event; once this finishes none is still in use.
-            self.inner
-                .ctx
-                .synchronize()
-                .map_err(driver("cuCtxSynchronize"))?;
-        }
+        self.enter_multi_stream()?;
         let stream = self
             .inner
             .ctx
             .new_stream()
             .map_err(driver("cuStreamCreate"))?;
         Ok(Stream::wrap(stream))
+    }
+
+    /// A stream another runtime owns on this device (torch's current stream, say), by its raw
+    /// `CUstream` handle, so that ferry's work can be ordered with that runtime's work there.
+    /// The legacy default stream (handle 0, or 1 as DLPack and torch name it) is this device's
+    /// default stream itself; 2 is the per-thread default stream. Dropping the stream never
+    /// destroys it.
+    ///
+    /// # Safety
+    /// `handle` must be 0, 1, 2 or a live stream of this device's primary context, and its
+    /// owner must keep it alive for as long as the returned stream (or a buffer that recorded
+    /// a use on it) may still queue or record work on it.
+    pub unsafe fn borrow_stream(&self, handle: u64) -> Result<Stream, MemoryError> {
+        self.check()?;
+        if handle <= 1 {
+            return Ok(self.default_stream().clone());
+        }
+        // Work on another stream may use this device's memory now: frees must record events.
+        self.enter_multi_stream()?;
+        // SAFETY: the caller's promise: a live stream of this context, kept alive by its owner.
+        let stream = unsafe {
+            self.inner
+                .ctx
+                .wrap_borrowed_stream(handle as usize as sys::CUstream)
+        };
+        Ok(Stream::wrap(stream))
+    }
+
+    /// Switches to multi-stream mode (once): frees record events from then on, and blocks freed
+    /// before carry none, so the device is synchronized first.
+    fn enter_multi_stream(&self) -> Result<(), MemoryError> {
+        if !self.inner.multi_stream.swap(true, Ordering::SeqCst) {
+            self.inner
+                .ctx
+                .synchronize()
+                .map_err(driver("cuCtxSynchronize"))?;
+        }
+        Ok(())
     }
 
     /// Blocks the host until every stream of this device is idle.

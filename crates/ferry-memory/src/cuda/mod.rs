@@ -44,6 +44,6 @@ pub use dnn::{ConvInput, ConvOutput, ConvPass, ConvSpec, cudnn_present, cudnn_ve
 pub use kernels::{CudaFunction, KernelModule, compile_ptx, nvrtc_present, nvrtc_version};
 pub use launch::{Dim3, Launch, blocks_for};
 pub use nccl::{Communicator, ReduceOp, UniqueId, group, nccl_present, nccl_version};
-pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PinnedStats};
+pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PinnedStats, is_page_locked};
 pub use profile::KernelTime;
 pub use stream::{Event, Stream};

@@ -47,6 +47,12 @@ impl Stream {
         Device::Cuda(self.inner.context().ordinal())
     }
 
+    /// The raw `CUstream` handle as an integer (0 for the legacy default stream): what another
+    /// runtime needs to order its work with this stream's (`torch.cuda.ExternalStream`).
+    pub fn handle(&self) -> u64 {
+        self.inner.cu_stream() as usize as u64
+    }
+
     /// The cudarc stream, for code in ferry-memory's dependants that launches through cudarc.
     pub fn cudarc(&self) -> &Arc<CudaStream> {
         &self.inner

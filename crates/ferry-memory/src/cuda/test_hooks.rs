@@ -93,3 +93,64 @@ impl Drop for Armed {
 
 /// Tests that arm gates or time the pools take turns.
 pub(crate) static SERIAL: Mutex<()> = Mutex::new(());
+
+/// A stream held on the device by a host function until the test lets it go (or 60 s pass):
+/// work queued there after [`hold`] and events recorded there stay incomplete until then.
+pub(crate) struct Held {
+    release: Sender<()>,
+}
+
+impl Held {
+    /// Lets the stream run on.
+    pub(crate) fn release(self) {
+        let _ = self.release.send(());
+    }
+}
+
+unsafe extern "C" fn wait_for_release(data: *mut std::ffi::c_void) {
+    // The callback owns the receiver and makes no CUDA calls.
+    // SAFETY: `hold` leaked this box for the callback, which runs once.
+    let receiver = unsafe { Box::from_raw(data.cast::<Receiver<()>>()) };
+    let _ = receiver.recv_timeout(Duration::from_secs(60));
+}
+
+/// Holds `stream` until the returned guard is released or dropped.
+pub(crate) fn hold(stream: &super::Stream) -> Held {
+    let (release, receiver) = channel();
+    let receiver = Box::into_raw(Box::new(receiver));
+    // SAFETY: the callback takes ownership of the boxed receiver and makes no CUDA calls.
+    let launch = unsafe {
+        cudarc::driver::sys::cuLaunchHostFunc(
+            stream.cudarc().cu_stream(),
+            Some(wait_for_release),
+            receiver.cast(),
+        )
+    };
+    if launch != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: a failed launch did not hand the box to the callback.
+        drop(unsafe { Box::from_raw(receiver) });
+        panic!("cuLaunchHostFunc failed: {launch:?}");
+    }
+    Held { release }
+}
+
+/// A second, non-primary context on `device`'s GPU: its streams are not waited for by the
+/// device's own synchronize, as another GPU's would not be. The device's context is bound
+/// again before this returns.
+pub(crate) fn second_context(
+    device: &super::CudaDevice,
+) -> std::sync::Arc<cudarc::driver::CudaContext> {
+    use cudarc::driver::sys;
+    let cu_device = device.inner.ctx.cu_device();
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: a fresh context on a valid device; no creation parameters.
+    unsafe { sys::cuCtxCreate_v4(&mut ctx, std::ptr::null_mut(), 0, cu_device) }
+        .result()
+        .expect("cuCtxCreate");
+    // SAFETY: `ctx` was just created on `cu_device`; the wrapper destroys it on drop.
+    let other =
+        unsafe { cudarc::driver::CudaContext::from_raw_context(device.ordinal(), cu_device, ctx) }
+            .expect("wrapping the second context");
+    device.bind().unwrap();
+    other
+}

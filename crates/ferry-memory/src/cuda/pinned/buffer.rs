@@ -6,6 +6,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys::CUevent_flags;
+use parking_lot::Mutex;
 
 use super::{HostBlock, PinnedPool};
 use crate::MemoryError;
@@ -19,6 +20,8 @@ pub struct PinnedBuffer {
     len: usize,
     /// Set by `record`; cleared once the event is seen complete.
     pending: AtomicBool,
+    /// Streams other code used it on ([`PinnedBuffer::record_stream`]).
+    uses: Mutex<Vec<Stream>>,
     pool: &'static PinnedPool,
 }
 
@@ -29,12 +32,27 @@ unsafe impl Send for PinnedBuffer {}
 unsafe impl Sync for PinnedBuffer {}
 
 impl PinnedBuffer {
-    pub(super) fn new(block: HostBlock, len: usize, pool: &'static PinnedPool) -> Self {
+    pub(super) fn new(mut block: HostBlock, len: usize, pool: &'static PinnedPool) -> Self {
+        // The pool hands out only blocks whose earlier users are done.
+        block.after.clear();
         Self {
             pending: AtomicBool::new(block.pending),
             block,
             len,
+            uses: Mutex::new(Vec::new()),
             pool,
+        }
+    }
+
+    /// Notes that work queued on `stream` by other code (a copy torch queued from a tensor over
+    /// this memory, say) may use the bytes: when the buffer is dropped, an event is recorded on
+    /// `stream`, and the pool hands the block out again only once it has completed, so work
+    /// queued there before the drop never sees the block reused. The counterpart of
+    /// `torch.Tensor.record_stream`. ferry's own copies need no call: they record themselves.
+    pub fn record_stream(&self, stream: &Stream) {
+        let mut uses = self.uses.lock();
+        if !uses.contains(stream) {
+            uses.push(stream.clone());
         }
     }
 
@@ -176,11 +194,32 @@ impl Drop for PinnedBuffer {
             return;
         }
         let pending = *self.pending.get_mut();
+        let mut after = Vec::new();
+        for stream in std::mem::take(self.uses.get_mut()) {
+            match stream.record() {
+                Ok(event) => after.push(event),
+                // Without an event, waiting for the stream is the only safe state (and a
+                // failure to record means a broken context: the wait reports it).
+                Err(_) => {
+                    if let Err(e) = stream.synchronize() {
+                        self.pool.defer(
+                            format!(
+                                "waiting for the work on stream {} that uses a pinned buffer of {} being dropped",
+                                stream.id(),
+                                human_bytes(self.len)
+                            ),
+                            e,
+                        );
+                    }
+                }
+            }
+        }
         let block = HostBlock {
             ptr: self.block.ptr,
             size: self.block.size,
             event: self.block.event.take(),
             pending,
+            after,
             mapping: self.block.mapping.take(),
         };
         self.pool.give_back(block);

@@ -32,7 +32,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::cache::{BlockCache, Cached, next_pinned_class, pinned_class};
 use super::device::CudaDevice;
-use super::stream::driver;
+use super::stream::{Event, driver};
 use crate::MemoryError;
 use crate::host::budget::{Admission, Reservations, budget_from_env};
 
@@ -42,7 +42,7 @@ mod register;
 mod tests;
 
 pub use buffer::PinnedBuffer;
-pub use register::HostRegistration;
+pub use register::{HostRegistration, is_page_locked};
 
 /// Counters of the pinned pool. Bytes are block sizes (requests rounded to their class).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -68,6 +68,9 @@ pub struct PinnedStats {
     pub trimmed_blocks: u64,
     /// Requests refused because live blocks fill the budget (moves then go pageable).
     pub budget_refusals: u64,
+    /// Bytes of host memory page-locked in place ([`PinnedPool::pin_in_place`]), counted in
+    /// `reserved_bytes` too.
+    pub registered_bytes: usize,
 }
 
 /// A page-locked block and the event of the last copy that used it.
@@ -76,6 +79,9 @@ struct HostBlock {
     size: usize,
     event: Option<CudaEvent>,
     pending: bool,
+    /// Events recorded, when its last buffer was dropped, on the streams that buffer was used on
+    /// by others ([`PinnedBuffer::record_stream`]): the block is reused only once they complete.
+    after: Vec<Event>,
     /// Large blocks are prefaulted huge-page mappings registered with the driver (this owns
     /// the mapping); small ones come from `cuMemHostAlloc` (`None`).
     mapping: Option<crate::HostBuffer>,
@@ -107,17 +113,19 @@ impl HostBlock {
             size: 0,
             event: None,
             pending: false,
+            after: Vec::new(),
             mapping: None,
         }
     }
 
     /// Whether no copy uses it any more (errors count as "still in use").
     fn is_idle(&self) -> bool {
-        !self.pending
+        let copied = !self.pending
             || self
                 .event
                 .as_ref()
-                .is_some_and(|e| e.try_is_complete() == Ok(true))
+                .is_some_and(|e| e.try_is_complete() == Ok(true));
+        copied && self.after.iter().all(Event::is_complete)
     }
 }
 
@@ -207,7 +215,7 @@ impl PinnedPool {
     }
 
     fn alloc_with(&'static self, len: usize, reuse: Reuse) -> Result<PinnedBuffer, MemoryError> {
-        if let Some(error) = self.deferred.lock().take() {
+        if let Some(error) = self.take_deferred() {
             return Err(error);
         }
         if len == 0 {
@@ -328,7 +336,10 @@ impl PinnedPool {
         let state = self.state.lock();
         debug_assert_eq!(
             state.accounts.reserved,
-            state.stats.allocated_bytes + state.cache.bytes() + state.accounts.making
+            state.stats.allocated_bytes
+                + state.stats.registered_bytes
+                + state.cache.bytes()
+                + state.accounts.making
         );
         state.snapshot()
     }
@@ -386,6 +397,10 @@ impl PinnedPool {
                 result = Err(driver("cuEventSynchronize")(e));
                 continue;
             }
+            if let Some(e) = block.after.iter().find_map(|e| e.synchronize().err()) {
+                result = Err(e);
+                continue;
+            }
             // Waiting on an event binds the event's context; free in the pool's.
             if let Err(e) = self.device.bind().and_then(|()| free_block(block)) {
                 result = Err(e);
@@ -415,6 +430,32 @@ impl PinnedPool {
                 e,
             );
         }
+    }
+
+    /// An error a drop kept for the next request, once.
+    fn take_deferred(&self) -> Option<MemoryError> {
+        self.deferred.lock().take()
+    }
+
+    /// Settles the books of an in-place registration of `len` bytes reserved with `reserve`: made, or
+    /// abandoned when registering failed.
+    fn registered(&self, len: usize, made: bool) {
+        let mut state = self.state.lock();
+        if made {
+            state.accounts.made(len);
+            state.stats.registered_bytes += len;
+        } else {
+            state.accounts.abandoned(len);
+            self.released.notify_all();
+        }
+    }
+
+    /// A registration of `len` bytes was undone: its bytes leave the budget.
+    fn unregistered(&self, len: usize) {
+        let mut state = self.state.lock();
+        state.stats.registered_bytes -= len;
+        state.accounts.reserved -= len;
+        self.released.notify_all();
     }
 
     /// Keeps an error raised where none can be returned, for the next allocation to report
@@ -463,6 +504,7 @@ fn make(class: usize) -> Result<HostBlock, Made> {
         size: class,
         event: None,
         pending: false,
+        after: Vec::new(),
         mapping: None,
     })
 }
@@ -492,6 +534,7 @@ fn map_and_register(class: usize) -> Result<HostBlock, Made> {
         size: class,
         event: None,
         pending: false,
+        after: Vec::new(),
         mapping: Some(mapping),
     })
 }

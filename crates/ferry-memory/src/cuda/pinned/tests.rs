@@ -107,3 +107,82 @@ fn a_cache_hit_does_not_wait_for_another_thread_making_a_block() {
     );
     pool.empty_cache().unwrap();
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_block_used_on_another_stream_is_reused_only_after_that_work() {
+    use crate::cuda::CudaDevice;
+    use crate::cuda::test_hooks::hold;
+
+    let _host_statistics = crate::host::tests::SERIAL.lock();
+    let _serial = SERIAL.lock();
+    let pool = PinnedPool::global().unwrap();
+    let _room = Room::for_bytes(pool, 4 * SMALL);
+    pool.empty_cache().unwrap();
+    let dev = CudaDevice::get(0).unwrap();
+    let stream = dev.new_stream().unwrap();
+    // Work another runtime queued there (a copy torch reads the block with), not done yet.
+    let held = hold(&stream);
+    let buffer = pool.alloc(SMALL).unwrap();
+    let first = buffer.as_bytes().unwrap().as_ptr();
+    buffer.record_stream(&stream);
+    drop(buffer);
+    let while_held = pool.alloc(SMALL).unwrap();
+    let reused_under_the_copy = while_held.as_bytes().unwrap().as_ptr() == first;
+    held.release();
+    stream.synchronize().unwrap();
+    drop(while_held);
+    assert!(
+        !reused_under_the_copy,
+        "the pool handed out a block while work recorded on another stream still used it"
+    );
+    // Once that work is done the block is reused as usual.
+    let hits = pool.stats().cache_hits;
+    let again = pool.alloc(SMALL).unwrap();
+    assert_eq!(pool.stats().cache_hits, hits + 1);
+    drop(again);
+    pool.empty_cache().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn memory_pinned_in_place_counts_in_the_budget_until_its_buffer_drops() {
+    use crate::{HostBuffer, MemoryError};
+
+    let _host_statistics = crate::host::tests::SERIAL.lock();
+    let _serial = SERIAL.lock();
+    let pool = PinnedPool::global().unwrap();
+    let len = 8 << 20;
+    let _room = Room::for_bytes(pool, len);
+    let before = pool.stats();
+    let buffer = HostBuffer::zeroed(len).unwrap();
+    assert!(!PinnedPool::is_page_locked(&buffer));
+    assert!(pool.pin_in_place(&buffer).unwrap());
+    assert!(PinnedPool::is_page_locked(&buffer));
+    let pinned = pool.stats();
+    assert_eq!(pinned.registered_bytes, before.registered_bytes + len);
+    assert_eq!(pinned.reserved_bytes, before.reserved_bytes + len);
+    // Pinned already: nothing more is locked or counted.
+    assert!(!pool.pin_in_place(&buffer).unwrap());
+    assert_eq!(pool.stats().registered_bytes, pinned.registered_bytes);
+    drop(buffer);
+    let after = pool.stats();
+    assert_eq!(after.registered_bytes, before.registered_bytes);
+    assert_eq!(after.reserved_bytes, before.reserved_bytes);
+
+    // A budget without room refuses, naming the budget.
+    pool.empty_cache().unwrap();
+    let budget = pool.budget();
+    pool.set_budget(pool.stats().reserved_bytes + (1 << 20))
+        .unwrap();
+    let big = HostBuffer::zeroed(len).unwrap();
+    let refused = pool.pin_in_place(&big);
+    pool.set_budget(budget).unwrap();
+    match refused {
+        Err(err @ MemoryError::PinnedBudgetExceeded { .. }) => {
+            assert!(err.to_string().contains("FERRY_PINNED_BUDGET"), "{err}")
+        }
+        other => panic!("expected PinnedBudgetExceeded, got {other:?}"),
+    }
+    assert!(!PinnedPool::is_page_locked(&big));
+}
