@@ -3,24 +3,34 @@
 //! `DLManagedTensor` until ferry lets go; a ferry tensor becomes a capsule whose deleter drops
 //! the ferry tensor, so its memory goes back to ferry's pools when torch frees it.
 //!
-//! Streams: ferry queues its work on each GPU's legacy default stream, so a consumer is asked for
-//! (and a producer given) stream `1`, the legacy default: torch's default stream is that
-//! stream, and for any other torch stream DLPack has the producer order itself (import) or
-//! ferry waits for its own work (export).
+//! Streams. ferry's work runs on each GPU's legacy default stream; the moves order it with
+//! torch's current stream themselves (crate::order), so torch's tensors come in as capsules
+//! made without any synchronization (`torch._C._to_dlpack`). An object handed over with
+//! `__dlpack__` is asked for the legacy default stream (`stream=1`). On export, a consumer's
+//! stream (`__dlpack__(stream=S)`) waits for ferry's work on the device and is recorded as a
+//! user of the memory, so the block is not reused before the work queued on it there has run.
+//! A host tensor has no stream: when torch frees one over ferry's pinned memory, the deleter
+//! records torch's current stream on each GPU (crate::order::current_streams), and the pinned
+//! pool reuses the block only after that work has run. `ferry.record_stream` covers others.
 
+use std::collections::BTreeMap;
 use std::ffi::{CStr, c_void};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
-use ferry::memory::cuda::{CudaDevice, DeviceBuffer};
+use ferry::memory::cuda::{CudaDevice, DeviceBuffer, PinnedPool, Stream};
 use ferry::memory::{DType, Device, HostBuffer};
 use ferry::tensor::{Buffer, Storage};
 use ferry::{Layout, Tensor};
+use parking_lot::Mutex;
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyCapsule;
 use pyo3::{Bound, PyAny, PyResult, Python, ffi};
 
 use crate::errors::to_py;
+use crate::order::{InUse, current_streams};
 
 const DLTENSOR: &CStr = c"dltensor";
 const USED_DLTENSOR: &CStr = c"used_dltensor";
@@ -35,6 +45,9 @@ const KDL_INT: u8 = 0;
 const KDL_UINT: u8 = 1;
 const KDL_FLOAT: u8 = 2;
 const KDL_BFLOAT: u8 = 4;
+
+/// More dimensions than any producer makes: a larger `ndim` is a corrupt capsule.
+const MAX_NDIM: usize = 64;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -123,23 +136,51 @@ impl Drop for Managed {
     }
 }
 
-/// A ferry tensor over the memory of `obj`, any object with `__dlpack__` (a torch tensor, a
-/// numpy array). No bytes are copied; the tensor keeps `obj`'s memory alive.
-pub fn import(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    let (device_type, _) = obj
-        .call_method0("__dlpack_device__")?
-        .extract::<(i32, i32)>()?;
-    let capsule = if device_type == KDL_CUDA {
-        let kwargs = pyo3::types::PyDict::new(py);
-        kwargs.set_item("stream", 1)?;
-        obj.call_method("__dlpack__", (), Some(&kwargs))?
+/// What to do with foreign memory that does not start at a multiple of its element size.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Misaligned {
+    /// Copy it into aligned memory (ferry's own) and say so: for moves, which only read it.
+    Copy,
+    /// Refuse it with an error naming the fix: for the exchange, which promises shared memory.
+    Refuse,
+}
+
+/// A tensor received through DLPack.
+pub struct Imported {
+    pub tensor: Tensor,
+    /// Bytes copied into aligned memory because the producer's were misaligned (0 normally).
+    pub realigned_bytes: usize,
+}
+
+/// A ferry tensor over the memory of `obj`: a `dltensor` capsule (`torch._C._to_dlpack`), or
+/// any object with `__dlpack__` (a torch tensor, a numpy array). No bytes are copied, except
+/// that misaligned memory is copied or refused as `misaligned` says; the tensor keeps `obj`'s
+/// memory alive. A CUDA capsule must be ordered before ferry's default stream by the caller.
+pub fn import(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    misaligned: Misaligned,
+) -> PyResult<Imported> {
+    let capsule = if obj.is_instance_of::<PyCapsule>() {
+        obj.clone()
     } else {
-        obj.call_method0("__dlpack__")?
+        let (device_type, _) = obj
+            .call_method0("__dlpack_device__")?
+            .extract::<(i32, i32)>()?;
+        if device_type == KDL_CUDA {
+            let kwargs = pyo3::types::PyDict::new(py);
+            kwargs.set_item("stream", 1)?;
+            obj.call_method("__dlpack__", (), Some(&kwargs))?
+        } else {
+            obj.call_method0("__dlpack__")?
+        }
     };
-    // SAFETY: `capsule` is a live object; PyCapsule_IsValid only inspects it.
+    // SAFETY: `capsule` is a live object; PyCapsule_IsValid only inspects it (it never sets an
+    // exception).
     if unsafe { ffi::PyCapsule_IsValid(capsule.as_ptr(), DLTENSOR.as_ptr()) } != 1 {
         return Err(PyValueError::new_err(
-            "__dlpack__ did not return an unused `dltensor` capsule",
+            "expected an unused `dltensor` capsule (DLPack): pass a tensor or array, or a \
+             capsule from torch.utils.dlpack.to_dlpack that nothing has consumed yet",
         ));
     }
     // SAFETY: the capsule is valid with this name (checked above).
@@ -158,12 +199,25 @@ pub fn import(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     // SAFETY: the producer guarantees the struct and its shape/strides arrays stay valid until
     // its deleter runs, which `owner` defers until the ferry buffer is dropped.
     let dl = unsafe { &(*managed.as_ptr()).dl_tensor };
-    wrap(dl, owner)
+    wrap(dl, owner, misaligned)
 }
 
-fn wrap(dl: &DlTensor, owner: Managed) -> PyResult<Tensor> {
-    let dtype = ferry_dtype(dl.dtype)?;
-    let ndim = usize::try_from(dl.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;
+/// Shape and strides as ferry takes them (non-negative), checked against `MAX_NDIM`.
+fn dims(dl: &DlTensor) -> PyResult<(Vec<usize>, Vec<usize>)> {
+    let ndim = usize::try_from(dl.ndim)
+        .ok()
+        .filter(|&n| n <= MAX_NDIM)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "a DLPack tensor with {} dimensions: ferry takes 0 to {MAX_NDIM}",
+                dl.ndim
+            ))
+        })?;
+    if ndim > 0 && dl.shape.is_null() {
+        return Err(PyValueError::new_err(
+            "the DLPack tensor has no shape array",
+        ));
+    }
     // SAFETY: `shape` holds `ndim` entries; `strides` too, or is null for a compact row-major
     // tensor (DLPack's rule).
     let shape: Vec<i64> = unsafe { slice_or_empty(dl.shape, ndim) };
@@ -185,38 +239,70 @@ fn wrap(dl: &DlTensor, owner: Managed) -> PyResult<Tensor> {
             })
             .collect()
     };
-    let (shape, strides) = (as_usize(&shape, "size")?, as_usize(&strides, "stride")?);
-    let numel: usize = shape.iter().product();
-    let elem = dtype.size();
-    // Elements from the first to one past the last reachable one.
-    let span = if numel == 0 {
-        0
-    } else {
-        shape
-            .iter()
-            .zip(&strides)
-            .map(|(&n, &s)| (n - 1) * s)
-            .sum::<usize>()
-            + 1
+    Ok((as_usize(&shape, "size")?, as_usize(&strides, "stride")?))
+}
+
+/// Bytes from the first element to one past the last one the view reaches; `None` when that
+/// does not fit an address.
+fn span_bytes(shape: &[usize], strides: &[usize], elem: usize) -> Option<usize> {
+    if shape.contains(&0) {
+        return Some(0);
+    }
+    let mut last = 0usize;
+    for (&n, &s) in shape.iter().zip(strides) {
+        last = last.checked_add((n - 1).checked_mul(s)?)?;
+    }
+    last.checked_add(1)?
+        .checked_mul(elem)
+        .filter(|&b| b <= ferry::memory::size::MAX_BYTES)
+}
+
+fn wrap(dl: &DlTensor, owner: Managed, misaligned: Misaligned) -> PyResult<Imported> {
+    let dtype = ferry_dtype(dl.dtype)?;
+    let (shape, strides) = dims(dl)?;
+    let too_large = || {
+        PyValueError::new_err(format!(
+            "a DLPack tensor of shape {shape:?} and strides {strides:?} reaches past the end of \
+             the address space"
+        ))
     };
-    let bytes = span * elem;
+    let elem = dtype.size();
+    let bytes = span_bytes(&shape, &strides, elem).ok_or_else(too_large)?;
     let device = match dl.device.device_type {
         KDL_CPU | KDL_CUDA_HOST => Device::Cpu,
-        KDL_CUDA => Device::Cuda(dl.device.device_id as usize),
+        KDL_CUDA => Device::Cuda(usize::try_from(dl.device.device_id).map_err(|_| {
+            PyValueError::new_err(format!("CUDA device id {}", dl.device.device_id))
+        })?),
         other => {
             return Err(PyBufferError::new_err(format!(
                 "ferry takes CPU and CUDA tensors; this one is on DLPack device type {other}"
             )));
         }
     };
-    if numel == 0 || dl.data.is_null() {
+    if bytes == 0 || dl.data.is_null() {
         drop(owner);
-        return Tensor::zeros(&shape, dtype, device).map_err(to_py);
+        let tensor = Tensor::zeros(&shape, dtype, device).map_err(to_py)?;
+        return Ok(Imported {
+            tensor,
+            realigned_bytes: 0,
+        });
     }
-    let base = (dl.data as usize + dl.byte_offset as usize) as *mut u8;
+    let base = (dl.data as usize)
+        .checked_add(usize::try_from(dl.byte_offset).map_err(|_| too_large())?)
+        .filter(|b| b.checked_add(bytes).is_some())
+        .ok_or_else(too_large)?;
+    let aligned = base % elem == 0;
+    if !aligned && misaligned == Misaligned::Refuse {
+        return Err(PyValueError::new_err(format!(
+            "the data at {base:#x} is not aligned to the {elem} bytes a {dtype} element needs, so \
+             ferry cannot share it: pass an aligned copy (torch: .clone(), numpy: .copy()); the \
+             moves (ferry.to, ferry.cpu, ...) copy such data into aligned memory themselves"
+        )));
+    }
     let buffer = match device {
         Device::Cpu => {
-            let ptr = NonNull::new(base).ok_or_else(|| PyValueError::new_err("null data"))?;
+            let ptr =
+                NonNull::new(base as *mut u8).ok_or_else(|| PyValueError::new_err("null data"))?;
             // SAFETY: the producer keeps `bytes` bytes at `ptr` alive until its deleter runs,
             // which happens when `owner`, moved into the buffer, is dropped.
             Buffer::Host(unsafe { HostBuffer::from_external(ptr, bytes, Box::new(owner)) })
@@ -224,16 +310,44 @@ fn wrap(dl: &DlTensor, owner: Managed) -> PyResult<Tensor> {
         Device::Cuda(ordinal) => {
             let dev = CudaDevice::get(ordinal).map_err(|e| to_py(e.into()))?;
             let stream = dev.default_stream().clone();
-            // SAFETY: as above, on the device; the producer ordered its writes before stream 1
-            // (the legacy default stream, ferry's default stream) when it made the capsule.
+            // SAFETY: as above, on the device; the caller ordered the producer's writes before
+            // ferry's default stream (or the producer did, asked for stream 1).
             Buffer::Cuda(unsafe {
                 DeviceBuffer::from_external(&dev, base as u64, bytes, &stream, Box::new(owner))
             })
         }
     };
+    let buffer = if aligned {
+        buffer
+    } else {
+        realign(buffer).map_err(to_py)?
+    };
     let storage = Arc::new(Storage::new(buffer, dtype, device));
     let layout = Layout::new(shape.into(), strides.into(), 0).map_err(to_py)?;
-    Tensor::from_storage(storage, layout).map_err(to_py)
+    let tensor = Tensor::from_storage(storage, layout).map_err(to_py)?;
+    Ok(Imported {
+        tensor,
+        realigned_bytes: if aligned { 0 } else { bytes },
+    })
+}
+
+/// The bytes of a misaligned foreign buffer in a fresh one of ferry's (aligned): a host copy, or
+/// a device copy queued on the device's default stream. The foreign buffer is released after.
+fn realign(buffer: Buffer) -> ferry::Result<Buffer> {
+    Ok(match buffer {
+        Buffer::Host(foreign) => {
+            let mut own = HostBuffer::for_overwrite(foreign.len())?;
+            own.as_bytes_mut().copy_from_slice(foreign.as_bytes());
+            Buffer::Host(own)
+        }
+        Buffer::Cuda(foreign) => {
+            let dev = foreign.cuda_device().clone();
+            let mut own = dev.alloc(foreign.len(), dev.default_stream())?;
+            own.copy_from_device(&foreign, dev.default_stream())?;
+            Buffer::Cuda(own)
+        }
+        other => other,
+    })
 }
 
 /// # Safety
@@ -249,17 +363,31 @@ unsafe fn slice_or_empty(ptr: *const i64, n: usize) -> Vec<i64> {
 fn row_major(shape: &[i64]) -> Vec<i64> {
     let mut strides = vec![1i64; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1].max(1);
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1].max(1));
     }
     strides
 }
 
+/// The memory of the ferry tensors handed out through DLPack and not yet freed, so that
+/// `ferry.record_stream` can find the buffer behind a torch tensor's address.
+static EXPORTS: Mutex<BTreeMap<(usize, u64), Export>> = Mutex::new(BTreeMap::new());
+
+static NEXT_EXPORT: AtomicU64 = AtomicU64::new(0);
+
+/// One export in [`EXPORTS`], keyed by its first address.
+struct Export {
+    end: usize,
+    device: Device,
+    storage: Weak<Storage>,
+}
+
 /// What an exported capsule keeps alive: the tensor (so its memory) and the arrays DLPack
-/// points at.
+/// points at, and its key in [`EXPORTS`].
 struct Exported {
-    _tensor: Tensor,
+    tensor: Tensor,
     shape: Vec<i64>,
     strides: Vec<i64>,
+    key: (usize, u64),
 }
 
 unsafe extern "C" fn delete_exported(managed: *mut DlManagedTensor) {
@@ -267,43 +395,83 @@ unsafe extern "C" fn delete_exported(managed: *mut DlManagedTensor) {
         return;
     }
     // SAFETY: both boxes were leaked by `export` and are reclaimed once, here.
-    unsafe {
+    let exported = unsafe {
         let managed = Box::from_raw(managed);
-        drop(Box::from_raw(managed.manager_ctx.cast::<Exported>()));
+        Box::from_raw(managed.manager_ctx.cast::<Exported>())
+    };
+    // A panic must not unwind into the producer's C code; nothing below is expected to panic.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| release(*exported)));
+}
+
+/// torch let go of an export: its host memory is reused only after the work torch queued on it
+/// (on its current streams) has run, then the tensor is dropped.
+fn release(exported: Exported) {
+    EXPORTS.lock().remove(&exported.key);
+    let storage = exported.tensor.storage();
+    let host_memory = {
+        let buffer = storage.read();
+        matches!(&*buffer, Buffer::Pinned(_))
+            || matches!(&*buffer, Buffer::Host(b) if PinnedPool::is_page_locked(b))
+    };
+    // Only memory the GPU can read directly may still be in a DMA torch queued; the device
+    // buffers recorded their consumer stream when they were exported.
+    if host_memory && Arc::strong_count(storage) == 1 {
+        match current_streams() {
+            InUse::Streams(streams) => {
+                for stream in &streams {
+                    record_host_use(&storage.read(), stream);
+                }
+            }
+            InUse::Nothing => {}
+            InUse::Unknown => {
+                for device in CudaDevice::made() {
+                    let _ = device.synchronize();
+                }
+            }
+        }
+    }
+    drop(exported);
+}
+
+/// Notes a use of host memory on `stream` by other code (see `ferry.record_stream`).
+fn record_host_use(buffer: &Buffer, stream: &Stream) {
+    match buffer {
+        Buffer::Pinned(b) => b.record_stream(stream),
+        Buffer::Host(b) => PinnedPool::record_host_use(b, stream),
+        _ => {}
     }
 }
 
 unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     // SAFETY: called by Python with the capsule; an unconsumed capsule (still named
     // `dltensor`) owns its managed tensor and frees it; a consumed one belongs to the consumer.
+    // PyCapsule_IsValid never sets an exception, and freeing runs with one that may already be
+    // in flight (a capsule dropped while an exception propagates): it is kept as it is.
     unsafe {
         if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
             let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr());
             delete_exported(managed.cast());
-        } else {
-            ffi::PyErr_Clear();
         }
     }
 }
 
 /// A `dltensor` capsule over `t`'s memory. Host tensors whose copy is still in flight are
-/// waited for first, so the consumer can never read them early; CUDA tensors are handed over
-/// ordered on the legacy default stream (`stream` other than 1 or None: ferry waits for its
-/// own work first).
+/// waited for first, so the consumer can never read them early. CUDA tensors are handed to the
+/// consumer's `stream` (DLPack's values: None or 1 the legacy default stream, ferry's own; 2 the
+/// per-thread default stream; -1 no ordering; otherwise a stream handle): it waits on the
+/// device for ferry's work, and the memory is not reused before the work queued there is done.
 pub fn export(py: Python<'_>, t: &Tensor, stream: Option<isize>) -> PyResult<Py<PyAny>> {
     let t = t.detach();
     let storage = t.storage().clone();
     let data = {
         let buffer = storage.read();
         match &*buffer {
-            Buffer::Host(b) => b.as_bytes().as_ptr() as *mut c_void,
+            Buffer::Host(b) => b.as_bytes().as_ptr() as usize,
             // Waits for a copy still landing in it.
-            Buffer::Pinned(b) => b.as_bytes().map_err(|e| to_py(e.into()))?.as_ptr() as *mut c_void,
+            Buffer::Pinned(b) => b.as_bytes().map_err(|e| to_py(e.into()))?.as_ptr() as usize,
             Buffer::Cuda(b) => {
-                if !matches!(stream, None | Some(1) | Some(-1)) {
-                    b.cuda_device().synchronize().map_err(|e| to_py(e.into()))?;
-                }
-                b.device_ptr() as *mut c_void
+                hand_over(b, stream)?;
+                b.device_ptr() as usize
             }
             _ => {
                 return Err(PyBufferError::new_err(
@@ -323,13 +491,23 @@ pub fn export(py: Python<'_>, t: &Tensor, stream: Option<isize>) -> PyResult<Py<
         },
     };
     let layout = t.layout();
+    let key = (data, NEXT_EXPORT.fetch_add(1, Ordering::Relaxed));
+    EXPORTS.lock().insert(
+        key,
+        Export {
+            end: data + storage.bytes(),
+            device: t.device(),
+            storage: Arc::downgrade(&storage),
+        },
+    );
     let mut ctx = Box::new(Exported {
         shape: layout.shape().iter().map(|&n| n as i64).collect(),
         strides: layout.strides().iter().map(|&s| s as i64).collect(),
-        _tensor: t.clone(),
+        tensor: t.clone(),
+        key,
     });
     let dl_tensor = DlTensor {
-        data,
+        data: data as *mut c_void,
         device,
         ndim: layout.ndim() as i32,
         dtype: dl_dtype(t.dtype()),
@@ -353,6 +531,42 @@ pub fn export(py: Python<'_>, t: &Tensor, stream: Option<isize>) -> PyResult<Py<
     }
     // SAFETY: PyCapsule_New returned a new reference.
     Ok(unsafe { Bound::from_owned_ptr(py, capsule) }.unbind())
+}
+
+/// Orders the consumer's stream after ferry's work on `buffer`, and records it as a user of it.
+fn hand_over(buffer: &DeviceBuffer, stream: Option<isize>) -> PyResult<()> {
+    let handle = match stream {
+        None | Some(0) | Some(1) | Some(-1) => return Ok(()),
+        Some(h) => u64::try_from(h).map_err(|_| {
+            PyValueError::new_err(format!(
+                "stream {h}: DLPack takes None, -1, 1, 2 or a CUDA stream handle"
+            ))
+        })?,
+    };
+    // SAFETY: DLPack's contract: the consumer names a live stream of the tensor's device, on
+    // which it will use the tensor.
+    let consumer =
+        unsafe { buffer.cuda_device().borrow_stream(handle) }.map_err(|e| to_py(e.into()))?;
+    buffer.record_stream(&consumer);
+    Ok(())
+}
+
+/// Records `stream` as a user of the ferry memory that holds address `ptr` on `device`, if any
+/// export holds it: `true` when one did.
+pub fn record_stream_at(ptr: usize, device: Device, stream: &Stream) -> bool {
+    let storages: Vec<Arc<Storage>> = EXPORTS
+        .lock()
+        .range(..=(ptr, u64::MAX))
+        .filter(|(_, e)| e.device == device && ptr < e.end)
+        .filter_map(|(_, e)| e.storage.upgrade())
+        .collect();
+    for storage in &storages {
+        match &*storage.read() {
+            Buffer::Cuda(b) => b.record_use(stream),
+            other => record_host_use(other, stream),
+        }
+    }
+    !storages.is_empty()
 }
 
 /// `(device_type, device_id)` for `__dlpack_device__`.

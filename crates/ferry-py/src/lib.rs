@@ -3,8 +3,9 @@
 //!
 //! It owns the exchange with Python: DLPack both ways (`dlpack`), the Python handles of a ferry
 //! tensor, a pending move and a transfer report (`tensor`), the moves themselves (`moves`) and
-//! streaming (`streaming`), run with the GIL released, and the pools' budgets and statistics
-//! (`memory`). It does not own autograd across the boundary: that is a
+//! streaming (`streaming`), run with the GIL released, their order with torch's current stream
+//! (`order`), and the pools' budgets and statistics (`memory`). Every entry point runs in
+//! `errors::guarded`, so no Rust panic reaches Python as one. It does not own autograd across the boundary: that is a
 //! `torch.autograd.Function` in the Python package, so torch's own graph records the move.
 //!
 //! Key decision: every tensor crosses by DLPack, never by copy. A torch tensor handed to ferry
@@ -16,6 +17,7 @@ mod dlpack;
 mod errors;
 mod memory;
 mod moves;
+mod order;
 mod streaming;
 mod tensor;
 
@@ -35,6 +37,9 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(moves::to_async, m)?)?;
     m.add_function(wrap_pyfunction!(streaming::stream_to, m)?)?;
     m.add_function(wrap_pyfunction!(moves::move_state_dict, m)?)?;
+    m.add_function(wrap_pyfunction!(moves::pin, m)?)?;
+    m.add_function(wrap_pyfunction!(moves::record_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(order::set_current_streams, m)?)?;
     m.add_function(wrap_pyfunction!(memory::pinned_budget, m)?)?;
     m.add_function(wrap_pyfunction!(memory::set_pinned_budget, m)?)?;
     m.add_function(wrap_pyfunction!(memory::pinned_stats, m)?)?;

@@ -11,38 +11,43 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::to_py;
+use crate::errors::{guarded, to_py};
 use crate::tensor::{PyTensor, parse_device, parse_dtype};
 
 /// Page-locked memory ferry may hold at once, in bytes (staging and move results together).
 #[pyfunction]
 pub fn pinned_budget() -> PyResult<usize> {
-    Ok(PinnedPool::global().map_err(|e| to_py(e.into()))?.budget())
+    guarded(|| Ok(PinnedPool::global().map_err(|e| to_py(e.into()))?.budget()))
 }
 
 /// Sets the pinned-memory budget; moves beyond it go through bounded staging into pageable
 /// memory instead of failing.
 #[pyfunction]
 pub fn set_pinned_budget(bytes: usize) -> PyResult<()> {
-    PinnedPool::global()
-        .and_then(|p| p.set_budget(bytes))
-        .map_err(|e| to_py(e.into()))
+    guarded(|| {
+        PinnedPool::global()
+            .and_then(|p| p.set_budget(bytes))
+            .map_err(|e| to_py(e.into()))
+    })
 }
 
-/// The pinned pool's statistics: allocated, reserved, cached and peak bytes, the budget, and
-/// allocation counts.
+/// The pinned pool's statistics: allocated, reserved, cached and peak bytes, the budget,
+/// allocation counts, and the bytes pinned in place.
 #[pyfunction]
 pub fn pinned_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let s = PinnedPool::global().map_err(|e| to_py(e.into()))?.stats();
-    let out = PyDict::new(py);
-    out.set_item("allocated_bytes", s.allocated_bytes)?;
-    out.set_item("reserved_bytes", s.reserved_bytes)?;
-    out.set_item("cached_bytes", s.cached_bytes)?;
-    out.set_item("peak_allocated_bytes", s.peak_allocated_bytes)?;
-    out.set_item("budget_bytes", s.budget_bytes)?;
-    out.set_item("allocations", s.allocations)?;
-    out.set_item("cache_hits", s.cache_hits)?;
-    Ok(out)
+    guarded(|| {
+        let s = PinnedPool::global().map_err(|e| to_py(e.into()))?.stats();
+        let out = PyDict::new(py);
+        out.set_item("allocated_bytes", s.allocated_bytes)?;
+        out.set_item("reserved_bytes", s.reserved_bytes)?;
+        out.set_item("cached_bytes", s.cached_bytes)?;
+        out.set_item("peak_allocated_bytes", s.peak_allocated_bytes)?;
+        out.set_item("budget_bytes", s.budget_bytes)?;
+        out.set_item("allocations", s.allocations)?;
+        out.set_item("cache_hits", s.cache_hits)?;
+        out.set_item("registered_bytes", s.registered_bytes)?;
+        Ok(out)
+    })
 }
 
 /// Whether a CUDA driver and at least one GPU are there.
@@ -55,11 +60,15 @@ pub fn cuda_available() -> bool {
 /// Frees the cached blocks of `device`'s allocator (`cuda:N`) or of the pinned pool (`cpu`).
 #[pyfunction]
 pub fn empty_cache(device: &str) -> PyResult<()> {
-    match parse_device(device)? {
-        Device::Cpu => PinnedPool::global().and_then(|p| p.empty_cache()),
-        Device::Cuda(n) => ferry::memory::cuda::CudaDevice::get(n).and_then(|d| d.empty_cache()),
-    }
-    .map_err(|e| to_py(e.into()))
+    guarded(|| {
+        match parse_device(device)? {
+            Device::Cpu => PinnedPool::global().and_then(|p| p.empty_cache()),
+            Device::Cuda(n) => {
+                ferry::memory::cuda::CudaDevice::get(n).and_then(|d| d.empty_cache())
+            }
+        }
+        .map_err(|e| to_py(e.into()))
+    })
 }
 
 /// The statistics of GPU `device`'s allocator (`cuda:N`), ferry's own memory only: a dict of
@@ -67,23 +76,27 @@ pub fn empty_cache(device: &str) -> PyResult<()> {
 /// `device_allocations` and `frees`.
 #[pyfunction]
 pub fn memory_stats<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, PyDict>> {
-    let stats = cuda_device(device)?.memory_stats();
-    let out = PyDict::new(py);
-    out.set_item("allocated_bytes", stats.allocated_bytes)?;
-    out.set_item("reserved_bytes", stats.reserved_bytes)?;
-    out.set_item("peak_allocated_bytes", stats.peak_allocated_bytes)?;
-    out.set_item("allocations", stats.allocations)?;
-    out.set_item("cache_hits", stats.cache_hits)?;
-    out.set_item("device_allocations", stats.device_allocations)?;
-    out.set_item("frees", stats.frees)?;
-    Ok(out)
+    guarded(|| {
+        let stats = cuda_device(device)?.memory_stats();
+        let out = PyDict::new(py);
+        out.set_item("allocated_bytes", stats.allocated_bytes)?;
+        out.set_item("reserved_bytes", stats.reserved_bytes)?;
+        out.set_item("peak_allocated_bytes", stats.peak_allocated_bytes)?;
+        out.set_item("allocations", stats.allocations)?;
+        out.set_item("cache_hits", stats.cache_hits)?;
+        out.set_item("device_allocations", stats.device_allocations)?;
+        out.set_item("frees", stats.frees)?;
+        Ok(out)
+    })
 }
 
 /// Starts `peak_allocated_bytes` of GPU `device`'s allocator over from what is allocated now.
 #[pyfunction]
 pub fn reset_peak_memory_stats(device: &str) -> PyResult<()> {
-    cuda_device(device)?.reset_peak();
-    Ok(())
+    guarded(|| {
+        cuda_device(device)?.reset_peak();
+        Ok(())
+    })
 }
 
 fn cuda_device(device: &str) -> PyResult<CudaDevice> {
@@ -100,16 +113,22 @@ fn cuda_device(device: &str) -> PyResult<CudaDevice> {
 /// its data where it is). Its block returns to the pool when the last holder lets go.
 #[pyfunction]
 pub fn empty_pinned(py: Python<'_>, shape: Vec<usize>, dtype: &str) -> PyResult<Option<PyTensor>> {
-    let dtype = parse_dtype(dtype)?;
-    let bytes = shape.iter().product::<usize>() * dtype.size();
-    let block = py.detach(|| PinnedPool::global().and_then(|pool| pool.alloc(bytes)));
-    let block = match block {
-        Ok(block) => block,
-        Err(MemoryError::PinnedBudgetExceeded { .. }) => return Ok(None),
-        Err(err) => return Err(to_py(err.into())),
-    };
-    let storage = Storage::new(Buffer::Pinned(block), dtype, Device::Cpu);
-    let tensor =
-        Tensor::from_storage(Arc::new(storage), Layout::contiguous(&shape)).map_err(to_py)?;
-    Ok(Some(PyTensor { inner: tensor }))
+    guarded(|| {
+        let dtype = parse_dtype(dtype)?;
+        let bytes = ferry::memory::size::shape_bytes(&shape, dtype).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "empty_pinned: a {dtype} tensor of shape {shape:?} is too large to allocate"
+            ))
+        })?;
+        let block = py.detach(|| PinnedPool::global().and_then(|pool| pool.alloc(bytes)));
+        let block = match block {
+            Ok(block) => block,
+            Err(MemoryError::PinnedBudgetExceeded { .. }) => return Ok(None),
+            Err(err) => return Err(to_py(err.into())),
+        };
+        let storage = Storage::new(Buffer::Pinned(block), dtype, Device::Cpu);
+        let tensor =
+            Tensor::from_storage(Arc::new(storage), Layout::contiguous(&shape)).map_err(to_py)?;
+        Ok(Some(PyTensor { inner: tensor }))
+    })
 }

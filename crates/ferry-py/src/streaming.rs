@@ -5,30 +5,42 @@ use ferry::memory::Device;
 use ferry::{ChunkStream, DeviceMove};
 use pyo3::prelude::*;
 
-use crate::dlpack;
-use crate::errors::to_py;
+use crate::dlpack::{self, Misaligned};
+use crate::errors::{guarded, to_py};
 use crate::moves::chunk_spec;
-use crate::tensor::{PyReport, PyTensor};
+use crate::order::{self, TorchStream};
+use crate::tensor::{PyReport, PyTensor, parse_device};
 
 /// The host chunks of `t` along axis 0, in order, through a ring of pinned staging (at most a
 /// `chunks`-th of the tensor, or at most `max_staging_bytes`; a quarter when neither is given):
 /// an iterator of
 /// `(index, start_row, stop_row, tensor)`. Detached data.
+///
+/// The copies read the source after the work queued so far on torch's current stream `stream`
+/// (of the source's GPU); they run on ferry's copy stream while later work computes, so the
+/// source must not be written until the stream is done (the Python package checks).
 #[pyfunction]
-#[pyo3(signature = (t, chunks=None, max_staging_bytes=None))]
+#[pyo3(signature = (t, chunks=None, max_staging_bytes=None, stream=None, source=None))]
 pub fn stream_to(
     py: Python<'_>,
     t: &Bound<'_, PyAny>,
     chunks: Option<usize>,
     max_staging_bytes: Option<usize>,
+    stream: Option<u64>,
+    source: Option<&str>,
 ) -> PyResult<PyChunkStream> {
-    let spec = chunk_spec(chunks, max_staging_bytes)?;
-    let source = dlpack::import(py, t)?;
-    let stream = py
-        .detach(move || source.stream_to(Device::Cpu, spec))
-        .map_err(to_py)?;
-    Ok(PyChunkStream {
-        inner: Some(stream),
+    guarded(|| {
+        let spec = chunk_spec(chunks, max_staging_bytes)?;
+        if let Some(Device::Cuda(gpu)) = source.map(parse_device).transpose()? {
+            order::before(TorchStream::new(gpu, stream)?.as_ref()).map_err(to_py)?;
+        }
+        let source = dlpack::import(py, t, Misaligned::Copy)?.tensor;
+        let stream = py
+            .detach(move || source.stream_to(Device::Cpu, spec))
+            .map_err(to_py)?;
+        Ok(PyChunkStream {
+            inner: Some(stream),
+        })
     })
 }
 
@@ -48,23 +60,25 @@ impl PyChunkStream {
 
     /// The next chunk, `(index, start_row, stop_row, tensor)`; waits for its copy only.
     fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<(usize, usize, usize, PyTensor)>> {
-        let Some(stream) = self.inner.as_mut() else {
-            return Ok(None);
-        };
-        match py.detach(|| stream.next()) {
-            None => Ok(None),
-            Some(Err(err)) => {
-                self.close(py);
-                Err(to_py(err))
+        guarded(|| {
+            let Some(stream) = self.inner.as_mut() else {
+                return Ok(None);
+            };
+            match py.detach(|| stream.next()) {
+                None => Ok(None),
+                Some(Err(err)) => {
+                    self.close(py);
+                    Err(to_py(err))
+                }
+                Some(Ok(chunk)) => {
+                    let (index, rows) = (chunk.index(), chunk.rows());
+                    let tensor = PyTensor {
+                        inner: chunk.into_tensor(),
+                    };
+                    Ok(Some((index, rows.start, rows.end, tensor)))
+                }
             }
-            Some(Ok(chunk)) => {
-                let (index, rows) = (chunk.index(), chunk.rows());
-                let tensor = PyTensor {
-                    inner: chunk.into_tensor(),
-                };
-                Ok(Some((index, rows.start, rows.end, tensor)))
-            }
-        }
+        })
     }
 
     /// Chunks in all.

@@ -1,6 +1,7 @@
 //! The Python-side handles: `ferry.Tensor` (a ferry tensor torch can take through DLPack), a
 //! pending move, and a transfer report.
 
+use ferry::memory::cuda::CudaDevice;
 use ferry::memory::{DType, Device};
 use ferry::tensor::Buffer;
 use ferry::{PendingTensor, Tensor, TransferPath, TransferReport};
@@ -8,7 +9,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::dlpack;
-use crate::errors::to_py;
+use crate::errors::{guarded, to_py};
+use crate::order::TorchStream;
 
 /// torch's name of a ferry dtype (`float32`, `bfloat16`, ...).
 pub fn torch_name(dtype: DType) -> &'static str {
@@ -91,12 +93,14 @@ impl PyTensor {
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
         let _ = (max_version, dl_device);
-        if copy == Some(true) {
-            return Err(PyValueError::new_err(
-                "ferry exports without copying; call .clone() on the torch tensor instead",
-            ));
-        }
-        dlpack::export(py, &self.inner, stream)
+        guarded(|| {
+            if copy == Some(true) {
+                return Err(PyValueError::new_err(
+                    "ferry exports without copying; call .clone() on the torch tensor instead",
+                ));
+            }
+            dlpack::export(py, &self.inner, stream)
+        })
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
@@ -128,14 +132,15 @@ enum InFlight {
     Landing {
         tensor: Tensor,
         source: Tensor,
-        report: TransferReport,
+        report: PyReport,
     },
-    /// A move queued on a copy stream ([`ferry::DeviceMove::to_async`]).
-    Queued(PendingTensor),
+    /// A move queued on a copy stream ([`ferry::DeviceMove::to_async`]) (boxed: it is large),
+    /// and the bytes its misaligned source was realigned by.
+    Queued(Box<PendingTensor>, usize),
 }
 
 impl PyPending {
-    pub fn landing(tensor: Tensor, source: Tensor, report: TransferReport) -> Self {
+    pub fn landing(tensor: Tensor, source: Tensor, report: PyReport) -> Self {
         Self {
             in_flight: Some(InFlight::Landing {
                 tensor,
@@ -145,9 +150,9 @@ impl PyPending {
         }
     }
 
-    pub fn queued(pending: PendingTensor) -> Self {
+    pub fn queued(pending: PendingTensor, realigned_bytes: usize) -> Self {
         Self {
-            in_flight: Some(InFlight::Queued(pending)),
+            in_flight: Some(InFlight::Queued(Box::new(pending), realigned_bytes)),
         }
     }
 }
@@ -161,36 +166,61 @@ impl PyPending {
                 Buffer::Pinned(b) => b.is_ready(),
                 _ => true,
             },
-            Some(InFlight::Queued(pending)) => pending.is_ready(),
+            Some(InFlight::Queued(pending, _)) => pending.is_ready(),
             None => true,
         }
+    }
+
+    /// Makes `stream` (a handle of GPU `ordinal`: torch's current stream) wait on the device for
+    /// the copy, so that work queued there afterwards (a write of the source, a read of the
+    /// result) runs after it has landed. Never blocks the host. A move already waited for, or
+    /// one on the default stream (ordered with torch's stream when it was queued), needs nothing.
+    fn order_stream(&self, ordinal: usize, stream: u64) -> PyResult<()> {
+        guarded(|| {
+            let Some(InFlight::Queued(pending, _)) = &self.in_flight else {
+                return Ok(());
+            };
+            let Some(torch) = TorchStream::new(ordinal, Some(stream))? else {
+                // The legacy default stream: torch's default stream and ferry's.
+                let device = CudaDevice::get(ordinal).map_err(|e| to_py(e.into()))?;
+                return pending.order_stream(device.default_stream()).map_err(to_py);
+            };
+            pending.order_stream(torch.stream()).map_err(to_py)
+        })
     }
 
     /// Blocks until the copy has finished and returns `(tensor, report)`; a second call is an
     /// error.
     fn wait(&mut self, py: Python<'_>) -> PyResult<(PyTensor, PyReport)> {
-        let in_flight = self.in_flight.take().ok_or_else(|| {
-            PyValueError::new_err("wait() was already called on this pending move")
-        })?;
-        let (tensor, report) = py
-            .detach(move || match in_flight {
-                InFlight::Landing {
-                    tensor,
-                    source,
-                    report,
-                } => {
-                    let waited = match &*tensor.storage().read() {
-                        Buffer::Pinned(b) => b.wait(),
-                        _ => Ok(()),
-                    };
-                    drop(source);
-                    waited.map_err(ferry::TensorError::from)?;
-                    Ok((tensor, report))
-                }
-                InFlight::Queued(pending) => pending.wait(),
-            })
-            .map_err(to_py)?;
-        Ok((PyTensor { inner: tensor }, PyReport::from(&report)))
+        guarded(|| {
+            let in_flight = self.in_flight.take().ok_or_else(|| {
+                PyValueError::new_err("wait() was already called on this pending move")
+            })?;
+            let (tensor, report) = py
+                .detach(move || match in_flight {
+                    InFlight::Landing {
+                        tensor,
+                        source,
+                        report,
+                    } => {
+                        let waited = match &*tensor.storage().read() {
+                            Buffer::Pinned(b) => b.wait(),
+                            _ => Ok(()),
+                        };
+                        drop(source);
+                        waited.map_err(ferry::TensorError::from)?;
+                        Ok((tensor, report))
+                    }
+                    InFlight::Queued(pending, realigned_bytes) => {
+                        let (tensor, report) = (*pending).wait()?;
+                        let mut report = PyReport::from(&report);
+                        report.realigned_bytes = realigned_bytes;
+                        Ok((tensor, report))
+                    }
+                })
+                .map_err(to_py)?;
+            Ok((PyTensor { inner: tensor }, report))
+        })
     }
 }
 
@@ -215,6 +245,9 @@ pub struct PyReport {
     pub grad_bytes_copied: usize,
     /// Wall time of the move in milliseconds (until enqueued, for a non-blocking move).
     pub elapsed_ms: f64,
+    /// Bytes of a misaligned source (foreign memory at an odd offset) that were copied into
+    /// aligned memory before the move; 0 normally.
+    pub realigned_bytes: usize,
 }
 
 impl From<&TransferReport> for PyReport {
@@ -239,6 +272,7 @@ impl From<&TransferReport> for PyReport {
             nodes_pruned: r.nodes_pruned,
             grad_bytes_copied: r.grad_bytes_copied,
             elapsed_ms: r.elapsed.as_secs_f64() * 1e3,
+            realigned_bytes: 0,
         }
     }
 }
@@ -248,12 +282,13 @@ impl PyReport {
     fn __repr__(&self) -> String {
         format!(
             "TransferReport(path={}, bytes_moved={}, chunks={}, staging_peak_bytes={}, \
-             nodes_recorded={}, elapsed_ms={:.3})",
+             nodes_recorded={}, realigned_bytes={}, elapsed_ms={:.3})",
             self.path,
             self.bytes_moved,
             self.chunks,
             self.staging_peak_bytes,
             self.nodes_recorded,
+            self.realigned_bytes,
             self.elapsed_ms
         )
     }
