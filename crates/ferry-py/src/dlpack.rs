@@ -388,6 +388,8 @@ struct Exported {
     shape: Vec<i64>,
     strides: Vec<i64>,
     key: (usize, u64),
+    /// The memory's users order their device work on it themselves (see `export`).
+    ordered_by_caller: bool,
 }
 
 unsafe extern "C" fn delete_exported(managed: *mut DlManagedTensor) {
@@ -415,7 +417,7 @@ fn release(exported: Exported) {
     };
     // Only memory the GPU can read directly may still be in a DMA torch queued; the device
     // buffers recorded their consumer stream when they were exported.
-    if host_memory && Arc::strong_count(storage) == 1 {
+    if host_memory && !exported.ordered_by_caller {
         match current_streams() {
             InUse::Streams(streams) => {
                 for stream in &streams {
@@ -460,7 +462,14 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
 /// consumer's `stream` (DLPack's values: None or 1 the legacy default stream, ferry's own; 2 the
 /// per-thread default stream; -1 no ordering; otherwise a stream handle): it waits on the
 /// device for ferry's work, and the memory is not reused before the work queued there is done.
-pub fn export(py: Python<'_>, t: &Tensor, stream: Option<isize>) -> PyResult<Py<PyAny>> {
+/// Host memory freed by the consumer is reused only after the work queued on torch's current
+/// streams then, unless `ordered_by_caller` says the caller tracks its device uses itself.
+pub fn export(
+    py: Python<'_>,
+    t: &Tensor,
+    stream: Option<isize>,
+    ordered_by_caller: bool,
+) -> PyResult<Py<PyAny>> {
     let t = t.detach();
     let storage = t.storage().clone();
     let data = {
@@ -505,6 +514,7 @@ pub fn export(py: Python<'_>, t: &Tensor, stream: Option<isize>) -> PyResult<Py<
         strides: layout.strides().iter().map(|&s| s as i64).collect(),
         tensor: t.clone(),
         key,
+        ordered_by_caller,
     });
     let dl_tensor = DlTensor {
         data: data as *mut c_void,

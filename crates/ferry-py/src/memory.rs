@@ -110,9 +110,17 @@ fn cuda_device(device: &str) -> PyResult<CudaDevice> {
 
 /// An uninitialised host tensor of `shape` and `dtype` in page-locked memory from ferry's
 /// pinned pool, within its budget: `None` when the budget has no room (the caller then keeps
-/// its data where it is). Its block returns to the pool when the last holder lets go.
+/// its data where it is). Its block returns to the pool when the last holder lets go, after
+/// the work torch queued on its current stream by then, unless `ordered_by_caller` (the caller
+/// frees it only once its own copies are done).
 #[pyfunction]
-pub fn empty_pinned(py: Python<'_>, shape: Vec<usize>, dtype: &str) -> PyResult<Option<PyTensor>> {
+#[pyo3(signature = (shape, dtype, ordered_by_caller=false))]
+pub fn empty_pinned(
+    py: Python<'_>,
+    shape: Vec<usize>,
+    dtype: &str,
+    ordered_by_caller: bool,
+) -> PyResult<Option<PyTensor>> {
     guarded(|| {
         let dtype = parse_dtype(dtype)?;
         let bytes = ferry::memory::size::shape_bytes(&shape, dtype).ok_or_else(|| {
@@ -129,6 +137,9 @@ pub fn empty_pinned(py: Python<'_>, shape: Vec<usize>, dtype: &str) -> PyResult<
         let storage = Storage::new(Buffer::Pinned(block), dtype, Device::Cpu);
         let tensor =
             Tensor::from_storage(Arc::new(storage), Layout::contiguous(&shape)).map_err(to_py)?;
-        Ok(Some(PyTensor { inner: tensor }))
+        Ok(Some(PyTensor {
+            inner: tensor,
+            ordered_by_caller,
+        }))
     })
 }

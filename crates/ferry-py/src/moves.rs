@@ -27,9 +27,7 @@ use crate::tensor::{PyPending, PyReport, PyTensor, parse_device, parse_dtype};
 #[pyfunction]
 pub fn from_dlpack(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyTensor> {
     guarded(|| {
-        Ok(PyTensor {
-            inner: dlpack::import(py, obj, Misaligned::Refuse)?.tensor,
-        })
+        Ok(PyTensor::new(dlpack::import(py, obj, Misaligned::Refuse)?.tensor))
     })
 }
 
@@ -105,7 +103,7 @@ pub fn to(
             return Ok(Py::new(py, pending)?.into_any());
         }
         py.detach(move || drop(source));
-        let pair = (PyTensor { inner: out }, report);
+        let pair = (PyTensor::new(out), report);
         Ok(pair.into_pyobject(py)?.into_any().unbind())
     })
 }
@@ -145,7 +143,7 @@ pub fn to_chunked(
             .map_err(to_py)?;
         let mut report = PyReport::from(&report);
         report.realigned_bytes = imported.realigned_bytes;
-        Ok((PyTensor { inner: out }, report))
+        Ok((PyTensor::new(out), report))
     })
 }
 
@@ -216,7 +214,7 @@ pub fn move_state_dict<'py>(
             .map_err(to_py)?;
         let out = PyDict::new(py);
         for (name, t) in moved {
-            out.set_item(name, PyTensor { inner: t })?;
+            out.set_item(name, PyTensor::new(t))?;
         }
         let mut report = PyReport::from(&report);
         report.realigned_bytes = realigned;
@@ -285,7 +283,7 @@ pub fn pin(py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<(PyTensor, bool)> {
             )));
         }
         let locked = py.detach(|| tensor.pin_in_place()).map_err(to_py)?;
-        Ok((PyTensor { inner: tensor }, locked))
+        Ok((PyTensor::new(tensor), locked))
     })
 }
 

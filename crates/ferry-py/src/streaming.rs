@@ -72,9 +72,7 @@ impl PyChunkStream {
                 }
                 Some(Ok(chunk)) => {
                     let (index, rows) = (chunk.index(), chunk.rows());
-                    let tensor = PyTensor {
-                        inner: chunk.into_tensor(),
-                    };
+                    let tensor = PyTensor::new(chunk.into_tensor());
                     Ok(Some((index, rows.start, rows.end, tensor)))
                 }
             }

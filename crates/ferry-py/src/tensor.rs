@@ -54,6 +54,18 @@ pub fn parse_device(name: &str) -> PyResult<Device> {
 #[pyclass(name = "Tensor", module = "ferry", frozen)]
 pub struct PyTensor {
     pub inner: Tensor,
+    /// Whoever asked for it orders every device use of its memory itself (the offload scope's
+    /// pinned blocks): torch freeing it need not wait for torch's current stream.
+    pub ordered_by_caller: bool,
+}
+
+impl PyTensor {
+    pub fn new(inner: Tensor) -> Self {
+        Self {
+            inner,
+            ordered_by_caller: false,
+        }
+    }
 }
 
 #[pymethods]
@@ -99,7 +111,7 @@ impl PyTensor {
                     "ferry exports without copying; call .clone() on the torch tensor instead",
                 ));
             }
-            dlpack::export(py, &self.inner, stream)
+            dlpack::export(py, &self.inner, stream, self.ordered_by_caller)
         })
     }
 
@@ -219,7 +231,7 @@ impl PyPending {
                     }
                 })
                 .map_err(to_py)?;
-            Ok((PyTensor { inner: tensor }, report))
+            Ok((PyTensor::new(tensor), report))
         })
     }
 }

@@ -382,7 +382,7 @@ def host_offload(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    pinned = types.SimpleNamespace(empty_pinned=lambda shape, dtype: torch.empty(shape))
+    pinned = types.SimpleNamespace(empty_pinned=lambda shape, dtype, ordered: torch.empty(shape))
     monkeypatch.setattr(offload, "_ferry", pinned)
     monkeypatch.setattr(offload, "to_torch", lambda block: block)
 
@@ -439,3 +439,43 @@ def test_offload_bookkeeping_on_host_tensors(host_offload):
         assert not scope._copies and not scope._releasing
         del loss
         assert all(p() is None for p in probes)  # records go with torch's graph
+
+
+def test_a_memory_target_keeps_what_backward_needs_first(host_offload, monkeypatch):
+    """With max_device_bytes, saved tensors stay on the device while allocated memory is within
+    the target; above it the oldest are offloaded first. Allocated memory is stubbed as the
+    bytes of the records still holding their device tensor."""
+    from ferry import offload
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(32, 64)
+    model(x).square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    activation = 32 * 64 * 4
+    scopes = []
+
+    def allocated(device=None):
+        records = [r() for r in scopes[-1]._saved] if scopes else []
+        return sum(r.nbytes for r in records if r is not None and r.original is not None)
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    model.zero_grad(set_to_none=True)
+    scope = ferry.offload_saved(min_bytes=0, max_device_bytes=3 * activation)
+    scopes.append(scope)
+    with scope:
+        loss = model(x).square().mean()
+        records = [r() for r in scope._saved]
+    # Six tanh outputs: the three saved last stay on the device, the first three went to the host.
+    on_host = [r.index for r in records if r.host is not None]
+    assert on_host == [0, 1, 2], on_host
+    assert scope.stats["offloaded"] == 3 and scope.stats["kept_under_target"] == 3
+    assert allocated() <= 3 * activation
+    loss.backward()
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+    assert scope.stats["prefetched"] + scope.stats["fetched_on_demand"] == 3
+    with pytest.raises(ValueError, match="max_device_bytes"):
+        ferry.offload_saved(max_device_bytes=-1)

@@ -37,34 +37,56 @@ from . import _ferry, _torch, to_torch
 _FERRY_DTYPES = {"float32", "float64", "float16", "bfloat16", "int64", "uint8"}
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 class _Saved:
-    """One offloaded tensor: its pinned host copy, and its upload once started."""
+    """One saved activation: on the GPU (``original``) until its copy to pinned host memory
+    (``host``) has completed, then only on the host until backward brings it back
+    (``on_device``). Under a memory target it may stay on the GPU for good."""
 
-    __slots__ = ("index", "scope", "device", "shape", "dtype", "host", "copied", "original",
-                 "on_device", "uploaded", "used", "__weakref__")
+    __slots__ = ("index", "scope", "device", "shape", "dtype", "nbytes", "host", "copied",
+                 "original", "on_device", "uploaded", "used", "__weakref__")
 
-    def __init__(self, index, scope, t, host, copied):
+    def __init__(self, index, scope, t):
         self.index = index
         self.scope = scope
         self.device = t.device
         self.shape = t.shape
         self.dtype = t.dtype
-        self.host = host  # torch tensor over ferry's pinned block, written on the side stream
-        self.copied = copied  # event on the side stream after the copy to the host
-        self.original = t  # the GPU tensor while the scope holds it (its copy still running)
+        self.nbytes = t.numel() * t.element_size()
+        self.host = None  # torch tensor over ferry's pinned block, written on the side stream
+        self.copied = None  # event on the side stream after the copy to the host
+        self.original = t  # the GPU tensor while the scope holds it
         self.on_device = None  # what backward reads, once there
-        self.uploaded = None  # event on the side stream after which `on_device` may be read
+        self.uploaded = None  # event after which `on_device` may be read (None: at once)
         self.used = False
+
+    def start_copy(self, host, side):
+        """Queues the copy to ``host`` on ``side``, after the work that produced the tensor."""
+        torch = _torch()
+        source = self.original
+        if source.dtype == torch.bool:  # ferry has no bool: the same bytes as uint8
+            source, host = source.view(torch.uint8), host.view(torch.uint8)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            host.copy_(source, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record(side)
+        self.host = host if self.dtype != torch.bool else host.view(torch.bool)
 
     def start_upload(self):
         if self.on_device is not None:
             return
         if self.original is not None:
-            # Still on the GPU (the host ran ahead into backward before its copy finished): read
-            # it in place, once the copy that reads it has completed, and upload nothing.
+            # Still on the GPU: kept there by a memory target, or its copy to the host is still
+            # running (the host ran ahead into backward). Read it in place, once that copy (if
+            # any) has completed, and upload nothing.
             self.on_device, self.original = self.original, None
             self.uploaded = self.copied
-            self.scope.stats["read_in_place"] += 1
+            if self.host is not None:
+                self.scope.stats["read_in_place"] += 1
             return
         torch = _torch()
         current = torch.cuda.current_stream(self.device)
@@ -108,8 +130,16 @@ class offload_saved:
     lives on a GPU, holds at least ``min_bytes`` and was made by a recorded op (it has a
     ``grad_fn``), moves to pinned host memory, with at most ``in_flight`` copies running at once.
     Backward brings each back, uploading the next ``prefetch`` ones while the current one is
-    used. Gradients are the same bits as without the
-    scope. ``stats`` counts what happened::
+    used. Gradients are the same bits as without the scope.
+
+    ``max_device_bytes`` sets a memory target instead of offloading everything: saved tensors
+    stay on the GPU while torch's allocated memory on it
+    (``torch.cuda.memory_allocated``) is within the target, and once it is above, the oldest
+    ones kept are offloaded first, so what backward needs first (the last saved) stays on the
+    GPU and only the copies the target requires are paid for. The forward waits for a copy to
+    complete only when allocated memory is above the target while copies still hold it, so the
+    step's peak stays within the target plus about one activation. ``stats`` counts what
+    happened::
 
         with ferry.offload_saved() as scope:
             loss = model(x).square().mean()
@@ -117,29 +147,41 @@ class offload_saved:
         print(scope.stats)
     """
 
-    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 1, in_flight: int = 2):
+    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 1, in_flight: int = 2,
+                 max_device_bytes: int | None = None):
         if min_bytes < 0 or prefetch < 0 or in_flight < 1:
             raise ValueError("min_bytes and prefetch must be >= 0, in_flight >= 1")
+        if max_device_bytes is not None and max_device_bytes < 0:
+            raise ValueError("max_device_bytes must be >= 0 (or None: offload everything)")
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.in_flight = in_flight
+        self.max_device_bytes = max_device_bytes
         self.stats = {
             "offloaded": 0,
             "offloaded_bytes": 0,
             "shared": 0,
             "kept": 0,
+            "kept_under_target": 0,
+            "kept_under_target_bytes": 0,
             "kept_over_budget": 0,
             "prefetched": 0,
             "fetched_on_demand": 0,
             "read_in_place": 0,
+            "waited_for_target": 0,
         }
         # Weak: a saved tensor lives as long as torch's graph holds it, not as long as the scope.
         self._saved: list[weakref.ref] = []
         self._seen: dict = {}
         self._streams: dict = {}
         self._releasing: deque = deque()  # (event, pinned tensor) until the event completes
-        # (event, record) of the copies to the host running; the record holds the GPU tensor.
+        # (event, record, bytes) of the copies to the host running; the record holds the GPU
+        # tensor until its copy has completed.
         self._copies: deque = deque()
+        # Under a target: records still on the GPU, oldest first, and the bytes of the copies
+        # running (their GPU tensors leave once the copies complete).
+        self._kept: deque = deque()
+        self._leaving = 0
         self._hooks = None
 
     def __enter__(self) -> offload_saved:
@@ -154,6 +196,12 @@ class offload_saved:
         # the last record (as the graph is), not by the cycle collector some time later.
         self._hooks = None
         self._seen.clear()
+        for ref in self._kept:
+            record = ref()
+            if record is not None and record.host is None:
+                self.stats["kept_under_target"] += 1
+                self.stats["kept_under_target_bytes"] += record.nbytes
+        self._kept.clear()
         return False
 
     def __del__(self):
@@ -165,12 +213,13 @@ class offload_saved:
         """Lets go of the GPU tensors whose copies to the host have completed, waiting for the
         oldest while more than ``keep`` are running (for all with ``wait``)."""
         while self._copies:
-            event, record = self._copies[0]
+            event, record, nbytes = self._copies[0]
             if wait or len(self._copies) > keep:
                 event.synchronize()
             elif not event.query():
                 return
             self._copies.popleft()
+            self._leaving -= nbytes
             saved = record()
             if saved is not None:
                 saved.original = None
@@ -197,10 +246,50 @@ class offload_saved:
     def _offloadable(self, t) -> bool:
         if not t.is_cuda or t.numel() * t.element_size() < self.min_bytes:
             return False
-        if str(t.dtype).replace("torch.", "") not in _FERRY_DTYPES:
+        if _dtype_name(t.dtype) not in _FERRY_DTYPES and t.dtype != _torch().bool:
             return False
         base = t._base if t._base is not None else t
         return base.grad_fn is not None
+
+    def _offload(self, saved: _Saved) -> bool:
+        """Starts the copy of a record still on the GPU to pinned host memory; False when the
+        pinned budget has no room (it stays on the GPU)."""
+        torch = _torch()
+        dtype = "uint8" if saved.dtype == torch.bool else _dtype_name(saved.dtype)
+        # The scope frees each block only once its own copies are done (`_releasing`).
+        block = _ferry.empty_pinned(list(saved.shape), dtype, True)
+        if block is None:
+            self.stats["kept_over_budget"] += 1
+            return False
+        saved.start_copy(to_torch(block), self._side_stream(saved.device))
+        # Whatever happens to the record (a graph dropped unused), the block is not given back
+        # to ferry's pool while the copy still writes it.
+        self._releasing.append((saved.copied, saved.host))
+        # The GPU tensor is held (by its record) until its copy has completed, then torch frees
+        # it in stream order; backward reads it in place if it gets there first.
+        self._copies.append((saved.copied, weakref.ref(saved), saved.nbytes))
+        self._leaving += saved.nbytes
+        self.stats["offloaded"] += 1
+        self.stats["offloaded_bytes"] += saved.nbytes
+        self._drain_copies(self.in_flight, wait=False)
+        return True
+
+    def _meet_target(self, device) -> None:
+        """Offloads the oldest records kept on the GPU while allocated memory, less what copies
+        already running will free, is above the target; then waits for running copies while
+        allocated memory itself is still above it."""
+        cuda = _torch().cuda
+
+        def over() -> int:
+            return cuda.memory_allocated(device) - self.max_device_bytes
+
+        while self._kept and over() > self._leaving:
+            record = self._kept.popleft()()
+            if record is not None and record.host is None and not record.used:
+                self._offload(record)
+        while self._copies and over() > 0:
+            self.stats["waited_for_target"] += 1
+            self._drain_copies(len(self._copies) - 1, wait=False)
 
     def _pack(self, t):
         if not self._offloadable(t):
@@ -214,30 +303,14 @@ class offload_saved:
             self.stats["shared"] += 1
             return seen[1]
         self.settle()
-        block = _ferry.empty_pinned(list(t.shape), str(t.dtype).replace("torch.", ""))
-        if block is None:
-            self.stats["kept_over_budget"] += 1
-            return t
-        torch = _torch()
-        host = to_torch(block)
-        side = self._side_stream(t.device)
-        side.wait_stream(torch.cuda.current_stream(t.device))  # t was computed there
-        with torch.cuda.stream(side):
-            host.copy_(t, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(side)
-        # Whatever happens to the record (a graph dropped unused), the block is not given back
-        # to ferry's pool while the copy still writes it.
-        self._releasing.append((copied, host))
-        # t is held (by its record) until its copy has completed, then torch frees it in stream
-        # order; backward reads it in place if it gets there first.
-        saved = _Saved(len(self._saved), self, t, host, copied)
-        self._copies.append((copied, weakref.ref(saved)))
-        self._drain_copies(self.in_flight, wait=False)
+        saved = _Saved(len(self._saved), self, t)
         self._saved.append(weakref.ref(saved))
         self._seen[key] = (weakref.ref(t), saved)
-        self.stats["offloaded"] += 1
-        self.stats["offloaded_bytes"] += t.numel() * t.element_size()
+        if self.max_device_bytes is None:
+            self._offload(saved)
+        else:
+            self._kept.append(weakref.ref(saved))
+            self._meet_target(t.device)
         return saved
 
     def _unpack(self, saved):
@@ -246,17 +319,18 @@ class offload_saved:
         self.settle()
         if not saved.used:
             saved.used = True
+            offloaded = saved.host is not None
             if saved.on_device is None:
-                self.stats["fetched_on_demand"] += 1
+                self.stats["fetched_on_demand"] += offloaded
                 saved.start_upload()
             else:
-                self.stats["prefetched"] += 1
+                self.stats["prefetched"] += offloaded
             for ref in reversed(self._saved[max(0, saved.index - self.prefetch) : saved.index]):
                 earlier = ref()
                 if earlier is not None and not earlier.used:
                     earlier.start_upload()
-        torch = _torch()
-        torch.cuda.current_stream(saved.device).wait_event(saved.uploaded)
+        if saved.uploaded is not None:
+            _torch().cuda.current_stream(saved.device).wait_event(saved.uploaded)
         # Kept for a second op that saved the same tensor; freed with the record, when torch's
         # graph lets go of it (as the tensor itself would have been).
         return saved.on_device
