@@ -6,7 +6,8 @@ sample; a non-blocking move is waited for). The table shows medians, ferry / PyT
 speedup. A second table times a training step of an MLP whose saved activations are
 ``--offload-gb`` GB three ways: as is, under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
 and under ``ferry.offload_saved()``, with the peak GPU memory of each (``--offload-gb 0`` skips
-it). ``--json FILE`` writes every sample.
+it). ``--json FILE`` writes every sample. ``--models`` runs the real-model benchmark instead
+(``bench_models.py``: activation offload and state dicts of GPT-2, Llama and ViT).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 import torch
 
 import ferry
+
+from . import bench_models
 
 MB = 1 << 20
 
@@ -182,15 +185,24 @@ def _time(fn) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ferry.bench", description=__doc__)
     parser.add_argument("--mb", type=int, default=400, help="tensor size in MB (default 400)")
-    parser.add_argument("--samples", type=int, default=9)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--samples", type=int, help="default 9 (5 with --models)")
+    parser.add_argument("--warmup", type=int, help="default 2 (1 with --models)")
     parser.add_argument("--offload-gb", type=float, default=2.0,
                         help="saved activations of the offload step in GB (0: skip it)")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--models", nargs="?", const=",".join(bench_models.MODELS), metavar="LIST",
+                        help="only the real-model rows, of these models (default: "
+                             f"{','.join(bench_models.MODELS)})")
+    parser.add_argument("--profile", metavar="MODEL",
+                        help="profile one ferry offload step of MODEL (with or without --models)")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and ferry.cuda_available()):
         print("no CUDA device: the benchmark moves CUDA tensors; nothing to measure here")
         return 0
+    if args.models is not None or args.profile:
+        return bench_models.run(args)
+    args.samples = 9 if args.samples is None else args.samples
+    args.warmup = 2 if args.warmup is None else args.warmup
     rows, record = [], {"torch": torch.__version__, "ferry": ferry.__version__,
                         "device": torch.cuda.get_device_name(0), "cases": {}}
     for case_id, what, torch_fn, ferry_fn in _cases(args.mb):
