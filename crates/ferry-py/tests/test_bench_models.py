@@ -40,10 +40,10 @@ def cuda_stubbed(monkeypatch, host_offload):  # noqa: F811
     """The bench's CUDA calls made harmless on the CPU: timed events, memory counters at 0."""
     monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
     for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
-        monkeypatch.setattr(torch.cuda, name, lambda: None)
+        monkeypatch.setattr(torch.cuda, name, lambda *device: None)
     for name in ("memory_allocated", "memory_reserved", "max_memory_allocated",
                  "max_memory_reserved"):
-        monkeypatch.setattr(torch.cuda, name, lambda: 0)
+        monkeypatch.setattr(torch.cuda, name, lambda *device: 0)
     budget = [1 << 30]
     monkeypatch.setattr(ferry, "pinned_budget", lambda: budget[0])
     monkeypatch.setattr(ferry, "set_pinned_budget", lambda b: budget.__setitem__(0, b))
@@ -120,18 +120,14 @@ def test_a_row_that_runs_out_of_memory_is_dropped(cuda_stubbed):
     assert bench_models._measured_step(work, bench_models.contextlib.nullcontext) is not None
 
 
-def _target_rows_run(plain_peak, saved):
-    rows = bench_models._offload_rows(plain_peak, saved)
-    return [make is not None for label, make in rows if "max_device_bytes" in label]
-
-
-def test_target_rows_follow_the_build(host_offload):  # noqa: F811
-    try:
-        ferry.offload_saved(max_device_bytes=1 << 30)
-    except TypeError:
-        assert _target_rows_run(3 << 30, 3 << 30) == [False, False]
-    else:
-        assert _target_rows_run(3 << 30, 3 << 30) == [True, True]
+def test_target_rows_are_absolute_and_between_start_and_peak(host_offload):  # noqa: F811
+    base, peak, saved = 5 << 30, 4 << 30, 3 << 30
+    rows = bench_models._offload_rows(peak, saved, base)
+    targets = [make().max_device_bytes for label, make in rows if "max_device_bytes" in label]
+    assert targets == [base + (3 << 30), base + (2 << 30)]
+    # A target cannot go below the step's start.
+    assert [make().max_device_bytes for label, make in bench_models._offload_rows(1, saved, base)
+            if "max_device_bytes" in label] == [base, base]
 
 
 def test_the_table_says_whether_the_goals_are_met():

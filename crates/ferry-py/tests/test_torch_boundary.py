@@ -212,6 +212,7 @@ def test_pin_in_place_locks_within_the_budget_until_freed():
     assert ferry.pinned_stats()["registered_bytes"] == before
     # Beyond the budget: an error that names it.
     budget = ferry.pinned_budget()
+    ferry.empty_cache("cpu")  # cached blocks would be trimmed to make room
     ferry.set_pinned_budget(ferry.pinned_stats()["reserved_bytes"] + (1 << 20))
     try:
         with pytest.raises(ferry.FerryError, match="FERRY_PINNED_BUDGET"):

@@ -334,7 +334,9 @@ def pin_(t):
         raise ValueError(f"pin_ page-locks host memory; this tensor is on {t.device}")
     if t.is_pinned() or t.numel() == 0:
         return t
-    capsule, _ = _source(t)
+    # A capsule of another tensor over the same storage: the capsule holds its tensor, and one
+    # holding `t` itself would, after `set_`, hold the new storage that holds the capsule.
+    capsule, _ = _source(t.detach())
     locked, newly = _ferry.pin(capsule)
     if newly:
         view = to_torch(locked)
