@@ -23,6 +23,8 @@ use ferry::{DType, Device, Tensor};
 use serde_json::{Value, json};
 
 use super::measure::median;
+use super::offload_grid::{self, DEFAULT_GRID, SweepCase};
+use super::offload_sweep::{self, SweepOptions};
 use super::pytorch::{PyTorch, PyTorchArgs};
 use super::report::{print_table, significant};
 
@@ -51,6 +53,37 @@ pub struct OffloadArgs {
     /// Saved buffers below this many bytes stay on the GPU (OffloadOptions::min_bytes).
     #[arg(long, default_value_t = 1 << 20)]
     min_bytes: usize,
+    /// Run the sweep instead: MLPs over layers x width x batch and transformer blocks, each
+    /// against the link bound and the peak goal (--batch, --width and --layers do not apply).
+    #[arg(long, conflicts_with = "compare_pytorch")]
+    sweep: bool,
+    /// The sweep's cases, comma-separated: LAYERSxWIDTH@BATCH for an MLP,
+    /// gpt:BLOCKSxWIDTH@BATCHxTOKENS for ferry's GPT [default: the grid in offload_grid.rs].
+    #[arg(long, requires = "sweep", value_parser = parse_grid)]
+    grid: Option<Grid>,
+}
+
+/// `--grid`'s cases (a type of its own: clap would take a `Vec` for a repeated flag).
+#[derive(Debug, Clone)]
+struct Grid(Vec<SweepCase>);
+
+fn parse_grid(spec: &str) -> Result<Grid, String> {
+    offload_grid::parse_grid(spec).map(Grid)
+}
+
+impl OffloadArgs {
+    fn sweep_options(&self) -> Option<SweepOptions> {
+        self.sweep.then(|| SweepOptions {
+            grid: match &self.grid {
+                Some(Grid(cases)) => cases.clone(),
+                None => offload_grid::parse_grid(DEFAULT_GRID).expect("the default grid parses"),
+            },
+            samples: self.samples,
+            warmup: self.warmup,
+            min_bytes: self.min_bytes,
+            json: self.json.clone(),
+        })
+    }
 }
 
 /// The model: weights that want gradients and an input batch that does not.
@@ -192,6 +225,9 @@ fn cell(value: Option<String>, row: &Row) -> String {
 }
 
 pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
+    if let Some(options) = args.sweep_options() {
+        return offload_sweep::run(options);
+    }
     let dev = match CudaDevice::get(0) {
         Ok(dev) => dev,
         Err(err) => {
@@ -407,7 +443,7 @@ fn caller_bytes(args: &OffloadArgs) -> u64 {
 mod tests {
     use clap::Parser;
 
-    use super::{OffloadArgs, caller_bytes};
+    use super::{DEFAULT_GRID, OffloadArgs, caller_bytes, parse_grid};
 
     #[derive(Parser, Debug)]
     struct Command {
@@ -432,5 +468,40 @@ mod tests {
         for bad in ["--layers 0", "--batch 0", "--width -1", "--samples 0"] {
             assert!(parse(bad).is_err(), "`{bad}` was accepted");
         }
+        assert!(args.sweep_options().is_none(), "no --sweep, no sweep");
+    }
+
+    #[test]
+    fn sweep_takes_the_default_grid_or_the_given_one_and_the_shared_flags() {
+        let options = parse("--sweep --samples 3 --json sweep.json")
+            .unwrap()
+            .sweep_options()
+            .unwrap();
+        assert_eq!(options.grid, parse_grid(DEFAULT_GRID).unwrap().0);
+        assert_eq!((options.samples, options.warmup), (3, 1));
+        assert_eq!(options.min_bytes, 1 << 20);
+        assert_eq!(options.json.unwrap().to_str(), Some("sweep.json"));
+        let given = parse("--sweep --grid 2x64@32,gpt:1x64@2x8")
+            .unwrap()
+            .sweep_options()
+            .unwrap();
+        assert_eq!(
+            given
+                .grid
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["2x64@32", "gpt:1x64@2x8"]
+        );
+        // A grid without --sweep, a bad grid, and PyTorch rows (the sweep has none) are refused.
+        for bad in [
+            "--grid 2x64@32",
+            "--sweep --grid 2x64",
+            "--sweep --compare-pytorch",
+        ] {
+            assert!(parse(bad).is_err(), "`{bad}` was accepted");
+        }
+        let err = parse("--sweep --grid 2x64").unwrap_err().to_string();
+        assert!(err.contains("LAYERSxWIDTH@BATCH"), "{err}");
     }
 }
