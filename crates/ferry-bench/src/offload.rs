@@ -11,6 +11,9 @@
 //! forward, `sum`, backward, with the gradients cleared before each step (so every row
 //! allocates them alike). Rounds alternate ferry's rows and PyTorch's; the table shows medians
 //! of step time and the largest peak seen.
+//!
+//! `--sweep` runs `offload_sweep` instead: many such MLPs and ferry's GPT blocks, each judged
+//! against the link bound and the peak goal.
 
 use std::error::Error;
 use std::path::PathBuf;
