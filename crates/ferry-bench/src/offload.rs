@@ -61,7 +61,9 @@ pub struct OffloadArgs {
     #[arg(long, conflicts_with = "compare_pytorch")]
     sweep: bool,
     /// The sweep's cases, comma-separated: LAYERSxWIDTH@BATCH for an MLP,
-    /// gpt:BLOCKSxWIDTH@BATCHxTOKENS for ferry's GPT [default: the grid in offload_grid.rs].
+    /// gpt:BLOCKSxWIDTH@BATCHxTOKENS for ferry's GPT [default: DEFAULT_GRID in
+    /// crates/ferry-bench/src/offload_grid.rs, six MLPs from 4x1024@8192 to 16x4096@16384 and
+    /// two GPTs].
     #[arg(long, requires = "sweep", value_parser = parse_grid)]
     grid: Option<Grid>,
 }
