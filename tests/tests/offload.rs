@@ -173,6 +173,53 @@ fn cuda_gradients_are_bitwise_equal_and_saved_bytes_unchanged() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
+fn cuda_a_backward_right_after_the_forward_reads_the_last_save_where_it_is() {
+    serial(|| {
+        let layers = 4;
+        let mlp = Mlp::new(GPU, 64, 256, layers)?;
+        let (plain, _, _) = step(&mlp, None)?;
+        // No settle: backward follows the forward at once, as in a training step.
+        let scope = offload_saved(OffloadOptions {
+            min_bytes: 16 << 10,
+        });
+        let loss = mlp.loss()?;
+        let before = scope.stats();
+        loss.backward()?;
+        let stats = scope.stats();
+        drop(scope);
+        assert_eq!(
+            mlp.take_grads()?,
+            plain,
+            "offload changed a gradient: {stats:?}"
+        );
+        let activation = 64 * 256 * 4;
+        // The last tanh output was saved at the last tanh; only `sum` was recorded after it,
+        // so its copy was never queued: backward read it on the device.
+        assert_eq!(before.offloaded, layers as u64 - 1, "{before:?}");
+        assert_eq!(stats.offloaded, layers as u64 - 1, "{stats:?}");
+        assert_eq!(
+            stats.offloaded_bytes,
+            (layers as u64 - 1) * activation,
+            "{stats:?}"
+        );
+        assert_eq!(
+            (stats.read_in_place, stats.read_in_place_bytes),
+            (1, activation),
+            "{stats:?}"
+        );
+        // The others came back ahead of their turn.
+        assert_eq!(
+            (stats.prefetched, stats.fetched_on_demand),
+            (3, 0),
+            "{stats:?}"
+        );
+        assert_eq!(ferry_graph::OffloadedSave::live(), 0);
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
 fn cuda_offload_lowers_device_memory_held_after_the_forward() {
     serial(|| {
         let dev = CudaDevice::get(0)?;
@@ -272,6 +319,7 @@ fn cuda_an_offloaded_tensor_written_in_place_is_refused_in_backward() {
         let x = randn(GPU, &[128, 128])?;
         let scope = offload_saved(OffloadOptions { min_bytes: 0 });
         let y = x.matmul(&w)?.exp()?; // exp's output is offloaded; the caller still holds it
+        scope.settle(); // the last op's save goes too
         assert_eq!(scope.stats().offloaded, 1);
         drop(scope);
         {

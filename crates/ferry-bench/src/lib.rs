@@ -31,6 +31,11 @@ mod ddp;
 mod ferry_cases;
 mod measure;
 mod offload;
+mod offload_goals;
+mod offload_grid;
+mod offload_sweep;
+mod offload_sweep_case;
+mod offload_sweep_output;
 mod peer;
 mod pipeline;
 mod pipeline_trace;
@@ -72,7 +77,8 @@ enum BenchCommand {
     Checkpoint(checkpoint::CheckpointArgs),
     /// Activation offload on an MLP with >= 4 GB of saved activations: step time, peak device
     /// memory and saved bytes with and without it; with --compare-pytorch, PyTorch's
-    /// save_on_cpu(pin_memory=True) alongside.
+    /// save_on_cpu(pin_memory=True) alongside. --sweep: MLPs across layers x width x batch and
+    /// transformer blocks, each against the link bound and the peak goal.
     Offload(offload::OffloadArgs),
     /// Moves between two GPUs (4 MiB to 1 GiB, both directions); with --compare-pytorch,
     /// PyTorch's `.to('cuda:N')` and `non_blocking=True` interleaved. Needs two GPUs.

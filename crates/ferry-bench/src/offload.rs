@@ -11,6 +11,9 @@
 //! forward, `sum`, backward, with the gradients cleared before each step (so every row
 //! allocates them alike). Rounds alternate ferry's rows and PyTorch's; the table shows medians
 //! of step time and the largest peak seen.
+//!
+//! `--sweep` runs `offload_sweep` instead: many such MLPs and ferry's GPT blocks, each judged
+//! against the link bound and the peak goal.
 
 use std::error::Error;
 use std::path::PathBuf;
@@ -23,6 +26,8 @@ use ferry::{DType, Device, Tensor};
 use serde_json::{Value, json};
 
 use super::measure::median;
+use super::offload_grid::{self, DEFAULT_GRID, SweepCase};
+use super::offload_sweep::{self, SweepOptions};
 use super::pytorch::{PyTorch, PyTorchArgs};
 use super::report::{print_table, significant};
 
@@ -51,6 +56,39 @@ pub struct OffloadArgs {
     /// Saved buffers below this many bytes stay on the GPU (OffloadOptions::min_bytes).
     #[arg(long, default_value_t = 1 << 20)]
     min_bytes: usize,
+    /// Run the sweep instead: MLPs over layers x width x batch and transformer blocks, each
+    /// against the link bound and the peak goal (--batch, --width and --layers do not apply).
+    #[arg(long, conflicts_with = "compare_pytorch")]
+    sweep: bool,
+    /// The sweep's cases, comma-separated: LAYERSxWIDTH@BATCH for an MLP,
+    /// gpt:BLOCKSxWIDTH@BATCHxTOKENS for ferry's GPT [default: DEFAULT_GRID in
+    /// crates/ferry-bench/src/offload_grid.rs, six MLPs from 4x1024@8192 to 16x4096@16384 and
+    /// two GPTs].
+    #[arg(long, requires = "sweep", value_parser = parse_grid)]
+    grid: Option<Grid>,
+}
+
+/// `--grid`'s cases (a type of its own: clap would take a `Vec` for a repeated flag).
+#[derive(Debug, Clone)]
+struct Grid(Vec<SweepCase>);
+
+fn parse_grid(spec: &str) -> Result<Grid, String> {
+    offload_grid::parse_grid(spec).map(Grid)
+}
+
+impl OffloadArgs {
+    fn sweep_options(&self) -> Option<SweepOptions> {
+        self.sweep.then(|| SweepOptions {
+            grid: match &self.grid {
+                Some(Grid(cases)) => cases.clone(),
+                None => offload_grid::parse_grid(DEFAULT_GRID).expect("the default grid parses"),
+            },
+            samples: self.samples,
+            warmup: self.warmup,
+            min_bytes: self.min_bytes,
+            json: self.json.clone(),
+        })
+    }
 }
 
 /// The model: weights that want gradients and an input batch that does not.
@@ -192,6 +230,9 @@ fn cell(value: Option<String>, row: &Row) -> String {
 }
 
 pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
+    if let Some(options) = args.sweep_options() {
+        return offload_sweep::run(options);
+    }
     let dev = match CudaDevice::get(0) {
         Ok(dev) => dev,
         Err(err) => {
@@ -398,16 +439,17 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-/// Bytes the caller holds that rules save too: the weights and the input (f32).
+/// Bytes the caller holds that rules save too (f32): the input and every weight but the
+/// first, whose matmul saves no weight since its input, `x`, wants no gradient.
 fn caller_bytes(args: &OffloadArgs) -> u64 {
-    4 * (args.batch * args.width + args.layers * args.width * args.width)
+    4 * (args.batch * args.width + (args.layers - 1) * args.width * args.width)
 }
 
 #[cfg(test)]
 mod tests {
     use clap::Parser;
 
-    use super::{OffloadArgs, caller_bytes};
+    use super::{DEFAULT_GRID, OffloadArgs, caller_bytes, parse_grid};
 
     #[derive(Parser, Debug)]
     struct Command {
@@ -427,10 +469,45 @@ mod tests {
         assert_eq!((args.batch, args.width, args.layers), (16_384, 4096, 16));
         // The ">= 4 GB of saved activations": 16 layers x 16384 x 4096 f32.
         assert_eq!(args.layers * args.batch * args.width * 4, 4 << 30);
-        // The input and 16 weights of 64 MiB: saved too, but the caller's.
-        assert_eq!(caller_bytes(&args), (256 << 20) + 16 * (64 << 20));
+        // The input and 15 of the 16 weights of 64 MiB: saved too, but the caller's.
+        assert_eq!(caller_bytes(&args), (256 << 20) + 15 * (64 << 20));
         for bad in ["--layers 0", "--batch 0", "--width -1", "--samples 0"] {
             assert!(parse(bad).is_err(), "`{bad}` was accepted");
         }
+        assert!(args.sweep_options().is_none(), "no --sweep, no sweep");
+    }
+
+    #[test]
+    fn sweep_takes_the_default_grid_or_the_given_one_and_the_shared_flags() {
+        let options = parse("--sweep --samples 3 --json sweep.json")
+            .unwrap()
+            .sweep_options()
+            .unwrap();
+        assert_eq!(options.grid, parse_grid(DEFAULT_GRID).unwrap().0);
+        assert_eq!((options.samples, options.warmup), (3, 1));
+        assert_eq!(options.min_bytes, 1 << 20);
+        assert_eq!(options.json.unwrap().to_str(), Some("sweep.json"));
+        let given = parse("--sweep --grid 2x64@32,gpt:1x64@2x8")
+            .unwrap()
+            .sweep_options()
+            .unwrap();
+        assert_eq!(
+            given
+                .grid
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["2x64@32", "gpt:1x64@2x8"]
+        );
+        // A grid without --sweep, a bad grid, and PyTorch rows (the sweep has none) are refused.
+        for bad in [
+            "--grid 2x64@32",
+            "--sweep --grid 2x64",
+            "--sweep --compare-pytorch",
+        ] {
+            assert!(parse(bad).is_err(), "`{bad}` was accepted");
+        }
+        let err = parse("--sweep --grid 2x64").unwrap_err().to_string();
+        assert!(err.contains("LAYERSxWIDTH@BATCH"), "{err}");
     }
 }

@@ -591,6 +591,59 @@ fn a_write_on_the_home_stream_waits_for_a_read_still_queued_on_another() {
     assert!(back.iter().all(|&b| b == 0), "the write did not happen");
 }
 
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_copy_after_its_producer_runs_alongside_later_work_on_the_home_stream() {
+    let (_lock, dev) = gpu();
+    let pool = PinnedPool::global().unwrap();
+    let spin = dev.function(&SPIN, "spin_then_fill").unwrap();
+    let home = dev.default_stream();
+    let copier = dev.new_stream().unwrap();
+    let data = random_bytes(16 << 20, 33);
+    let mut buffer = dev.alloc(data.len(), home).unwrap();
+    buffer.copy_from_host(&data, home).unwrap();
+    // The producer's end, then slow work on the home stream queued before the copy (the op that
+    // reads an activation next, in offload).
+    let ready = home.record().unwrap();
+    let mut scratch = dev.alloc(4, home).unwrap();
+    dev.launch(&spin, (1, 1, 1), (1, 1, 1), 0, home)
+        .arg_buffer_mut(&mut scratch)
+        .arg_f32(1.0)
+        .arg_u32(1)
+        .arg_i64(4 * SPIN_CYCLES)
+        .run()
+        .unwrap();
+    let mut pinned = pool.alloc(data.len()).unwrap();
+    buffer
+        .copy_to_pinned_async_after(&mut pinned, &copier, &ready)
+        .unwrap();
+    assert_eq!(
+        pinned.as_bytes().unwrap(),
+        &data[..],
+        "the copy did not carry the producer's bytes"
+    );
+    assert!(
+        !home.record().unwrap().query().unwrap(),
+        "the copy waited for the home stream's later work (or the spin is too short)"
+    );
+    // The block is reused only after the copy: dropping the source at once is fine.
+    drop(buffer);
+    home.synchronize().unwrap();
+    // A plain copy_to_pinned_async waits for that work: the contrast this test rests on.
+    let mut again = dev.alloc(data.len(), home).unwrap();
+    again.copy_from_host(&data, home).unwrap();
+    dev.launch(&spin, (1, 1, 1), (1, 1, 1), 0, home)
+        .arg_buffer_mut(&mut scratch)
+        .arg_f32(1.0)
+        .arg_u32(1)
+        .arg_i64(4 * SPIN_CYCLES)
+        .run()
+        .unwrap();
+    again.copy_to_pinned_async(&mut pinned, &copier).unwrap();
+    pinned.wait().unwrap();
+    assert!(home.record().unwrap().query().unwrap());
+}
+
 /// Sets the pinned pool's budget for a test; puts it back (emptying the cache) on drop.
 struct PinnedBudget {
     pool: &'static PinnedPool,

@@ -439,7 +439,7 @@ pub fn record_kind<S: RuleState>(
     // One thread-local read; an offload scope is rare.
     let scope = offload::current();
     if let Some(scope) = &scope {
-        scope.flush();
+        scope.on_record();
         scope.note_output(&output, inputs);
     }
     let scope = scope.as_deref();

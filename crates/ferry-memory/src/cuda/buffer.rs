@@ -205,9 +205,23 @@ impl DeviceBuffer {
 
     /// [`DeviceBuffer::record_stream`], returning the error.
     fn order_use(&self, stream: &Stream) -> Result<(), MemoryError> {
+        self.order_use_after(stream, None)
+    }
+
+    /// [`DeviceBuffer::order_use`]; on another stream than the home stream, the use waits for
+    /// `producers` when given (an event on the home stream after the work that wrote the bytes)
+    /// instead of for everything queued on the home stream so far.
+    fn order_use_after(
+        &self,
+        stream: &Stream,
+        producers: Option<&Event>,
+    ) -> Result<(), MemoryError> {
         if *stream != self.stream {
             // The bytes' producers run on the home stream.
-            stream.wait_event(&self.stream.record()?)?;
+            match producers {
+                Some(event) => stream.wait_event(event)?,
+                None => stream.wait_event(&self.stream.record()?)?,
+            }
             self.record_use(stream);
         }
         if self.in_flight.load(Ordering::Acquire) == 0 {
@@ -504,6 +518,49 @@ impl DeviceBuffer {
         self.note_queued(stream)
     }
 
+    /// [`DeviceBuffer::copy_to_pinned_async`], ordered on the device after `ready` alone: an
+    /// event recorded on this buffer's own stream after the work that wrote its bytes (see
+    /// [`DeviceBuffer::stream`]), not after everything queued there so far. Kernels queued on
+    /// the buffer's stream since, which read it, run alongside the copy instead of ahead of it
+    /// (activation offload queues the copy of a saved activation after the op that reads it
+    /// next, yet wants it to start when its producer ends). Work queued since that *writes* the
+    /// buffer races with the copy, and the pinned bytes are then unspecified; the device memory
+    /// stays valid either way (its reuse waits for the copy), and later uses on other streams
+    /// wait for the copy as after any copy.
+    pub fn copy_to_pinned_async_after(
+        &self,
+        dst: &mut PinnedBuffer,
+        stream: &Stream,
+        ready: &Event,
+    ) -> Result<(), MemoryError> {
+        self.expect_len("copy_to_pinned_async_after", dst.len())?;
+        if ready.cudarc().context() != self.stream.cudarc().context() {
+            return Err(MemoryError::DeviceMismatch {
+                op: "copy_to_pinned_async_after",
+                expected: self.device(),
+                actual: Device::Cuda(ready.cudarc().context().ordinal()),
+            });
+        }
+        let src = self.range_after(
+            "copy_to_pinned_async_after",
+            0,
+            dst.len(),
+            stream,
+            Some(ready),
+        )?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        dst.order_before(stream)?;
+        // SAFETY: the range lies in our block; `dst` is not readable, writable or reusable
+        // until the event recorded below completes, and the block is not reused before it
+        // either (`note_queued` makes its free wait for the copy).
+        unsafe { result::memcpy_dtoh_async(dst.raw_bytes_mut(), src, stream.cudarc().cu_stream()) }
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        mark_pending(dst, stream)?;
+        self.note_queued(stream)
+    }
+
     /// Queues setting every byte to zero.
     pub fn memset_zero(&mut self, stream: &Stream) -> Result<(), MemoryError> {
         let ptr = self.range("memset_zero", 0, self.len, stream)?;
@@ -537,6 +594,19 @@ impl DeviceBuffer {
         len: usize,
         stream: &Stream,
     ) -> Result<u64, MemoryError> {
+        self.range_after(op, offset, len, stream, None)
+    }
+
+    /// [`DeviceBuffer::range`], the use ordered after `producers` when given (see
+    /// [`DeviceBuffer::order_use_after`]).
+    fn range_after(
+        &self,
+        op: &'static str,
+        offset: usize,
+        len: usize,
+        stream: &Stream,
+        producers: Option<&Event>,
+    ) -> Result<u64, MemoryError> {
         self.device.check()?;
         self.device.check_stream(op, stream)?;
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
@@ -548,7 +618,7 @@ impl DeviceBuffer {
             });
         }
         self.device.bind()?;
-        self.order_use(stream)?;
+        self.order_use_after(stream, producers)?;
         // Waiting may have bound another context (an event's); the copy runs in ours.
         self.device.bind()?;
         Ok(self.device_ptr() + offset as u64)

@@ -6,21 +6,23 @@
 //!
 //! - **Forward.** When a rule saves a CUDA tensor whose buffer is an activation (the fresh
 //!   output of an op recorded inside the scope, not a leaf, a parameter or a view of one) of at
-//!   least [`OffloadOptions::min_bytes`], a pinned block is taken for it. The copy into it is
-//!   queued on a copy stream when the next op is recorded: that op, which usually reads the
-//!   activation, is queued by then and does not wait for the copy. The node holds the device
-//!   buffer until the copy has completed or the next op is recorded (each record checks,
-//!   without waiting), then only the pinned block, so once the caller's own handles are gone
-//!   the device memory returns to the allocator, which reuses it only after the copy's
+//!   least [`OffloadOptions::min_bytes`], a pinned block is taken for it and an event marks the
+//!   end of its producer on the compute stream. The copy into the block is queued on a copy
+//!   stream when the second op after the save is recorded (`offload/schedule.rs` says why), and
+//!   it waits on the device for that event alone: it starts when the producer ends, alongside
+//!   the op that reads the activation next, which was queued before the copy and so does not
+//!   wait for it. The node then holds only the pinned block, so once the caller's own handles
+//!   are gone the device memory returns to the allocator, which reuses it only after the copy's
 //!   event completes. The host never waits. One buffer saved by several rules (`tanh`'s output,
 //!   read again by the `matmul` after it) is copied once.
 //! - **Backward.** While saved buffers are off the device, the engine asks each rule, two nodes
 //!   ahead of its turn, to bring them back ([`ferry_graph::Backward::prefetch`]): a copy into a
 //!   fresh device buffer is queued on a copy stream, and the kernels that read it wait for that
 //!   copy on the device. A rule that was not prefetched fetches when it runs, the same way. A
-//!   buffer whose copy out had not completed yet (the last ops of the forward) is still on the
-//!   device and is read as it is. Rules that share a buffer read one device copy, dropped after
-//!   the last of them has read it, so it does not outlive their turns (even with
+//!   buffer whose copy out was not queued yet (the last op's saves, when backward follows the
+//!   forward) is read on the device, where it is, and never moves
+//!   ([`OffloadStats::read_in_place`]). Rules that share a buffer read one device copy, dropped
+//!   after the last of them has read it, so it does not outlive their turns (even with
 //!   `retain_graph`).
 //! - **Limits.** Pinned blocks come from the pinned pool, within its budget; a buffer the budget
 //!   has no room for stays on the device and is counted ([`OffloadStats::kept_over_budget`]).
@@ -42,6 +44,10 @@ use parking_lot::Mutex;
 use crate::storage::{Buffer, Storage};
 use crate::{Result, Tensor, TensorError};
 
+use schedule::Waiting;
+
+mod schedule;
+
 /// What [`offload_saved`] moves off the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OffloadOptions {
@@ -59,9 +65,9 @@ impl Default for OffloadOptions {
 /// What one [`offload_saved`] scope did so far, as [`OffloadGuard::stats`] returns it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OffloadStats {
-    /// Saved buffers copied to pinned host memory.
+    /// Saved buffers whose copy to pinned host memory was queued.
     pub offloaded: u64,
-    /// Their bytes (each buffer once).
+    /// Their bytes (each buffer once): what crosses the link each way.
     pub offloaded_bytes: u64,
     /// Saves that found their buffer already offloaded by another rule of the scope.
     pub shared: u64,
@@ -83,6 +89,11 @@ pub struct OffloadStats {
     pub prefetched: u64,
     /// Buffers brought back when their rule ran, without a prefetch.
     pub fetched_on_demand: u64,
+    /// Buffers backward read on the device before their copy was queued (the last op's saves,
+    /// when backward follows the forward): they never moved, and are not in `offloaded`.
+    pub read_in_place: u64,
+    /// Their bytes.
+    pub read_in_place_bytes: u64,
 }
 
 #[derive(Default)]
@@ -98,6 +109,8 @@ struct Counters {
     kept_on_error: AtomicU64,
     prefetched: AtomicU64,
     fetched_on_demand: AtomicU64,
+    read_in_place: AtomicU64,
+    read_in_place_bytes: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64, by: u64) {
@@ -119,6 +132,8 @@ impl Counters {
             kept_on_error: get(&self.kept_on_error),
             prefetched: get(&self.prefetched),
             fetched_on_demand: get(&self.fetched_on_demand),
+            read_in_place: get(&self.read_in_place),
+            read_in_place_bytes: get(&self.read_in_place_bytes),
         }
     }
 }
@@ -137,8 +152,8 @@ pub(crate) struct Scope {
     produced: Mutex<HashMap<usize, Produced>>,
     /// Size of `produced` after its last sweep of dead entries.
     swept_at: AtomicUsize,
-    /// Offloaded buffers whose copy to the host is queued at the next op's record.
-    pending: Mutex<Vec<Arc<Offloaded>>>,
+    /// Offloaded buffers whose copy to the host is not queued yet (see `schedule`).
+    pending: Mutex<Waiting<Arc<Offloaded>>>,
     /// Offloaded buffers whose copy to the host is in flight, device buffer still held.
     copying: Mutex<Vec<Weak<Offloaded>>>,
 }
@@ -180,7 +195,7 @@ pub fn offload_saved(options: OffloadOptions) -> OffloadGuard {
         counters: Arc::new(Counters::default()),
         produced: Mutex::new(HashMap::new()),
         swept_at: AtomicUsize::new(0),
-        pending: Mutex::new(Vec::new()),
+        pending: Mutex::new(Waiting::new()),
         copying: Mutex::new(Vec::new()),
     });
     let previous = SCOPE.with(|s| s.borrow_mut().replace(Arc::clone(&scope)));
@@ -208,12 +223,12 @@ impl OffloadGuard {
         self.scope.counters.snapshot()
     }
 
-    /// Queues the copies to the host not queued yet (those of the last op recorded) and lets go
-    /// of the device buffers whose copies have completed. Nothing waits: call it after a device
-    /// synchronization to see every offloaded buffer off the device. Recording an op does the
-    /// same for what earlier ops saved.
+    /// Queues the copies to the host not queued yet (those of the last two ops recorded) and
+    /// lets go of the device buffers whose copies have completed. Nothing waits: call it after
+    /// a device synchronization to see every offloaded buffer off the device. Recording an op
+    /// does the same for what ops two records back saved.
     pub fn settle(&self) {
-        self.scope.flush();
+        self.scope.settle();
     }
 
     /// The options the scope runs with.
@@ -233,9 +248,9 @@ impl std::fmt::Debug for OffloadGuard {
 
 impl Drop for OffloadGuard {
     fn drop(&mut self) {
-        // The last op's saves go now; copies still in flight keep their device buffers until a
-        // rule reads them in backward (it then uses the device buffer as it is).
-        self.scope.flush();
+        // The last op's saves stay on the device: backward, which usually comes next, reads
+        // them first, and a round trip over the link would only make it wait. (`settle` before
+        // the drop sends them too.)
         let previous = self.previous.take();
         SCOPE.with(|s| *s.borrow_mut() = previous);
     }
@@ -251,6 +266,8 @@ pub(crate) struct Offloaded {
     stream: Stream,
     /// How many saves (rules, slots) share this copy.
     uses: AtomicUsize,
+    /// Whether backward has read it on the device before its copy was queued (counted once).
+    read_in_place: std::sync::atomic::AtomicBool,
     /// The device buffer, until its copy to the host has completed.
     source: Mutex<Source>,
     /// The copy back on the device, while backward still has uses for it.
@@ -261,9 +278,9 @@ pub(crate) struct Offloaded {
 
 /// Where the device buffer of an [`Offloaded`] one is.
 enum Source {
-    /// Saved, its copy to the host not queued yet: that waits until the next op is recorded,
-    /// so the op that reads it next (queued by then) does not wait for the copy.
-    Pending(Arc<Storage>),
+    /// Saved, its copy to the host not queued yet (see `schedule`); `ready` marks the end of
+    /// its producer on the buffer's stream, the one thing the copy will wait for.
+    Pending { storage: Arc<Storage>, ready: Event },
     /// Its copy to the host is queued; kept until that copy completes or `records` more ops
     /// have been recorded, whichever comes first (see [`Scope::reap`]).
     Copying(Arc<Storage>, Event, u32),
@@ -289,7 +306,26 @@ impl Offloaded {
     /// not finished): nothing to bring back then.
     fn still_on_device(&self) -> Option<Arc<Storage>> {
         match &*self.source.lock() {
-            Source::Pending(s) | Source::Copying(s, ..) => Some(Arc::clone(s)),
+            Source::Pending { storage, .. } | Source::Copying(storage, ..) => {
+                Some(Arc::clone(storage))
+            }
+            Source::Gone => None,
+        }
+    }
+
+    /// [`Offloaded::still_on_device`] for a read by a rule: a read before the copy was queued
+    /// counts as [`OffloadStats::read_in_place`], once per buffer.
+    fn read_on_device(&self) -> Option<Arc<Storage>> {
+        let source = self.source.lock();
+        match &*source {
+            Source::Pending { storage, .. } => {
+                if !self.read_in_place.swap(true, Ordering::Relaxed) {
+                    bump(&self.counters.read_in_place, 1);
+                    bump(&self.counters.read_in_place_bytes, self.bytes as u64);
+                }
+                Some(Arc::clone(storage))
+            }
+            Source::Copying(storage, ..) => Some(Arc::clone(storage)),
             Source::Gone => None,
         }
     }
@@ -298,7 +334,7 @@ impl Offloaded {
     /// until that copy completes. Errors leave it on the device (still correct, less freed).
     fn copy_out(&self) -> Result<bool> {
         let mut source = self.source.lock();
-        let Source::Pending(storage) = &*source else {
+        let Source::Pending { storage, ready } = &*source else {
             return Ok(false);
         };
         let event = {
@@ -309,9 +345,9 @@ impl Offloaded {
                     device: storage.device(),
                 });
             };
-            // Ordered on the device after everything queued on the buffer's stream so far: its
-            // producer and the op that read it next. A later in-place write waits for it.
-            buffer.copy_to_pinned_async(&mut self.pinned.lock(), &self.stream)?;
+            // Ordered on the device after its producer alone: it runs alongside the ops queued
+            // since, which read it. A later in-place write waits for it.
+            buffer.copy_to_pinned_async_after(&mut self.pinned.lock(), &self.stream, ready)?;
             self.stream.record()?
         };
         let storage = Arc::clone(storage);
@@ -334,7 +370,7 @@ impl Offloaded {
                 }
             }
             Source::Gone => true,
-            Source::Pending(_) => false,
+            Source::Pending { .. } => false,
         }
     }
 
@@ -359,7 +395,7 @@ impl Offloaded {
     /// wait. Every rule sharing the buffer reads the same copy, which goes after the last of
     /// their reads (so it does not outlive their turns, even with `retain_graph`).
     pub(crate) fn fetch(&self) -> Result<Arc<Storage>> {
-        if let Some(storage) = self.still_on_device() {
+        if let Some(storage) = self.read_on_device() {
             return Ok(storage);
         }
         let mut back = self.back.lock();
@@ -493,8 +529,6 @@ impl Scope {
         match self.offload(storage, ordinal) {
             Ok(Some(offloaded)) => {
                 entry.offloaded = Arc::downgrade(&offloaded);
-                bump(&counters.offloaded, 1);
-                bump(&counters.offloaded_bytes, storage.bytes() as u64);
                 Packed::Offloaded(offloaded)
             }
             Ok(None) => {
@@ -509,14 +543,24 @@ impl Scope {
         }
     }
 
-    /// A pinned block for `storage` and its entry, whose copy is queued at the next
-    /// [`Scope::flush`]; `None` beyond the pinned budget.
+    /// A pinned block for `storage` and its entry, whose copy is queued when `schedule` says;
+    /// `None` beyond the pinned budget.
     fn offload(&self, storage: &Arc<Storage>, ordinal: usize) -> Result<Option<Arc<Offloaded>>> {
         let bytes = storage.bytes();
         let pinned = match PinnedPool::global()?.alloc(bytes) {
             Ok(pinned) => pinned,
             Err(MemoryError::PinnedBudgetExceeded { .. }) => return Ok(None),
             Err(e) => return Err(e.into()),
+        };
+        // The op that made it was queued just now: this marks its end.
+        let ready = match &*storage.read() {
+            Buffer::Cuda(buffer) => buffer.stream().record()?,
+            _ => {
+                return Err(TensorError::UnsupportedDevice {
+                    op: "offload_saved",
+                    device: storage.device(),
+                });
+            }
         };
         let offloaded = Arc::new(Offloaded {
             pinned: Mutex::new(pinned),
@@ -525,7 +569,11 @@ impl Scope {
             bytes,
             stream: copy_stream(ordinal)?,
             uses: AtomicUsize::new(1),
-            source: Mutex::new(Source::Pending(Arc::clone(storage))),
+            read_in_place: std::sync::atomic::AtomicBool::new(false),
+            source: Mutex::new(Source::Pending {
+                storage: Arc::clone(storage),
+                ready,
+            }),
             back: Mutex::new(Back::default()),
             counters: Arc::clone(&self.counters),
             _live: OffloadedSave::new(),
@@ -534,16 +582,36 @@ impl Scope {
         Ok(Some(offloaded))
     }
 
-    /// Queues the copies to the host of what earlier ops saved (the op being recorded, which
-    /// read them, is queued by now, so it does not wait for them), and lets go of the device
-    /// buffers whose copies have completed.
-    pub(crate) fn flush(&self) {
-        let pending = std::mem::take(&mut *self.pending.lock());
-        if !pending.is_empty() {
+    /// An op is being recorded: queues the copies to the host that are due (see `schedule`;
+    /// the ops that read them are queued by now, so they do not wait for them), and lets go of
+    /// the device buffers whose copies have completed.
+    pub(crate) fn on_record(&self) {
+        let due = self.pending.lock().record();
+        self.queue(due);
+    }
+
+    /// Queues every copy to the host not queued yet ([`OffloadGuard::settle`]).
+    fn settle(&self) {
+        let all = self.pending.lock().drain();
+        self.queue(all);
+    }
+
+    fn queue(&self, due: Vec<Arc<Offloaded>>) {
+        if !due.is_empty() {
             let mut copying = self.copying.lock();
-            for offloaded in pending {
+            for offloaded in due {
+                if Arc::strong_count(&offloaded) == 1 {
+                    // No rule holds it any more (backward has run, or the graph is gone):
+                    // nobody will read it, so nothing goes.
+                    continue;
+                }
                 match offloaded.copy_out() {
-                    Ok(_) => copying.push(Arc::downgrade(&offloaded)),
+                    Ok(true) => {
+                        bump(&self.counters.offloaded, 1);
+                        bump(&self.counters.offloaded_bytes, offloaded.bytes as u64);
+                        copying.push(Arc::downgrade(&offloaded));
+                    }
+                    Ok(false) => {}
                     // Left on the device: correct, it just frees nothing.
                     Err(_) => bump(&self.counters.kept_on_error, 1),
                 }
