@@ -90,7 +90,7 @@ class _Saved:
             return
         torch = _torch()
         current = torch.cuda.current_stream(self.device)
-        side = self.scope._side_stream(self.device)
+        side = self.scope._side_stream(self.device, "in")
         # Allocated on the current stream, from the blocks the forward's freed activations left
         # in its pool (an allocation on the side stream would take fresh memory from a pool of
         # its own, and the reserved peak would grow by the uploads). The side stream first waits
@@ -98,6 +98,7 @@ class _Saved:
         # backward op queued next overlaps the copy.
         dest = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         side.wait_stream(current)
+        side.wait_event(self.copied)  # the copy out (on the other side stream) has landed
         with torch.cuda.stream(side):
             dest.copy_(self.host, non_blocking=True)
             self.uploaded = torch.cuda.Event()
@@ -237,10 +238,13 @@ class offload_saved:
                 return
             self._releasing.popleft()
 
-    def _side_stream(self, device):
-        stream = self._streams.get(device)
+    def _side_stream(self, device, direction: str):
+        """The side stream of ``device`` for copies ``"out"`` to the host or ``"in"`` from it:
+        one each, so the forward's last copies out and the backward's first uploads use both
+        directions of the link at once instead of queuing behind each other."""
+        stream = self._streams.get((device, direction))
         if stream is None:
-            stream = self._streams[device] = _torch().cuda.Stream(device)
+            stream = self._streams[(device, direction)] = _torch().cuda.Stream(device)
         return stream
 
     def _offloadable(self, t) -> bool:
@@ -261,7 +265,7 @@ class offload_saved:
         if block is None:
             self.stats["kept_over_budget"] += 1
             return False
-        saved.start_copy(to_torch(block), self._side_stream(saved.device))
+        saved.start_copy(to_torch(block), self._side_stream(saved.device, "out"))
         # Whatever happens to the record (a graph dropped unused), the block is not given back
         # to ferry's pool while the copy still writes it.
         self._releasing.append((saved.copied, saved.host))
