@@ -326,6 +326,12 @@ fn a_batched_state_dict_equals_per_tensor_moves() {
         dict.push(("leaf".into(), randn(GPU, &[9, 9])?.with_grad()?));
         dict.push(("ids".into(), Tensor::arange(0.0, 40.0, DType::I64, GPU)?));
         dict.push(("mask".into(), Tensor::ones(&[3, 3], DType::U8, GPU)?));
+        // Tensors of 4 MiB and more go straight into the arena, between and after packed ones:
+        // contiguous, a view at an offset, and a transposed one made dense first.
+        let big = randn(GPU, &[1100, 1000])?;
+        dict.insert(2, ("big".into(), big.clone()));
+        dict.push(("big_narrow".into(), big.narrow(0, 3, 1090)?));
+        dict.push(("big_t".into(), big.t()?));
         let (moved, report) = move_state_dict(&dict, Device::Cpu)?;
         assert_eq!(
             report.path,

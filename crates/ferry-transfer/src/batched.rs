@@ -19,9 +19,11 @@ pub type StateDict = Vec<(String, Tensor)>;
 /// Every arena offset is a multiple of this: any dtype's elements stay aligned for SIMD.
 const ALIGN: usize = 64;
 
-/// Groups up to this size are packed on the device first (which needs as much device memory
-/// again); larger ones are copied tensor by tensor.
-const PACK_UP_TO: usize = 2 << 30;
+/// Tensors under this size are gathered on the device into one buffer and cross in one DMA
+/// (a copy costs a few microseconds however small it is); larger ones go straight from where
+/// they are into their place in the arena, so the link starts at once and no device scratch of
+/// their size is needed.
+const DIRECT_FROM: usize = 4 << 20;
 
 /// Moves every tensor of `tensors` to `device` in one batch and returns them under the same
 /// names, in the same order.
@@ -171,18 +173,29 @@ fn download_group(
 ) -> Result<Vec<Tensor>> {
     let dev = cuda(ordinal)?;
     let stream = dev.default_stream().clone();
-    let (offsets, len) = arena_offsets(group, dtype)?;
+    // The small tensors first in the arena: packed, they are one contiguous region.
+    let (small, large): (Vec<usize>, Vec<usize>) =
+        (0..group.len()).partition(|&i| group[i].nbytes() < DIRECT_FROM);
+    let order: Vec<usize> = small.iter().chain(&large).copied().collect();
+    let placed: Vec<&Tensor> = order.iter().map(|&i| group[i]).collect();
+    let (placed_offsets, len) = arena_offsets(&placed, dtype)?;
     let Some(mut arena) = within_budget(PinnedPool::global()?.alloc(len))? else {
         return one_by_one(group, Device::Cpu, meter);
     };
-    if group.len() > 1 && len <= PACK_UP_TO {
-        // Many small copies cost a few microseconds each: gather the group on the device in a
-        // few kernel launches, then move it as one DMA.
-        let (packed, elements) = Tensor::pack(group, ALIGN)?;
+    let mut offsets = vec![0; group.len()];
+    for (&i, &at) in order.iter().zip(&placed_offsets) {
+        offsets[i] = at;
+    }
+    let mut batch = arena.batch(&stream)?;
+    if small.len() > 1 {
+        // Many small copies cost a few microseconds each: gather them on the device in a few
+        // kernel launches, then move them as one DMA. Queued first, so the big copies follow
+        // a short kernel, not the other way round.
+        let (packed, elements) = Tensor::pack(&placed[..small.len()], ALIGN)?;
         debug_assert!(
             elements
                 .iter()
-                .zip(&offsets)
+                .zip(&placed_offsets)
                 .all(|(e, o)| e * dtype.size() == *o)
         );
         // Device scratch, held until the one synchronization.
@@ -195,37 +208,42 @@ fn download_group(
                     device: packed.device(),
                 });
             };
-            let mut batch = arena.batch(&stream)?;
             batch.download(from, 0, 0, packed.nbytes())?;
-            batch.finish()?;
         }
         keep.tensors.push(packed);
-    } else {
-        let mut batch = arena.batch(&stream)?;
-        for (t, &at) in group.iter().zip(&offsets) {
-            // Contiguous views (offsets included) copy straight from their storage.
-            let src = if t.is_contiguous() {
-                t.detach()
-            } else {
-                dense(t)?
-            };
-            if !t.is_contiguous() {
-                // Made contiguous on the device first: scratch, held until the synchronization.
-                meter.hold(CudaDevice::block_size(t.nbytes()));
-            }
-            let guard = src.storage().read();
-            let Buffer::Cuda(from) = &*guard else {
-                return Err(TensorError::UnsupportedDevice {
-                    op: "move_state_dict",
-                    device: src.device(),
-                });
-            };
-            batch.download(from, src.layout().offset() * dtype.size(), at, src.nbytes())?;
-            drop(guard);
-            keep.tensors.push(src);
-        }
-        batch.finish()?;
     }
+    let direct = if small.len() > 1 {
+        &large[..]
+    } else {
+        &order[..]
+    };
+    for &i in direct {
+        let t = group[i];
+        // Contiguous views (offsets included) copy straight from their storage.
+        let src = if t.is_contiguous() {
+            t.detach()
+        } else {
+            // Made contiguous on the device first: scratch, held until the synchronization.
+            meter.hold(CudaDevice::block_size(t.nbytes()));
+            dense(t)?
+        };
+        let guard = src.storage().read();
+        let Buffer::Cuda(from) = &*guard else {
+            return Err(TensorError::UnsupportedDevice {
+                op: "move_state_dict",
+                device: src.device(),
+            });
+        };
+        batch.download(
+            from,
+            src.layout().offset() * dtype.size(),
+            offsets[i],
+            src.nbytes(),
+        )?;
+        drop(guard);
+        keep.tensors.push(src);
+    }
+    batch.finish()?;
     to_sync.push(stream);
     let storage = Arc::new(Storage::new(Buffer::Pinned(arena), dtype, Device::Cpu));
     views(storage, group, &offsets, dtype)
