@@ -199,21 +199,59 @@ pub fn move_state_dict<'py>(
         }
         let mut realigned = 0;
         let mut tensors: Vec<(String, Tensor)> = Vec::with_capacity(values.len());
+        // Large tensors going to the host start crossing as they are imported, so the link is
+        // busy while the rest are imported, and the batch (small ones packed, one arena) follows.
+        let mut early: Vec<Option<Tensor>> = Vec::with_capacity(values.len());
+        let mut early_bytes = 0;
         for (name, value) in values {
             let imported = dlpack::import(py, &value, Misaligned::Copy)?;
             realigned += imported.realigned_bytes;
-            tensors.push((name, imported.tensor));
+            let t = imported.tensor;
+            let direct = device == Device::Cpu
+                && matches!(t.device(), Device::Cuda(_))
+                && t.nbytes() >= EARLY_FROM
+                && t.is_contiguous();
+            early.push(if direct {
+                let (moved, _) = t
+                    .to_with(Device::Cpu, MoveOptions::non_blocking())
+                    .map_err(to_py)?;
+                early_bytes += t.nbytes();
+                Some(moved)
+            } else {
+                None
+            });
+            tensors.push((name, t));
         }
         let (moved, report) = py
             .detach(move || {
-                let moved = ferry::move_state_dict(&tensors, device)?;
+                let batch: Vec<(String, Tensor)> = tensors
+                    .iter()
+                    .zip(&early)
+                    .filter(|(_, e)| e.is_none())
+                    .map(|((name, t), _)| (name.clone(), t.clone()))
+                    .collect();
+                // Its one synchronization is on the stream the early copies were queued on.
+                let (batched, mut report) = ferry::move_state_dict(&batch, device)?;
+                drop(batch);
+                let mut batched = batched.into_iter();
+                let mut moved = Vec::with_capacity(tensors.len());
+                for ((name, _), early) in tensors.iter().zip(early) {
+                    match early {
+                        Some(t) => moved.push((name.clone(), t)),
+                        None => moved.extend(batched.next()),
+                    }
+                }
+                report.bytes_moved += early_bytes;
+                report.path = ferry::TransferPath::Batched {
+                    tensors: moved.len(),
+                };
                 for t in &torch {
                     order::after(Some(t))?;
                 }
                 // Letting go of a hundred imported tensors waits for each one's stream and calls
                 // torch's deleters: a millisecond the caller need not wait for.
                 release_in_background(tensors);
-                Ok::<_, ferry::TensorError>(moved)
+                Ok::<_, ferry::TensorError>((moved, report))
             })
             .map_err(to_py)?;
         let out = PyDict::new(py);
@@ -225,6 +263,10 @@ pub fn move_state_dict<'py>(
         Ok((out, report))
     })
 }
+
+/// Tensors of at least this many bytes move to the host on their own as soon as they are
+/// imported (a copy's fixed cost is small beside theirs); smaller ones go in the batch.
+const EARLY_FROM: usize = 4 << 20;
 
 /// Drops imported tensors on a thread of their own: each waits for the work ferry queued on it
 /// and then hands its memory back to its producer (torch's deleters need no GIL). When no thread
