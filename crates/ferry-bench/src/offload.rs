@@ -22,7 +22,7 @@ use std::time::Instant;
 use clap::Args;
 use ferry::autograd::{OffloadOptions, OffloadStats, offload_saved};
 use ferry::memory::cuda::{CudaDevice, PinnedPool};
-use ferry::{DType, Device, Tensor};
+use ferry::{Device, Tensor};
 use serde_json::{Value, json};
 
 use super::measure::median;
@@ -99,16 +99,7 @@ struct Model {
 
 impl Model {
     fn new(args: &OffloadArgs, device: Device) -> ferry::Result<Self> {
-        let (batch, width) = (args.batch as usize, args.width as usize);
-        let scale = 1.0 / (width as f64).sqrt();
-        let ws = (0..args.layers)
-            .map(|_| {
-                Tensor::randn(&[width, width], DType::F32, device)?
-                    .mul_scalar(scale)?
-                    .with_grad()
-            })
-            .collect::<ferry::Result<_>>()?;
-        let x = Tensor::randn(&[batch, width], DType::F32, device)?;
+        let (x, ws) = offload_sweep::mlp(args.layers, args.width, args.batch, device)?;
         Ok(Self { x, ws })
     }
 }

@@ -148,6 +148,27 @@ enum Model {
     },
 }
 
+/// The MLP's input batch (`batch x width`, wanting no gradient) and `layers` square weights
+/// scaled by `1/sqrt(width)` that want gradients.
+pub(super) fn mlp(
+    layers: u64,
+    width: u64,
+    batch: u64,
+    device: Device,
+) -> ferry::Result<(Tensor, Vec<Tensor>)> {
+    let (batch, width) = (batch as usize, width as usize);
+    let scale = 1.0 / (width as f64).sqrt();
+    let ws = (0..layers)
+        .map(|_| {
+            Tensor::randn(&[width, width], DType::F32, device)?
+                .mul_scalar(scale)?
+                .with_grad()
+        })
+        .collect::<ferry::Result<_>>()?;
+    let x = Tensor::randn(&[batch, width], DType::F32, device)?;
+    Ok((x, ws))
+}
+
 impl Model {
     fn new(case: SweepCase, device: Device) -> ferry::Result<Self> {
         match case {
@@ -156,16 +177,7 @@ impl Model {
                 width,
                 batch,
             } => {
-                let (batch, width) = (batch as usize, width as usize);
-                let scale = 1.0 / (width as f64).sqrt();
-                let ws = (0..layers)
-                    .map(|_| {
-                        Tensor::randn(&[width, width], DType::F32, device)?
-                            .mul_scalar(scale)?
-                            .with_grad()
-                    })
-                    .collect::<ferry::Result<_>>()?;
-                let x = Tensor::randn(&[batch, width], DType::F32, device)?;
+                let (x, ws) = mlp(layers, width, batch, device)?;
                 Ok(Model::Mlp { x, ws })
             }
             SweepCase::Gpt {

@@ -58,6 +58,25 @@ fn source_device(obj: &Bound<'_, PyAny>, capsule_device: Option<&str>) -> PyResu
     })
 }
 
+/// `t` (from `source`, see [`source_device`]) imported for a move to `device`, after ferry's
+/// default stream was ordered behind torch's stream `stream` on the GPU side of the move (the
+/// source's producers come before a realigning copy and the move); and that torch stream, for
+/// the move to order back.
+fn import_ordered(
+    py: Python<'_>,
+    t: &Bound<'_, PyAny>,
+    source: Option<&str>,
+    device: Device,
+    stream: Option<u64>,
+) -> PyResult<(Option<TorchStream>, dlpack::Imported)> {
+    let torch = match gpu_of(source_device(t, source)?, device) {
+        Some(gpu) => TorchStream::new(gpu, stream)?,
+        None => None,
+    };
+    order::before(torch.as_ref()).map_err(to_py)?;
+    Ok((torch, dlpack::import(py, t, Misaligned::Copy)?))
+}
+
 /// `t` on `device`, cast to `dtype` on the way if given. Returns `(tensor, report)`, or with
 /// `non_blocking` a `Pending` whose `wait()` returns them once the copy has landed.
 ///
@@ -80,14 +99,7 @@ pub fn to(
             dtype: dtype.map(parse_dtype).transpose()?,
             non_blocking,
         };
-        let from = source_device(t, source)?;
-        let torch = match gpu_of(from, device) {
-            Some(gpu) => TorchStream::new(gpu, stream)?,
-            None => None,
-        };
-        // The source's producers come before a realigning copy and the move.
-        order::before(torch.as_ref()).map_err(to_py)?;
-        let imported = dlpack::import(py, t, Misaligned::Copy)?;
+        let (torch, imported) = import_ordered(py, t, source, device, stream)?;
         let source = imported.tensor;
         let (out, report) = py
             .detach(|| {
@@ -127,13 +139,7 @@ pub fn to_chunked(
     guarded(|| {
         let device = parse_device(device)?;
         let spec = chunk_spec(chunks, max_staging_bytes)?;
-        let from = source_device(t, source)?;
-        let torch = match gpu_of(from, device) {
-            Some(gpu) => TorchStream::new(gpu, stream)?,
-            None => None,
-        };
-        order::before(torch.as_ref()).map_err(to_py)?;
-        let imported = dlpack::import(py, t, Misaligned::Copy)?;
+        let (torch, imported) = import_ordered(py, t, source, device, stream)?;
         let source = imported.tensor;
         let (out, report) = py
             .detach(move || {
@@ -297,14 +303,12 @@ pub fn to_async(
 ) -> PyResult<PyPending> {
     guarded(|| {
         let device = parse_device(device)?;
-        let from = source_device(t, source)?;
-        let Some(gpu) = gpu_of(from, device) else {
+        let Some(gpu) = gpu_of(source_device(t, source)?, device) else {
             return Err(PyValueError::new_err(
                 "to_async moves to or from a GPU; for a host tensor on the host use to()",
             ));
         };
-        order::before(TorchStream::new(gpu, stream)?.as_ref()).map_err(to_py)?;
-        let imported = dlpack::import(py, t, Misaligned::Copy)?;
+        let (_, imported) = import_ordered(py, t, source, device, stream)?;
         let source = imported.tensor;
         let pending = py
             .detach(move || {

@@ -504,13 +504,27 @@ impl DeviceBuffer {
         dst: &mut PinnedBuffer,
         stream: &Stream,
     ) -> Result<(), MemoryError> {
-        let src = self.range("copy_to_pinned_async", offset, dst.len(), stream)?;
+        self.download("copy_to_pinned_async", offset, dst, stream, None)
+    }
+
+    /// Queues the device-to-pinned copy of bytes `offset..offset + dst.len()` on `stream`,
+    /// ordered after `producers` when given (else after everything on the home stream).
+    fn download(
+        &self,
+        op: &'static str,
+        offset: usize,
+        dst: &mut PinnedBuffer,
+        stream: &Stream,
+        producers: Option<&Event>,
+    ) -> Result<(), MemoryError> {
+        let src = self.range_after(op, offset, dst.len(), stream, producers)?;
         if dst.is_empty() {
             return Ok(());
         }
         dst.order_before(stream)?;
         // SAFETY: the range lies in our block; `dst` is not readable, writable or reusable
-        // until the event recorded below completes.
+        // until the event recorded below completes, and the block is not reused before it
+        // either (`note_queued` makes its free wait for the copy).
         unsafe { result::memcpy_dtoh_async(dst.raw_bytes_mut(), src, stream.cudarc().cu_stream()) }
             .map_err(driver("cuMemcpyDtoHAsync"))?;
         mark_pending(dst, stream)?;
@@ -541,24 +555,7 @@ impl DeviceBuffer {
                 actual: Device::Cuda(ready.cudarc().context().ordinal()),
             });
         }
-        let src = self.range_after(
-            "copy_to_pinned_async_after",
-            0,
-            dst.len(),
-            stream,
-            Some(ready),
-        )?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        dst.order_before(stream)?;
-        // SAFETY: the range lies in our block; `dst` is not readable, writable or reusable
-        // until the event recorded below completes, and the block is not reused before it
-        // either (`note_queued` makes its free wait for the copy).
-        unsafe { result::memcpy_dtoh_async(dst.raw_bytes_mut(), src, stream.cudarc().cu_stream()) }
-            .map_err(driver("cuMemcpyDtoHAsync"))?;
-        mark_pending(dst, stream)?;
-        self.note_queued(stream)
+        self.download("copy_to_pinned_async_after", 0, dst, stream, Some(ready))
     }
 
     /// Queues setting every byte to zero.
