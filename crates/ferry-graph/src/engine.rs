@@ -351,10 +351,15 @@ impl<G: GradValue> Run<G> {
     }
 }
 
-/// How many nodes ahead of the one running backward asks rules to bring back what they saved
-/// off the device: the copies of the next two nodes overlap the current node's kernels, and at
-/// most two nodes' saved buffers are back on the device before their turn.
+/// How far ahead of the one running backward asks rules to bring back what they saved off the
+/// device: at least the next two nodes, and on while the buffers brought back ahead of their
+/// turn hold less than [`PREFETCH_BYTES`]. The copies then overlap the kernels of several
+/// nodes, so the link has work queued whatever the mix of op sizes, and the device holds at
+/// most that window (plus one node's buffers) before their turn.
 pub(crate) const PREFETCH_NODES: usize = 2;
+
+/// The bytes of the prefetch window (see [`PREFETCH_NODES`]).
+pub(crate) const PREFETCH_BYTES: usize = 256 << 20;
 
 /// The order backward will run the rules in, for prefetching. The engine runs the ready node
 /// recorded last; every node's consumers were recorded after it, so that is simply the needed
@@ -366,6 +371,10 @@ struct Prefetch {
     position: Vec<usize>,
     /// First position not asked to prefetch yet.
     next: usize,
+    /// Positions not run yet whose prefetch brought bytes back, with those bytes.
+    window: std::collections::VecDeque<(usize, usize)>,
+    /// Their sum.
+    window_bytes: usize,
 }
 
 impl Prefetch {
@@ -384,27 +393,43 @@ impl Prefetch {
             order,
             position,
             next: 0,
+            window: Default::default(),
+            window_bytes: 0,
         }
     }
 
-    /// `index` is about to run: ask it and the next [`PREFETCH_NODES`] nodes to bring their
-    /// saved buffers back, each once.
+    /// `index` is about to run: ask it, then the nodes after it, to bring their saved buffers
+    /// back, each once: at least [`PREFETCH_NODES`] of them, and on while the window holds
+    /// less than [`PREFETCH_BYTES`].
     fn ahead<G: GradValue>(&mut self, graph: &DiGraph<NodeHandle<G>, usize>, index: NodeIndex) {
         let at = self.position[index.index()];
         if at == usize::MAX {
             return;
         }
-        let end = (at + PREFETCH_NODES + 1).min(self.order.len());
-        for k in self.next.max(at)..end {
+        // What this node (and any before it) brought back is in use now, not ahead.
+        while let Some(&(k, bytes)) = self.window.front() {
+            if k > at {
+                break;
+            }
+            self.window.pop_front();
+            self.window_bytes -= bytes;
+        }
+        let mut k = self.next.max(at);
+        while k < self.order.len()
+            && (k <= at + PREFETCH_NODES || self.window_bytes < PREFETCH_BYTES)
+        {
             let rule = match &*graph[self.order[k]].0.rule.lock() {
                 RuleSlot::Ready(rule, saved) if !saved.is_empty() => Some(rule.clone()),
                 _ => None,
             };
-            if let Some(rule) = rule {
-                rule.prefetch();
+            let bytes = rule.map_or(0, |rule| rule.prefetch());
+            if bytes > 0 && k > at {
+                self.window.push_back((k, bytes));
+                self.window_bytes += bytes;
             }
+            k += 1;
         }
-        self.next = self.next.max(end);
+        self.next = self.next.max(k);
     }
 }
 

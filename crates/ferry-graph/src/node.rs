@@ -98,8 +98,12 @@ pub trait Backward<G: GradValue>: Send + Sync {
     /// Starts bringing back what this rule saved off the device (see [`OffloadedSave`]), so it
     /// is in place when the rule runs. The engine calls it a few nodes ahead of the rule while
     /// any saved buffer is off the device; it must not block the host. It reports nothing: a
-    /// rule whose prefetch failed fetches again, and reports the error, when it runs.
-    fn prefetch(&self) {}
+    /// rule whose prefetch failed fetches again, and reports the error, when it runs. Returns
+    /// the bytes it started bringing back (0 when nothing new was queued), which the engine
+    /// counts against its prefetch window.
+    fn prefetch(&self) -> usize {
+        0
+    }
 }
 
 /// Saved buffers held off their device (activation offload) right now, in the whole process.

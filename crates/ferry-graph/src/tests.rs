@@ -486,9 +486,11 @@ fn backward_frees_each_node_as_it_goes() {
     assert_eq!((report.freed_bytes, g.saved_bytes()), (32, 0));
 }
 
-/// A rule that notes, in a shared log, when it is asked to prefetch and when it runs.
+/// A rule that notes, in a shared log, when it is asked to prefetch and when it runs; a
+/// prefetch brings `bytes` back.
 struct Logged {
     name: &'static str,
+    bytes: usize,
     log: Arc<parking_lot::Mutex<Vec<String>>>,
 }
 
@@ -510,13 +512,15 @@ impl Backward<f64> for Logged {
         }]
     }
 
-    fn prefetch(&self) {
+    fn prefetch(&self) -> usize {
         self.log.lock().push(format!("prefetch {}", self.name));
+        self.bytes
     }
 }
 
 fn logged_chain(
     names: &[&'static str],
+    bytes: usize,
 ) -> (Vec<NodeHandle<f64>>, Arc<parking_lot::Mutex<Vec<String>>>) {
     let log = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let g = Graph::new();
@@ -526,6 +530,7 @@ fn logged_chain(
     for name in names {
         let rule = Logged {
             name,
+            bytes,
             log: Arc::clone(&log),
         };
         let node = g.record(NodeMeta::scalar(name), Arc::new(rule), &[Some(&prev)]);
@@ -537,19 +542,21 @@ fn logged_chain(
 }
 
 #[test]
-fn backward_prefetches_two_nodes_ahead_while_a_save_is_offloaded() {
-    // No other test in this binary holds an OffloadedSave, so the count is ours. Without one,
-    // backward asks nothing of the rules.
-    let (nodes, log) = logged_chain(&["a", "b", "c", "d"]);
+fn backward_prefetches_two_nodes_ahead_or_a_window_of_bytes_while_a_save_is_offloaded() {
+    // No other test in this binary holds an OffloadedSave, so the count is ours (one test, so
+    // its cases run one after the other). Without one, backward asks nothing of the rules.
+    let big = crate::engine::PREFETCH_BYTES;
+    let (nodes, log) = logged_chain(&["a", "b", "c", "d"], big);
     nodes[3].backward(1.0, BackwardOptions::default()).unwrap();
     assert_eq!(*log.lock(), ["run d", "run c", "run b", "run a"]);
 
-    let (nodes, log) = logged_chain(&["a", "b", "c", "d"]);
+    let (nodes, log) = logged_chain(&["a", "b", "c", "d"], big);
     let token = OffloadedSave::new();
     assert!(OffloadedSave::live() >= 1);
     nodes[3].backward(1.0, BackwardOptions::default()).unwrap();
     drop(token);
-    // Each node is asked once, up to two nodes before its turn, and before it runs.
+    // Each node is asked once, before it runs: with buffers as large as the whole window, two
+    // nodes before its turn.
     assert_eq!(
         *log.lock(),
         [
@@ -558,6 +565,27 @@ fn backward_prefetches_two_nodes_ahead_while_a_save_is_offloaded() {
             "prefetch b",
             "run d",
             "prefetch a",
+            "run c",
+            "run b",
+            "run a"
+        ]
+    );
+
+    let (nodes, log) = logged_chain(&["a", "b", "c", "d", "e"], 1 << 20);
+    let token = OffloadedSave::new();
+    nodes[4].backward(1.0, BackwardOptions::default()).unwrap();
+    drop(token);
+    // Five buffers of 1 MiB fit the window: all are asked for before the first node runs.
+    assert_eq!(
+        *log.lock(),
+        [
+            "prefetch e",
+            "prefetch d",
+            "prefetch c",
+            "prefetch b",
+            "prefetch a",
+            "run e",
+            "run d",
             "run c",
             "run b",
             "run a"

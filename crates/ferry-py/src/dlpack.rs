@@ -202,6 +202,28 @@ pub fn import(
     wrap(dl, owner, misaligned)
 }
 
+/// The device of an unused `dltensor` capsule's tensor, read without consuming it; `None` for
+/// anything else (an object that answers `__dlpack_device__`, a used capsule).
+pub fn capsule_device(obj: &Bound<'_, PyAny>) -> Option<Device> {
+    if !obj.is_instance_of::<PyCapsule>() {
+        return None;
+    }
+    // SAFETY: a live capsule; PyCapsule_IsValid only inspects it (it never sets an exception).
+    if unsafe { ffi::PyCapsule_IsValid(obj.as_ptr(), DLTENSOR.as_ptr()) } != 1 {
+        return None;
+    }
+    // SAFETY: valid with this name (checked above).
+    let raw = unsafe { ffi::PyCapsule_GetPointer(obj.as_ptr(), DLTENSOR.as_ptr()) };
+    let managed = NonNull::new(raw.cast::<DlManagedTensor>())?;
+    // SAFETY: the producer keeps the managed tensor valid while the capsule is unused.
+    let device = unsafe { (*managed.as_ptr()).dl_tensor.device };
+    match device.device_type {
+        KDL_CUDA => usize::try_from(device.device_id).ok().map(Device::Cuda),
+        KDL_CPU | KDL_CUDA_HOST => Some(Device::Cpu),
+        _ => None,
+    }
+}
+
 /// Shape and strides as ferry takes them (non-negative), checked against `MAX_NDIM`.
 fn dims(dl: &DlTensor) -> PyResult<(Vec<usize>, Vec<usize>)> {
     let ndim = usize::try_from(dl.ndim)
@@ -470,12 +492,36 @@ pub fn export(
     stream: Option<isize>,
     ordered_by_caller: bool,
 ) -> PyResult<Py<PyAny>> {
+    export_with(py, t, stream, ordered_by_caller, Landing::Wait)
+}
+
+/// [`export`] of a host tensor whose copy may still be landing, for a caller that waits for it
+/// before anything can read the consumer's tensor (it has not returned it to Python yet).
+pub fn export_landing(py: Python<'_>, t: &Tensor, stream: Option<isize>) -> PyResult<Py<PyAny>> {
+    export_with(py, t, stream, false, Landing::CallerWaits)
+}
+
+/// Whether [`export_with`] waits for a copy still landing in pinned memory.
+#[derive(Clone, Copy, PartialEq)]
+enum Landing {
+    Wait,
+    CallerWaits,
+}
+
+fn export_with(
+    py: Python<'_>,
+    t: &Tensor,
+    stream: Option<isize>,
+    ordered_by_caller: bool,
+    landing: Landing,
+) -> PyResult<Py<PyAny>> {
     let t = t.detach();
     let storage = t.storage().clone();
     let data = {
         let buffer = storage.read();
         match &*buffer {
             Buffer::Host(b) => b.as_bytes().as_ptr() as usize,
+            Buffer::Pinned(b) if landing == Landing::CallerWaits => b.as_ptr() as usize,
             // Waits for a copy still landing in it.
             Buffer::Pinned(b) => b.as_bytes().map_err(|e| to_py(e.into()))?.as_ptr() as usize,
             Buffer::Cuda(b) => {

@@ -18,6 +18,7 @@ mod errors;
 mod memory;
 mod moves;
 mod order;
+mod state_dict;
 mod streaming;
 mod tensor;
 
@@ -36,7 +37,8 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(moves::to_chunked, m)?)?;
     m.add_function(wrap_pyfunction!(moves::to_async, m)?)?;
     m.add_function(wrap_pyfunction!(streaming::stream_to, m)?)?;
-    m.add_function(wrap_pyfunction!(moves::move_state_dict, m)?)?;
+    m.add_function(wrap_pyfunction!(state_dict::move_state_dict, m)?)?;
+    m.add_class::<state_dict::PyStateDictMove>()?;
     m.add_function(wrap_pyfunction!(moves::pin, m)?)?;
     m.add_function(wrap_pyfunction!(moves::record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(order::set_current_streams, m)?)?;

@@ -11,11 +11,10 @@ use std::sync::OnceLock;
 use ferry::memory::Device;
 use ferry::memory::cuda::{CudaDevice, Stream};
 use ferry::tensor::Buffer;
-use ferry::{ChunkSpec, DeviceMove, MoveOptions, Tensor};
+use ferry::{ChunkSpec, DeviceMove, MoveOptions};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
 use crate::dlpack::{self, Misaligned};
 use crate::errors::{guarded, to_py};
@@ -34,19 +33,24 @@ pub fn from_dlpack(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyTensor>
 }
 
 /// The GPU a move between `from` and `to` runs on, if any.
-fn gpu_of(from: Device, to: Device) -> Option<usize> {
+pub(crate) fn gpu_of(from: Device, to: Device) -> Option<usize> {
     match (from, to) {
         (Device::Cuda(n), _) | (_, Device::Cuda(n)) => Some(n),
         (Device::Cpu, Device::Cpu) => None,
     }
 }
 
-/// The DLPack device of a tensor or capsule without importing it: a capsule is looked into by
-/// importing it later, so its device is learnt from the import; objects answer
-/// `__dlpack_device__`.
-fn source_device(obj: &Bound<'_, PyAny>, capsule_device: Option<&str>) -> PyResult<Device> {
+/// The DLPack device of a tensor or capsule without importing it: `capsule_device` when the
+/// caller names it, else what an unused capsule says; other objects answer `__dlpack_device__`.
+pub(crate) fn source_device(
+    obj: &Bound<'_, PyAny>,
+    capsule_device: Option<&str>,
+) -> PyResult<Device> {
     if let Some(name) = capsule_device {
         return parse_device(name);
+    }
+    if let Some(device) = dlpack::capsule_device(obj) {
+        return Ok(device);
     }
     let (kind, id) = obj
         .call_method0("__dlpack_device__")?
@@ -167,124 +171,6 @@ pub(crate) fn chunk_spec(
         )),
         (_, Some(bytes)) => Ok(ChunkSpec::MaxStagingBytes(bytes)),
         (chunks, None) => Ok(ChunkSpec::Count(chunks.unwrap_or(4))),
-    }
-}
-
-/// Every tensor of `state_dict` (a dict of name to tensor, array or DLPack capsule) on
-/// `device`, batched by dtype: `({name: tensor}, report)`. `sources` names the device of each
-/// capsule; `streams` maps each GPU ordinal involved to torch's current stream there, which the
-/// move is ordered with.
-#[pyfunction]
-#[pyo3(signature = (state_dict, device, streams=None, sources=None))]
-pub fn move_state_dict<'py>(
-    py: Python<'py>,
-    state_dict: &Bound<'py, PyDict>,
-    device: &str,
-    streams: Option<HashMap<usize, u64>>,
-    sources: Option<HashMap<String, String>>,
-) -> PyResult<(Bound<'py, PyDict>, PyReport)> {
-    guarded(|| {
-        let device = parse_device(device)?;
-        let (streams, sources) = (streams.unwrap_or_default(), sources.unwrap_or_default());
-        let mut values = Vec::with_capacity(state_dict.len());
-        let mut gpus = Vec::new();
-        for (name, value) in state_dict.iter() {
-            let name: String = name.extract()?;
-            let from = source_device(&value, sources.get(&name).map(String::as_str))?;
-            gpus.extend(gpu_of(from, device));
-            values.push((name, value));
-        }
-        gpus.sort_unstable();
-        gpus.dedup();
-        let torch: Vec<TorchStream> = gpus
-            .iter()
-            .filter_map(|&gpu| TorchStream::new(gpu, streams.get(&gpu).copied()).transpose())
-            .collect::<PyResult<_>>()?;
-        for t in &torch {
-            order::before(Some(t)).map_err(to_py)?;
-        }
-        let mut realigned = 0;
-        let mut tensors: Vec<(String, Tensor)> = Vec::with_capacity(values.len());
-        // Large tensors going to the host start crossing as they are imported, so the link is
-        // busy while the rest are imported, and the batch (small ones packed, one arena) follows.
-        let mut early: Vec<Option<Tensor>> = Vec::with_capacity(values.len());
-        let mut early_bytes = 0;
-        for (name, value) in values {
-            let imported = dlpack::import(py, &value, Misaligned::Copy)?;
-            realigned += imported.realigned_bytes;
-            let t = imported.tensor;
-            let direct = device == Device::Cpu
-                && matches!(t.device(), Device::Cuda(_))
-                && t.nbytes() >= EARLY_FROM
-                && t.is_contiguous();
-            early.push(if direct {
-                let (moved, _) = t
-                    .to_with(Device::Cpu, MoveOptions::non_blocking())
-                    .map_err(to_py)?;
-                early_bytes += t.nbytes();
-                Some(moved)
-            } else {
-                None
-            });
-            tensors.push((name, t));
-        }
-        let (moved, report) = py
-            .detach(move || {
-                let batch: Vec<(String, Tensor)> = tensors
-                    .iter()
-                    .zip(&early)
-                    .filter(|(_, e)| e.is_none())
-                    .map(|((name, t), _)| (name.clone(), t.clone()))
-                    .collect();
-                // Its one synchronization is on the stream the early copies were queued on.
-                let (batched, mut report) = ferry::move_state_dict(&batch, device)?;
-                drop(batch);
-                let mut batched = batched.into_iter();
-                let mut moved = Vec::with_capacity(tensors.len());
-                for ((name, _), early) in tensors.iter().zip(early) {
-                    match early {
-                        Some(t) => moved.push((name.clone(), t)),
-                        None => moved.extend(batched.next()),
-                    }
-                }
-                report.bytes_moved += early_bytes;
-                report.path = ferry::TransferPath::Batched {
-                    tensors: moved.len(),
-                };
-                for t in &torch {
-                    order::after(Some(t))?;
-                }
-                // Letting go of a hundred imported tensors waits for each one's stream and calls
-                // torch's deleters: a millisecond the caller need not wait for.
-                release_in_background(tensors);
-                Ok::<_, ferry::TensorError>((moved, report))
-            })
-            .map_err(to_py)?;
-        let out = PyDict::new(py);
-        for (name, t) in moved {
-            out.set_item(name, PyTensor::new(t))?;
-        }
-        let mut report = PyReport::from(&report);
-        report.realigned_bytes = realigned;
-        Ok((out, report))
-    })
-}
-
-/// Tensors of at least this many bytes move to the host on their own as soon as they are
-/// imported (a copy's fixed cost is small beside theirs); smaller ones go in the batch.
-const EARLY_FROM: usize = 4 << 20;
-
-/// Drops imported tensors on a thread of their own: each waits for the work ferry queued on it
-/// and then hands its memory back to its producer (torch's deleters need no GIL). When no thread
-/// can be started, here.
-fn release_in_background(tensors: Vec<(String, Tensor)>) {
-    let tensors = std::sync::Arc::new(Mutex::new(Some(tensors)));
-    let held = std::sync::Arc::clone(&tensors);
-    let spawned = std::thread::Builder::new()
-        .name("ferry-release".into())
-        .spawn(move || drop(held.lock().take()));
-    if spawned.is_err() {
-        drop(tensors.lock().take());
     }
 }
 

@@ -81,6 +81,16 @@ pub fn set_current_streams(source: Py<PyAny>) {
     *CURRENT_STREAMS.lock() = Some(source);
 }
 
+/// torch's current stream on GPU `ordinal`, asked through the registered source: `None` when
+/// there is none (no torch in the process) or torch has not initialized CUDA.
+pub fn torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<Option<u64>> {
+    let Some(source) = CURRENT_STREAMS.lock().as_ref().map(|s| s.clone_ref(py)) else {
+        return Ok(None);
+    };
+    let handles: Vec<u64> = source.call1(py, (vec![ordinal],))?.extract(py)?;
+    Ok(handles.first().copied())
+}
+
 /// What torch would have to finish before memory it may use is reused.
 pub enum InUse {
     /// These streams (torch's current stream on each GPU ferry uses).

@@ -84,6 +84,29 @@ def test_state_dict_moves_keep_names_and_values():
         assert torch.equal(moved[name], sd[name])
 
 
+def test_state_dicts_of_torch_tensors_arrays_and_grad_leaves_move_whole():
+    w = torch.randn(64, 32, requires_grad=True)
+    sd = {"w": w, "b": torch.arange(5), "half": torch.randn(7).half(),
+          "array": np.arange(6, dtype=np.float64).reshape(2, 3)}
+    moved, report = ferry.move_state_dict(sd, "cpu", report=True)
+    assert list(moved) == list(sd)
+    assert not moved["w"].requires_grad and torch.equal(moved["w"], w.detach())
+    assert torch.equal(moved["b"], sd["b"]) and torch.equal(moved["half"], sd["half"])
+    assert np.array_equal(moved["array"].numpy(), sd["array"])
+    assert report.path == "batched" and report.chunks == len(sd)
+
+
+def test_a_state_dict_move_takes_no_tensors_once_finished():
+    move = ferry._ferry.StateDictMove("cpu")
+    move.add("x", torch._C._to_dlpack(torch.ones(3)))
+    out, _ = move.finish()
+    assert torch.equal(torch.from_dlpack(out["x"]), torch.ones(3))
+    with pytest.raises(RuntimeError, match="start a new one"):
+        move.add("y", torch._C._to_dlpack(torch.ones(3)))
+    with pytest.raises(RuntimeError, match="start a new one"):
+        move.finish()
+
+
 def test_errors_name_the_fix():
     t = torch.ones(3)
     with pytest.raises(ValueError, match="cuda:N"):
@@ -439,6 +462,24 @@ def test_offload_bookkeeping_on_host_tensors(host_offload):
         assert not scope._copies and not scope._releasing
         del loss
         assert all(p() is None for p in probes)  # records go with torch's graph
+
+
+@pytest.mark.parametrize("prefetch,prefetch_bytes,ahead", [(1, 0, 1), (2, 0, 2), (1, 3 * 32 * 64 * 4, 3), (1, 1 << 30, 5)])
+def test_backward_uploads_ahead_by_count_and_by_bytes(host_offload, prefetch, prefetch_bytes, ahead):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(32, 64)
+    with ferry.offload_saved(min_bytes=0, prefetch=prefetch, prefetch_bytes=prefetch_bytes) as scope:
+        loss = model(x).square().mean()
+    loss.backward()
+    stats = scope.stats
+    assert stats["offloaded"] == 6 and stats["fetched_on_demand"] == 1
+    # Six tanh outputs of 32 x 64 floats: the window held `ahead` of them at its widest.
+    assert stats["ahead_peak_bytes"] == ahead * 32 * 64 * 4
+    assert scope._ahead == 0
 
 
 def test_a_memory_target_keeps_what_backward_needs_first(host_offload, monkeypatch):

@@ -334,12 +334,14 @@ impl<S: RuleState> Backward<Tensor> for TensorRule<S> {
         buffers
     }
 
-    fn prefetch(&self) {
+    fn prefetch(&self) -> usize {
+        let mut bytes = 0;
         for s in &self.saved {
             if let Kept::Offloaded { data, .. } = s {
-                data.prefetch();
+                bytes += data.prefetch();
             }
         }
+        bytes
     }
 }
 

@@ -41,10 +41,25 @@ const DIRECT_FROM: usize = 4 << 20;
 ///
 /// A state dict is data: the results carry no gradient history (the move detaches, and
 /// records nothing). Tensors already on `device` are returned detached, without a copy.
+///
+/// [`queue_state_dict`] is the same move without the wait at the end.
 pub fn move_state_dict(
     tensors: &[(String, Tensor)],
     device: Device,
 ) -> Result<(StateDict, TransferReport)> {
+    let mut queued = queue_state_dict(tensors, device)?;
+    let report = queued.wait()?;
+    Ok((queued.into_tensors(), report))
+}
+
+/// The copies of [`move_state_dict`], queued: the results exist at once and the host goes on
+/// while the bytes cross (a caller hands them on, or queues more work, meanwhile).
+///
+/// Reading a result before [`QueuedStateDict::wait`] is safe, as for any move: a host result
+/// waits for its copy when its bytes are read, a device result is ordered on the device.
+/// What the copies read stays held until the wait, or until the queued move is dropped, which
+/// waits too.
+pub fn queue_state_dict(tensors: &[(String, Tensor)], device: Device) -> Result<QueuedStateDict> {
     let start = Instant::now();
     let mut moved: Vec<Option<Tensor>> = vec![None; tensors.len()];
     // Indices by (source device, dtype); BTreeMap keeps the batches in a stable order.
@@ -60,20 +75,25 @@ pub fn move_state_dict(
                 .push(i);
         }
     }
-    let mut report = TransferReport::new(TransferPath::Batched { tensors: 0 }, 0);
-    let mut to_sync: Vec<Stream> = Vec::new();
-    let mut keep = Scratch::default();
-    // Staging (pinned arenas, device scratch) counted by this move, not read from the pools.
-    let mut meter = StagingMeter::default();
+    let mut queued = QueuedStateDict {
+        tensors: Vec::new(),
+        report: TransferReport::new(TransferPath::Batched { tensors: 0 }, 0),
+        start,
+        to_sync: Vec::new(),
+        keep: Scratch::default(),
+        meter: StagingMeter::default(),
+    };
+    let report = &mut queued.report;
     with_no_grad(|| -> Result<()> {
         for (from, dtype, indices) in groups.values() {
             let group: Vec<&Tensor> = indices.iter().map(|&i| &tensors[i].1).collect();
+            let (to_sync, keep, meter) = (&mut queued.to_sync, &mut queued.keep, &mut queued.meter);
             let outs = match (*from, device) {
                 (Device::Cuda(ordinal), Device::Cpu) => {
-                    download_group(&group, *dtype, ordinal, &mut to_sync, &mut keep, &mut meter)?
+                    download_group(&group, *dtype, ordinal, to_sync, keep, meter)?
                 }
                 (Device::Cpu, Device::Cuda(ordinal)) => {
-                    upload_group(&group, *dtype, ordinal, &mut to_sync, &mut keep, &mut meter)?
+                    upload_group(&group, *dtype, ordinal, to_sync, keep, meter)?
                 }
                 _ => group
                     .iter()
@@ -85,25 +105,66 @@ pub fn move_state_dict(
                 moved[i] = Some(out);
             }
         }
-        // The one synchronization: every copy of every dtype is on these streams.
-        to_sync.dedup();
-        for stream in &to_sync {
-            stream.synchronize()?;
-        }
         Ok(())
     })?;
-    drop(keep);
-    report.staging_peak_bytes = meter.peak();
     report.path = TransferPath::Batched {
         tensors: groups.values().map(|(_, _, ix)| ix.len()).sum(),
     };
-    report.elapsed = start.elapsed();
-    let out = tensors
+    queued.to_sync.dedup();
+    queued.tensors = tensors
         .iter()
         .zip(moved)
         .map(|((name, _), t)| (name.clone(), t.expect("every tensor was moved or kept")))
         .collect();
-    Ok((out, report))
+    Ok(queued)
+}
+
+/// A [`queue_state_dict`] whose copies may still be crossing.
+pub struct QueuedStateDict {
+    tensors: StateDict,
+    report: TransferReport,
+    start: Instant,
+    /// Every copy of every dtype is on these streams.
+    to_sync: Vec<Stream>,
+    keep: Scratch,
+    /// Staging (pinned arenas, device scratch) counted by this move, not read from the pools.
+    meter: StagingMeter,
+}
+
+impl QueuedStateDict {
+    /// The results, under their names, in order; their copies may still be crossing.
+    pub fn tensors(&self) -> &StateDict {
+        &self.tensors
+    }
+
+    /// Waits for every copy (one synchronization per stream), lets go of what they read, and
+    /// returns the move's report, timed from the call that queued it.
+    pub fn wait(&mut self) -> Result<TransferReport> {
+        for stream in &self.to_sync {
+            stream.synchronize()?;
+        }
+        self.to_sync.clear();
+        self.keep = Scratch::default();
+        let mut report = self.report.clone();
+        report.staging_peak_bytes = self.meter.peak();
+        report.elapsed = self.start.elapsed();
+        Ok(report)
+    }
+
+    /// The results, once waited for.
+    pub fn into_tensors(mut self) -> StateDict {
+        std::mem::take(&mut self.tensors)
+    }
+}
+
+impl Drop for QueuedStateDict {
+    fn drop(&mut self) {
+        // What the copies read must outlive them (a device scratch reused under a DMA would be
+        // read as another tensor's bytes).
+        for stream in &self.to_sync {
+            let _ = stream.synchronize();
+        }
+    }
 }
 
 /// What the copies read, kept until the one synchronization.

@@ -52,7 +52,7 @@ mod report;
 mod staging;
 mod streaming;
 
-pub use batched::{StateDict, move_state_dict};
+pub use batched::{QueuedStateDict, StateDict, move_state_dict, queue_state_dict};
 pub use moves::DeviceMove;
 pub use pending::PendingTensor;
 pub use plan::{ChunkPlan, ChunkSpec, pinned_block_size};

@@ -54,8 +54,8 @@ pub mod autograd {
 }
 pub use ferry_transfer::{
     Batch, ChunkPlan, ChunkSpec, ChunkStream, DEFAULT_IN_FLIGHT, DeviceLoader, DeviceMove,
-    HostChunk, LoaderStats, MoveOptions, PendingTensor, StateDict, TransferPath, TransferReport,
-    move_state_dict, pinned_block_size,
+    HostChunk, LoaderStats, MoveOptions, PendingTensor, QueuedStateDict, StateDict, TransferPath,
+    TransferReport, move_state_dict, pinned_block_size, queue_state_dict,
 };
 /// The ndarray version ferry converts to and from, so callers name the same types.
 pub use ndarray;

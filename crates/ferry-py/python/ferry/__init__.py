@@ -297,16 +297,23 @@ def to_chunked(t, device, chunks=None, max_staging_bytes=None, report: bool = Fa
 
 def move_state_dict(state_dict, device, report: bool = False):
     """A state dict (name to tensor) on ``device``, batched by dtype; values are detached.
-    Ordered with torch's current stream on every GPU involved."""
-    device = _device_name(device)
-    capsules, sources = {}, {}
+    Ordered with torch's current stream on every GPU involved. Going to the host, each tensor
+    of 4 MiB or more starts crossing as the loop over the dict reaches it, the small ones
+    follow packed into one copy, and the results are made torch tensors while the last bytes
+    cross: the call returns once all have landed."""
+    torch = _torch()  # the results are torch tensors; ferry learns torch's streams here
+    move = _ferry.StateDictMove(_device_name(device))
+    add = move.add
+    # The common case, torch tensors, without _source's per-tensor work: the capsule says its
+    # device.
+    tensor, to_dlpack = torch.Tensor, getattr(torch._C, "_to_dlpack", None)
     for name, value in state_dict.items():
-        capsules[name], sources[name] = _source(value)
-    gpus = {_gpu(d) for d in [*sources.values(), device]} - {None}
-    streams = {gpu: _current_stream(gpu) for gpu in gpus}
-    streams = {gpu: handle for gpu, handle in streams.items() if handle is not None}
-    moved, rep = _ferry.move_state_dict(capsules, device, streams, sources)
-    out = {name: to_torch(value) for name, value in moved.items()}
+        if to_dlpack is not None and isinstance(value, tensor):
+            add(name, to_dlpack(value.detach() if value.requires_grad else value))
+        else:
+            add(name, *_source(value))
+    from_dlpack = getattr(torch._C, "_from_dlpack", None) or torch.from_dlpack
+    out, rep = move.finish(from_dlpack)
     return (out, rep) if report else out
 
 

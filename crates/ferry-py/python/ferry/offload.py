@@ -15,9 +15,12 @@ The counterpart of ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, built 
   with ``record_stream`` instead was measured: torch's allocator then cannot reuse a block
   before its copy's event has been seen complete, and a forward queued far ahead of the GPU
   took fresh memory; peak reserved memory did not go down at all.)
-- Backward uploads the next ``prefetch`` tensors (in reverse order of saving) while the current
-  op computes, into memory allocated on the current stream (the blocks the forward freed); the
-  current stream waits for an upload on the device, never on the host. A tensor whose copy to
+- Backward uploads ahead (in reverse order of saving) while the current op computes: at least
+  the next ``prefetch`` tensors, and more while the uploads not yet used hold less than
+  ``prefetch_bytes``, so the link has work queued across ops of every size. Uploads go into
+  memory allocated on the current stream (the blocks the forward freed) and start after the
+  work queued there so far; the current stream waits for an upload on the device, never on the
+  host. A tensor whose copy to
   the host was still running when backward reached it (the last ones saved, when the host runs
   ahead) is read where it is, with no upload.
 - Nothing outlives the step: once backward has used every record, the scope and what it held
@@ -47,7 +50,7 @@ class _Saved:
     (``on_device``). Under a memory target it may stay on the GPU for good."""
 
     __slots__ = ("index", "scope", "device", "shape", "dtype", "nbytes", "host", "copied",
-                 "original", "on_device", "uploaded", "used", "__weakref__")
+                 "original", "on_device", "uploaded", "used", "ahead", "__weakref__")
 
     def __init__(self, index, scope, t):
         self.index = index
@@ -62,6 +65,7 @@ class _Saved:
         self.on_device = None  # what backward reads, once there
         self.uploaded = None  # event after which `on_device` may be read (None: at once)
         self.used = False
+        self.ahead = False  # uploaded ahead of its use: counted in the scope's prefetch window
 
     def start_copy(self, host, side):
         """Queues the copy to ``host`` on ``side``, after the work that produced the tensor."""
@@ -76,9 +80,11 @@ class _Saved:
             self.copied.record(side)
         self.host = host if self.dtype != torch.bool else host.view(torch.bool)
 
-    def start_upload(self):
+    def start_upload(self) -> int:
+        """Brings the tensor back to the GPU (or marks it read in place); the bytes of GPU
+        memory the upload takes."""
         if self.on_device is not None:
-            return
+            return 0
         if self.original is not None:
             # Still on the GPU: kept there by a memory target, or its copy to the host is still
             # running (the host ran ahead into backward). Read it in place, once that copy (if
@@ -87,7 +93,7 @@ class _Saved:
             self.uploaded = self.copied
             if self.host is not None:
                 self.scope.stats["read_in_place"] += 1
-            return
+            return 0
         torch = _torch()
         current = torch.cuda.current_stream(self.device)
         side = self.scope._side_stream(self.device, "in")
@@ -109,11 +115,14 @@ class _Saved:
         self.on_device = dest
         # The pinned block goes back to ferry's pool only after the upload has read it.
         self.scope._releasing.append((self.uploaded, self.host))
+        return self.nbytes
 
     def __del__(self):
         # A record dropped with its graph while a copy may still use the GPU tensor it frees (the
         # copy to the host of `original`, or an upload nothing read): work queued on the current
         # stream after this point, which may reuse the block, runs after that copy.
+        if self.ahead:
+            self.scope._ahead -= self.nbytes
         pending = None
         if self.original is not None:
             pending = self.copied
@@ -130,8 +139,10 @@ class offload_saved:
     """A context manager: inside it, every tensor that torch's autograd saves for backward, that
     lives on a GPU, holds at least ``min_bytes`` and was made by a recorded op (it has a
     ``grad_fn``), moves to pinned host memory, with at most ``in_flight`` copies running at once.
-    Backward brings each back, uploading the next ``prefetch`` ones while the current one is
-    used. Gradients are the same bits as without the scope.
+    Backward brings each back, uploading at least the next ``prefetch`` ones, and more while
+    less than ``prefetch_bytes`` are uploaded ahead, as the current one is used (the window
+    costs up to ``prefetch_bytes`` of GPU memory beyond one tensor). Gradients are the same bits
+    as without the scope.
 
     ``max_device_bytes`` sets a memory target instead of offloading everything: saved tensors
     stay on the GPU while torch's allocated memory on it
@@ -151,13 +162,15 @@ class offload_saved:
     """
 
     def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 1, in_flight: int = 2,
-                 max_device_bytes: int | None = None):
-        if min_bytes < 0 or prefetch < 0 or in_flight < 1:
-            raise ValueError("min_bytes and prefetch must be >= 0, in_flight >= 1")
+                 max_device_bytes: int | None = None, prefetch_bytes: int = 256 << 20):
+        if min_bytes < 0 or prefetch < 0 or prefetch_bytes < 0 or in_flight < 1:
+            raise ValueError("min_bytes, prefetch and prefetch_bytes must be >= 0, in_flight >= 1")
         if max_device_bytes is not None and max_device_bytes < 0:
             raise ValueError("max_device_bytes must be >= 0 (or None: offload everything)")
         self.min_bytes = min_bytes
         self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
+        self._ahead = 0  # bytes uploaded ahead of their use, not used yet
         self.in_flight = in_flight
         self.max_device_bytes = max_device_bytes
         self.stats = {
@@ -171,6 +184,7 @@ class offload_saved:
             "prefetched": 0,
             "fetched_on_demand": 0,
             "read_in_place": 0,
+            "ahead_peak_bytes": 0,
             "waited_for_target": 0,
         }
         # Weak: a saved tensor lives as long as torch's graph holds it, not as long as the scope.
@@ -319,6 +333,23 @@ class offload_saved:
             self._meet_target(t.device)
         return saved
 
+    def _prefetch_before(self, index: int) -> None:
+        """Starts the uploads of the records saved before ``index``, latest first: at least
+        ``prefetch`` of them, and on while less than ``prefetch_bytes`` are uploaded ahead."""
+        count = 0
+        for i in range(index - 1, -1, -1):
+            if count >= self.prefetch and self._ahead >= self.prefetch_bytes:
+                return
+            earlier = self._saved[i]()
+            if earlier is None or earlier.used:
+                continue
+            count += 1
+            taken = earlier.start_upload()
+            if taken:
+                earlier.ahead = True
+                self._ahead += taken
+                self.stats["ahead_peak_bytes"] = max(self.stats["ahead_peak_bytes"], self._ahead)
+
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
             return saved
@@ -331,10 +362,10 @@ class offload_saved:
                 saved.start_upload()
             else:
                 self.stats["prefetched"] += offloaded
-            for ref in reversed(self._saved[max(0, saved.index - self.prefetch) : saved.index]):
-                earlier = ref()
-                if earlier is not None and not earlier.used:
-                    earlier.start_upload()
+            if saved.ahead:
+                saved.ahead = False
+                self._ahead -= saved.nbytes
+            self._prefetch_before(saved.index)
         if saved.uploaded is not None:
             _torch().cuda.current_stream(saved.device).wait_event(saved.uploaded)
         # Kept for a second op that saved the same tensor; freed with the record, when torch's

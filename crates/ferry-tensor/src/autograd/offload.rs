@@ -375,10 +375,10 @@ impl Offloaded {
     }
 
     /// Queues the copy back unless it is back already (errors are left to
-    /// [`Offloaded::fetch`]).
-    pub(crate) fn prefetch(&self) {
+    /// [`Offloaded::fetch`]); the bytes of device memory it took (0 when nothing was queued).
+    pub(crate) fn prefetch(&self) -> usize {
         if self.still_on_device().is_some() {
-            return;
+            return 0;
         }
         let mut back = self.back.lock();
         if back.copy.is_none()
@@ -387,7 +387,9 @@ impl Offloaded {
             back.copy = Some(storage);
             back.left = self.uses.load(Ordering::Relaxed);
             bump(&self.counters.prefetched, 1);
+            return self.bytes;
         }
+        0
     }
 
     /// The buffer back on its device: the copy a prefetch (or an earlier read) brought back, or

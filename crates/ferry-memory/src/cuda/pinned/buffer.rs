@@ -113,6 +113,12 @@ impl PinnedBuffer {
         Ok(unsafe { std::slice::from_raw_parts_mut(self.block.ptr.as_ptr(), self.len) })
     }
 
+    /// The address of the bytes, without waiting for a pending copy: for handing the memory to
+    /// a consumer that reads it only after the caller has waited ([`PinnedBuffer::wait`]).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.block.ptr.as_ptr()
+    }
+
     /// The bytes without waiting, for queuing a copy that is ordered after the pending one.
     pub(crate) fn raw_bytes(&self) -> &[u8] {
         // SAFETY: `len` initialised bytes; only the driver reads them through this slice.
