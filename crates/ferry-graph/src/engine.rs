@@ -353,9 +353,11 @@ impl<G: GradValue> Run<G> {
 
 /// How far ahead of the one running backward asks rules to bring back what they saved off the
 /// device: at least the next two nodes, and on while the buffers brought back ahead of their
-/// turn hold less than [`PREFETCH_BYTES`]. The copies then overlap the kernels of several
-/// nodes, so the link has work queued whatever the mix of op sizes, and the device holds at
-/// most that window (plus one node's buffers) before their turn.
+/// turn hold less than the largest one brought back so far (at most [`PREFETCH_BYTES`]). Where
+/// buffers are alike (a stack of layers) that is the two nodes; where small ones sit between
+/// large ones (a transformer block's norms and projections beside its attention), the window
+/// reaches past the small ones, so the link has work queued across ops of every size, and the
+/// device holds at most that window (plus one node's buffers) before their turn.
 pub(crate) const PREFETCH_NODES: usize = 2;
 
 /// The bytes of the prefetch window (see [`PREFETCH_NODES`]).
@@ -375,6 +377,8 @@ struct Prefetch {
     window: std::collections::VecDeque<(usize, usize)>,
     /// Their sum.
     window_bytes: usize,
+    /// The most one prefetch brought back so far: the window's size, up to [`PREFETCH_BYTES`].
+    largest: usize,
 }
 
 impl Prefetch {
@@ -395,12 +399,13 @@ impl Prefetch {
             next: 0,
             window: Default::default(),
             window_bytes: 0,
+            largest: 0,
         }
     }
 
     /// `index` is about to run: ask it, then the nodes after it, to bring their saved buffers
     /// back, each once: at least [`PREFETCH_NODES`] of them, and on while the window holds
-    /// less than [`PREFETCH_BYTES`].
+    /// less than the largest buffer so far, up to [`PREFETCH_BYTES`].
     fn ahead<G: GradValue>(&mut self, graph: &DiGraph<NodeHandle<G>, usize>, index: NodeIndex) {
         let at = self.position[index.index()];
         if at == usize::MAX {
@@ -416,13 +421,14 @@ impl Prefetch {
         }
         let mut k = self.next.max(at);
         while k < self.order.len()
-            && (k <= at + PREFETCH_NODES || self.window_bytes < PREFETCH_BYTES)
+            && (k <= at + PREFETCH_NODES || self.window_bytes < self.largest.min(PREFETCH_BYTES))
         {
             let rule = match &*graph[self.order[k]].0.rule.lock() {
                 RuleSlot::Ready(rule, saved) if !saved.is_empty() => Some(rule.clone()),
                 _ => None,
             };
             let bytes = rule.map_or(0, |rule| rule.prefetch());
+            self.largest = self.largest.max(bytes);
             if bytes > 0 && k > at {
                 self.window.push_back((k, bytes));
                 self.window_bytes += bytes;

@@ -518,16 +518,16 @@ impl Backward<f64> for Logged {
     }
 }
 
+/// A chain of `Logged` rules, recorded in the order given: `(name, bytes a prefetch brings)`.
 fn logged_chain(
-    names: &[&'static str],
-    bytes: usize,
+    rules: &[(&'static str, usize)],
 ) -> (Vec<NodeHandle<f64>>, Arc<parking_lot::Mutex<Vec<String>>>) {
     let log = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let g = Graph::new();
     let (x, _slot) = leaf(&g, 1.0);
     let mut nodes = Vec::new();
     let mut prev = x.node.clone().unwrap();
-    for name in names {
+    for &(name, bytes) in rules {
         let rule = Logged {
             name,
             bytes,
@@ -545,18 +545,22 @@ fn logged_chain(
 fn backward_prefetches_two_nodes_ahead_or_a_window_of_bytes_while_a_save_is_offloaded() {
     // No other test in this binary holds an OffloadedSave, so the count is ours (one test, so
     // its cases run one after the other). Without one, backward asks nothing of the rules.
-    let big = crate::engine::PREFETCH_BYTES;
-    let (nodes, log) = logged_chain(&["a", "b", "c", "d"], big);
+    let alike = [
+        ("a", 64 << 20),
+        ("b", 64 << 20),
+        ("c", 64 << 20),
+        ("d", 64 << 20),
+    ];
+    let (nodes, log) = logged_chain(&alike);
     nodes[3].backward(1.0, BackwardOptions::default()).unwrap();
     assert_eq!(*log.lock(), ["run d", "run c", "run b", "run a"]);
 
-    let (nodes, log) = logged_chain(&["a", "b", "c", "d"], big);
+    let (nodes, log) = logged_chain(&alike);
     let token = OffloadedSave::new();
     assert!(OffloadedSave::live() >= 1);
     nodes[3].backward(1.0, BackwardOptions::default()).unwrap();
     drop(token);
-    // Each node is asked once, before it runs: with buffers as large as the whole window, two
-    // nodes before its turn.
+    // Each node is asked once, before it runs: with buffers alike, two nodes before its turn.
     assert_eq!(
         *log.lock(),
         [
@@ -571,11 +575,19 @@ fn backward_prefetches_two_nodes_ahead_or_a_window_of_bytes_while_a_save_is_offl
         ]
     );
 
-    let (nodes, log) = logged_chain(&["a", "b", "c", "d", "e"], 1 << 20);
+    let mixed = [
+        ("a", 1 << 20),
+        ("b", 1 << 20),
+        ("c", 1 << 20),
+        ("d", 1 << 20),
+        ("e", 64 << 20),
+    ];
+    let (nodes, log) = logged_chain(&mixed);
     let token = OffloadedSave::new();
     nodes[4].backward(1.0, BackwardOptions::default()).unwrap();
     drop(token);
-    // Five buffers of 1 MiB fit the window: all are asked for before the first node runs.
+    // After a buffer of 64 MiB, four of 1 MiB fit the window it sets: all are asked for before
+    // the first node runs.
     assert_eq!(
         *log.lock(),
         [
