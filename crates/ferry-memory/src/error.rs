@@ -93,6 +93,20 @@ pub enum MemoryError {
         /// The pool's statistics at the time (boxed: errors stay small).
         stats: Box<PinnedStats>,
     },
+    /// A request larger than any block a pool makes: rounded up to its size class it would pass
+    /// `isize::MAX` bytes, the most one allocation may hold.
+    #[error(
+        "{op}: {requested} bytes is more than the largest request it serves, {limit} bytes (a size class above that would pass isize::MAX, \
+         the most one allocation may hold); ask for less, or move the data in chunks"
+    )]
+    RequestTooLarge {
+        /// The allocation (`HostPool::alloc`, `PinnedPool::alloc`, `CudaDevice::alloc`).
+        op: &'static str,
+        /// Bytes asked for.
+        requested: usize,
+        /// The largest request the pool serves.
+        limit: usize,
+    },
     /// An environment variable meant to hold a memory budget does not hold a size.
     #[error(
         "{variable}=`{value}` is not a size: write a number of bytes, optionally with K, M, G or T (binary units), e.g. {variable}=8G, or unset it for the default"

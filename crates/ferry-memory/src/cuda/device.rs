@@ -204,12 +204,13 @@ impl CudaDevice {
     }
 
     /// The block size (the allocator's size class) a request of `bytes` occupies in its
-    /// statistics: a multiple of 512 bytes below 1 MiB, of 2 MiB from there.
+    /// statistics: a multiple of 512 bytes below 1 MiB, of 2 MiB from there. `usize::MAX` for a
+    /// request too large for any block, which [`CudaDevice::alloc`] refuses.
     pub fn block_size(bytes: usize) -> usize {
         if bytes == 0 {
             0
         } else {
-            super::cache::device_class(bytes)
+            crate::classes::device_class(bytes).unwrap_or(usize::MAX)
         }
     }
 

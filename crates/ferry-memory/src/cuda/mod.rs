@@ -18,7 +18,6 @@ mod batch;
 mod blas;
 mod blas_lt;
 mod buffer;
-pub(crate) mod cache;
 mod checks;
 mod device;
 mod discover;
