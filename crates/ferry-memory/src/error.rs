@@ -280,6 +280,18 @@ pub enum MemoryError {
         /// The argument's device.
         actual: Device,
     },
+    /// A kernel without a grid-stride loop needs more blocks than a grid holds.
+    #[error(
+        "{op}: the kernel needs {blocks} blocks, more than a grid's {limit}; split the tensor into smaller parts"
+    )]
+    GridTooLarge {
+        /// The operation.
+        op: &'static str,
+        /// Blocks it needs.
+        blocks: usize,
+        /// The most a grid holds ([`MAX_GRID_X`](crate::cuda::MAX_GRID_X)).
+        limit: u32,
+    },
     /// A kernel found its input invalid (checked on the device, read by the host without waiting:
     /// see `CudaDevice::check_later`); reported by the first checked call the same thread makes
     /// on the device after the flag reached the host, in place of that call's result.

@@ -41,7 +41,7 @@ pub use device::CudaDevice;
 pub use discover::{CudaDeviceInfo, devices, driver_present, driver_version};
 pub use dnn::{ConvInput, ConvOutput, ConvPass, ConvSpec, cudnn_present, cudnn_version};
 pub use kernels::{CudaFunction, KernelModule, compile_ptx, nvrtc_present, nvrtc_version};
-pub use launch::{Dim3, Launch, blocks_for};
+pub use launch::{Dim3, Launch, MAX_GRID_X, blocks_for, exact_grid, grid_stride_blocks};
 pub use nccl::{Communicator, ReduceOp, UniqueId, group, nccl_present, nccl_version};
 pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PinnedStats, is_page_locked};
 pub use profile::KernelTime;
