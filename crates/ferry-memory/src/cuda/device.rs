@@ -317,20 +317,40 @@ impl CudaDevice {
             });
     }
 
+    /// Refuses `op` when its stream is on another device than this one.
     pub(crate) fn check_stream(
         &self,
         op: &'static str,
         stream: &Stream,
     ) -> Result<(), MemoryError> {
-        if stream.device() == self.device() {
-            Ok(())
-        } else {
-            Err(MemoryError::DeviceMismatch {
-                op,
-                expected: self.device(),
-                actual: stream.device(),
-            })
-        }
+        self.check_operands(op, [stream.device()])
+    }
+
+    /// Refuses `op` with [`MemoryError::DeviceMismatch`] naming the first of `operands` (the
+    /// devices of its stream, buffers and functions) that is not this device: the one check
+    /// every library call (cuBLAS, cuBLASLt, cuDNN, NCCL, kernel launches) makes.
+    pub(crate) fn check_operands(
+        &self,
+        op: &'static str,
+        operands: impl IntoIterator<Item = Device>,
+    ) -> Result<(), MemoryError> {
+        all_on(op, self.device(), operands)
+    }
+}
+
+/// [`CudaDevice::check_operands`] for a device `expected`.
+fn all_on(
+    op: &'static str,
+    expected: Device,
+    operands: impl IntoIterator<Item = Device>,
+) -> Result<(), MemoryError> {
+    match operands.into_iter().find(|&actual| actual != expected) {
+        None => Ok(()),
+        Some(actual) => Err(MemoryError::DeviceMismatch {
+            op,
+            expected,
+            actual,
+        }),
     }
 }
 
@@ -376,6 +396,21 @@ mod tests {
                 super::super::PinnedPool::global(),
                 Err(MemoryError::NoDriver)
             ));
+        }
+    }
+
+    #[test]
+    fn operands_on_another_device_are_refused_naming_the_first() {
+        let (gpu0, gpu1) = (Device::Cuda(0), Device::Cuda(1));
+        assert!(all_on("gemm", gpu0, [gpu0, gpu0, gpu0]).is_ok());
+        assert!(all_on("gemm", gpu0, []).is_ok());
+        match all_on("conv2d", gpu0, [gpu0, gpu1, Device::Cpu]) {
+            Err(MemoryError::DeviceMismatch {
+                op,
+                expected,
+                actual,
+            }) => assert_eq!((op, expected, actual), ("conv2d", gpu0, gpu1)),
+            other => panic!("{other:?}"),
         }
     }
 }

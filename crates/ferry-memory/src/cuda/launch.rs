@@ -166,14 +166,8 @@ impl<'a> Launch<'a> {
             return Err(error);
         }
         self.device.check()?;
-        self.device.check_stream("launch", self.stream)?;
-        if self.function.device() != self.device.device() {
-            return Err(MemoryError::DeviceMismatch {
-                op: "launch",
-                expected: self.device.device(),
-                actual: self.function.device(),
-            });
-        }
+        self.device
+            .check_operands("launch", [self.stream.device(), self.function.device()])?;
         self.device.bind()?;
         let mut params: Vec<*mut c_void> = self
             .args
