@@ -85,7 +85,10 @@ fn a_move_to_its_own_gpu_is_the_identity_and_a_missing_gpu_names_those_present()
         assert_eq!(report.path, TransferPath::SameDevice);
         assert_eq!(report.bytes_moved, 0);
         assert!(y.shares_storage(&x), "a move to its own device copied");
-        assert_eq!(y.node().expect("a node, as for any move").meta().op, "to_device");
+        assert_eq!(
+            y.node().expect("a node, as for any move").meta().op,
+            "to_device"
+        );
         assert_eq!(bits(&y)?, bits(&x)?);
         let (y, report) = x.to_chunked(G0, ChunkSpec::Count(4))?;
         assert_eq!(report.path, TransferPath::SameDevice);
