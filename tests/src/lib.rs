@@ -203,3 +203,9 @@ pub fn indices(shape: &[usize]) -> Vec<Vec<usize>> {
         })
         .collect()
 }
+
+/// docs/transfer-methods.md's runnable example (its activation-offload block) as a doctest; its
+/// other blocks are fragments marked `ignore`.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/transfer-methods.md")]
+struct TransferMethodsPage;

@@ -1,7 +1,7 @@
 //! Moves between two GPUs (cuda:0 <-> cuda:1): values, dtype conversion, the gradient going
 //! home, ordering after the source's producers without the host waiting, chunked and
-//! asynchronous forms; plus what one GPU can check (a move to its own device is the identity, a
-//! missing device is an error naming what is there).
+//! asynchronous forms; plus what one GPU can check (a move to its own device is an alias with
+//! a node, a missing device is an error naming what is there).
 //!
 //! The two-GPU tests are ignored without a GPU and, run with `--ignored` on a one-GPU machine,
 //! say so on stderr and return: they need `nvidia-h200-x2` or any host with two GPUs.
@@ -85,6 +85,10 @@ fn a_move_to_its_own_gpu_is_the_identity_and_a_missing_gpu_names_those_present()
         assert_eq!(report.path, TransferPath::SameDevice);
         assert_eq!(report.bytes_moved, 0);
         assert!(y.shares_storage(&x), "a move to its own device copied");
+        assert_eq!(
+            y.node().expect("a node, as for any move").meta().op,
+            "to_device"
+        );
         assert_eq!(bits(&y)?, bits(&x)?);
         let (y, report) = x.to_chunked(G0, ChunkSpec::Count(4))?;
         assert_eq!(report.path, TransferPath::SameDevice);

@@ -62,6 +62,8 @@ mod interop;
 mod transfer_docs;
 // Every path, figure, package and subcommand the guide (docs/guide/) names exists.
 mod guide;
+// Constants, methods, rule files, boundary copies and the quick start the docs state, as coded.
+mod doc_facts;
 // gradgradcheck of every op on both devices, Hessian-vector products, autograd::grad's options.
 mod higher_order;
 // Gradient hooks observe and replace, retain_grad, post-accumulate hooks filling buckets.

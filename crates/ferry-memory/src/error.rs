@@ -93,6 +93,20 @@ pub enum MemoryError {
         /// The pool's statistics at the time (boxed: errors stay small).
         stats: Box<PinnedStats>,
     },
+    /// A request larger than any block a pool makes: rounded up to its size class it would pass
+    /// `isize::MAX` bytes, the most one allocation may hold.
+    #[error(
+        "{op}: {requested} bytes is more than the largest request it serves, {limit} bytes (a size class above that would pass isize::MAX, \
+         the most one allocation may hold); ask for less, or move the data in chunks"
+    )]
+    RequestTooLarge {
+        /// The allocation (`HostPool::alloc`, `PinnedPool::alloc`, `CudaDevice::alloc`).
+        op: &'static str,
+        /// Bytes asked for.
+        requested: usize,
+        /// The largest request the pool serves.
+        limit: usize,
+    },
     /// An environment variable meant to hold a memory budget does not hold a size.
     #[error(
         "{variable}=`{value}` is not a size: write a number of bytes, optionally with K, M, G or T (binary units), e.g. {variable}=8G, or unset it for the default"
@@ -265,6 +279,18 @@ pub enum MemoryError {
         expected: Device,
         /// The argument's device.
         actual: Device,
+    },
+    /// A kernel without a grid-stride loop needs more blocks than a grid holds.
+    #[error(
+        "{op}: the kernel needs {blocks} blocks, more than a grid's {limit}; split the tensor into smaller parts"
+    )]
+    GridTooLarge {
+        /// The operation.
+        op: &'static str,
+        /// Blocks it needs.
+        blocks: usize,
+        /// The most a grid holds ([`MAX_GRID_X`](crate::cuda::MAX_GRID_X)).
+        limit: u32,
     },
     /// A kernel found its input invalid (checked on the device, read by the host without waiting:
     /// see `CudaDevice::check_later`); reported by the first checked call the same thread makes

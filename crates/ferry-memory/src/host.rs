@@ -26,8 +26,8 @@ const ALIGN: usize = 64;
 const PAGE_ALIGN_FROM: usize = 1 << 20;
 const PAGE: usize = 4096;
 
-/// Huge-page size the prefaulted path aligns to.
-const HUGE_PAGE: usize = 2 << 20;
+/// Huge-page size the prefaulted path aligns to (the host pool's blocks are whole ones).
+const HUGE_PAGE: usize = crate::classes::HOST_GRANULE;
 
 /// An owned, aligned, zero-initialised block of host memory.
 pub struct HostBuffer {

@@ -10,6 +10,8 @@
 //! [`MemoryError::NoDriver`] as a value, never a panic.
 #![warn(missing_docs)]
 
+mod cache;
+mod classes;
 pub mod cuda;
 mod device;
 mod dtype;

@@ -145,6 +145,50 @@ fn an_impossible_request_is_an_error_and_the_device_keeps_working() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
+fn requests_near_usize_max_are_refused_naming_the_limit() {
+    let (_lock, dev) = gpu();
+    let pool = PinnedPool::global().unwrap();
+    // A small idle block in the cache: an unchecked class of usize::MAX - 1 wrapped to 0, and
+    // this block was handed out for the whole length.
+    drop(pool.alloc(4096).unwrap());
+    let before = pool.stats();
+    for len in [usize::MAX, usize::MAX - 1] {
+        match pool.alloc(len) {
+            Err(MemoryError::RequestTooLarge {
+                op,
+                requested,
+                limit,
+            }) => {
+                assert_eq!((op, requested), ("PinnedPool::alloc", len));
+                // The limit is a class of its own, and nothing above it is.
+                assert_eq!(PinnedPool::block_size(limit), limit);
+                assert_eq!(PinnedPool::block_size(limit + 1), usize::MAX);
+            }
+            other => panic!("PinnedPool::alloc({len}) gave {other:?}"),
+        }
+        match dev.alloc(len, dev.default_stream()) {
+            Err(MemoryError::RequestTooLarge {
+                op,
+                requested,
+                limit,
+            }) => {
+                assert_eq!((op, requested), ("CudaDevice::alloc", len));
+                assert_eq!(CudaDevice::block_size(limit), limit);
+                assert_eq!(CudaDevice::block_size(limit + 1), usize::MAX);
+            }
+            other => panic!("CudaDevice::alloc({len}) gave {other:?}"),
+        }
+    }
+    let after = pool.stats();
+    assert_eq!(
+        after.cache_hits, before.cache_hits,
+        "a cached block was handed out"
+    );
+    assert_eq!(after.cached_bytes, before.cached_bytes);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
 fn pageable_round_trip_and_device_copies_are_exact() {
     let (_lock, dev) = gpu();
     let stream = dev.default_stream();

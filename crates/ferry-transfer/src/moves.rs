@@ -15,9 +15,10 @@ use crate::streaming::{ChunkStream, stream_to};
 
 /// Device moves on tensors.
 pub trait DeviceMove: Sized {
-    /// A copy on `device` (the tensor itself when it is already there). When the source
-    /// requires grad and grad mode is on, records a transfer node whose backward moves the
-    /// gradient back to the source device.
+    /// A copy on `device`. When the tensor is already there nothing is copied: the result is an
+    /// alias (the same storage; an in-place write through one shows through the other). Either
+    /// way, when the source requires grad and grad mode is on, records a transfer node whose
+    /// backward moves the gradient back to the source device.
     ///
     /// GPU to host, the result lands in page-locked memory (DMA straight into it) while the
     /// pinned pool stays within its budget (`ferry::cuda::pinned::set_budget`, 1/8 of RAM by
@@ -58,7 +59,8 @@ pub trait DeviceMove: Sized {
     /// pieces go through the driver's pageable path instead. A zero count, or a bound smaller
     /// than one row, is an error naming the smallest valid value. Between two GPUs the pieces
     /// go peer to peer through a scratch ring of at most two pieces on each GPU (`report.path`
-    /// is `Peer { direct, chunks }`); on one device it is the identity.
+    /// is `Peer { direct, chunks }`); on one device it copies nothing (an alias, recorded as
+    /// [`DeviceMove::to`] records it).
     fn to_chunked(&self, device: Device, spec: ChunkSpec) -> Result<(Tensor, TransferReport)>;
 
     /// Queues the move on `stream` (of the GPU side of the move; between two GPUs, of either,

@@ -51,7 +51,8 @@ pub struct TransferReport {
     pub nodes_recorded: usize,
     /// Graph nodes that left the graph because this move let go of the source.
     pub nodes_pruned: usize,
-    /// Bytes of `.grad` buffers copied: always 0, since copies never carry gradients.
+    /// Bytes of `.grad` buffers copied: 0 by construction, not a measurement. A move copies a
+    /// tensor's storage, `.grad` is not part of it, and no move writes this field.
     pub grad_bytes_copied: usize,
     /// Wall time of the move, until the data was usable (or enqueued, for non-blocking moves).
     pub elapsed: Duration,

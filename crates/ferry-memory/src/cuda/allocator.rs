@@ -12,8 +12,9 @@ use cudarc::driver::sys::{self, CUevent_flags, CUresult};
 use cudarc::driver::{CudaContext, CudaEvent, DriverError, result};
 use parking_lot::Mutex;
 
-use super::cache::{BlockCache, Cached, SMALL_LIMIT, device_class, largest_reusable};
 use super::stream::{Event, Stream, driver};
+use crate::cache::{BlockCache, Cached};
+use crate::classes::{DEVICE_MAX_REQUEST, SMALL_LIMIT, device_class, largest_reusable, too_large};
 use crate::{Device, MemoryError};
 
 /// Counters of one device's allocator. Bytes are block sizes (requests rounded to their class).
@@ -150,7 +151,8 @@ impl DeviceAllocator {
 
     /// A block of at least `bytes` (> 0) usable on `stream` without further waiting.
     pub(crate) fn allocate(&self, bytes: usize, stream: &Stream) -> Result<Block, MemoryError> {
-        let class = device_class(bytes);
+        let class = device_class(bytes)
+            .ok_or_else(|| too_large("CudaDevice::alloc", bytes, DEVICE_MAX_REQUEST))?;
         {
             let mut pools = self.pools.lock();
             pools.stats.allocations += 1;

@@ -166,16 +166,15 @@ impl CudaDevice {
         stream: &Stream,
     ) -> Result<(), MemoryError> {
         self.check()?;
-        self.check_stream("gemm", stream)?;
-        for device in [a.buffer.device(), b.buffer.device(), c.buffer.device()] {
-            if device != self.device() {
-                return Err(MemoryError::DeviceMismatch {
-                    op: "gemm",
-                    expected: self.device(),
-                    actual: device,
-                });
-            }
-        }
+        self.check_operands(
+            "gemm",
+            [
+                stream.device(),
+                a.buffer.device(),
+                b.buffer.device(),
+                c.buffer.device(),
+            ],
+        )?;
         let (data, compute) = match spec.dtype {
             DType::F32 => (
                 cudaDataType::CUDA_R_32F,

@@ -122,21 +122,16 @@ impl CudaDevice {
         stream: &Stream,
     ) -> Result<(), MemoryError> {
         self.check()?;
-        self.check_stream("gemm_epilogue", stream)?;
-        for device in [
-            a.buffer.device(),
-            b.buffer.device(),
-            c.buffer.device(),
-            epilogue.bias.device(),
-        ] {
-            if device != self.device() {
-                return Err(MemoryError::DeviceMismatch {
-                    op: "gemm_epilogue",
-                    expected: self.device(),
-                    actual: device,
-                });
-            }
-        }
+        self.check_operands(
+            "gemm_epilogue",
+            [
+                stream.device(),
+                a.buffer.device(),
+                b.buffer.device(),
+                c.buffer.device(),
+                epilogue.bias.device(),
+            ],
+        )?;
         let data = match spec.dtype {
             DType::F32 => lt_sys::cudaDataType_t::CUDA_R_32F,
             DType::F16 => lt_sys::cudaDataType_t::CUDA_R_16F,

@@ -204,12 +204,13 @@ impl CudaDevice {
     }
 
     /// The block size (the allocator's size class) a request of `bytes` occupies in its
-    /// statistics: a multiple of 512 bytes below 1 MiB, of 2 MiB from there.
+    /// statistics: a multiple of 512 bytes below 1 MiB, of 2 MiB from there. `usize::MAX` for a
+    /// request too large for any block, which [`CudaDevice::alloc`] refuses.
     pub fn block_size(bytes: usize) -> usize {
         if bytes == 0 {
             0
         } else {
-            super::cache::device_class(bytes)
+            crate::classes::device_class(bytes).unwrap_or(usize::MAX)
         }
     }
 
@@ -316,20 +317,40 @@ impl CudaDevice {
             });
     }
 
+    /// Refuses `op` when its stream is on another device than this one.
     pub(crate) fn check_stream(
         &self,
         op: &'static str,
         stream: &Stream,
     ) -> Result<(), MemoryError> {
-        if stream.device() == self.device() {
-            Ok(())
-        } else {
-            Err(MemoryError::DeviceMismatch {
-                op,
-                expected: self.device(),
-                actual: stream.device(),
-            })
-        }
+        self.check_operands(op, [stream.device()])
+    }
+
+    /// Refuses `op` with [`MemoryError::DeviceMismatch`] naming the first of `operands` (the
+    /// devices of its stream, buffers and functions) that is not this device: the one check
+    /// every library call (cuBLAS, cuBLASLt, cuDNN, NCCL, kernel launches) makes.
+    pub(crate) fn check_operands(
+        &self,
+        op: &'static str,
+        operands: impl IntoIterator<Item = Device>,
+    ) -> Result<(), MemoryError> {
+        all_on(op, self.device(), operands)
+    }
+}
+
+/// [`CudaDevice::check_operands`] for a device `expected`.
+fn all_on(
+    op: &'static str,
+    expected: Device,
+    operands: impl IntoIterator<Item = Device>,
+) -> Result<(), MemoryError> {
+    match operands.into_iter().find(|&actual| actual != expected) {
+        None => Ok(()),
+        Some(actual) => Err(MemoryError::DeviceMismatch {
+            op,
+            expected,
+            actual,
+        }),
     }
 }
 
@@ -375,6 +396,21 @@ mod tests {
                 super::super::PinnedPool::global(),
                 Err(MemoryError::NoDriver)
             ));
+        }
+    }
+
+    #[test]
+    fn operands_on_another_device_are_refused_naming_the_first() {
+        let (gpu0, gpu1) = (Device::Cuda(0), Device::Cuda(1));
+        assert!(all_on("gemm", gpu0, [gpu0, gpu0, gpu0]).is_ok());
+        assert!(all_on("gemm", gpu0, []).is_ok());
+        match all_on("conv2d", gpu0, [gpu0, gpu1, Device::Cpu]) {
+            Err(MemoryError::DeviceMismatch {
+                op,
+                expected,
+                actual,
+            }) => assert_eq!((op, expected, actual), ("conv2d", gpu0, gpu1)),
+            other => panic!("{other:?}"),
         }
     }
 }

@@ -305,20 +305,15 @@ impl CudaDevice {
     ) -> Result<(), MemoryError> {
         ensure_cudnn()?;
         self.check()?;
-        self.check_stream("conv2d", stream)?;
-        for device in [
-            first.buffer.device(),
-            second.buffer.device(),
-            out.buffer.device(),
-        ] {
-            if device != self.device() {
-                return Err(MemoryError::DeviceMismatch {
-                    op: "conv2d",
-                    expected: self.device(),
-                    actual: device,
-                });
-            }
-        }
+        self.check_operands(
+            "conv2d",
+            [
+                stream.device(),
+                first.buffer.device(),
+                second.buffer.device(),
+                out.buffer.device(),
+            ],
+        )?;
         let elem = spec.dtype.size();
         let [sa, sb, so] = spec.shapes(pass)?;
         extent_check("first operand", first.buffer, first.offset_bytes, sa, elem)?;

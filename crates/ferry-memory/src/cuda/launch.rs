@@ -59,9 +59,32 @@ impl CudaDevice {
     }
 }
 
-/// Blocks of `threads` threads needed to cover `n` elements, one thread each.
+/// The most blocks a grid's x dimension holds (CUDA's limit on every GPU ferry supports).
+pub const MAX_GRID_X: u32 = i32::MAX as u32;
+
+/// Blocks of `threads` threads needed to cover `n` elements, one thread each (clamped to
+/// `u32::MAX`: a grid-stride kernel caps it further, one without a loop wants [`exact_grid`]).
 pub fn blocks_for(n: usize, threads: u32) -> u32 {
     n.div_ceil(threads.max(1) as usize).min(u32::MAX as usize) as u32
+}
+
+/// The grid of a grid-stride kernel over `units` rows or tiles: at least one block, at most
+/// `cap`. Clamped before narrowing to `u32`, so 2^32 rows give `cap` blocks, not 0.
+pub fn grid_stride_blocks(units: usize, cap: u32) -> u32 {
+    units.clamp(1, cap.max(1) as usize) as u32
+}
+
+/// The grid of a kernel with one block per unit and no grid-stride loop: `units` blocks, or
+/// [`MemoryError::GridTooLarge`] naming [`MAX_GRID_X`] when a grid cannot hold that many.
+pub fn exact_grid(op: &'static str, units: usize) -> Result<u32, MemoryError> {
+    u32::try_from(units)
+        .ok()
+        .filter(|&blocks| blocks <= MAX_GRID_X)
+        .ok_or(MemoryError::GridTooLarge {
+            op,
+            blocks: units,
+            limit: MAX_GRID_X,
+        })
 }
 
 impl<'a> Launch<'a> {
@@ -143,14 +166,8 @@ impl<'a> Launch<'a> {
             return Err(error);
         }
         self.device.check()?;
-        self.device.check_stream("launch", self.stream)?;
-        if self.function.device() != self.device.device() {
-            return Err(MemoryError::DeviceMismatch {
-                op: "launch",
-                expected: self.device.device(),
-                actual: self.function.device(),
-            });
-        }
+        self.device
+            .check_operands("launch", [self.stream.device(), self.function.device()])?;
         self.device.bind()?;
         let mut params: Vec<*mut c_void> = self
             .args
@@ -190,5 +207,35 @@ mod tests {
         assert_eq!(blocks_for(1, 256), 1);
         assert_eq!(blocks_for(256, 256), 1);
         assert_eq!(blocks_for(257, 256), 2);
+        assert_eq!(blocks_for(usize::MAX, 1), u32::MAX);
+        assert_eq!(blocks_for(usize::MAX, 256), u32::MAX);
+    }
+
+    #[test]
+    fn grid_stride_grids_clamp_before_narrowing() {
+        assert_eq!(grid_stride_blocks(0, 65535), 1);
+        assert_eq!(grid_stride_blocks(300, 65535), 300);
+        // 2^32 rows narrowed first would be a grid of 0 blocks; 2^32 + 1 one of a single block.
+        for units in [1 << 32, (1 << 32) + 1, usize::MAX - 1, usize::MAX] {
+            assert_eq!(grid_stride_blocks(units, 65535), 65535, "{units}");
+        }
+        assert_eq!(grid_stride_blocks(usize::MAX, u32::MAX), u32::MAX);
+    }
+
+    #[test]
+    fn exact_grids_past_the_limit_are_errors_naming_it() {
+        assert_eq!(exact_grid("op", 7).unwrap(), 7);
+        assert_eq!(exact_grid("op", MAX_GRID_X as usize).unwrap(), MAX_GRID_X);
+        for units in [MAX_GRID_X as usize + 1, 1 << 32, usize::MAX] {
+            match exact_grid("layer_norm backward", units) {
+                Err(err @ MemoryError::GridTooLarge { .. }) => {
+                    let text = err.to_string();
+                    for needle in ["layer_norm backward", &units.to_string(), "2147483647"] {
+                        assert!(text.contains(needle), "`{needle}` missing from: {text}");
+                    }
+                }
+                other => panic!("{units} blocks gave {other:?}"),
+            }
+        }
     }
 }

@@ -347,17 +347,8 @@ impl Communicator {
         buf: &DeviceBuffer,
         stream: &Stream,
     ) -> Result<(), MemoryError> {
-        let expected = self.device.device();
-        for actual in [buf.device(), stream.device()] {
-            if actual != expected {
-                return Err(MemoryError::DeviceMismatch {
-                    op,
-                    expected,
-                    actual,
-                });
-            }
-        }
-        Ok(())
+        self.device
+            .check_operands(op, [buf.device(), stream.device()])
     }
 }
 

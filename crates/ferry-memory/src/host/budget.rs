@@ -14,7 +14,7 @@
 //! registering them with the driver, unmapping) happens outside it.
 
 use crate::MemoryError;
-use crate::cuda::cache::{BlockCache, Cached};
+use crate::cache::{BlockCache, Cached};
 
 /// Bytes from a size written by a person: a plain number of bytes (`1073741824`), or a number
 /// (decimals allowed) with a binary unit `K`, `M`, `G` or `T`, optionally followed by `B` or

@@ -19,7 +19,8 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use super::budget::{Admission, Reservations, budget_from_env};
 use super::{HUGE_PAGE, HostBuffer};
 use crate::MemoryError;
-use crate::cuda::cache::{BlockCache, Cached, pinned_class};
+use crate::cache::{BlockCache, Cached};
+use crate::classes::{HOST_MAX_REQUEST, host_class, too_large};
 
 /// The process-wide pool, reached through [`HostPool::global`].
 pub(super) static HOST_POOL: LazyLock<HostPool> = LazyLock::new(HostPool::from_env);
@@ -94,11 +95,6 @@ impl PoolState {
     }
 }
 
-/// The block size for a request of `len` bytes (at least 2 MiB).
-fn class_of(len: usize) -> usize {
-    pinned_class(len).next_multiple_of(HUGE_PAGE)
-}
-
 /// Rounds of trimming one request may go through before it takes a plain buffer.
 const TRIM_ROUNDS: usize = 8;
 
@@ -153,10 +149,13 @@ impl HostPool {
                 value: value.clone(),
             });
         }
-        let class = class_of(len);
+        let class =
+            host_class(len).ok_or_else(|| too_large("HostPool::alloc", len, HOST_MAX_REQUEST))?;
+        // The class above serves it too; the last class serves its own class only.
+        let largest = class.checked_add(1).and_then(host_class).unwrap_or(class);
         let reused = {
             let mut state = self.state.lock();
-            let reused = state.cache.take(class, class_of(class + 1), |_| true);
+            let reused = state.cache.take(class, largest, |_| true);
             if let Some(buffer) = &reused {
                 state.stats.cache_hits += 1;
                 state.stats.allocated_bytes += buffer.len;
@@ -353,8 +352,8 @@ mod tests {
         let _budget = Budget::set(1 << 30);
         let pool = HostPool::global();
         // 20 MiB requests: classes of 2 MiB granules (16, 18, 20, 22 MiB, ...).
-        assert_eq!(class_of(20 << 20), 20 << 20);
-        assert_eq!(class_of(class_of(20 << 20) + 1), 22 << 20);
+        assert_eq!(host_class(20 << 20), Some(20 << 20));
+        assert_eq!(host_class((20 << 20) + 1), Some(22 << 20));
         let mut first = pool.alloc(22 << 20).unwrap();
         first.as_bytes_mut()[17] = 9;
         let address = first.as_bytes().as_ptr();
@@ -376,6 +375,31 @@ mod tests {
         drop(smaller);
         pool.empty_cache();
         assert_eq!(pool.stats().reserved_bytes, pool.stats().allocated_bytes);
+    }
+
+    #[test]
+    fn a_request_near_usize_max_is_refused_naming_the_limit() {
+        let _serial = SERIAL.lock();
+        let pool = HostPool::global();
+        let before = pool.stats();
+        // Unchecked, the class of usize::MAX - 1 wrapped to 0 and the buffer claimed the length.
+        for len in [usize::MAX, usize::MAX - 1, HOST_MAX_REQUEST + 1] {
+            match pool.alloc(len) {
+                Err(MemoryError::RequestTooLarge {
+                    op,
+                    requested,
+                    limit,
+                }) => {
+                    assert_eq!(
+                        (op, requested, limit),
+                        ("HostPool::alloc", len, HOST_MAX_REQUEST)
+                    );
+                }
+                other => panic!("alloc({len}) gave {other:?}"),
+            }
+        }
+        // Nothing was reserved, cached or counted for them.
+        assert_eq!(pool.stats(), before);
     }
 
     #[test]

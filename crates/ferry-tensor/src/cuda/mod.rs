@@ -12,7 +12,7 @@ pub(crate) mod select;
 
 pub use kernels::{ALL as KERNEL_MODULES, compile_kernels};
 
-use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Launch, blocks_for};
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Launch, blocks_for, grid_stride_blocks};
 use ferry_memory::{DType, Device, Element};
 use parking_lot::MappedRwLockReadGuard;
 
@@ -27,6 +27,8 @@ pub(crate) use matmul::matmul;
 const THREADS: u32 = 256;
 /// Grid-stride kernels need no more blocks than keep every SM busy.
 const MAX_BLOCKS: u32 = 132 * 32;
+/// Blocks of the row (and tile) kernels' grid-stride loops: blocks beyond this many wait anyway.
+const MAX_ROW_BLOCKS: u32 = 65535;
 
 /// A layout as the kernels' `Strided` struct sees it (kernels/common.cuh).
 #[repr(C)]
@@ -519,7 +521,7 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
     };
     if inner == 1 {
         let f = Kernel::ReduceRow(x.dtype()).load(&dev)?;
-        let blocks = (outputs.max(1) as u32).min(65535);
+        let blocks = grid_stride_blocks(outputs, MAX_ROW_BLOCKS);
         let l = dev
             .launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
             .arg_i32(code)
@@ -531,7 +533,7 @@ pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
     } else if op == ReduceOp::Sum && len >= 32 {
         let f = Kernel::SumColTiled(x.dtype()).load(&dev)?;
         let tiles = outer * inner.div_ceil(32);
-        let blocks = (tiles.max(1) as u32).min(65535);
+        let blocks = grid_stride_blocks(tiles, MAX_ROW_BLOCKS);
         dev.launch(&f, (blocks, 1, 1), (32, 32, 1), 0, dev.default_stream())
             .arg_buffer(&src)
             .arg_buffer_mut(&mut out)
@@ -604,7 +606,7 @@ pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
     let mut out = alloc(&dev, "softmax", x.shape(), x.dtype())?;
     let src = buffer(&x)?;
     let f = Kernel::Softmax(x.dtype()).load(&dev)?;
-    let blocks = (rows.max(1) as u32).min(65535);
+    let blocks = grid_stride_blocks(rows, MAX_ROW_BLOCKS);
     dev.launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
         .arg_buffer(&src)
         .arg_buffer_mut(&mut out)
@@ -623,7 +625,7 @@ pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tens
     let rows = y.numel() / cols.max(1);
     let mut out = alloc(&dev, "softmax backward", y.shape(), y.dtype())?;
     let f = Kernel::SoftmaxBackward(y.dtype()).load(&dev)?;
-    let blocks = (rows.max(1) as u32).min(65535);
+    let blocks = grid_stride_blocks(rows, MAX_ROW_BLOCKS);
     dev.launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
         .arg_buffer(&*buffer(&y)?)
         .arg_buffer(&*buffer(&g)?)

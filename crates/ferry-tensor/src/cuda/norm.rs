@@ -3,21 +3,21 @@
 //! gradients (partial sums over chunks of rows, then their sum: deterministic, no atomics).
 
 use ferry_memory::DType;
-use ferry_memory::cuda::{CudaDevice, CudaFunction, DeviceBuffer, Launch};
+use ferry_memory::cuda::{
+    CudaDevice, CudaFunction, DeviceBuffer, Launch, exact_grid, grid_stride_blocks,
+};
 
 use super::kernels::NORM;
-use super::{alloc, buffer, dense, device_of, float_only, launch, wrap};
+use super::{MAX_ROW_BLOCKS, alloc, buffer, dense, device_of, float_only, launch, wrap};
 use crate::ops::norm::stats_dtype;
 use crate::{Result, Tensor};
 
 /// Threads per row block: a power of two (the block sum halves), at most 256, about one per
 /// column for short rows.
+/// Clamped before rounding: the next power of two of a count near `usize::MAX` overflows.
 fn row_threads(cols: usize) -> u32 {
-    (cols.next_power_of_two() as u32).clamp(32, 256)
+    cols.clamp(32, 256).next_power_of_two() as u32
 }
-
-/// Rows per block of the row kernels' grid-stride loop: blocks beyond this many wait anyway.
-const MAX_ROW_BLOCKS: usize = 65535;
 /// Columns and row-threads per block of the parameter-gradient kernel (NORM_COLS, NORM_ROWS).
 const PARAM_COLS: u32 = 32;
 const PARAM_ROWS: u32 = 8;
@@ -87,7 +87,7 @@ pub(crate) fn layer_norm(
         let src = buffer(&x)?;
         let wb = w.as_ref().map(buffer).transpose()?;
         let bb = b.as_ref().map(buffer).transpose()?;
-        let blocks = rows.min(MAX_ROW_BLOCKS) as u32;
+        let blocks = grid_stride_blocks(rows, MAX_ROW_BLOCKS);
         let l = dev
             .launch(
                 &f,
@@ -132,7 +132,7 @@ pub(crate) fn layer_norm_backward(
         if rows > 0 {
             let f = function(&dev, backward_kernel(dtype))?;
             let wb = w.as_ref().map(buffer).transpose()?;
-            let blocks = rows.min(MAX_ROW_BLOCKS) as u32;
+            let blocks = grid_stride_blocks(rows, MAX_ROW_BLOCKS);
             let l = dev
                 .launch(
                     &f,
@@ -165,7 +165,8 @@ pub(crate) fn layer_norm_backward(
     let mut partial = alloc(&dev, OP, &[chunks.max(1), 2, cols], acc)?;
     if chunks > 0 {
         let f = function(&dev, params_kernel(dtype))?;
-        let col_blocks = cols.div_ceil(PARAM_COLS as usize) as u32;
+        // One block per 32 columns (the kernel has no grid-stride loop); chunks are at most 1024.
+        let col_blocks = exact_grid(OP, cols.div_ceil(PARAM_COLS as usize))?;
         dev.launch(
             &f,
             (col_blocks, chunks as u32, 1),
@@ -233,6 +234,12 @@ mod tests {
                 t.is_power_of_two() && (32..=256).contains(&t),
                 "{cols}: {t}"
             );
+        }
+        assert_eq!(row_threads(100), 128);
+        // Long rows get the most threads: rounded before narrowing, 2^32 columns gave 32, and
+        // the next power of two of usize::MAX overflows.
+        for cols in [1 << 32, (1 << 32) + 1, usize::MAX - 1, usize::MAX] {
+            assert_eq!(row_threads(cols), 256, "{cols}");
         }
     }
 }

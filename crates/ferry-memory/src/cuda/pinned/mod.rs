@@ -30,10 +30,11 @@ use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaEvent, DriverError, result};
 use parking_lot::{Condvar, Mutex};
 
-use super::cache::{BlockCache, Cached, next_pinned_class, pinned_class};
 use super::device::CudaDevice;
 use super::stream::{Event, driver};
 use crate::MemoryError;
+use crate::cache::{BlockCache, Cached};
+use crate::classes::{PINNED_MAX_REQUEST, next_pinned_class, pinned_class, too_large};
 use crate::host::budget::{Admission, Reservations, budget_from_env};
 
 mod buffer;
@@ -221,7 +222,8 @@ impl PinnedPool {
         if len == 0 {
             return Ok(PinnedBuffer::new(HostBlock::empty(), 0, self));
         }
-        let class = pinned_class(len);
+        let class = pinned_class(len)
+            .ok_or_else(|| too_large("PinnedPool::alloc", len, PINNED_MAX_REQUEST))?;
         let largest = match reuse {
             Reuse::Near => next_pinned_class(class),
             Reuse::Exact => class,
@@ -326,9 +328,14 @@ impl PinnedPool {
     }
 
     /// The block size (the pool's size class) a request of `len` bytes occupies when it is made
-    /// (or reused by [`PinnedPool::alloc_exact`]); statistics count these.
+    /// (or reused by [`PinnedPool::alloc_exact`]); statistics count these. `usize::MAX` for a
+    /// request too large for any block, which [`PinnedPool::alloc`] refuses.
     pub fn block_size(len: usize) -> usize {
-        if len == 0 { 0 } else { pinned_class(len) }
+        if len == 0 {
+            0
+        } else {
+            pinned_class(len).unwrap_or(usize::MAX)
+        }
     }
 
     /// The pool's counters.

@@ -1,51 +1,8 @@
-//! Size classes and the size-keyed block cache shared by the device allocator and the pinned
-//! pool. Pure bookkeeping: no driver calls, so the reuse rules are tested on any machine.
+//! The size-keyed block cache shared by the device allocator, the pinned pool and the host pool
+//! (their size classes are in [`crate::classes`]). Pure bookkeeping: no driver calls, so the
+//! reuse rules are tested on any machine.
 
 use std::collections::BTreeMap;
-
-/// Device requests below this are "small" and come from the small pool.
-pub(crate) const SMALL_LIMIT: usize = 1 << 20;
-/// Small device blocks are multiples of this.
-pub(crate) const SMALL_GRANULE: usize = 512;
-/// Large device blocks are multiples of this (the driver maps device memory in 2 MiB pages).
-pub(crate) const LARGE_GRANULE: usize = 2 << 20;
-/// The smallest pinned block: one page.
-pub(crate) const PINNED_MIN: usize = 4096;
-
-/// The block size the device allocator uses for a request of `bytes` (> 0).
-pub(crate) fn device_class(bytes: usize) -> usize {
-    if bytes < SMALL_LIMIT {
-        bytes.div_ceil(SMALL_GRANULE) * SMALL_GRANULE
-    } else {
-        bytes.div_ceil(LARGE_GRANULE) * LARGE_GRANULE
-    }
-}
-
-/// The block size the pinned pool uses for a request of `bytes` (> 0).
-///
-/// Rounds up to a multiple of 2^(floor(log2 n) - 3): eight classes per power of two, so the
-/// waste is below 1/8 of the request. Power-of-two doubling would waste up to half.
-pub(crate) fn pinned_class(bytes: usize) -> usize {
-    if bytes <= PINNED_MIN {
-        return PINNED_MIN;
-    }
-    let granule = 1usize << (bytes.ilog2() - 3);
-    bytes.div_ceil(granule) * granule
-}
-
-/// The pinned class after `class` (a class of [`pinned_class`]): the largest block the pinned
-/// pool hands out for a request of `class`. A block serves requests one class smaller than
-/// itself, so at most 1/4 of it goes unused (two granules of 1/8 of the request's power of two).
-pub(crate) fn next_pinned_class(class: usize) -> usize {
-    let class = class.max(PINNED_MIN);
-    class + (1usize << (class.ilog2() - 3))
-}
-
-/// The largest cached block the device allocator hands out for a request of class `class`: at
-/// most 1/8 of the block may go unused (block - class <= block / 8, i.e. block <= 8/7 class).
-pub(crate) fn largest_reusable(class: usize) -> usize {
-    class.saturating_mul(8) / 7
-}
 
 /// A free block kept for reuse.
 pub(crate) trait Cached {
@@ -161,6 +118,7 @@ impl<B: Cached> BlockCache<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::classes::largest_reusable;
 
     #[derive(Debug, PartialEq)]
     struct Block {
@@ -171,60 +129,6 @@ mod tests {
     impl Cached for Block {
         fn size(&self) -> usize {
             self.size
-        }
-    }
-
-    #[test]
-    fn device_classes_round_small_to_512_and_large_to_2_mib() {
-        assert_eq!(device_class(1), 512);
-        assert_eq!(device_class(512), 512);
-        assert_eq!(device_class(513), 1024);
-        assert_eq!(device_class(SMALL_LIMIT - 1), SMALL_LIMIT);
-        assert_eq!(device_class(SMALL_LIMIT), 2 << 20);
-        assert_eq!(device_class((2 << 20) + 1), 4 << 20);
-        // 400e6 / 2 MiB = 190.7 -> 191 pages.
-        assert_eq!(device_class(400_000_000), 191 * (2 << 20));
-    }
-
-    #[test]
-    fn pinned_classes_waste_under_an_eighth_and_never_double() {
-        assert_eq!(pinned_class(1), PINNED_MIN);
-        assert_eq!(pinned_class(4096), 4096);
-        // 4097: log2 = 12, granule 2^9 = 512, so 4608 (not 8192).
-        assert_eq!(pinned_class(4097), 4608);
-        // 400 MB: granule 2^25 = 32 MiB, 400e6 / 2^25 = 11.92 -> 12 * 32 MiB.
-        assert_eq!(pinned_class(400_000_000), 12 << 25);
-        let mut n = PINNED_MIN + 1;
-        while n < (1 << 40) {
-            for m in [n, n + 1, n * 3 / 2, 2 * n - 1] {
-                let class = pinned_class(m);
-                assert!(class >= m && (class - m) * 8 < m, "{m} -> {class}");
-                assert_eq!(pinned_class(class), class, "a class is its own class");
-            }
-            n *= 2;
-        }
-    }
-
-    #[test]
-    fn a_pinned_block_serves_requests_one_class_smaller_wasting_under_a_quarter() {
-        // Classes from 4096: 4096, 4608, ..., 7680, 8192, 9216, ...
-        assert_eq!(next_pinned_class(4096), 4608);
-        assert_eq!(next_pinned_class(7680), 8192);
-        assert_eq!(next_pinned_class(8192), 9216);
-        // 384 MiB (the class of 400 MB): granule 32 MiB.
-        assert_eq!(next_pinned_class(12 << 25), 13 << 25);
-        let mut n = PINNED_MIN + 1;
-        while n < (1 << 40) {
-            for m in [n, n + 1, n * 3 / 2, 2 * n - 1] {
-                let class = pinned_class(m);
-                let next = next_pinned_class(class);
-                assert!(next > class, "{m}");
-                assert_eq!(pinned_class(next), next, "the next class is a class");
-                assert_eq!(pinned_class(class + 1), next, "no class lies between");
-                // Served by the next class up, a request leaves under 1/4 of the block unused.
-                assert!((next - m) * 4 < next, "{m} in a block of {next}");
-            }
-            n *= 2;
         }
     }
 
@@ -259,16 +163,6 @@ mod tests {
         let five = cache.take(4096, 4096, |b| b.stream == 5).unwrap();
         cache.put(five);
         assert_eq!(cache.take_oldest(|_| true).map(|b| b.stream), Some(6));
-    }
-
-    #[test]
-    fn reuse_bound_allows_exact_and_up_to_an_eighth_unused() {
-        assert_eq!(largest_reusable(3584), 4096); // 512 of 4096 unused = 1/8
-        assert!(largest_reusable(3583) < 4096);
-        for class in [512, 4096, 2 << 20, 191 * (2 << 20)] {
-            let largest = largest_reusable(class);
-            assert!((largest - class) * 8 <= largest && largest >= class);
-        }
     }
 
     #[test]
