@@ -16,6 +16,7 @@
 //! assert_eq!(w.grad().unwrap().shape(), &[4, 3]);
 //! # Ok::<(), ferry::TensorError>(())
 //! ```
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod amp;
@@ -24,6 +25,7 @@ pub mod checkpoint;
 pub mod cuda;
 pub mod debug;
 pub mod distributed;
+mod durable;
 pub mod host;
 pub mod models;
 pub mod nn;
