@@ -4,6 +4,7 @@
 //! Key decision: every random input comes from a fresh seed per test (printed on failure, and
 //! replayable with `FERRY_SEED=<seed>`), so runs keep exploring new inputs without losing the
 //! ability to reproduce a failure.
+#![forbid(unsafe_code)]
 
 use std::cell::Cell;
 
