@@ -30,6 +30,7 @@ pub mod host;
 pub mod models;
 pub mod nn;
 pub mod optim;
+pub mod train;
 
 pub use array::{NpyError, from_ndarray, load_npy, save_npy, to_ndarray};
 pub use checkpoint::CheckpointError;
