@@ -45,8 +45,6 @@ mod report;
 mod resnet50;
 mod run_info;
 mod train;
-mod train_output;
-mod train_profile;
 mod transfer;
 mod transfer_cases;
 mod transfer_output;

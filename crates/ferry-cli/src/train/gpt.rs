@@ -248,7 +248,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     let summary = super::trainer(args, device)
         .schedule(schedule(args, lr)?, Every::Step)
         .fit(&mut model, &mut opt, None, &task, &mut report)
-        .map_err(|e| super::explain(e))?;
+        .map_err(super::explain)?;
     if !args.quiet {
         for seed in 0..2 {
             let text = sample(&model, &corpus, "Non eram nescius, ", 160, 0.8, seed)?;

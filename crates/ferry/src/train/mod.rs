@@ -339,7 +339,7 @@ impl Trainer {
         }
         let summary = TrainSummary {
             trained_now: history.len().saturating_sub(done),
-            test_accuracy: evaluate(model, ema.as_deref_mut(), task)?,
+            test_accuracy: evaluate(model, ema, task)?,
             history,
             skipped,
             data_wait,
