@@ -4,8 +4,10 @@
 //! Key decision: every random input comes from a fresh seed per test (printed on failure, and
 //! replayable with `FERRY_SEED=<seed>`), so runs keep exploring new inputs without losing the
 //! ability to reproduce a failure.
+#![forbid(unsafe_code)]
 
 use std::cell::Cell;
+use std::path::{Path, PathBuf};
 
 use ferry_tensor::gradcheck::{GradcheckOptions, gradcheck};
 use ferry_tensor::{DType, Device, Result, Tensor};
@@ -209,3 +211,23 @@ pub fn indices(shape: &[usize]) -> Vec<Vec<usize>> {
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/transfer-methods.md")]
 struct TransferMethodsPage;
+
+/// The root of the repository, for tests that read its files: from the run-time
+/// `CARGO_MANIFEST_DIR` (cargo sets it when it runs a test), else the current directory or one
+/// above it, else where the tests crate was compiled. A test executable packed and run from
+/// another checkout reads that checkout's files.
+pub fn repo_root() -> PathBuf {
+    let is_root = |dir: &Path| dir.join("Cargo.toml").is_file() && dir.join("crates").is_dir();
+    let from_env = std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from);
+    let here = std::env::current_dir().ok();
+    let candidates = from_env
+        .iter()
+        .chain(&here)
+        .flat_map(|dir| dir.ancestors().map(Path::to_path_buf).collect::<Vec<_>>());
+    for dir in candidates {
+        if is_root(&dir) {
+            return dir;
+        }
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}

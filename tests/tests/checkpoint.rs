@@ -1016,3 +1016,45 @@ fn a_gpu_state_dict_streams_within_the_bound() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Temporaries named as a save of this process id would name them (`.NAME.PID.N.tmp`, as a
+/// killed save of an earlier process with the same id leaves them in a container) do not block
+/// a save; those unwritten for long are removed once it is in place, fresh ones (a save that
+/// may still be running) and other targets' are left.
+#[test]
+fn a_temporary_left_by_a_killed_save_does_not_block_the_next() {
+    let dir = scratch("stale-temp");
+    let path = dir.join("m.safetensors");
+    let pid = std::process::id();
+    let temp = |n: usize| dir.join(format!(".m.safetensors.{pid}.{n}.tmp"));
+    for n in 0..10_000 {
+        std::fs::write(temp(n), b"killed mid-save").unwrap();
+    }
+    let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    let old = |p: &Path| {
+        let f = std::fs::File::options().write(true).open(p).unwrap();
+        f.set_modified(hour_ago).unwrap();
+    };
+    let stale = [
+        temp(0),
+        temp(1),
+        dir.join(format!(".m.safetensors.{pid}.5.77.tmp")),
+    ];
+    std::fs::write(&stale[2], b"killed mid-save").unwrap();
+    let other = dir.join(format!(".other.safetensors.{pid}.0.tmp"));
+    std::fs::write(&other, b"another target").unwrap();
+    for p in stale.iter().chain([&other]) {
+        old(p);
+    }
+    let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap();
+    checkpoint::save(&path, &[("t".to_string(), t)]).unwrap();
+    assert_eq!(
+        values(&checkpoint::load(&path).unwrap()[0].1),
+        [1.0, 2.0, 3.0]
+    );
+    for p in &stale {
+        assert!(!p.exists(), "{} was left", p.display());
+    }
+    assert!(temp(2).exists() && other.exists());
+    std::fs::remove_dir_all(&dir).ok();
+}

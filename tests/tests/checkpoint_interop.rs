@@ -11,7 +11,9 @@ use ferry::nn::{Linear, Module, ReLU, Sequential};
 use ferry_tensor::{DType, Device, Tensor};
 use ferry_tests::assert_close;
 
-const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/torch/checkpoint_interop.py");
+fn script() -> std::path::PathBuf {
+    ferry_tests::repo_root().join("tests/torch/checkpoint_interop.py")
+}
 
 fn mlp() -> Sequential {
     Sequential::new()
@@ -82,7 +84,7 @@ fn round_trip(dir: &Path, python_path: Option<&Path>, extra: &[&str]) {
     .unwrap();
 
     let mut cmd = Command::new("python3");
-    cmd.arg(SCRIPT).arg(dir).args(extra);
+    cmd.arg(script()).arg(dir).args(extra);
     if let Some(p) = python_path {
         cmd.env("PYTHONPATH", p);
     }

@@ -118,3 +118,38 @@ fn to_vec_records_nothing(device: Device) -> Result<()> {
     Ok(())
 }
 device_test!(reading_values_of_views, to_vec_records_nothing);
+
+/// Foreign memory one byte into an allocation, labelled f32: typed access and a tensor over it
+/// are refused (ferry-tensor itself holds no unsafe code, so the memory is made here).
+#[test]
+fn misaligned_foreign_bytes_are_an_error_not_a_panic() {
+    let backing = vec![0u8; 4 * 9].into_boxed_slice();
+    let base = std::ptr::NonNull::new(backing.as_ptr() as *mut u8).unwrap();
+    // SAFETY: one byte into a 36-byte allocation.
+    let odd = unsafe { base.add(1) };
+    // SAFETY: `backing` outlives the buffer, which is dropped before it below.
+    let buffer = unsafe { ferry::memory::HostBuffer::from_external(odd, 32, Box::new(())) };
+    let storage = std::sync::Arc::new(ferry_tensor::Storage::new(
+        ferry_tensor::Buffer::Host(buffer),
+        DType::F32,
+        Device::Cpu,
+    ));
+    let Err(err) = storage.host::<f32>("read") else {
+        panic!("misaligned bytes were read");
+    };
+    assert!(
+        matches!(err, ferry_tensor::TensorError::Misaligned { align: 4, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains(".clone()"), "{err}");
+    let layout = ferry_tensor::Layout::contiguous(&[8]);
+    let Err(err) = Tensor::from_storage(storage.clone(), layout) else {
+        panic!("a tensor was made over misaligned bytes");
+    };
+    assert!(
+        matches!(err, ferry_tensor::TensorError::Misaligned { .. }),
+        "{err}"
+    );
+    drop(storage);
+    drop(backing);
+}

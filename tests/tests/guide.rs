@@ -5,10 +5,10 @@
 //! by the ferry-cli unit tests.)
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+    ferry_tests::repo_root()
 }
 
 /// `(path relative to the root, text)` of the README and every chapter.

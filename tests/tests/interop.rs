@@ -176,3 +176,27 @@ fn load_npy_bytes(dir: &std::path::Path, contents: Vec<u8>) -> Result<Tensor, Np
     fs::write(&path, contents).unwrap();
     load_npy(path)
 }
+
+/// `save_npy` writes a new file and renames it over the old one: a hard link to the old file
+/// keeps the old bytes (a write in place would change both names), and no temporary is left.
+#[test]
+fn save_npy_replaces_the_file_instead_of_writing_into_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.npy");
+    let old = Tensor::from_slice(&[1.0f64, 2.0], &[2]).unwrap();
+    save_npy(&old, &path).unwrap();
+    let link = dir.path().join("w-before.npy");
+    fs::hard_link(&path, &link).unwrap();
+    let new = Tensor::from_slice(&[5.0f64, 6.0, 7.0], &[3]).unwrap();
+    save_npy(&new, &path).unwrap();
+    assert_eq!(
+        load_npy(&path).unwrap().to_vec_f64().unwrap(),
+        [5.0, 6.0, 7.0]
+    );
+    assert_eq!(load_npy(&link).unwrap().to_vec_f64().unwrap(), [1.0, 2.0]);
+    let names: Vec<String> = fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 2, "a temporary was left: {names:?}");
+}

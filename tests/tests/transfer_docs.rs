@@ -6,7 +6,9 @@ use ferry::graph::DetachCut;
 use ferry::{ChunkSpec, DeviceMove, MoveOptions};
 use ferry_tensor::{DType, Device, Result, Tensor};
 
-const PAGE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/transfer-methods.md");
+fn page_path() -> std::path::PathBuf {
+    ferry_tests::repo_root().join("docs/transfer-methods.md")
+}
 
 /// `h = relu(x)` for a leaf `x` of shape [2, 3]: the history a move starts from.
 fn history() -> Result<(Tensor, Tensor)> {
@@ -65,7 +67,7 @@ fn block(page: &str, name: &str) -> Option<std::ops::Range<usize>> {
 
 #[test]
 fn the_figures_in_the_guide_are_what_the_moves_record() {
-    let mut page = std::fs::read_to_string(PAGE).expect("docs/transfer-methods.md exists");
+    let mut page = std::fs::read_to_string(page_path()).expect("docs/transfer-methods.md exists");
     let bless = std::env::var_os("FERRY_BLESS").is_some();
     let mut stale = Vec::new();
     for (name, dot) in figures().unwrap() {
@@ -79,7 +81,7 @@ fn the_figures_in_the_guide_are_what_the_moves_record() {
         }
     }
     if bless {
-        std::fs::write(PAGE, page).unwrap();
+        std::fs::write(page_path(), page).unwrap();
     }
     assert!(
         stale.is_empty(),

@@ -13,6 +13,7 @@
 //! one JSON line per request, so ferry's and PyTorch's samples interleave in one process pair on
 //! one machine, and whatever goes wrong on PyTorch's side becomes a note beside ferry's column,
 //! never the end of the benchmark.
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 use std::error::Error;
@@ -44,8 +45,6 @@ mod report;
 mod resnet50;
 mod run_info;
 mod train;
-mod train_output;
-mod train_profile;
 mod transfer;
 mod transfer_cases;
 mod transfer_output;

@@ -1,5 +1,6 @@
 //! The `ferry` command: the transfer-methods table and doctor today; benchmarks, the training
 //! demo and graph drawing as they land.
+#![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 

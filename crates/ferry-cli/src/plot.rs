@@ -13,7 +13,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 
-use crate::train::EpochStats;
+use ferry::train::EpochStats;
 
 const FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSans.ttf");
 const GRID: RGBColor = RGBColor(225, 225, 225);

@@ -69,6 +69,7 @@
 //! assert_eq!(g.live_nodes(), 2); // only the leaves a and b still hold nodes
 //! # Ok::<(), ferry_graph::GraphError>(())
 //! ```
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod dot;

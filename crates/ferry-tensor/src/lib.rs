@@ -26,6 +26,7 @@
 //! assert_eq!(x.grad().unwrap().to_vec::<f32>()?, [2.0, -4.0, 6.0]); // dy/dx = 2x
 //! # Ok::<(), ferry_tensor::TensorError>(())
 //! ```
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod autocast;

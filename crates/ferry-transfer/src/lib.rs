@@ -37,6 +37,7 @@
 //! 4. `chunked`, `pending`, `batched`, `streaming`, `prefetch`: the move methods and the device
 //!    loader;
 //! 5. `moves`: the user-facing trait (and `offload`, should the offload copies live here).
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod batched;

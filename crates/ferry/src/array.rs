@@ -18,14 +18,16 @@
 //! ```
 
 use std::fs::File;
-use std::io::{self, BufReader, Read};
+use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use ferry_memory::{Element, HostBuffer};
 use ferry_tensor::{DType, Result, Tensor, TensorError};
 use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 use ndarray_npy::npy::header::{Header, Layout};
-use ndarray_npy::{WritableElement, WriteNpyError};
+use ndarray_npy::{WritableElement, WriteNpyError, WriteNpyExt};
+
+use crate::durable::{DurableError, TempFile};
 
 /// Errors reading or writing `.npy` files.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +52,21 @@ pub enum NpyError {
         /// What went wrong.
         source: WriteNpyError,
     },
+    /// The array was written and renamed into place, whole, but the directory could not be
+    /// fsynced: the file is there now, yet the rename may not survive a power cut.
+    #[error(
+        "{}: saved, but fsyncing its directory {} failed ({source}): the file is in place and whole, but may not survive a power cut; save again, or sync the filesystem, before relying on it",
+        path.display(),
+        dir.display()
+    )]
+    NotDurable {
+        /// The file, in place.
+        path: PathBuf,
+        /// The directory whose fsync failed.
+        dir: PathBuf,
+        /// What the OS said.
+        source: io::Error,
+    },
     /// The file is not a well-formed `.npy` file (bad magic, header, length, ...).
     #[error("{} is not a valid .npy file: {reason}", path.display())]
     Invalid {
@@ -69,6 +86,17 @@ pub enum NpyError {
         /// The file's type descriptor.
         descr: String,
     },
+}
+
+impl From<DurableError> for NpyError {
+    fn from(e: DurableError) -> Self {
+        match e {
+            DurableError::Io { path, source } => NpyError::Io { path, source },
+            DurableError::NotDurable { path, dir, source } => {
+                NpyError::NotDurable { path, dir, source }
+            }
+        }
+    }
 }
 
 /// Checks that `t` can leave ferry: on the host, and without gradient history.
@@ -117,16 +145,36 @@ where
     }
 }
 
+/// Writes `t` durably: into a temporary file beside `path`, fsynced, renamed over `path`, and
+/// the directory fsynced.
 fn write<T: Element + WritableElement>(t: &Tensor, path: &Path) -> Result<(), NpyError> {
     let array = to_ndarray::<T>(t)?;
-    ndarray_npy::write_npy(path, &array).map_err(|source| NpyError::Write {
-        path: path.into(),
+    let temp = TempFile::create(path)?;
+    let io_error = |source| NpyError::Io {
+        path: temp.path.clone(),
         source,
-    })
+    };
+    let mut out = BufWriter::with_capacity(1 << 20, &temp.file);
+    array
+        .write_npy(&mut out)
+        .map_err(|source| NpyError::Write {
+            path: path.into(),
+            source,
+        })?;
+    out.flush().map_err(io_error)?;
+    drop(out);
+    temp.file.sync_all().map_err(io_error)?;
+    temp.persist(path)?;
+    Ok(())
 }
 
 /// Writes a host tensor to `path` in NumPy's `.npy` format (f32, f64, i64 and u8; cast 16-bit
 /// floats to f32 first). The same errors as [`to_ndarray`] apply.
+///
+/// The save is durable as a checkpoint's is: the bytes go to a temporary file beside `path`,
+/// which is fsynced and renamed over it, and the directory is fsynced, so `path` holds the old
+/// file or the new one, whole, even after a crash. Should only the directory's fsync fail, the
+/// error is [`NpyError::NotDurable`]: the new file is in place, its durability unknown.
 pub fn save_npy(t: &Tensor, path: impl AsRef<Path>) -> Result<(), NpyError> {
     let path = path.as_ref();
     check_leaving(t, "save_npy")?;

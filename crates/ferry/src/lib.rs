@@ -16,6 +16,7 @@
 //! assert_eq!(w.grad().unwrap().shape(), &[4, 3]);
 //! # Ok::<(), ferry::TensorError>(())
 //! ```
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod amp;
@@ -24,10 +25,12 @@ pub mod checkpoint;
 pub mod cuda;
 pub mod debug;
 pub mod distributed;
+mod durable;
 pub mod host;
 pub mod models;
 pub mod nn;
 pub mod optim;
+pub mod train;
 
 pub use array::{NpyError, from_ndarray, load_npy, save_npy, to_ndarray};
 pub use checkpoint::CheckpointError;

@@ -1,9 +1,13 @@
-//! The digits data: parsing the gzip CSV and the fixed train/test split.
+//! The digits data: parsing the gzip CSV, the fixed train/test split, and the task the
+//! trainer runs on it (shuffled batches, cross-entropy, test accuracy).
 
 use std::error::Error;
 use std::io::Read;
 
 use ferry::prelude::*;
+use ferry::train::{HostBatch, Task};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
 
 /// The digits data, gzip-compressed CSV (`p0..p63,label`), embedded so the command works from
 /// any directory. See data/README.md for its origin and licence.
@@ -80,4 +84,65 @@ pub fn load_digits(gz: &[u8]) -> Result<(Split, Split), Box<dyn Error>> {
         y: y.split_off(TRAIN_ROWS),
     };
     Ok((Split { x, y }, test))
+}
+
+/// Classifying the digits: each epoch the training rows in a shuffled order, `batch` at a time;
+/// scored by accuracy on the test rows.
+pub(super) struct Digits<'a> {
+    train: &'a Split,
+    test: (Tensor, Tensor),
+    batch: usize,
+}
+
+impl<'a> Digits<'a> {
+    /// The task on `train`, tested on `test` (moved to `device` once).
+    pub fn new(
+        train: &'a Split,
+        test: &Split,
+        device: Device,
+        batch: usize,
+    ) -> ferry::Result<Self> {
+        let test = test.tensors(&(0..test.rows()).collect::<Vec<_>>(), device)?;
+        Ok(Self { train, test, batch })
+    }
+}
+
+impl Task for Digits<'_> {
+    fn steps_per_epoch(&self) -> usize {
+        self.train.rows().div_ceil(self.batch)
+    }
+
+    fn batches(
+        &self,
+        _epoch: usize,
+        seed: u64,
+    ) -> Box<dyn Iterator<Item = ferry::Result<HostBatch>> + '_> {
+        let mut order: Vec<usize> = (0..self.train.rows()).collect();
+        order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        let batch = self.batch;
+        // Assembled on the host in shuffled order, moved by the trainer's loader.
+        Box::new((0..self.steps_per_epoch()).map(move |b| {
+            let rows = &order[b * batch..((b + 1) * batch).min(order.len())];
+            self.train.tensors(rows, Device::Cpu)
+        }))
+    }
+
+    fn evaluate(&self, model: &mut dyn Module) -> ferry::Result<f64> {
+        accuracy(model, &self.test.0, &self.test.1)
+    }
+}
+
+/// Accuracy of `model` (in eval mode, without recording) on `x`, `y`.
+pub fn accuracy(model: &mut dyn Module, x: &Tensor, y: &Tensor) -> ferry::Result<f64> {
+    model.eval();
+    let correct = with_no_grad(|| {
+        model
+            .forward(x)?
+            .argmax(1, false)?
+            .eq(y)?
+            .to_dtype(DType::F32)?
+            .sum()
+    });
+    model.train();
+    Ok(correct?.item()? / y.shape()[0] as f64)
 }

@@ -14,8 +14,13 @@ use std::error::Error;
 
 use ferry::models::{Gpt, GptConfig};
 use ferry::nn::Module;
+use ferry::optim::{AdamW, Constant, Cosine, LrSchedule};
 use ferry::prelude::*;
+use ferry::train::{EpochEnd, Every, HostBatch, Scored, Task, TrainSummary};
 use rand::{Rng, SeedableRng};
+
+use super::TrainArgs;
+use super::report::Report;
 
 /// The text the model learns, and where it comes from.
 pub const CORPUS: &str = lipsum::LIBER_PRIMUS;
@@ -74,19 +79,13 @@ impl Corpus {
 
 /// Mean cross-entropy of `model` on `x` -> `y` (both `[B, T]`), and how many next characters
 /// its top guess got right (f32 scalar), detached.
-pub fn loss_and_correct(model: &Gpt, x: &Tensor, y: &Tensor) -> ferry::Result<(Tensor, Tensor)> {
-    let logits = model.forward(x)?;
-    let (b, t, v) = (logits.shape()[0], logits.shape()[1], logits.shape()[2]);
-    let flat = logits.reshape(&[b * t, v])?;
-    let targets = y.reshape(&[b * t])?;
-    let loss = ferry::nn::cross_entropy(&flat, &targets)?;
-    let correct = flat
-        .detach()
-        .argmax(1, false)?
-        .eq(&targets)?
-        .to_dtype(DType::F32)?
-        .sum()?;
-    Ok((loss, correct))
+pub fn loss_and_correct(
+    model: &dyn Module,
+    x: &Tensor,
+    y: &Tensor,
+) -> ferry::Result<(Tensor, Tensor)> {
+    let scored = Scored::cross_entropy(&model.forward(x)?, y)?;
+    Ok((scored.loss, scored.correct))
 }
 
 /// `len` characters sampled from `model` after `prompt` (temperature `temperature`, seeded).
@@ -135,21 +134,72 @@ pub fn sample(
     Ok(corpus.decode(&ids[start..]))
 }
 
+/// Next characters of the corpus: each step `batch` windows of `context` characters drawn at
+/// random from the first 90% (seeded per epoch); scored by next-character accuracy on fixed
+/// windows of the last 10%.
+struct NextChar<'a> {
+    corpus: &'a Corpus,
+    split: usize,
+    batch: usize,
+    context: usize,
+    steps: usize,
+    device: Device,
+}
+
+/// Windows of the held-out tenth the score is measured on.
+const HELD_OUT_WINDOWS: usize = 64;
+
+impl Task for NextChar<'_> {
+    fn steps_per_epoch(&self) -> usize {
+        self.steps
+    }
+
+    fn batches(
+        &self,
+        _epoch: usize,
+        seed: u64,
+    ) -> Box<dyn Iterator<Item = ferry::Result<HostBatch>> + '_> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        Box::new((0..self.steps).map(move |_| {
+            self.corpus
+                .windows(0..self.split, self.batch, self.context, &mut rng)
+        }))
+    }
+
+    fn evaluate(&self, model: &mut dyn Module) -> ferry::Result<f64> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0xF00D);
+        let held_out = self.split..self.corpus.ids.len();
+        let (x, y) = self
+            .corpus
+            .windows(held_out, HELD_OUT_WINDOWS, self.context, &mut rng)?;
+        let (_, correct) =
+            with_no_grad(|| loss_and_correct(model, &x.to(self.device)?, &y.to(self.device)?))?;
+        Ok(correct.item()? / (HELD_OUT_WINDOWS * self.context) as f64)
+    }
+}
+
+/// AdamW's rate: a linear warmup over the first 5% of all steps from a warmup's share of the
+/// peak, then a cosine to a tenth of it (or, with `--constant-lr`, the peak).
+fn schedule(args: &TrainArgs, lr: f64) -> ferry::Result<Box<dyn LrSchedule>> {
+    let total = (args.epochs * args.steps_per_epoch.max(1)) as u64;
+    let warmup = ((total as f64 * 0.05).round() as u64).max(1);
+    let start = 1.0 / warmup as f64;
+    Ok(if args.constant_lr {
+        Box::new(Constant::new(lr)?.with_warmup(warmup).start_factor(start)?)
+    } else {
+        let decay = Cosine::new(lr, total.saturating_sub(warmup).max(1))?.floor(lr * 0.1)?;
+        Box::new(decay.with_warmup(warmup).start_factor(start)?)
+    })
+}
+
 /// `ferry train gpt`: trains (or resumes) the character-level GPT, checkpointing and redrawing
 /// the curves each epoch (`--steps-per-epoch` steps), and prints samples at the end.
-pub(super) fn train(args: &super::TrainArgs) -> Result<super::TrainSummary, Box<dyn Error>> {
-    use std::time::Duration;
-
-    use ferry::optim::{AdamW, Optimizer};
-
-    use super::{EpochStats, TrainSummary, progress_bar, resume, say};
-
+pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     if args.devices.len() > 1 {
         return Err("--devices (data-parallel) trains the digits task only; use --device".into());
     }
     let device = args.devices.first().copied().unwrap_or(args.device);
     let corpus = Corpus::new(CORPUS);
-    let split = corpus.ids.len() * 9 / 10;
     let config = GptConfig {
         vocab: corpus.chars.len(),
         context: args.context,
@@ -157,17 +207,17 @@ pub(super) fn train(args: &super::TrainArgs) -> Result<super::TrainSummary, Box<
         layers: args.layers,
         heads: args.heads,
     };
-    std::fs::create_dir_all(args.out())
-        .map_err(|e| format!("cannot create {}: {e}", args.out().display()))?;
+    let out = args.out_dir();
+    std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
     // The text, for tests/torch/gpt.py (the PyTorch twin of this model).
-    let corpus_file = args.out().join("corpus.txt");
+    let corpus_file = out.join("corpus.txt");
     std::fs::write(&corpus_file, CORPUS)
         .map_err(|e| format!("cannot write {}: {e}", corpus_file.display()))?;
     let lr = args.lr.unwrap_or(3e-3);
     ferry::manual_seed(args.seed);
     let mut model = Gpt::new(config, device)?;
     let mut opt = AdamW::new(model.parameters(), lr)?.weight_decay(args.weight_decay);
-    say(
+    super::say(
         args,
         &format!(
             "gpt: {} parameters, {} characters ({} distinct) of {CORPUS_SOURCE}",
@@ -176,94 +226,36 @@ pub(super) fn train(args: &super::TrainArgs) -> Result<super::TrainSummary, Box<
             corpus.chars.len()
         ),
     );
-    let mut history = Vec::new();
-    let mut skipped = Vec::new();
-    if args.resume
-        && let Some(resumed) = resume::resume(&args.out(), &mut model, &mut opt, None)?
-    {
-        super::warn_skipped(&resumed.skipped);
-        say(args, &format!("resuming from {}", resumed.path.display()));
-        history = resumed.history;
-        skipped = resumed.skipped;
-    }
-    let done_before = history.len();
-    let steps = args.steps_per_epoch.max(1);
-    let total_steps = (args.epochs * steps) as f64;
-    let warmup = (total_steps * 0.05).max(1.0);
-    let bar = progress_bar(
-        args,
-        (args.epochs.saturating_sub(done_before) * steps) as u64,
-    );
-    let mut loop_time = Duration::ZERO;
-    for epoch in done_before + 1..=args.epochs {
-        bar.set_prefix(format!("epoch {epoch}/{}", args.epochs));
-        let epoch_seed = args.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let mut rng = rand::rngs::StdRng::seed_from_u64(epoch_seed);
-        let started = std::time::Instant::now();
-        let (mut loss_sum, mut correct) = (0.0, 0.0);
-        for s in 0..steps {
-            // Linear warmup over the first 5% of all steps, then a cosine to 10% of the peak.
-            let step = ((epoch - 1) * steps + s) as f64;
-            let scale = if step < warmup {
-                (step + 1.0) / warmup
-            } else if args.constant_lr {
-                1.0
-            } else {
-                let t = (step - warmup) / (total_steps - warmup).max(1.0);
-                0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
-            };
-            opt.set_learning_rate(lr * scale);
-            let (x, y) = corpus.windows(0..split, args.batch(), config.context, &mut rng)?;
-            let (x, y) = (x.to(device)?, y.to(device)?);
-            opt.zero_grad();
-            let (loss, right) = loss_and_correct(&model, &x, &y)?;
-            loss.backward()?;
-            opt.step()?;
-            loss_sum += loss.item()?;
-            correct += right.item()?;
-            bar.set_message(format!("loss {:.4}", loss_sum / (s + 1) as f64));
-            bar.inc(1);
-        }
-        loop_time += started.elapsed();
-        // Validation: fixed windows of the held-out tenth.
-        let mut val_rng = rand::rngs::StdRng::seed_from_u64(0xF00D);
-        let (vx, vy) = corpus.windows(split..corpus.ids.len(), 64, config.context, &mut val_rng)?;
-        let (_, val_correct) =
-            with_no_grad(|| loss_and_correct(&model, &vx.to(device)?, &vy.to(device)?))?;
-        let per_step = (args.batch() * config.context) as f64;
-        let stats = EpochStats {
-            loss: loss_sum / steps as f64,
-            train_accuracy: correct / (per_step * steps as f64),
-            test_accuracy: val_correct.item()? / (64 * config.context) as f64,
-        };
-        history.push(stats);
-        let line = format!(
-            "epoch {epoch}/{}: loss {:.4}, next-char accuracy {:.4} (train), {:.4} (held out)",
-            args.epochs, stats.loss, stats.train_accuracy, stats.test_accuracy
-        );
-        let state = super::RunState {
-            model: &model,
-            opt: &opt,
-            ema: None,
-        };
-        super::finish_epoch(args, epoch, state, &history, &bar, &line)?;
-    }
-    bar.finish_and_clear();
+    let task = NextChar {
+        corpus: &corpus,
+        split: corpus.ids.len() * 9 / 10,
+        batch: args.batch(),
+        context: config.context,
+        steps: args.steps_per_epoch.max(1),
+        device,
+    };
+    let line = |end: &EpochEnd<'_>| {
+        format!(
+            "epoch {}/{}: loss {:.4}, next-char accuracy {:.4} (train), {:.4} (held out)",
+            end.epoch,
+            end.epochs,
+            end.stats.loss,
+            end.stats.train_accuracy,
+            end.stats.test_accuracy
+        )
+    };
+    let mut report = Report::new(args, &line);
+    let summary = super::trainer(args, device)
+        .schedule(schedule(args, lr)?, Every::Step)
+        .fit(&mut model, &mut opt, None, &task, &mut report)
+        .map_err(super::explain)?;
     if !args.quiet {
         for seed in 0..2 {
             let text = sample(&model, &corpus, "Non eram nescius, ", 160, 0.8, seed)?;
             println!("sample {}: Non eram nescius, {text}", seed + 1);
         }
     }
-    let test_accuracy = history.last().map_or(0.0, |s| s.test_accuracy);
-    Ok(TrainSummary {
-        trained_now: history.len() - done_before,
-        history,
-        test_accuracy,
-        skipped,
-        data_wait: Duration::ZERO,
-        loop_time,
-    })
+    Ok(summary)
 }
 
 #[cfg(test)]

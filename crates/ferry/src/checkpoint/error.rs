@@ -51,6 +51,22 @@ pub enum CheckpointError {
         /// The CRC32 of the bytes in the file now.
         found: u32,
     },
+    /// The checkpoint was written and renamed into place, whole, but the directory could not be
+    /// fsynced: the file is there now, yet the rename may not survive a power cut.
+    #[error(
+        "{}: saved, but fsyncing its directory {} failed ({source}): the file is in place and whole, but may not survive a power cut; save again, or sync the filesystem, before relying on it",
+        path.display(),
+        dir.display()
+    )]
+    NotDurable {
+        /// The file, in place.
+        path: PathBuf,
+        /// The directory whose fsync failed.
+        dir: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The file is not a safetensors file (or its header is damaged).
     #[error("{}: not a valid safetensors file: {reason}", path.display())]
     Format {
@@ -114,6 +130,18 @@ pub enum CheckpointError {
     /// A tensor operation (a device move, a copy) failed.
     #[error(transparent)]
     Tensor(#[from] TensorError),
+}
+
+impl From<crate::durable::DurableError> for CheckpointError {
+    fn from(e: crate::durable::DurableError) -> Self {
+        use crate::durable::DurableError;
+        match e {
+            DurableError::Io { path, source } => CheckpointError::Io { path, source },
+            DurableError::NotDurable { path, dir, source } => {
+                CheckpointError::NotDurable { path, dir, source }
+            }
+        }
+    }
 }
 
 /// One way a state dict differs from the tensors it should fill.

@@ -14,7 +14,8 @@
 //!
 //! What a save promises: the bytes go to a temporary file beside the target, which is fsynced,
 //! renamed over the target, and the directory fsynced; so after a crash or a power cut the name
-//! holds the previous file or the new one, whole. The file gets the default permissions less
+//! holds the previous file or the new one, whole. Should only the directory's fsync fail, the
+//! error is [`CheckpointError::NotDurable`]: the new file is in place, its durability unknown. The file gets the default permissions less
 //! the umask, like any file the user creates. Two tensors with one name, or a tensor named
 //! `__metadata__`, are errors before anything is written.
 //!
@@ -46,7 +47,6 @@ use std::path::Path;
 use ferry_tensor::{Device, Tensor};
 use ferry_transfer::{StateDict, TransferReport};
 
-mod durable;
 mod error;
 mod format;
 mod plan;

@@ -17,10 +17,10 @@ use ferry_tensor::{Buffer, Device, Tensor, TensorError};
 use safetensors::tensor::TensorInfo;
 
 use super::CheckpointError;
-use super::durable::TempFile;
 use super::format::{Checksums, header_bytes, header_checksum, safetensors_dtype};
 use super::plan::{Piece, SLOTS, Slots, pieces};
 use super::stage::{CheckpointReport, Meter, Ring, Slot, after_default, copy_stream};
+use crate::durable::TempFile;
 
 /// Bytes hashed and written at a time: small enough to stay in cache between the two.
 const CHUNK: usize = 4 << 20;

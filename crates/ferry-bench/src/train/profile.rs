@@ -16,8 +16,9 @@ use std::time::Instant;
 use ferry::memory::cuda::{CudaDevice, Event};
 use ferry::prelude::*;
 
-use super::report::print_table;
-use super::train::{Case, FerryRun, PHASES, Phase};
+use super::cases::{Case, PHASES, Phase};
+use super::step::FerryRun;
+use crate::report::print_table;
 
 /// Products the GPU runs ahead of each host-ahead step (about 2.6 ms each on an H200 in f32).
 const HEAD_START: usize = 3;

@@ -4,8 +4,8 @@ use serde_json::{Value, json};
 
 use crate::{Measured, RunInfo};
 
-use super::report::{Verdict, format_ratio, print_table};
-use super::train::{Case, LR};
+use super::cases::{Case, LR};
+use crate::report::{Verdict, format_ratio, print_table};
 
 /// A case's rounds on each side (ms per step, a round a sample), or why a side has none.
 #[derive(Debug)]

@@ -1,0 +1,304 @@
+//! `ferry bench train`: training steps of two MLPs, the digits CNN and the character-level GPT,
+//! ferry and PyTorch side by side in one run.
+//!
+//! A step is zero_grad, forward, cross-entropy, backward and an Adam (lr 1e-3) step, the same on
+//! both sides; PyTorch's is python/train.py, eager with TF32 off. A round synchronizes the device,
+//! runs many steps, synchronizes again and gives the mean time per step; rounds alternate ferry
+//! then PyTorch, and the table shows medians. No loss is read inside a round (`item()` would
+//! synchronize every step); it stays on the device until the rounds are over.
+//!
+//! The `_bf16` cases run the same step with forward and loss inside a bf16 autocast scope
+//! (fp32 master weights; PyTorch's `torch.autocast("cuda", torch.bfloat16)`). `mlp_4096_gemms`
+//! is no training step: it times only the eight fp32 matrix products of `mlp_4096`'s step
+//! (three forward, five backward), with nothing recorded, on each side. It is the floor that
+//! both frameworks' steps stand on (the same cuBLAS kernels), so it says how much of a step is
+//! left to win.
+//!
+//! `ferry train`'s step also counts correct predictions (argmax, compare, sum), which
+//! PyTorch's step would not do, so the step timed here is its loss-only core.
+
+//!
+//! The modules: `cases` (the table of cases and the phases of a step), `step` (ferry's side of
+//! a case: building it, timing rounds, profiling phases), `profile` (where a step's time goes)
+//! and `output` (tables and JSON); this file measures and runs them.
+
+mod cases;
+mod output;
+mod profile;
+mod step;
+
+pub use cases::{CASES, Case, LR};
+
+use std::error::Error;
+use std::path::PathBuf;
+
+use super::pytorch::{self, PyTorch, PyTorchArgs};
+use crate::Measured;
+use clap::Args;
+use ferry::memory::cuda::CudaDevice;
+use ferry::prelude::*;
+use output::{CaseResult, RunSetup, print_header, print_results, to_json};
+use step::FerryRun;
+
+#[derive(Args, Debug)]
+pub struct TrainBenchArgs {
+    #[command(flatten)]
+    pytorch: PyTorchArgs,
+    /// Write every number, all rounds included, to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Where ferry trains: cuda:N or cpu (PyTorch's column is for the GPU only).
+    #[arg(long, default_value = "cuda:0")]
+    device: Device,
+    /// Timed rounds per case and side; the table shows their median (claims need 9 or more).
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Untimed rounds per case and side before the timed ones.
+    #[arg(long, default_value_t = 2)]
+    warmup: u32,
+    /// Steps per round for every case [default: each case's own, fewer on the CPU].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: Option<u32>,
+    /// Only these cases (ids joined by commas: digits_mlp, mlp_4096, digits_cnn, gpt).
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    cases: Vec<String>,
+    /// After each case's rounds, show where ferry's step spends its time on the GPU: per phase,
+    /// as run and with the host ahead, and per kernel.
+    #[arg(long)]
+    profile: bool,
+}
+
+/// The line python/train.py answers with one round: `CASE STEPS`.
+fn request(case: &Case, steps: u32) -> String {
+    format!("{} {steps}", case.id)
+}
+
+/// Warm-up rounds, then timed rounds; each round runs ferry's, then PyTorch's.
+fn measure<'a>(
+    case: &'a Case,
+    device: Device,
+    steps: u32,
+    mut torch: Option<&mut PyTorch>,
+    warmup: u32,
+    rounds: u32,
+    profile: bool,
+) -> CaseResult<'a> {
+    let mut m = CaseResult {
+        case,
+        steps,
+        ferry: Measured::new(),
+        final_loss: None,
+        pytorch: Measured::new(),
+    };
+    let mut ferry = FerryRun::new(case, device)
+        .map_err(|e| m.ferry.fail(e.to_string()))
+        .ok();
+    for round in 0..warmup + rounds {
+        let timed = round >= warmup;
+        if let Some(run) = ferry.as_mut() {
+            match run.round_ms_per_step(steps) {
+                Ok(ms) if timed => m.ferry.push(ms),
+                Ok(_) => {}
+                Err(err) => {
+                    m.ferry.fail(err.to_string());
+                    ferry = None;
+                }
+            }
+        }
+        if let (Some(torch), false) = (torch.as_deref_mut(), m.pytorch.is_failed()) {
+            match torch.sample(&request(case, steps)) {
+                Ok(ms) if timed => m.pytorch.push(ms),
+                Ok(_) => {}
+                Err(err) => m.pytorch.fail(err),
+            }
+        }
+        if ferry.is_none() && (torch.is_none() || m.pytorch.is_failed()) {
+            break;
+        }
+    }
+    if let (true, Some(run)) = (profile, ferry.as_mut())
+        && let Err(err) = profile::profile(case, run, steps.min(20))
+    {
+        println!("profile of {}: {err}", case.id);
+    }
+    if let Some(loss) = ferry.as_ref().and_then(|run| run.loss.as_ref()) {
+        match loss.item() {
+            Ok(v) if v.is_finite() => m.final_loss = Some(v),
+            Ok(v) => m
+                .ferry
+                .fail(format!("the loss became {v}: the timings mean nothing")),
+            Err(err) => m.ferry.fail(err.to_string()),
+        }
+    }
+    m
+}
+
+fn select(ids: &[String]) -> Result<Vec<&'static Case>, String> {
+    if let Some(unknown) = ids.iter().find(|id| !CASES.iter().any(|c| c.id == *id)) {
+        let known: Vec<&str> = CASES.iter().map(|c| c.id).collect();
+        return Err(format!(
+            "no case `{unknown}`; the cases are {}",
+            known.join(", ")
+        ));
+    }
+    Ok(CASES
+        .iter()
+        .filter(|c| ids.is_empty() || ids.iter().any(|i| i == c.id))
+        .collect())
+}
+
+pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
+    let selected = select(&args.cases)?;
+    let device_name = match args.device {
+        Device::Cpu => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            format!("cpu ({threads} threads)")
+        }
+        Device::Cuda(ordinal) => match CudaDevice::get(ordinal) {
+            Ok(dev) => format!("{} ({})", dev.device(), dev.info().name),
+            Err(err) => {
+                println!("no CUDA device: {err}");
+                return Ok(());
+            }
+        },
+    };
+    let on_gpu = args.device != Device::Cpu;
+    let mut info = RunSetup {
+        device: device_name,
+        on_gpu,
+        rounds: args.rounds,
+        warmup: args.warmup,
+        pytorch: None,
+        pytorch_note: None,
+    };
+    let mut torch = None;
+    if args.pytorch.compare_pytorch && !on_gpu {
+        info.pytorch_note = Some("no PyTorch column: it is compared on the GPU only".into());
+    } else if args.pytorch.compare_pytorch {
+        match args.pytorch.start("train.py") {
+            Ok(t) => {
+                info.pytorch = Some(t.label());
+                torch = Some(t);
+            }
+            Err(err) => info.pytorch_note = Some(format!("no PyTorch column: {err}")),
+        }
+    }
+    print_header(&info);
+    let mut measured = Vec::new();
+    for case in selected {
+        let steps = args
+            .steps
+            .unwrap_or(if on_gpu { case.steps } else { case.cpu_steps });
+        eprintln!("measuring {} ({steps} step(s) a round) ...", case.id);
+        let m = measure(
+            case,
+            args.device,
+            steps,
+            torch.as_mut(),
+            args.warmup,
+            args.rounds,
+            args.profile,
+        );
+        if let Some(err) = &m.pytorch.error
+            && pytorch::forget_if_ended(&mut torch)
+        {
+            info.pytorch_note = Some(format!(
+                "the PyTorch script ended during {}: {err}",
+                case.id
+            ));
+        }
+        measured.push(m);
+    }
+    print_results(&measured, &info);
+    if let Some(path) = &args.json {
+        let doc = to_json(&info, &measured);
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        println!("wrote every round to {}", path.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::cases::{Precision, TINY};
+    use super::*;
+
+    /// python/train.py must time the same models as this table.
+    #[test]
+    fn the_cases_match_train_py() {
+        let script = include_str!("../../python/train.py");
+        for case in &CASES {
+            let entry = format!(
+                "\"{}\": ({:?}, {}, {}),",
+                case.id, case.widths, case.batch, case.steps
+            );
+            assert!(script.contains(&entry), "train.py lacks `{entry}`");
+        }
+        let bf16: Vec<&str> = CASES
+            .iter()
+            .filter(|c| c.precision == Precision::Bf16Autocast)
+            .map(|c| c.id)
+            .collect();
+        assert!(
+            script.contains(
+                &format!("BF16 = {bf16:?}")
+                    .replace('[', "{")
+                    .replace(']', "}")
+            ),
+            "train.py's BF16 must be {bf16:?}"
+        );
+        assert!(script.contains("allow_tf32 = False"));
+        assert!(
+            script.contains(&format!("LR = {LR:e}")),
+            "train.py must use lr {LR}"
+        );
+        assert_eq!(request(&CASES[1], 50), "mlp_4096 50");
+        assert!(select(&["mlp_4096".into()]).unwrap()[0].id == "mlp_4096");
+        assert_eq!(select(&[]).unwrap().len(), CASES.len());
+        let err = select(&["resnet".into()]).unwrap_err();
+        assert_eq!(
+            err,
+            "no case `resnet`; the cases are digits_mlp, mlp_4096, digits_cnn, gpt, \
+             mlp_4096_gemms, mlp_4096_bf16, digits_cnn_bf16, gpt_bf16"
+        );
+    }
+
+    /// A stand-in for train.py (`sh -u script --serve` runs it): its round takes STEPS ms a step,
+    /// and `broken` fails.
+    fn fake_server(dir: &Path) -> PathBuf {
+        pytorch::fake_script(
+            dir,
+            r#"echo '{"ready": true, "torch": "2.11.0", "cuda": "13.0", "device": "Fake GPU"}'
+while read case steps; do
+  case "$case" in
+    quit) exit 0 ;;
+    broken) echo '{"error": "CUDA out of memory"}' ;;
+    *) echo "{\"case\": \"$case\", \"ms\": $steps}" ;;
+  esac
+done
+"#,
+        )
+    }
+
+    #[test]
+    fn rounds_alternate_and_each_side_keeps_its_own_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut torch = PyTorch::start("sh", &fake_server(dir.path())).unwrap();
+        let m = measure(&TINY, Device::Cpu, 3, Some(&mut torch), 1, 4, false);
+        assert_eq!(m.pytorch.samples_ms, [3.0; 4]);
+        assert_eq!(m.ferry.samples_ms.len(), 4);
+        assert!(!m.ferry.is_failed() && !m.pytorch.is_failed());
+        assert!(m.final_loss.is_some_and(f64::is_finite));
+
+        let broken = Case {
+            id: "broken",
+            ..TINY
+        };
+        let m = measure(&broken, Device::Cpu, 2, Some(&mut torch), 0, 3, false);
+        assert_eq!(m.ferry.samples_ms.len(), 3);
+        assert_eq!(m.pytorch.error.as_deref(), Some("CUDA out of memory"));
+        assert!(torch.is_alive());
+    }
+}
