@@ -408,3 +408,6 @@ fn totals(group: &ProcessGroup, figures: [f64; 3]) -> Result<[f64; 3], TrainErro
     let v = t.to_vec_f64()?;
     Ok([v[0], v[1], v[2]])
 }
+
+#[cfg(test)]
+mod tests;
