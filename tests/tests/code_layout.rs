@@ -14,7 +14,6 @@ const KNOWN_CYCLES: &[(&str, &[&str])] = &[
     ("ferry-bench", &["offload_sweep", "offload_sweep_output"]),
     ("ferry-bench", &["pipeline", "pipeline_trace"]),
     ("ferry-graph", &["graph", "group", "hooks", "node"]),
-    ("ferry-memory", &["cuda", "error", "host"]),
     (
         "ferry-memory",
         &[

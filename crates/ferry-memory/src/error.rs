@@ -1,6 +1,7 @@
 use thiserror::Error;
 
 use crate::cuda::{DeviceMemoryInfo, MemoryStats, PinnedStats};
+use crate::size::human_bytes;
 use crate::{DType, Device};
 
 /// Errors from devices, buffers and allocators.
@@ -408,22 +409,6 @@ fn device_oom(
     )
 }
 
-/// Bytes as a short human figure (`1.50 GiB`), for error messages.
-pub(crate) fn human_bytes(bytes: usize) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.2} {}", UNITS[unit])
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -437,13 +422,6 @@ mod tests {
             "{}",
             size_of::<MemoryError>()
         );
-    }
-
-    #[test]
-    fn byte_figures_are_readable() {
-        assert_eq!(human_bytes(512), "512 B");
-        assert_eq!(human_bytes(3 << 20), "3.00 MiB");
-        assert_eq!(human_bytes(200 << 30), "200.00 GiB");
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! Byte counts of shaped data, checked: the one place where an element count is multiplied by
-//! an element size. Every allocation of shaped data takes its size from here, so a shape too
-//! large to address is refused before any memory is asked for (a wrapped product would allocate
-//! a few bytes that a kernel then overruns).
+//! Byte counts, checked, and written for people. Byte counts of shaped data: the one place
+//! where an element count is multiplied by an element size. Every allocation of shaped data takes
+//! its size from here, so a shape too large to address is refused before any memory is asked for
+//! (a wrapped product would allocate a few bytes that a kernel then overruns). Byte figures in
+//! messages (`1.50 GiB`) come from here too, so errors and the CUDA layer share a leaf module.
 
 use crate::DType;
 
@@ -31,6 +32,22 @@ pub fn shape_bytes(shape: &[usize], dtype: DType) -> Option<usize> {
     checked_bytes(checked_numel(shape)?, dtype)
 }
 
+/// Bytes as a short human figure (`1.50 GiB`), for error messages.
+pub(crate) fn human_bytes(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -52,5 +69,12 @@ mod tests {
         assert_eq!(shape_bytes(&[1 << 60], DType::F64), None);
         assert_eq!(shape_bytes(&[MAX_BYTES], DType::U8), Some(MAX_BYTES));
         assert_eq!(shape_bytes(&[MAX_BYTES / 2 + 1], DType::F16), None);
+    }
+
+    #[test]
+    fn byte_figures_are_readable() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 << 20), "3.00 MiB");
+        assert_eq!(human_bytes(200 << 30), "200.00 GiB");
     }
 }

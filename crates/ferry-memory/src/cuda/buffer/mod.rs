@@ -28,7 +28,7 @@ use parking_lot::Mutex;
 use super::allocator::Block;
 use super::device::CudaDevice;
 use super::stream::{Event, Stream};
-use crate::error::human_bytes;
+use crate::size::human_bytes;
 use crate::{Device, MemoryError};
 
 mod copy;

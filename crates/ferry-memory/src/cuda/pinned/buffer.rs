@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use super::{HostBlock, PinnedPool};
 use crate::MemoryError;
 use crate::cuda::stream::{Stream, driver};
-use crate::error::human_bytes;
+use crate::size::human_bytes;
 
 /// Page-locked host bytes from the [`PinnedPool`]. After an async copy it is "pending": reading
 /// or writing it waits for the copy first, so a read-before-sync cannot happen.

@@ -14,7 +14,7 @@ use cudarc::driver::sys::{self, CUresult};
 use super::PinnedPool;
 use crate::cuda::device::CudaDevice;
 use crate::cuda::stream::{Stream, driver};
-use crate::error::human_bytes;
+use crate::size::human_bytes;
 use crate::{HostBuffer, MemoryError};
 
 /// Existing host memory page-locked in place for as long as this guard lives, so copies into it
