@@ -17,12 +17,8 @@ const KNOWN_CYCLES: &[(&str, &[&str])] = &[
     (
         "ferry-memory",
         &[
-            "cuda::blas",
-            "cuda::blas_lt",
             "cuda::buffer",
             "cuda::device",
-            "cuda::dnn",
-            "cuda::kernels",
             "cuda::pinned",
             "cuda::profile",
         ],

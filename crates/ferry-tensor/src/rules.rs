@@ -200,12 +200,8 @@ pub(crate) fn unary(op: UnaryOp) -> Rule<UnaryOp> {
             UnaryOp::Gelu => g.gelu_backward(&saved.input(0)?)?,
             UnaryOp::GeluTanh => g.gelu_tanh_backward(&saved.input(0)?)?,
             // 1 inside the bound (the bound itself included), 0 outside.
-            UnaryOp::ClampMin(c) => {
-                g.mul(&saved.input(0)?.table_unary_constant(UnaryOp::StepGe(c))?)?
-            }
-            UnaryOp::ClampMax(c) => {
-                g.mul(&saved.input(0)?.table_unary_constant(UnaryOp::StepLe(c))?)?
-            }
+            UnaryOp::ClampMin(c) => g.mul(&saved.input(0)?.unary(UnaryOp::StepGe(c))?)?,
+            UnaryOp::ClampMax(c) => g.mul(&saved.input(0)?.unary(UnaryOp::StepLe(c))?)?,
             UnaryOp::StepGe(_) | UnaryOp::StepLe(_) => g.zeros_like()?,
         };
         Ok(smallvec![Some(dx)])

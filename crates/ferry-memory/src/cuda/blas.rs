@@ -14,9 +14,14 @@ use super::buffer::DeviceBuffer;
 use super::device::CudaDevice;
 use super::stream::Stream;
 use crate::{DType, MemoryError};
+use parking_lot::Mutex;
 
 /// The device's cuBLAS handle, created on first use.
-pub(crate) struct BlasHandle(CudaBlas);
+struct BlasHandle(CudaBlas);
+
+/// A device's cuBLAS state (see `CudaDevice::local`).
+#[derive(Default)]
+struct Blas(Mutex<Option<BlasHandle>>);
 
 /// Shape and scalars of `C[i] = alpha · op(A[i]) · op(B[i]) + beta · C[i]` for `i < batch`, in
 /// cuBLAS's column-major terms: op(A) is m×k, op(B) is k×n, C is m×n.
@@ -291,7 +296,8 @@ impl CudaDevice {
         let c_ptr = (c.buffer.device_ptr() + c.offset_bytes as u64) as *mut c_void;
 
         self.bind()?;
-        let mut handle = self.inner.blas.lock();
+        let blas = self.local::<Blas>();
+        let mut handle = blas.0.lock();
         let handle = match &mut *handle {
             Some(handle) => handle,
             slot => {

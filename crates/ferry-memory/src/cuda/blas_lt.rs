@@ -17,6 +17,7 @@ use super::buffer::DeviceBuffer;
 use super::device::CudaDevice;
 use super::stream::Stream;
 use crate::{DType, MemoryError};
+use parking_lot::Mutex;
 
 /// cuBLASLt's workspace: 32 MiB, what NVIDIA recommends for Hopper.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -50,8 +51,12 @@ struct AlgoKey {
     relu: bool,
 }
 
+/// A device's cuBLASLt state (see `CudaDevice::local`), created on first use.
+#[derive(Default)]
+struct BlasLt(Mutex<Option<LtState>>);
+
 /// The device's cuBLASLt handle, workspace and chosen algorithms.
-pub(crate) struct LtState {
+struct LtState {
     handle: lt_sys::cublasLtHandle_t,
     workspace: DeviceBuffer,
     algos: HashMap<AlgoKey, lt_sys::cublasLtMatmulAlgo_t>,
@@ -222,7 +227,8 @@ impl CudaDevice {
         let bias_ptr = ptr(epilogue.bias, epilogue.bias_offset_bytes);
 
         self.bind()?;
-        let mut state = self.inner.blas_lt.lock();
+        let blas_lt = self.local::<BlasLt>();
+        let mut state = blas_lt.0.lock();
         let state = match &mut *state {
             Some(state) => state,
             slot => {

@@ -1,23 +1,20 @@
 //! `CudaDevice`: one lazily created instance per ordinal, owning the context, the default
-//! stream, the caching allocator, the kernel cache and the cuBLAS and cuDNN handles of that GPU.
+//! stream and the caching allocator of that GPU; each CUDA library keeps its own state beside it
+//! (see `local`).
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, result};
 use parking_lot::Mutex;
 
 use super::allocator::{DeviceAllocator, MemoryStats};
-use super::blas::BlasHandle;
-use super::blas_lt::LtState;
 use super::buffer::DeviceBuffer;
 use super::discover::{self, CudaDeviceInfo};
-use super::dnn::DnnState;
-use super::kernels::KernelCache;
+use super::local::DeviceLocals;
 use super::profile::Profiler;
 use super::stream::{Stream, driver};
 use crate::{Device, MemoryError};
@@ -38,13 +35,8 @@ pub(crate) struct DeviceInner {
     pub(crate) allocator: DeviceAllocator,
     /// An error raised in a destructor, reported by the next checked call.
     deferred: Mutex<Option<MemoryError>>,
-    pub(crate) kernels: Mutex<KernelCache>,
-    pub(crate) compile_nanos: AtomicU64,
-    pub(crate) blas: Mutex<Option<BlasHandle>>,
-    /// The cuBLASLt handle, workspace and algorithms, created on first use.
-    pub(crate) blas_lt: Mutex<Option<LtState>>,
-    /// The cuDNN handle and chosen convolution algorithms, created on first use.
-    pub(crate) dnn: Mutex<Option<DnnState>>,
+    /// Each library's state (kernels, cuBLAS, cuBLASLt, cuDNN), made on first use.
+    pub(crate) locals: DeviceLocals,
     /// Kernel timing, off unless [`CudaDevice::start_profile`] turned it on.
     pub(crate) profiler: Profiler,
 }
@@ -85,11 +77,7 @@ impl CudaDevice {
                 default_stream,
                 multi_stream: AtomicBool::new(false),
                 deferred: Mutex::new(None),
-                kernels: Mutex::new(KernelCache::default()),
-                compile_nanos: AtomicU64::new(0),
-                blas: Mutex::new(None),
-                blas_lt: Mutex::new(None),
-                dnn: Mutex::new(None),
+                locals: DeviceLocals::default(),
                 profiler: Profiler::default(),
             }),
         };
@@ -118,6 +106,11 @@ impl CudaDevice {
     /// Name, compute capability, memory and SM count.
     pub fn info(&self) -> &CudaDeviceInfo {
         &self.inner.info
+    }
+
+    /// This device's `T` (a library's state), made on first use and shared by every clone.
+    pub(crate) fn local<T: Default + Send + Sync + 'static>(&self) -> Arc<T> {
+        self.inner.locals.get()
     }
 
     /// The stream work goes to when no other is named.
@@ -244,11 +237,6 @@ impl CudaDevice {
         let mut buffer = self.alloc(bytes, stream)?;
         buffer.memset_zero(stream)?;
         Ok(buffer)
-    }
-
-    /// Total time NVRTC has spent compiling kernel modules for this device.
-    pub fn compile_time(&self) -> Duration {
-        Duration::from_nanos(self.inner.compile_nanos.load(Ordering::Relaxed))
     }
 
     /// Lets kernels and copies on this device read `peer`'s memory directly (NVLink or PCIe

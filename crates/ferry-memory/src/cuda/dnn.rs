@@ -25,6 +25,7 @@ use super::buffer::DeviceBuffer;
 use super::device::CudaDevice;
 use super::stream::Stream;
 use crate::{DType, MemoryError};
+use parking_lot::Mutex;
 
 fn failed(call: &'static str) -> impl Fn(CudnnError) -> MemoryError {
     move |e| MemoryError::Cudnn {
@@ -133,8 +134,12 @@ pub struct ConvOutput<'a> {
     pub offset_bytes: usize,
 }
 
+/// A device's cuDNN state (see `CudaDevice::local`), created on first use.
+#[derive(Default)]
+struct Dnn(Mutex<Option<DnnState>>);
+
 /// The device's cuDNN handle and the algorithms chosen so far.
-pub(crate) struct DnnState {
+struct DnnState {
     handle: sys::cudnnHandle_t,
     algorithms: HashMap<(ConvSpec, ConvPass), Choice>,
 }
@@ -334,7 +339,8 @@ impl CudaDevice {
         }
 
         self.bind()?;
-        let mut state = self.inner.dnn.lock();
+        let dnn_state = self.local::<Dnn>();
+        let mut state = dnn_state.0.lock();
         let state = match &mut *state {
             Some(state) => state,
             slot => {

@@ -3,13 +3,14 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaFunction as RawFunction, CudaModule};
 use cudarc::nvrtc::{self, CompileError, CompileOptions, Ptx};
+use parking_lot::Mutex;
 
 use super::device::CudaDevice;
 use crate::{Device, MemoryError};
@@ -63,12 +64,19 @@ impl fmt::Debug for CudaFunction {
 /// Loaded modules and looked-up functions of one device, keyed by the module's address (each
 /// `static KernelModule` is one module) and the function name.
 #[derive(Default)]
-pub(crate) struct KernelCache {
+struct KernelCache {
     /// Per module, the slot its first user compiles and loads it into. Compiling (NVRTC, tens
     /// to hundreds of ms) holds only that module's slot, so threads after other kernels, or
     /// after functions already found, never wait for it.
     modules: HashMap<usize, Arc<parking_lot::Mutex<Option<Arc<CudaModule>>>>>,
     functions: HashMap<(usize, &'static str), CudaFunction>,
+}
+
+/// A device's kernels: the cache, and the time spent compiling into it.
+#[derive(Default)]
+struct Kernels {
+    cache: Mutex<KernelCache>,
+    compile_nanos: AtomicU64,
 }
 
 /// Whether the NVRTC library can be loaded; never panics.
@@ -157,12 +165,13 @@ impl CudaDevice {
         function: &'static str,
     ) -> Result<CudaFunction, MemoryError> {
         self.check()?;
+        let kernels = self.local::<Kernels>();
         let key = module as *const KernelModule as usize;
-        if let Some(found) = self.inner.kernels.lock().functions.get(&(key, function)) {
+        if let Some(found) = kernels.cache.lock().functions.get(&(key, function)) {
             return Ok(found.clone());
         }
         // Two threads asking for a new module compile it once: the second waits on its slot.
-        let slot = Arc::clone(self.inner.kernels.lock().modules.entry(key).or_default());
+        let slot = Arc::clone(kernels.cache.lock().modules.entry(key).or_default());
         let loaded =
             {
                 let mut slot = slot.lock();
@@ -172,7 +181,7 @@ impl CudaDevice {
                         let started = Instant::now();
                         let ptx = compile(module, &arch_for(self.info().compute_capability));
                         let nanos = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-                        self.inner.compile_nanos.fetch_add(nanos, Ordering::Relaxed);
+                        kernels.compile_nanos.fetch_add(nanos, Ordering::Relaxed);
                         let loaded = self.inner.ctx.load_module(ptx?).map_err(|e| {
                             MemoryError::KernelLoad {
                                 module: module.name,
@@ -206,12 +215,21 @@ impl CudaDevice {
             module: module.name,
             name: function,
         };
-        self.inner
-            .kernels
+        kernels
+            .cache
             .lock()
             .functions
             .insert((key, function), found.clone());
         Ok(found)
+    }
+
+    /// Total time NVRTC has spent compiling kernel modules for this device.
+    pub fn compile_time(&self) -> Duration {
+        Duration::from_nanos(
+            self.local::<Kernels>()
+                .compile_nanos
+                .load(Ordering::Relaxed),
+        )
     }
 }
 

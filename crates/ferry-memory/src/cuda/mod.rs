@@ -24,6 +24,7 @@ mod discover;
 mod dnn;
 mod kernels;
 mod launch;
+mod local;
 mod nccl;
 mod pinned;
 mod profile;

@@ -8,16 +8,18 @@ pub(crate) mod kernels;
 mod matmul;
 pub(crate) use matmul::linear;
 pub(crate) mod norm;
+mod reduce;
+pub(crate) use reduce::{nll, nll_backward, reduce, softmax, softmax_backward, sum_all};
 pub(crate) mod select;
 
 pub use kernels::{ALL as KERNEL_MODULES, compile_kernels};
 
-use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Launch, blocks_for, grid_stride_blocks};
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Launch, blocks_for};
 use ferry_memory::{DType, Device, Element};
 use parking_lot::MappedRwLockReadGuard;
 
 use crate::layout::Layout;
-use crate::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::ops::{BinaryOp, CmpOp, UnaryOp};
 use crate::storage::{Buffer, Storage};
 use crate::{Result, Tensor, TensorError};
 use kernels::Kernel;
@@ -25,8 +27,9 @@ use kernels::Kernel;
 pub(crate) use matmul::matmul;
 
 const THREADS: u32 = 256;
-/// Grid-stride kernels need no more blocks than keep every SM busy.
-const MAX_BLOCKS: u32 = 132 * 32;
+/// Blocks a grid-stride kernel is given per multiprocessor: enough to keep each one busy
+/// (several resident blocks hide latency), few enough that a block does real work per launch.
+const BLOCKS_PER_SM: u32 = 32;
 /// Blocks of the row (and tile) kernels' grid-stride loops: blocks beyond this many wait anyway.
 const MAX_ROW_BLOCKS: u32 = 65535;
 
@@ -123,8 +126,20 @@ fn launch<'a>(
     f: &'a ferry_memory::cuda::CudaFunction,
     n: usize,
 ) -> Launch<'a> {
-    let blocks = blocks_for(n.max(1), THREADS).min(MAX_BLOCKS);
+    let blocks = blocks_for(n.max(1), THREADS).min(max_blocks(dev));
     dev.launch(f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
+}
+
+/// The most blocks a grid-stride kernel needs on `dev`: [`BLOCKS_PER_SM`] for each of its
+/// multiprocessors (132 on an H200, so 4,224).
+fn max_blocks(dev: &CudaDevice) -> u32 {
+    blocks_for_multiprocessors(dev.info().multiprocessors)
+}
+
+/// [`BLOCKS_PER_SM`] per multiprocessor; a count the driver reported as 0 or less counts as one.
+fn blocks_for_multiprocessors(multiprocessors: i32) -> u32 {
+    let sms = u32::try_from(multiprocessors).unwrap_or(1).max(1);
+    sms.saturating_mul(BLOCKS_PER_SM)
 }
 
 fn float_only(op: &'static str, dtype: DType) -> Result<()> {
@@ -374,7 +389,7 @@ fn gather_at(
             ]);
             bytes += part.nbytes();
         }
-        let blocks = blocks_for((bytes / 16).max(1), THREADS).min(MAX_BLOCKS);
+        let blocks = blocks_for((bytes / 16).max(1), THREADS).min(max_blocks(dev));
         dev.launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
             .arg_pod(&table)
             .arg_u64(batch.len() as u64)
@@ -486,82 +501,6 @@ pub(crate) fn random(
     Ok(wrap(&dev, out, dtype, shape))
 }
 
-pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
-    float_only("reduce", x.dtype())?;
-    let x = dense(x)?;
-    let dev = device_of(&x)?;
-    let shape = x.shape();
-    let (outer, len, inner): (usize, usize, usize) = (
-        shape[..axis].iter().product(),
-        shape[axis],
-        shape[axis + 1..].iter().product(),
-    );
-    let mut out_shape = shape.to_vec();
-    out_shape.remove(axis);
-    let outputs = outer * inner;
-    let out_dtype = if op == ReduceOp::ArgMax {
-        DType::I64
-    } else {
-        x.dtype()
-    };
-    if len == 0 && op != ReduceOp::Sum {
-        return Err(TensorError::InvalidArgument {
-            op: "max",
-            message: "cannot take the maximum of an empty axis".into(),
-        });
-    }
-    let mut out = alloc(&dev, op.name(), &out_shape, out_dtype)?;
-    let code = op.code();
-    let src = buffer(&x)?;
-    // The kernel's unused output pointer is null; op decides which one it writes.
-    let (values, indices) = if op == ReduceOp::ArgMax {
-        (None, Some(&mut out))
-    } else {
-        (Some(&mut out), None)
-    };
-    if inner == 1 {
-        let f = Kernel::ReduceRow(x.dtype()).load(&dev)?;
-        let blocks = grid_stride_blocks(outputs, MAX_ROW_BLOCKS);
-        let l = dev
-            .launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
-            .arg_i32(code)
-            .arg_buffer(&src);
-        out_arg(out_arg(l, values), indices)
-            .arg_u64(outer as u64)
-            .arg_u64(len as u64)
-            .run()?;
-    } else if op == ReduceOp::Sum && len >= 32 {
-        let f = Kernel::SumColTiled(x.dtype()).load(&dev)?;
-        let tiles = outer * inner.div_ceil(32);
-        let blocks = grid_stride_blocks(tiles, MAX_ROW_BLOCKS);
-        dev.launch(&f, (blocks, 1, 1), (32, 32, 1), 0, dev.default_stream())
-            .arg_buffer(&src)
-            .arg_buffer_mut(&mut out)
-            .arg_u64(outer as u64)
-            .arg_u64(len as u64)
-            .arg_u64(inner as u64)
-            .run()?;
-    } else {
-        let f = Kernel::ReduceCol(x.dtype()).load(&dev)?;
-        let l = launch(&dev, &f, outputs).arg_i32(code).arg_buffer(&src);
-        out_arg(out_arg(l, values), indices)
-            .arg_u64(outer as u64)
-            .arg_u64(len as u64)
-            .arg_u64(inner as u64)
-            .run()?;
-    }
-    drop(src);
-    Ok(wrap(&dev, out, out_dtype, &out_shape))
-}
-
-/// A buffer argument, or a null pointer where the kernel leaves that output alone.
-fn out_arg<'a>(launch: Launch<'a>, buffer: Option<&'a mut DeviceBuffer>) -> Launch<'a> {
-    match buffer {
-        Some(b) => launch.arg_buffer_mut(b),
-        None => launch.arg_u64(0),
-    }
-}
-
 /// `x` itself when its elements start at 0 and are contiguous, else a fresh copy that does:
 /// reductions and softmax index from the start of their buffer.
 fn dense(x: &Tensor) -> Result<Tensor> {
@@ -570,117 +509,6 @@ fn dense(x: &Tensor) -> Result<Tensor> {
     } else {
         contiguous(x)
     }
-}
-
-pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
-    float_only("sum", x.dtype())?;
-    let x = dense(x)?;
-    let dev = device_of(&x)?;
-    let n = x.numel();
-    let parts = blocks_for(n.max(1), THREADS).min(1024);
-    let mut partials = dev.alloc(parts as usize * 8, dev.default_stream())?;
-    let mut out = alloc(&dev, "sum", &[], x.dtype())?;
-    let src = buffer(&x)?;
-    let f = Kernel::SumPartial(x.dtype()).load(&dev)?;
-    dev.launch(&f, (parts, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
-        .arg_buffer(&src)
-        .arg_u64(n as u64)
-        .arg_buffer_mut(&mut partials)
-        .run()?;
-    let f = Kernel::SumFinish(x.dtype()).load(&dev)?;
-    dev.launch(&f, (1, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
-        .arg_buffer(&partials)
-        .arg_u64(parts as u64)
-        .arg_buffer_mut(&mut out)
-        .run()?;
-    Ok(wrap(&dev, out, x.dtype(), &[]))
-}
-
-/// Fused softmax (or log-softmax) over the last axis.
-pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
-    float_only("softmax", x.dtype())?;
-    let x = dense(x)?;
-    let dev = device_of(&x)?;
-    let cols = *x.shape().last().unwrap_or(&1);
-    let rows = x.numel() / cols.max(1);
-    let mut out = alloc(&dev, "softmax", x.shape(), x.dtype())?;
-    let src = buffer(&x)?;
-    let f = Kernel::Softmax(x.dtype()).load(&dev)?;
-    let blocks = grid_stride_blocks(rows, MAX_ROW_BLOCKS);
-    dev.launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
-        .arg_buffer(&src)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(rows as u64)
-        .arg_u64(cols as u64)
-        .arg_i32(log as i32)
-        .run()?;
-    Ok(wrap(&dev, out, x.dtype(), x.shape()))
-}
-
-/// Softmax's (or log-softmax's) gradient over the last axis from its output `y`, fused.
-pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tensor> {
-    let (y, g) = (dense(y)?, dense(g)?);
-    let dev = device_of(&y)?;
-    let cols = *y.shape().last().unwrap_or(&1);
-    let rows = y.numel() / cols.max(1);
-    let mut out = alloc(&dev, "softmax backward", y.shape(), y.dtype())?;
-    let f = Kernel::SoftmaxBackward(y.dtype()).load(&dev)?;
-    let blocks = grid_stride_blocks(rows, MAX_ROW_BLOCKS);
-    dev.launch(&f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
-        .arg_buffer(&*buffer(&y)?)
-        .arg_buffer(&*buffer(&g)?)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(rows as u64)
-        .arg_u64(cols as u64)
-        .arg_i32(log as i32)
-        .run()?;
-    Ok(wrap(&dev, out, y.dtype(), y.shape()))
-}
-
-/// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities, one kernel. Targets are
-/// checked on the device and the flag read later ([`CudaDevice::check_later`]), so the step does
-/// not wait for the GPU: a bad target makes the loss NaN at once and an error of the next call.
-pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    const OP: &str = "cross_entropy";
-    float_only(OP, logp.dtype())?;
-    let (logp, targets) = (dense(logp)?, dense(targets)?);
-    let dev = device_of(&logp)?;
-    let (rows, classes) = (logp.shape()[0], logp.shape()[1]);
-    let mut out = alloc(&dev, OP, &[], logp.dtype())?;
-    let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
-    let f = Kernel::Nll(logp.dtype()).load(&dev)?;
-    dev.launch(&f, (1, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
-        .arg_buffer(&*buffer(&logp)?)
-        .arg_buffer(&*buffer(&targets)?)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(rows as u64)
-        .arg_u64(classes as u64)
-        .arg_buffer_mut(&mut bad)
-        .run()?;
-    let report = move |flag: &[u8]| {
-        let flag: &[i64] = bytemuck::cast_slice(flag);
-        (flag[0] != 0).then(|| crate::ops::nn::classes_message(flag[0], flag[1], classes))
-    };
-    dev.check_later(OP, &bad, dev.default_stream(), Box::new(report))?;
-    Ok(wrap(&dev, out, logp.dtype(), &[]))
-}
-
-/// nll's gradient: `-g / rows` at each row's target of a `[rows, classes]` tensor, 0 elsewhere.
-pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Tensor> {
-    const OP: &str = "cross_entropy backward";
-    let (targets, g) = (dense(targets)?, dense(g)?);
-    let dev = device_of(&g)?;
-    let shape = [targets.numel(), classes];
-    let mut out = alloc(&dev, OP, &shape, g.dtype())?;
-    let f = Kernel::NllBackward(g.dtype()).load(&dev)?;
-    launch(&dev, &f, shape[0] * classes)
-        .arg_buffer(&*buffer(&targets)?)
-        .arg_buffer(&*buffer(&g)?)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(shape[0] as u64)
-        .arg_u64(classes as u64)
-        .run()?;
-    Ok(wrap(&dev, out, g.dtype(), &shape))
 }
 
 /// Elements of a contiguous CUDA tensor, copied out to a `Vec`.
@@ -695,4 +523,19 @@ pub(crate) fn read_elements<T: Element>(x: &Tensor) -> Result<Vec<T>> {
         dev.default_stream(),
     )?;
     Ok(data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_stride_caps_follow_the_multiprocessor_count() {
+        assert_eq!(blocks_for_multiprocessors(132), 132 * BLOCKS_PER_SM);
+        assert_eq!(blocks_for_multiprocessors(16), 16 * BLOCKS_PER_SM);
+        // A count the driver should never report still gives a usable grid.
+        assert_eq!(blocks_for_multiprocessors(0), BLOCKS_PER_SM);
+        assert_eq!(blocks_for_multiprocessors(-4), BLOCKS_PER_SM);
+        assert_eq!(blocks_for_multiprocessors(i32::MAX), u32::MAX);
+    }
 }

@@ -9,10 +9,8 @@
 use ferry_memory::Element;
 use num_traits::Float;
 
-use crate::autograd::record;
-use crate::layout::broadcast_shapes;
 use crate::ops::{BinaryOp, UnaryOp};
-use crate::{Result, Tensor, TensorError, backend, rules};
+use crate::{Result, Tensor, TensorError};
 
 /// `√(2/π)`, the tanh approximation's scale.
 const K: f64 = 0.797_884_560_802_865_4;
@@ -134,53 +132,16 @@ pub(crate) fn gelu_tanh_curvature(x: &Tensor) -> Result<Tensor> {
 }
 
 impl Tensor {
-    /// A row of the op table with its gradient rule.
-    fn table_unary(&self, op: UnaryOp) -> Result<Tensor> {
-        let out = backend::unary(self, op)?;
-        Ok(record(out, op.name(), &[self], || rules::unary(op)))
-    }
-
-    /// A row of the op table that is piecewise constant: no node, no gradient.
-    pub(crate) fn table_unary_constant(&self, op: UnaryOp) -> Result<Tensor> {
-        backend::unary(self, op)
-    }
-
-    /// A binary row of the op table, broadcasting, recorded when `grad` (else piecewise
-    /// constant: no node).
-    pub(crate) fn table_binary(&self, rhs: &Tensor, op: BinaryOp, grad: bool) -> Result<Tensor> {
-        self.same_kind(op.name(), rhs)?;
-        let out = if self.shape() == rhs.shape() {
-            backend::binary(self, self.layout(), rhs, rhs.layout(), op)?
-        } else {
-            let shape = broadcast_shapes(op.name(), self.shape(), rhs.shape())?;
-            let la = self
-                .layout()
-                .broadcast_to(&shape)
-                .expect("broadcast_shapes checked it");
-            let lb = rhs
-                .layout()
-                .broadcast_to(&shape)
-                .expect("broadcast_shapes checked it");
-            backend::binary(self, &la, rhs, &lb, op)?
-        };
-        if !grad {
-            return Ok(out);
-        }
-        Ok(record(out, op.name(), &[self, rhs], || {
-            rules::binary(op, self, rhs)
-        }))
-    }
-
     /// Exact GELU, `x Φ(x) = x/2 (1 + erf(x/√2))`, with `Φ` the standard normal CDF.
     /// One kernel forward; the backward is one fused kernel from the saved input.
     pub fn gelu(&self) -> Result<Tensor> {
-        self.table_unary(UnaryOp::Gelu)
+        self.unary(UnaryOp::Gelu)
     }
 
     /// GELU's tanh approximation, `x/2 (1 + tanh(√(2/π) (x + 0.044715 x³)))` (the form GPT-2
     /// trained with). Saves its input.
     pub fn gelu_tanh(&self) -> Result<Tensor> {
-        self.table_unary(UnaryOp::GeluTanh)
+        self.unary(UnaryOp::GeluTanh)
     }
 
     /// GELU in the form asked for: the tanh approximation when `approximate`, else exact.
@@ -194,29 +155,29 @@ impl Tensor {
 
     /// SiLU (swish), `x σ(x)`. Saves its input; the backward is one fused kernel.
     pub fn silu(&self) -> Result<Tensor> {
-        self.table_unary(UnaryOp::Silu)
+        self.unary(UnaryOp::Silu)
     }
 
     /// Sine, elementwise. Saves its input.
     pub fn sin(&self) -> Result<Tensor> {
-        self.table_unary(UnaryOp::Sin)
+        self.unary(UnaryOp::Sin)
     }
 
     /// Cosine, elementwise. Saves its input.
     pub fn cos(&self) -> Result<Tensor> {
-        self.table_unary(UnaryOp::Cos)
+        self.unary(UnaryOp::Cos)
     }
 
     /// `max(self, min)`: the gradient passes where `self >= min`, else 0. NaN stays NaN.
     pub fn clamp_min(&self, min: f64) -> Result<Tensor> {
         check_bound("clamp_min", "min", min)?;
-        self.table_unary(UnaryOp::ClampMin(min))
+        self.unary(UnaryOp::ClampMin(min))
     }
 
     /// `min(self, max)`: the gradient passes where `self <= max`, else 0. NaN stays NaN.
     pub fn clamp_max(&self, max: f64) -> Result<Tensor> {
         check_bound("clamp_max", "max", max)?;
-        self.table_unary(UnaryOp::ClampMax(max))
+        self.unary(UnaryOp::ClampMax(max))
     }
 
     /// Every element limited to `[min, max]`; the gradient is 1 where `min <= self <= max` and
@@ -238,34 +199,34 @@ impl Tensor {
     /// The larger of `self` and `rhs` elementwise, broadcasting; NaN if either is. The gradient
     /// goes to the larger input; on a tie each input gets half. Saves both inputs.
     pub fn maximum(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.table_binary(rhs, BinaryOp::Maximum, true)
+        self.binary(rhs, BinaryOp::Maximum)
     }
 
     /// The smaller of `self` and `rhs` elementwise, broadcasting; NaN if either is. The
     /// gradient goes to the smaller input; on a tie each input gets half. Saves both inputs.
     pub fn minimum(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.table_binary(rhs, BinaryOp::Minimum, true)
+        self.binary(rhs, BinaryOp::Minimum)
     }
 
     /// The share of maximum's gradient that reaches `self`: 1 where `self > rhs`, ½ on ties,
     /// else 0 (no gradient of its own).
     pub(crate) fn max_share(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.table_binary(rhs, BinaryOp::MaxShare, false)
+        self.binary(rhs, BinaryOp::MaxShare)
     }
 
     /// silu's backward from its input `x`: `self σ(x)(1 + x(1 - σ(x)))`.
     pub(crate) fn silu_backward(&self, x: &Tensor) -> Result<Tensor> {
-        self.table_binary(x, BinaryOp::SiluBackward, true)
+        self.binary(x, BinaryOp::SiluBackward)
     }
 
     /// gelu's backward from its input `x`: `self (Φ(x) + x φ(x))`.
     pub(crate) fn gelu_backward(&self, x: &Tensor) -> Result<Tensor> {
-        self.table_binary(x, BinaryOp::GeluBackward, true)
+        self.binary(x, BinaryOp::GeluBackward)
     }
 
     /// gelu_tanh's backward from its input `x`.
     pub(crate) fn gelu_tanh_backward(&self, x: &Tensor) -> Result<Tensor> {
-        self.table_binary(x, BinaryOp::GeluTanhBackward, true)
+        self.binary(x, BinaryOp::GeluTanhBackward)
     }
 }
 

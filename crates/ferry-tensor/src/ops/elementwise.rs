@@ -23,7 +23,9 @@ impl Tensor {
         Ok(())
     }
 
-    fn binary(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
+    /// A binary row of the op table, broadcasting; recorded with its rule unless the op is
+    /// piecewise constant (no gradient to carry).
+    pub(crate) fn binary(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
         self.same_kind(op.name(), rhs)?;
         let out = if self.shape() == rhs.shape() {
             // The common case, with nothing to broadcast.
@@ -40,15 +42,19 @@ impl Tensor {
                 .expect("broadcast_shapes checked it");
             backend::binary(self, &la, rhs, &lb, op)?
         };
+        if op.is_piecewise_constant() {
+            return Ok(out);
+        }
         Ok(record(out, op.name(), &[self, rhs], || {
             rules::binary(op, self, rhs)
         }))
     }
 
-    fn unary(&self, op: UnaryOp) -> Result<Tensor> {
+    /// A unary row of the op table; recorded with its rule unless the op is piecewise constant.
+    pub(crate) fn unary(&self, op: UnaryOp) -> Result<Tensor> {
         let out = backend::unary(self, op)?;
-        if op == UnaryOp::Step {
-            return Ok(out); // piecewise constant: no gradient to carry
+        if op.is_piecewise_constant() {
+            return Ok(out);
         }
         Ok(record(out, op.name(), &[self], || rules::unary(op)))
     }

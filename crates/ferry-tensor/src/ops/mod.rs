@@ -180,6 +180,23 @@ table::op_table! {
     }
 }
 
+impl UnaryOp {
+    /// Steps: the gradient is zero wherever it exists, so these ops record no node.
+    pub(crate) fn is_piecewise_constant(self) -> bool {
+        matches!(
+            self,
+            UnaryOp::Step | UnaryOp::StepGe(_) | UnaryOp::StepLe(_)
+        )
+    }
+}
+
+impl BinaryOp {
+    /// Piecewise constant in both inputs (maximum's gradient share): records no node.
+    pub(crate) fn is_piecewise_constant(self) -> bool {
+        matches!(self, BinaryOp::MaxShare)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;
