@@ -18,12 +18,11 @@
 //! pooling (padding counted in the divisor) is `im2col` followed by a mean over each window.
 
 use ferry_graph::InputGrads;
-use ferry_memory::Device;
 use ferry_memory::cuda::ConvPass;
 use smallvec::smallvec;
 
 use crate::autograd::{Rule, Save, Saved, record};
-use crate::{Result, Tensor, TensorError, cpu, cuda};
+use crate::{Result, Tensor, TensorError, backend};
 
 /// Stride, padding, dilation and groups of [`Tensor::conv2d`]: `[height, width]` pairs.
 ///
@@ -292,12 +291,11 @@ impl Tensor {
             return Ok(y);
         }
         // The forward itself records one node: the ops below run on detached tensors.
-        let y = match self.device() {
-            Device::Cuda(_) if cuda::conv::cudnn_enabled(self.dtype()) => {
-                let (x, w) = (self.detach(), weight.detach());
-                cuda::conv::convolution(ConvPass::Forward, &geo, groups, o, &x, &w)?
-            }
-            _ => conv_forward(&self.detach(), &weight.detach(), groups, &geo)?,
+        let (x, w) = (self.detach(), weight.detach());
+        let y = if backend::native_convolution(self) {
+            backend::convolution(ConvPass::Forward, &geo, groups, o, &x, &w)?
+        } else {
+            conv_forward(&x, &w, groups, &geo)?
         };
         let y = match bias {
             Some(b) => y.add(&b.detach().reshape(&[1, o, 1, 1])?)?,
@@ -335,10 +333,7 @@ impl Tensor {
         let (n, c) = (geo.n, geo.c);
         let planes = geo.with_images(n * c, 1);
         let x = self.reshape(&[n * c, geo.h * geo.w])?;
-        let index = match self.device() {
-            Device::Cpu => cpu::conv::pool_argmax(&x.detach(), &planes)?,
-            Device::Cuda(_) => cuda::conv::pool_argmax(&x.detach(), &planes)?,
-        };
+        let index = backend::pool_argmax(&x.detach(), &planes)?;
         x.gather(1, &index)?.reshape(&[n, c, geo.oh, geo.ow])
     }
 
@@ -412,15 +407,13 @@ fn conv2d_backward(
     let cgk = geo.c / groups * geo.k();
     let o = g.shape()[1];
     // cuDNN's passes are not differentiable ops: with create_graph the composed path runs.
-    let cudnn = matches!(g.device(), Device::Cuda(_))
-        && cuda::conv::cudnn_enabled(g.dtype())
-        && !ferry_graph::is_grad_enabled();
+    let cudnn = backend::native_convolution(g) && !ferry_graph::is_grad_enabled();
     // g as [N, G, O/G, L]
     let gg = g.reshape(&[geo.n, groups, o / groups, geo.l()])?;
     let dx = if wanted[0] && cudnn {
         let w = saved.input(1)?;
         let pass = ConvPass::BackwardData;
-        Some(cuda::conv::convolution(pass, &geo, groups, o, g, &w)?)
+        Some(backend::convolution(pass, &geo, groups, o, g, &w)?)
     } else if wanted[0] {
         let w = saved.input(1)?.reshape(&[groups, o / groups, cgk])?;
         let dcols = w
@@ -434,7 +427,7 @@ fn conv2d_backward(
     let dw = if wanted[1] && cudnn {
         let x = saved.input(0)?;
         let pass = ConvPass::BackwardFilter;
-        Some(cuda::conv::convolution(pass, &geo, groups, o, &x, g)?)
+        Some(backend::convolution(pass, &geo, groups, o, &x, g)?)
     } else if wanted[1] {
         let x = saved.input(0)?;
         let cols = im2col(&x, &geo)?.reshape(&[geo.n, groups, cgk, geo.l()])?;
@@ -465,10 +458,7 @@ fn conv2d_backward(
 /// `(oy, ox)` holds `x[c, oy·sh + kh·dh - ph, ox·sw + kw·dw - pw]`, zero outside the input.
 /// Recorded; its gradient is [`col2im`].
 pub(crate) fn im2col(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    let out = match x.device() {
-        Device::Cpu => cpu::conv::im2col(x, geo)?,
-        Device::Cuda(_) => cuda::conv::im2col(x, geo)?,
-    };
+    let out = backend::im2col(x, geo)?;
     Ok(record(out, "im2col", &[x], || {
         Rule::new(Save::NOTHING, geo.to_vec(), |_, geo, g, _| {
             Ok(smallvec![Some(col2im(g, &Geometry::from_slice(geo))?)])
@@ -479,10 +469,7 @@ pub(crate) fn im2col(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
 /// Folds columns `[N, C·KH·KW, OH·OW]` back into `[N, C, H, W]`, summing the entries that land
 /// on one pixel: the adjoint of [`im2col`], which is its gradient. Recorded.
 pub(crate) fn col2im(cols: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    let out = match cols.device() {
-        Device::Cpu => cpu::conv::col2im(cols, geo)?,
-        Device::Cuda(_) => cuda::conv::col2im(cols, geo)?,
-    };
+    let out = backend::col2im(cols, geo)?;
     Ok(record(out, "col2im", &[cols], || {
         Rule::new(Save::NOTHING, geo.to_vec(), |_, geo, g, _| {
             Ok(smallvec![Some(im2col(g, &Geometry::from_slice(geo))?)])

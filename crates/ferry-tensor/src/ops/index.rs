@@ -13,12 +13,12 @@
 //! after the launch: one small device-to-host copy, which waits for the kernel, per call.
 
 use ferry_graph::InputGrads;
-use ferry_memory::{DType, Device};
+use ferry_memory::DType;
 use smallvec::smallvec;
 
 use crate::autograd::{Rule, Save, record};
 use crate::layout::Shape;
-use crate::{Result, Tensor, TensorError, cpu, cuda};
+use crate::{Result, Tensor, TensorError, backend};
 
 impl Tensor {
     /// The entries `index` names along `axis`, in its order: `out` has `self`'s shape with
@@ -46,10 +46,7 @@ impl Tensor {
         } else {
             index.clone()
         };
-        let out = match self.device() {
-            Device::Cpu => cpu::index::index_select(self, axis, &flat)?,
-            Device::Cuda(_) => cuda::index::index_select(self, axis, &flat)?,
-        };
+        let out = backend::index_select(self, axis, &flat)?;
         Ok(record(out, OP, &[self], || {
             Rule::new(Save::NOTHING, (self.dims(), axis), index_select_backward).with_aux(flat)
         }))
@@ -91,10 +88,7 @@ impl Tensor {
                        per index",
             });
         }
-        let out = match self.device() {
-            Device::Cpu => cpu::index::index_add(self, axis, &flat, src)?,
-            Device::Cuda(_) => cuda::index::index_add(self, axis, &flat, src)?,
-        };
+        let out = backend::index_add(self, axis, &flat, src)?;
         Ok(record(out, OP, &[self, src], || {
             Rule::new(Save::NOTHING, axis, index_add_backward).with_aux(flat)
         }))
@@ -112,10 +106,7 @@ impl Tensor {
         check_index(OP, self, index)?;
         check_fits(OP, self, index, axis, "self")?;
         let index = index.clone();
-        let out = match self.device() {
-            Device::Cpu => cpu::index::gather(self, axis, &index)?,
-            Device::Cuda(_) => cuda::index::gather(self, axis, &index)?,
-        };
+        let out = backend::gather(self, axis, &index)?;
         Ok(record(out, OP, &[self], || {
             Rule::new(Save::NOTHING, (self.dims(), axis), gather_backward).with_aux(index)
         }))
@@ -145,10 +136,7 @@ impl Tensor {
             }
         }
         let index = index.clone();
-        let out = match self.device() {
-            Device::Cpu => cpu::index::scatter_add(self, axis, &index, &src)?,
-            Device::Cuda(_) => cuda::index::scatter_add(self, axis, &index, &src)?,
-        };
+        let out = backend::scatter_add(self, axis, &index, &src)?;
         Ok(record(out, OP, &[self, &src], || {
             Rule::new(Save::NOTHING, axis, scatter_add_backward).with_aux(index)
         }))

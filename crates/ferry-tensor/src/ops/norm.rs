@@ -9,10 +9,10 @@
 //! so second derivatives flow.
 
 use ferry_graph::InputGrads;
-use ferry_memory::{DType, Device};
+use ferry_memory::DType;
 
 use crate::autograd::{Rule, Save, Saved, record, should_record};
-use crate::{Result, Tensor, TensorError, cpu, cuda};
+use crate::{Result, Tensor, TensorError, backend};
 
 impl Tensor {
     /// Normalizes over the trailing `normalized_shape` dimensions (usually `[features]`, the last
@@ -74,10 +74,7 @@ impl Tensor {
         let x = self.reshape(&[rows, cols])?;
         let w = weight.map(|w| w.reshape(&[cols])).transpose()?;
         let b = bias.map(|b| b.reshape(&[cols])).transpose()?;
-        let (y, stats) = match self.device() {
-            Device::Cpu => cpu::norm::layer_norm(&x, w.as_ref(), b.as_ref(), eps)?,
-            Device::Cuda(_) => cuda::norm::layer_norm(&x, w.as_ref(), b.as_ref(), eps)?,
-        };
+        let (y, stats) = backend::layer_norm(&x, w.as_ref(), b.as_ref(), eps)?;
         let mut inputs = vec![&x];
         inputs.extend(w.as_ref());
         inputs.extend(b.as_ref());
@@ -121,10 +118,7 @@ fn layer_norm_backward(
     } else if let Some(x) = &x {
         let stats = saved.aux()?;
         let want = [want_dx, want_dw, want_db];
-        match g.device() {
-            Device::Cpu => cpu::norm::layer_norm_backward(g, x, w.as_ref(), &stats, want)?,
-            Device::Cuda(_) => cuda::norm::layer_norm_backward(g, x, w.as_ref(), &stats, want)?,
-        }
+        backend::layer_norm_backward(g, x, w.as_ref(), &stats, want)?
     } else {
         // Only the bias wants a gradient: a column sum of g.
         (
