@@ -356,11 +356,31 @@ pub(crate) mod tests {
     /// Host statistics are process-wide: the tests here and in the pool's module that make
     /// buffers take turns, and so do the pinned pool's tests, which make large host buffers
     /// on a GPU machine.
-    pub(crate) static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+    /// A test's turn at the host statistics ([`stats_turn`]). Ending it first flushes the
+    /// counts this thread batched: left for the thread's end, they would land in the middle
+    /// of the next test's reading.
+    pub(crate) struct StatsTurn {
+        _turn: parking_lot::MutexGuard<'static, ()>,
+    }
+
+    impl Drop for StatsTurn {
+        fn drop(&mut self) {
+            counters::flush_this_thread();
+        }
+    }
+
+    /// Waits for this test's turn at the process-wide host statistics.
+    pub(crate) fn stats_turn() -> StatsTurn {
+        StatsTurn {
+            _turn: SERIAL.lock(),
+        }
+    }
 
     #[test]
     fn host_buffers_are_counted_while_they_live() {
-        let _serial = SERIAL.lock();
+        let _turn = stats_turn();
         let before = host_stats();
         let a = HostBuffer::zeroed(1000).unwrap();
         let b = HostBuffer::from_slice(&[1.0f64; 3]).unwrap();
@@ -385,7 +405,7 @@ pub(crate) mod tests {
 
     #[test]
     fn prefaulted_buffers_are_zeroed_huge_page_aligned_and_writable() {
-        let _serial = SERIAL.lock();
+        let _turn = stats_turn();
         let len = (5 << 20) + 123;
         let mut buffer = HostBuffer::prefaulted(len).unwrap();
         assert_eq!(buffer.len(), len);
@@ -398,7 +418,7 @@ pub(crate) mod tests {
 
     #[test]
     fn buffers_are_zeroed_aligned_and_typed() {
-        let _serial = SERIAL.lock();
+        let _turn = stats_turn();
         for len in [0, 3, 64, 1 << 20] {
             let buffer = HostBuffer::zeroed(len).unwrap();
             assert_eq!(buffer.len(), len);

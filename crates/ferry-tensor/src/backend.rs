@@ -1,10 +1,16 @@
-//! Sends each primitive to the kernels of the device its tensors live on.
+//! Sends each primitive to the kernels of the device its tensors live on: the one place that
+//! matches on the device. Ops above it check arguments and record nodes; the kernels below it
+//! (`cpu`, `cuda`) each serve one device.
 
 use ferry_memory::{DType, Device, Element};
 
+use ferry_memory::cuda::ConvPass;
+
 use crate::layout::Layout;
+use crate::ops::conv::Geometry;
+use crate::ops::optim::AdamStep;
 use crate::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
-use crate::{Result, Tensor, cpu, cuda};
+use crate::{Result, Tensor, TensorError, cpu, cuda};
 
 /// `$cpu` on the host, `$cuda` on a GPU.
 macro_rules! on {
@@ -132,4 +138,156 @@ pub(crate) fn read_elements<T: Element>(x: &Tensor) -> Result<Vec<T>> {
             Ok(data[off..off + x.numel()].to_vec())
         },
         cuda => cuda::read_elements::<T>(x))
+}
+
+/// The entries `index` names along `axis`.
+pub(crate) fn index_select(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
+    on!(x.device(),
+        cpu => cpu::index::index_select(x, axis, index),
+        cuda => cuda::index::index_select(x, axis, index))
+}
+
+/// `x` plus `src` added at the entries `index` names along `axis`.
+pub(crate) fn index_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+    on!(x.device(),
+        cpu => cpu::index::index_add(x, axis, index, src),
+        cuda => cuda::index::index_add(x, axis, index, src))
+}
+
+/// Values picked along `axis` by `index`.
+pub(crate) fn gather(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
+    on!(x.device(),
+        cpu => cpu::index::gather(x, axis, index),
+        cuda => cuda::index::gather(x, axis, index))
+}
+
+/// `x` plus `src` scattered along `axis` by `index`.
+pub(crate) fn scatter_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+    on!(x.device(),
+        cpu => cpu::index::scatter_add(x, axis, index, src),
+        cuda => cuda::index::scatter_add(x, axis, index, src))
+}
+
+/// `a` where `c != 0`, else `b`, over layouts already broadcast to the output's shape.
+pub(crate) fn where_cond(
+    c: &Tensor,
+    lc: &Layout,
+    a: &Tensor,
+    la: &Layout,
+    b: &Tensor,
+    lb: &Layout,
+) -> Result<Tensor> {
+    on!(a.device(),
+        cpu => cpu::select::where_cond(c, lc, a, la, b, lb),
+        cuda => cuda::select::where_cond(c, lc, a, la, b, lb))
+}
+
+/// Dropout's output and its `u8` keep-mask, drawn from `seed`.
+pub(crate) fn dropout(x: &Tensor, p: f64, scale: f64, seed: u64) -> Result<(Tensor, Tensor)> {
+    on!(x.device(),
+        cpu => cpu::select::dropout(x, p, scale, seed),
+        cuda => cuda::select::dropout(x, p, scale, seed))
+}
+
+/// `x * scale` where `mask` is nonzero, else 0.
+pub(crate) fn masked_scale(x: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+    on!(x.device(),
+        cpu => cpu::select::masked_scale(x, mask, scale),
+        cuda => cuda::select::masked_scale(x, mask, scale))
+}
+
+/// Layer norm's output and `[rows, 2]` statistics of `x` (`[rows, cols]`).
+pub(crate) fn layer_norm(
+    x: &Tensor,
+    w: Option<&Tensor>,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    on!(x.device(),
+        cpu => cpu::norm::layer_norm(x, w, b, eps),
+        cuda => cuda::norm::layer_norm(x, w, b, eps))
+}
+
+/// Layer norm's `dx`, `dweight` and `dbias`, each only when `want` says so.
+pub(crate) fn layer_norm_backward(
+    g: &Tensor,
+    x: &Tensor,
+    w: Option<&Tensor>,
+    stats: &Tensor,
+    want: [bool; 3],
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    on!(g.device(),
+        cpu => cpu::norm::layer_norm_backward(g, x, w, stats, want),
+        cuda => cuda::norm::layer_norm_backward(g, x, w, stats, want))
+}
+
+/// Columns `[N, C·KH·KW, OH·OW]` of an NCHW input.
+pub(crate) fn im2col(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    on!(x.device(), cpu => cpu::conv::im2col(x, geo), cuda => cuda::conv::im2col(x, geo))
+}
+
+/// Columns folded back into NCHW, summing what lands on one pixel.
+pub(crate) fn col2im(cols: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    on!(cols.device(), cpu => cpu::conv::col2im(cols, geo), cuda => cuda::conv::col2im(cols, geo))
+}
+
+/// The index of each pooling window's maximum.
+pub(crate) fn pool_argmax(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    on!(x.device(), cpu => cpu::conv::pool_argmax(x, geo), cuda => cuda::conv::pool_argmax(x, geo))
+}
+
+/// Whether convolutions of `x` run natively on its device (cuDNN, where it loads and is enabled
+/// for the dtype); elsewhere conv2d is composed from im2col and a product.
+pub(crate) fn native_convolution(x: &Tensor) -> bool {
+    on!(x.device(), cpu => false, cuda => cuda::conv::cudnn_enabled(x.dtype()))
+}
+
+/// One native convolution pass (where [`native_convolution`] says there is one): `Forward` takes
+/// (x, w), `BackwardData` (dy, w), `BackwardFilter` (x, dy).
+pub(crate) fn convolution(
+    pass: ConvPass,
+    geo: &Geometry,
+    groups: usize,
+    filters: usize,
+    first: &Tensor,
+    second: &Tensor,
+) -> Result<Tensor> {
+    on!(first.device(),
+        cpu => Err(TensorError::UnsupportedDevice { op: "native convolution", device: Device::Cpu }),
+        cuda => cuda::conv::convolution(pass, geo, groups, filters, first, second))
+}
+
+/// One Adam (or AdamW) step on contiguous `p`, `m` and `v` from `g`, in place.
+pub(crate) fn adam(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: &AdamStep) -> Result<()> {
+    on!(p.device(), cpu => cpu::optim::adam(p, g, m, v, step), cuda => cuda::adam(p, g, m, v, step))
+}
+
+/// `start, start + 1, ..` (`len` of them).
+pub(crate) fn arange(start: f64, len: usize, dtype: DType, device: Device) -> Result<Tensor> {
+    match device {
+        Device::Cpu => cpu::create::arange(start, len, dtype),
+        Device::Cuda(ordinal) => cuda::arange(ordinal, start, len, dtype),
+    }
+}
+
+/// Uniform (or standard normal, when `normal`) samples fixed by `seed`.
+pub(crate) fn random(
+    shape: &[usize],
+    dtype: DType,
+    device: Device,
+    seed: u64,
+    normal: bool,
+) -> Result<Tensor> {
+    match device {
+        Device::Cpu => cpu::create::random(shape, dtype, seed, normal),
+        Device::Cuda(ordinal) => cuda::random(ordinal, shape, dtype, seed, normal),
+    }
+}
+
+/// Contiguous `parts` (of one dtype and device) copied into one 1-D tensor of `len` bytes, each
+/// at its byte offset.
+pub(crate) fn pack(parts: &[Tensor], offsets: &[usize], len: usize) -> Result<Tensor> {
+    on!(parts[0].device(),
+        cpu => cpu::copy::pack(parts, offsets, len),
+        cuda => cuda::pack(parts, offsets, len))
 }

@@ -283,7 +283,7 @@ mod tests {
     #[test]
     fn small_buffers_are_batched_yet_exact_for_the_reading_thread_and_after_a_thread_ends() {
         // The process-wide counters: taking turns with the other tests that read them exactly.
-        let _serial = crate::host::tests::SERIAL.lock();
+        let _turn = crate::host::tests::stats_turn();
         let before = crate::host_stats();
         // Another thread's small buffers: in the totals once it has ended.
         std::thread::spawn(|| {

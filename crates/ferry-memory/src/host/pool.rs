@@ -282,7 +282,7 @@ impl HostPool {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::SERIAL;
+    use super::super::tests::stats_turn;
     use super::*;
     use crate::host_stats;
 
@@ -308,7 +308,7 @@ mod tests {
 
     #[test]
     fn pooled_buffers_count_their_block_and_idle_ones_do_not() {
-        let _serial = SERIAL.lock();
+        let _turn = stats_turn();
         let _budget = Budget::set(1 << 30);
         let pool = HostPool::global();
         let before = host_stats();
@@ -348,7 +348,7 @@ mod tests {
 
     #[test]
     fn a_cached_buffer_serves_its_class_and_the_class_below() {
-        let _serial = SERIAL.lock();
+        let _turn = stats_turn();
         let _budget = Budget::set(1 << 30);
         let pool = HostPool::global();
         // 20 MiB requests: classes of 2 MiB granules (16, 18, 20, 22 MiB, ...).
@@ -379,7 +379,7 @@ mod tests {
 
     #[test]
     fn a_request_near_usize_max_is_refused_naming_the_limit() {
-        let _serial = SERIAL.lock();
+        let _turn = stats_turn();
         let pool = HostPool::global();
         let before = pool.stats();
         // Unchecked, the class of usize::MAX - 1 wrapped to 0 and the buffer claimed the length.
@@ -404,7 +404,7 @@ mod tests {
 
     #[test]
     fn the_budget_trims_the_least_recently_used_and_sends_the_rest_outside() {
-        let _serial = SERIAL.lock();
+        let _turn = stats_turn();
         let _budget = Budget::set(40 << 20);
         let pool = HostPool::global();
         let before = pool.stats();
@@ -463,7 +463,7 @@ mod tests {
 
         use crate::cuda::test_hooks::{SERIAL as GATES, Slow, arm};
 
-        let _serial = SERIAL.lock();
+        let _turn = stats_turn();
         let _gates = GATES.lock();
         let _budget = Budget::set(1 << 30);
         let pool = HostPool::global();

@@ -117,3 +117,16 @@ pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
         Ok(())
     })
 }
+
+/// Contiguous `parts` (of one dtype) copied into one 1-D tensor of `len` bytes, each at its byte
+/// offset; the bytes between them are zero.
+pub(crate) fn pack(parts: &[Tensor], offsets: &[usize], len: usize) -> Result<Tensor> {
+    let dtype = parts[0].dtype();
+    let size = dtype.size();
+    let out = Tensor::zeros(&[len / size], dtype, ferry_memory::Device::Cpu)?;
+    for (part, &at) in parts.iter().zip(offsets) {
+        out.narrow(0, at / size, part.numel())?
+            .assign(&part.reshape(&[part.numel()])?)?;
+    }
+    Ok(out)
+}

@@ -2,10 +2,12 @@
 
 pub(crate) mod conv;
 pub(crate) mod copy;
+pub(crate) mod create;
 pub(crate) mod elementwise;
 pub(crate) mod index;
 pub(crate) mod matmul;
 pub(crate) mod norm;
+pub(crate) mod optim;
 pub(crate) mod reduce;
 pub(crate) mod select;
 

@@ -1,5 +1,5 @@
-//! Two-dimensional convolution and pooling over NCHW tensors, with their gradient rules here
-//! beside them.
+//! Two-dimensional convolution and pooling over NCHW tensors (their gradient rules are in
+//! `rules::conv`).
 //!
 //! On CUDA, where libcudnn loads, the forward and both gradients are cuDNN's convolution passes
 //! (deterministic algorithms, no TF32 for f32). Elsewhere (the CPU, a GPU without cuDNN,
@@ -17,13 +17,10 @@
 //! the values with [`Tensor::gather`], whose node keeps only those `i64` indices. Average
 //! pooling (padding counted in the divisor) is `im2col` followed by a mean over each window.
 
-use ferry_graph::InputGrads;
-use ferry_memory::Device;
 use ferry_memory::cuda::ConvPass;
-use smallvec::smallvec;
 
-use crate::autograd::{Rule, Save, Saved, record};
-use crate::{Result, Tensor, TensorError, cpu, cuda};
+use crate::autograd::{Save, record};
+use crate::{Result, Tensor, TensorError, backend, rules};
 
 /// Stride, padding, dilation and groups of [`Tensor::conv2d`]: `[height, width]` pairs.
 ///
@@ -171,14 +168,14 @@ impl Geometry {
         self
     }
 
-    fn to_vec(self) -> Vec<usize> {
+    pub(crate) fn to_vec(self) -> Vec<usize> {
         vec![
             self.n, self.c, self.h, self.w, self.kh, self.kw, self.sh, self.sw, self.ph, self.pw,
             self.dh, self.dw, self.oh, self.ow,
         ]
     }
 
-    fn from_slice(v: &[usize]) -> Self {
+    pub(crate) fn from_slice(v: &[usize]) -> Self {
         Self {
             n: v[0],
             c: v[1],
@@ -292,12 +289,11 @@ impl Tensor {
             return Ok(y);
         }
         // The forward itself records one node: the ops below run on detached tensors.
-        let y = match self.device() {
-            Device::Cuda(_) if cuda::conv::cudnn_enabled(self.dtype()) => {
-                let (x, w) = (self.detach(), weight.detach());
-                cuda::conv::convolution(ConvPass::Forward, &geo, groups, o, &x, &w)?
-            }
-            _ => conv_forward(&self.detach(), &weight.detach(), groups, &geo)?,
+        let (x, w) = (self.detach(), weight.detach());
+        let y = if backend::native_convolution(self) {
+            backend::convolution(ConvPass::Forward, &geo, groups, o, &x, &w)?
+        } else {
+            conv_forward(&x, &w, groups, &geo)?
         };
         let y = match bias {
             Some(b) => y.add(&b.detach().reshape(&[1, o, 1, 1])?)?,
@@ -309,11 +305,7 @@ impl Tensor {
         Ok(record(y, OP, &inputs, || {
             // dx needs the weight, dw needs the input; the bias gradient needs neither.
             let save = Save::input_if(0, w_grad).and(Save::input_if(1, x_grad));
-            Rule::new(
-                save,
-                (geo.to_vec(), (groups, bias.is_some())),
-                conv2d_backward,
-            )
+            rules::conv2d(save, &geo, groups, bias.is_some())
         }))
     }
 
@@ -335,10 +327,7 @@ impl Tensor {
         let (n, c) = (geo.n, geo.c);
         let planes = geo.with_images(n * c, 1);
         let x = self.reshape(&[n * c, geo.h * geo.w])?;
-        let index = match self.device() {
-            Device::Cpu => cpu::conv::pool_argmax(&x.detach(), &planes)?,
-            Device::Cuda(_) => cuda::conv::pool_argmax(&x.detach(), &planes)?,
-        };
+        let index = backend::pool_argmax(&x.detach(), &planes)?;
         x.gather(1, &index)?.reshape(&[n, c, geo.oh, geo.ow])
     }
 
@@ -400,92 +389,17 @@ fn conv_forward(x: &Tensor, weight: &Tensor, groups: usize, geo: &Geometry) -> R
     w.matmul(&cols)?.reshape(&[geo.n, o, geo.oh, geo.ow])
 }
 
-/// The gradients of conv2d's input, weight and (when present) bias.
-fn conv2d_backward(
-    saved: &Saved<'_>,
-    (geo, (groups, has_bias)): &(Vec<usize>, (usize, bool)),
-    g: &Tensor,
-    wanted: &[bool],
-) -> Result<InputGrads<Tensor>> {
-    let geo = Geometry::from_slice(geo);
-    let groups = *groups;
-    let cgk = geo.c / groups * geo.k();
-    let o = g.shape()[1];
-    // cuDNN's passes are not differentiable ops: with create_graph the composed path runs.
-    let cudnn = matches!(g.device(), Device::Cuda(_))
-        && cuda::conv::cudnn_enabled(g.dtype())
-        && !ferry_graph::is_grad_enabled();
-    // g as [N, G, O/G, L]
-    let gg = g.reshape(&[geo.n, groups, o / groups, geo.l()])?;
-    let dx = if wanted[0] && cudnn {
-        let w = saved.input(1)?;
-        let pass = ConvPass::BackwardData;
-        Some(cuda::conv::convolution(pass, &geo, groups, o, g, &w)?)
-    } else if wanted[0] {
-        let w = saved.input(1)?.reshape(&[groups, o / groups, cgk])?;
-        let dcols = w
-            .t()?
-            .matmul(&gg)?
-            .reshape(&[geo.n, geo.c * geo.k(), geo.l()])?;
-        Some(col2im(&dcols, &geo)?)
-    } else {
-        None
-    };
-    let dw = if wanted[1] && cudnn {
-        let x = saved.input(0)?;
-        let pass = ConvPass::BackwardFilter;
-        Some(cuda::conv::convolution(pass, &geo, groups, o, &x, g)?)
-    } else if wanted[1] {
-        let x = saved.input(0)?;
-        let cols = im2col(&x, &geo)?.reshape(&[geo.n, groups, cgk, geo.l()])?;
-        let per_image = gg.matmul(&cols.t()?)?; // [N, G, O/G, CgK]
-        let cg = geo.c / groups;
-        Some(
-            per_image
-                .sum_axis(0, false)?
-                .reshape(&[o, cg, geo.kh, geo.kw])?,
-        )
-    } else {
-        None
-    };
-    let mut grads: InputGrads<Tensor> = smallvec![dx, dw];
-    if *has_bias {
-        let db = if wanted[2] {
-            let per_channel = g.reshape(&[geo.n, o, geo.l()])?.sum_axis(2, false)?;
-            Some(per_channel.sum_axis(0, false)?)
-        } else {
-            None
-        };
-        grads.push(db);
-    }
-    Ok(grads)
-}
-
 /// Unfolds `x` (`[N, C, H, W]`) into `[N, C·KH·KW, OH·OW]`: row `(c, kh, kw)`, column
 /// `(oy, ox)` holds `x[c, oy·sh + kh·dh - ph, ox·sw + kw·dw - pw]`, zero outside the input.
 /// Recorded; its gradient is [`col2im`].
 pub(crate) fn im2col(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    let out = match x.device() {
-        Device::Cpu => cpu::conv::im2col(x, geo)?,
-        Device::Cuda(_) => cuda::conv::im2col(x, geo)?,
-    };
-    Ok(record(out, "im2col", &[x], || {
-        Rule::new(Save::NOTHING, geo.to_vec(), |_, geo, g, _| {
-            Ok(smallvec![Some(col2im(g, &Geometry::from_slice(geo))?)])
-        })
-    }))
+    let out = backend::im2col(x, geo)?;
+    Ok(record(out, "im2col", &[x], || rules::im2col(geo)))
 }
 
 /// Folds columns `[N, C·KH·KW, OH·OW]` back into `[N, C, H, W]`, summing the entries that land
 /// on one pixel: the adjoint of [`im2col`], which is its gradient. Recorded.
 pub(crate) fn col2im(cols: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    let out = match cols.device() {
-        Device::Cpu => cpu::conv::col2im(cols, geo)?,
-        Device::Cuda(_) => cuda::conv::col2im(cols, geo)?,
-    };
-    Ok(record(out, "col2im", &[cols], || {
-        Rule::new(Save::NOTHING, geo.to_vec(), |_, geo, g, _| {
-            Ok(smallvec![Some(im2col(g, &Geometry::from_slice(geo))?)])
-        })
-    }))
+    let out = backend::col2im(cols, geo)?;
+    Ok(record(out, "col2im", &[cols], || rules::col2im(geo)))
 }

@@ -2,14 +2,12 @@
 
 use std::cell::RefCell;
 
-use ferry_memory::{DType, Device, Element};
+use ferry_memory::{DType, Device};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rand_distr::StandardNormal;
 
-use crate::cpu::{any_dispatch, build, float_dispatch};
 use crate::layout::shape_bytes;
-use crate::{Result, Tensor, TensorError, backend, cuda};
+use crate::{Result, Tensor, TensorError, backend};
 
 thread_local! {
     static RNG: RefCell<StdRng> = RefCell::new(StdRng::from_os_rng());
@@ -56,59 +54,27 @@ impl Tensor {
         }
         let len = (end - start).ceil() as usize; // saturates: the size check refuses it
         shape_bytes("arange", &[len], dtype)?;
-        match device {
-            Device::Cpu => any_dispatch!(dtype, |T| build::<T>("arange", &[len], |out| {
-                out.iter_mut()
-                    .enumerate()
-                    .for_each(|(i, o)| *o = <T as Element>::from_f64(start + i as f64))
-            })),
-            Device::Cuda(ordinal) => cuda::arange(ordinal, start, len, dtype),
-        }
+        backend::arange(start, len, dtype, device)
     }
 
     /// Uniform samples in `[0, 1)` from this thread's generator.
     pub fn rand(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        sample(shape, dtype, device, false, |rng| rng.random::<f64>())
+        sample(shape, dtype, device, false)
     }
 
     /// Standard normal samples from this thread's generator.
     pub fn randn(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        sample(shape, dtype, device, true, |rng| {
-            rng.sample::<f64, _>(StandardNormal)
-        })
+        sample(shape, dtype, device, true)
     }
 }
 
-/// Samples drawn on the host for CPU tensors; on a GPU the kernel draws them from a seed taken
-/// from this thread's generator, so `manual_seed` makes both repeatable.
-fn sample(
-    shape: &[usize],
-    dtype: DType,
-    device: Device,
-    normal: bool,
-    draw: impl Fn(&mut StdRng) -> f64 + Sync,
-) -> Result<Tensor> {
-    /// Elements per generator: large tensors fill in parallel, each block from its own
-    /// generator seeded by (draw seed, block index), so a seed still fixes every value.
-    const BLOCK: usize = 1 << 16;
+/// Samples from a seed taken from this thread's generator (the host or the kernel draws them
+/// from it), so `manual_seed` makes both devices repeatable.
+fn sample(shape: &[usize], dtype: DType, device: Device, normal: bool) -> Result<Tensor> {
     let op = if normal { "randn" } else { "rand" };
     shape_bytes(op, shape, dtype)?;
     let seed = RNG.with(|rng| rng.borrow_mut().random::<u64>());
-    match device {
-        Device::Cpu => float_dispatch!(dtype, op, |T| build::<T>(op, shape, |out| {
-            use rayon::prelude::*;
-            out.par_chunks_mut(BLOCK)
-                .enumerate()
-                .for_each(|(block, out)| {
-                    let mut rng = StdRng::seed_from_u64(
-                        seed ^ (block as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
-                    );
-                    out.iter_mut()
-                        .for_each(|o| *o = <T as Element>::from_f64(draw(&mut rng)));
-                })
-        })),
-        Device::Cuda(ordinal) => cuda::random(ordinal, shape, dtype, seed, normal),
-    }
+    backend::random(shape, dtype, device, seed, normal)
 }
 
 /// Every element `value`: sized (and refused when too large) before anything is allocated.

@@ -1,8 +1,7 @@
 //! Indexing along one axis through `i64` index tensors: `index_select`, `index_add`, `gather`,
 //! `scatter_add`, and `embedding` built on `index_select`.
 //!
-//! Their gradient rules sit here with them (they are each other's gradients): the rule of a
-//! read (`index_select`, `gather`) is the matching accumulation into zeros, and the rule of an
+//! Their gradient rules (in `rules::index`) are each other's ops: the rule of a read (`index_select`, `gather`) is the matching accumulation into zeros, and the rule of an
 //! accumulation (`index_add`, `scatter_add`) passes the gradient through to `self` and reads it
 //! back for `src`. Each rule keeps the index tensor alone (as its auxiliary tensor), and since the
 //! rules are written with these same ops, higher-order gradients flow.
@@ -12,13 +11,10 @@
 //! outside the tensors is touched), and counts them in a 16-byte flag that the host reads back
 //! after the launch: one small device-to-host copy, which waits for the kernel, per call.
 
-use ferry_graph::InputGrads;
-use ferry_memory::{DType, Device};
-use smallvec::smallvec;
+use ferry_memory::DType;
 
-use crate::autograd::{Rule, Save, record};
-use crate::layout::Shape;
-use crate::{Result, Tensor, TensorError, cpu, cuda};
+use crate::autograd::record;
+use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
     /// The entries `index` names along `axis`, in its order: `out` has `self`'s shape with
@@ -46,12 +42,9 @@ impl Tensor {
         } else {
             index.clone()
         };
-        let out = match self.device() {
-            Device::Cpu => cpu::index::index_select(self, axis, &flat)?,
-            Device::Cuda(_) => cuda::index::index_select(self, axis, &flat)?,
-        };
+        let out = backend::index_select(self, axis, &flat)?;
         Ok(record(out, OP, &[self], || {
-            Rule::new(Save::NOTHING, (self.dims(), axis), index_select_backward).with_aux(flat)
+            rules::index_select(self, axis, flat)
         }))
     }
 
@@ -91,12 +84,9 @@ impl Tensor {
                        per index",
             });
         }
-        let out = match self.device() {
-            Device::Cpu => cpu::index::index_add(self, axis, &flat, src)?,
-            Device::Cuda(_) => cuda::index::index_add(self, axis, &flat, src)?,
-        };
+        let out = backend::index_add(self, axis, &flat, src)?;
         Ok(record(out, OP, &[self, src], || {
-            Rule::new(Save::NOTHING, axis, index_add_backward).with_aux(flat)
+            rules::index_add(axis, flat)
         }))
     }
 
@@ -112,12 +102,9 @@ impl Tensor {
         check_index(OP, self, index)?;
         check_fits(OP, self, index, axis, "self")?;
         let index = index.clone();
-        let out = match self.device() {
-            Device::Cpu => cpu::index::gather(self, axis, &index)?,
-            Device::Cuda(_) => cuda::index::gather(self, axis, &index)?,
-        };
+        let out = backend::gather(self, axis, &index)?;
         Ok(record(out, OP, &[self], || {
-            Rule::new(Save::NOTHING, (self.dims(), axis), gather_backward).with_aux(index)
+            rules::gather(self, axis, index)
         }))
     }
 
@@ -145,12 +132,9 @@ impl Tensor {
             }
         }
         let index = index.clone();
-        let out = match self.device() {
-            Device::Cpu => cpu::index::scatter_add(self, axis, &index, &src)?,
-            Device::Cuda(_) => cuda::index::scatter_add(self, axis, &index, &src)?,
-        };
+        let out = backend::scatter_add(self, axis, &index, &src)?;
         Ok(record(out, OP, &[self, &src], || {
-            Rule::new(Save::NOTHING, axis, scatter_add_backward).with_aux(index)
+            rules::scatter_add(axis, index)
         }))
     }
 
@@ -249,64 +233,4 @@ pub(crate) fn out_of_range(
              indexed tensor (shape {shape:?}) has {len} entries, so indices must lie in 0..{len}"
         ),
     }
-}
-
-/// `index_select`'s gradient: the output's gradient added into zeros at the selected entries.
-fn index_select_backward(
-    saved: &crate::autograd::Saved<'_>,
-    (shape, axis): &(Shape, usize),
-    g: &Tensor,
-    _: &[bool],
-) -> Result<InputGrads<Tensor>> {
-    let zeros = Tensor::zeros(shape, g.dtype(), g.device())?;
-    Ok(smallvec![Some(zeros.index_add(
-        *axis as isize,
-        &saved.aux()?,
-        g
-    )?)])
-}
-
-/// `index_add`'s gradient: `self` gets `g`; `src` reads `g` back at the indexed entries.
-fn index_add_backward(
-    saved: &crate::autograd::Saved<'_>,
-    &axis: &usize,
-    g: &Tensor,
-    wanted: &[bool],
-) -> Result<InputGrads<Tensor>> {
-    let dsrc = if wanted[1] {
-        Some(g.index_select(axis as isize, &saved.aux()?)?)
-    } else {
-        None
-    };
-    Ok(smallvec![wanted[0].then(|| g.clone()), dsrc])
-}
-
-/// `gather`'s gradient: the output's gradient scatter-added into zeros.
-fn gather_backward(
-    saved: &crate::autograd::Saved<'_>,
-    (shape, axis): &(Shape, usize),
-    g: &Tensor,
-    _: &[bool],
-) -> Result<InputGrads<Tensor>> {
-    let zeros = Tensor::zeros(shape, g.dtype(), g.device())?;
-    Ok(smallvec![Some(zeros.scatter_add(
-        *axis as isize,
-        &saved.aux()?,
-        g
-    )?)])
-}
-
-/// `scatter_add`'s gradient: `self` gets `g`; `src` gathers `g` back by the index.
-fn scatter_add_backward(
-    saved: &crate::autograd::Saved<'_>,
-    &axis: &usize,
-    g: &Tensor,
-    wanted: &[bool],
-) -> Result<InputGrads<Tensor>> {
-    let dsrc = if wanted[1] {
-        Some(g.gather(axis as isize, &saved.aux()?)?)
-    } else {
-        None
-    };
-    Ok(smallvec![wanted[0].then(|| g.clone()), dsrc])
 }

@@ -1,4 +1,5 @@
-//! The op set. Forward code per family; every gradient rule sits in the crate's `rules` module.
+//! The op set. Forward code per family; every gradient rule sits in the crate's `rules` module
+//! (one file per family there), and every device dispatch in `backend`.
 //!
 //! The elementwise and reduction ops are declared once, in the table below: each row gives an
 //! op's variant, name, CUDA op code, CPU function and CUDA C expression. From it come the enums,

@@ -8,11 +8,10 @@
 //! `create_graph` the rule computes the same gradients with differentiable tensor ops instead,
 //! so second derivatives flow.
 
-use ferry_graph::InputGrads;
-use ferry_memory::{DType, Device};
+use ferry_memory::DType;
 
-use crate::autograd::{Rule, Save, Saved, record, should_record};
-use crate::{Result, Tensor, TensorError, cpu, cuda};
+use crate::autograd::{Save, record};
+use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
     /// Normalizes over the trailing `normalized_shape` dimensions (usually `[features]`, the last
@@ -74,10 +73,7 @@ impl Tensor {
         let x = self.reshape(&[rows, cols])?;
         let w = weight.map(|w| w.reshape(&[cols])).transpose()?;
         let b = bias.map(|b| b.reshape(&[cols])).transpose()?;
-        let (y, stats) = match self.device() {
-            Device::Cpu => cpu::norm::layer_norm(&x, w.as_ref(), b.as_ref(), eps)?,
-            Device::Cuda(_) => cuda::norm::layer_norm(&x, w.as_ref(), b.as_ref(), eps)?,
-        };
+        let (y, stats) = backend::layer_norm(&x, w.as_ref(), b.as_ref(), eps)?;
         let mut inputs = vec![&x];
         inputs.extend(w.as_ref());
         inputs.extend(b.as_ref());
@@ -86,106 +82,10 @@ impl Tensor {
         let w_grad = w.as_ref().is_some_and(Tensor::requires_grad);
         let y = record(y, OP, &inputs, || {
             let save = Save::input_if(0, x_grad || w_grad).and(Save::input_if(1, has_w && x_grad));
-            Rule::new(save, (eps, (has_w, has_b)), layer_norm_backward).with_aux(stats)
+            rules::layer_norm(save, eps, (has_w, has_b), stats)
         });
         y.reshape(self.shape())
     }
-}
-
-/// The gradients of layer_norm's inputs, in their order (x, then weight and bias if present).
-fn layer_norm_backward(
-    saved: &Saved<'_>,
-    &(eps, (has_w, has_b)): &(f64, (bool, bool)),
-    g: &Tensor,
-    wanted: &[bool],
-) -> Result<InputGrads<Tensor>> {
-    let want_dx = wanted[0];
-    let want_dw = has_w && wanted[1];
-    let want_db = has_b && wanted[1 + has_w as usize];
-    let x = if want_dx || want_dw {
-        Some(saved.input(0)?)
-    } else {
-        None
-    };
-    let w = if has_w && want_dx {
-        Some(saved.input(1)?)
-    } else {
-        None
-    };
-    let mut parts = vec![g];
-    parts.extend(x.as_ref());
-    parts.extend(w.as_ref());
-    let (dx, dw, db) = if should_record(&parts) {
-        // create_graph: differentiable ops, recomputing the statistics from x.
-        composed_backward(g, x.as_ref(), w.as_ref(), eps, want_dx, want_dw, want_db)?
-    } else if let Some(x) = &x {
-        let stats = saved.aux()?;
-        let want = [want_dx, want_dw, want_db];
-        match g.device() {
-            Device::Cpu => cpu::norm::layer_norm_backward(g, x, w.as_ref(), &stats, want)?,
-            Device::Cuda(_) => cuda::norm::layer_norm_backward(g, x, w.as_ref(), &stats, want)?,
-        }
-    } else {
-        // Only the bias wants a gradient: a column sum of g.
-        (
-            None,
-            None,
-            want_db.then(|| g.sum_axis(0, false)).transpose()?,
-        )
-    };
-    let mut grads = InputGrads::new();
-    grads.push(dx);
-    if has_w {
-        grads.push(dw);
-    }
-    if has_b {
-        grads.push(db);
-    }
-    Ok(grads)
-}
-
-type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
-
-/// The same gradients as the fused kernels, from tensor ops (recorded under `create_graph`).
-fn composed_backward(
-    g: &Tensor,
-    x: Option<&Tensor>,
-    w: Option<&Tensor>,
-    eps: f64,
-    want_dx: bool,
-    want_dw: bool,
-    want_db: bool,
-) -> Result<Grads> {
-    let db = if want_db {
-        Some(g.sum_axis(0, false)?)
-    } else {
-        None
-    };
-    let Some(x) = x else {
-        return Ok((None, None, db));
-    };
-    let cols = x.shape()[1] as f64;
-    let xc = x.sub(&x.mean_axis(-1, true)?)?;
-    let var = xc.mul(&xc)?.sum_axis(-1, true)?.div_scalar(cols)?;
-    let rstd = var.add_scalar(eps)?.powf(-0.5)?;
-    let xhat = xc.mul(&rstd)?;
-    let dw = if want_dw {
-        Some(g.mul(&xhat)?.sum_axis(0, false)?)
-    } else {
-        None
-    };
-    let dx = if want_dx {
-        let gw = match w {
-            Some(w) => g.mul(w)?,
-            None => g.clone(),
-        };
-        let m1 = gw.mean_axis(-1, true)?;
-        let m2 = gw.mul(&xhat)?.mean_axis(-1, true)?;
-        Some(rstd.mul(&gw.sub(&m1)?.sub(&xhat.mul(&m2)?)?)?)
-    } else {
-        None
-    };
-    Ok((dx, dw, db))
 }
 
 /// The dtype the statistics are kept in for a tensor of `dtype`.

@@ -5,7 +5,7 @@ use ferry_memory::{DType, Device};
 
 use crate::autograd::record;
 use crate::layout::broadcast_shapes;
-use crate::{Result, Tensor, TensorError, cpu, cuda, rules};
+use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
     /// `on_true` where `cond` is nonzero, else `on_false`, elementwise; the three broadcast
@@ -39,10 +39,7 @@ impl Tensor {
                 .expect("broadcast_shapes checked it")
         };
         let (lc, la, lb) = (layout(cond), layout(on_true), layout(on_false));
-        let out = match on_true.device() {
-            Device::Cpu => cpu::select::where_cond(cond, &lc, on_true, &la, on_false, &lb)?,
-            Device::Cuda(_) => cuda::select::where_cond(cond, &lc, on_true, &la, on_false, &lb)?,
-        };
+        let out = backend::where_cond(cond, &lc, on_true, &la, on_false, &lb)?;
         Ok(record(out, "where_cond", &[on_true, on_false], || {
             rules::where_cond(cond, on_true, on_false)
         }))
@@ -90,10 +87,7 @@ impl Tensor {
         }
         let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
         let seed = draw_seed()?;
-        let (out, mask) = match self.device() {
-            Device::Cpu => cpu::select::dropout(self, p, scale, seed)?,
-            Device::Cuda(_) => cuda::select::dropout(self, p, scale, seed)?,
-        };
+        let (out, mask) = backend::dropout(self, p, scale, seed)?;
         Ok(record(out, "dropout", &[self], || {
             rules::dropout(mask, scale)
         }))
@@ -102,10 +96,7 @@ impl Tensor {
     /// `self * scale` where `mask` (u8, contiguous, same shape) is nonzero, else 0: dropout's
     /// backward, linear in `self`, so its rule is dropout's own.
     pub(crate) fn masked_scale(&self, mask: &Tensor, scale: f64) -> Result<Tensor> {
-        let out = match self.device() {
-            Device::Cpu => cpu::select::masked_scale(self, mask, scale)?,
-            Device::Cuda(_) => cuda::select::masked_scale(self, mask, scale)?,
-        };
+        let out = backend::masked_scale(self, mask, scale)?;
         Ok(record(out, "masked_scale", &[self], || {
             rules::dropout(mask.clone(), scale)
         }))

@@ -1,7 +1,5 @@
 //! Views and rearrangements: transpose, reshape, narrow, chunk, cat, broadcast, squeeze.
 
-use ferry_memory::Device;
-
 use crate::autograd::record;
 use crate::layout::{Shape, shape_bytes};
 use crate::{Result, Tensor, TensorError, backend, rules};
@@ -180,17 +178,7 @@ impl Tensor {
                 }
             })
             .collect::<Result<_>>()?;
-        let packed = match first.device() {
-            Device::Cuda(_) => crate::cuda::pack(&dense, &offsets, end)?,
-            Device::Cpu => {
-                let out = Tensor::zeros(&[end / size], first.dtype(), Device::Cpu)?;
-                for (part, &at) in dense.iter().zip(&offsets) {
-                    out.narrow(0, at / size, part.numel())?
-                        .assign(&part.reshape(&[part.numel()])?)?;
-                }
-                out
-            }
-        };
+        let packed = backend::pack(&dense, &offsets, end)?;
         Ok((packed, offsets.iter().map(|o| o / size).collect()))
     }
 

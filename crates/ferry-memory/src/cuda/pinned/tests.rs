@@ -39,7 +39,7 @@ impl Drop for Room {
 #[ignore = "needs a CUDA device"]
 fn a_cache_hit_does_not_wait_for_another_thread_making_a_block() {
     // The host pool's tests take these two locks in this order too.
-    let _host_statistics = crate::host::tests::SERIAL.lock();
+    let _host_statistics = crate::host::tests::stats_turn();
     let _serial = SERIAL.lock();
     let pool = PinnedPool::global().unwrap();
     let _room = Room::for_bytes(pool, BIG + (SMALL << 4));
@@ -114,7 +114,7 @@ fn a_block_used_on_another_stream_is_reused_only_after_that_work() {
     use crate::cuda::CudaDevice;
     use crate::cuda::test_hooks::hold;
 
-    let _host_statistics = crate::host::tests::SERIAL.lock();
+    let _host_statistics = crate::host::tests::stats_turn();
     let _serial = SERIAL.lock();
     let pool = PinnedPool::global().unwrap();
     let _room = Room::for_bytes(pool, 4 * SMALL);
@@ -149,7 +149,7 @@ fn a_block_used_on_another_stream_is_reused_only_after_that_work() {
 fn memory_pinned_in_place_counts_in_the_budget_until_its_buffer_drops() {
     use crate::{HostBuffer, MemoryError};
 
-    let _host_statistics = crate::host::tests::SERIAL.lock();
+    let _host_statistics = crate::host::tests::stats_turn();
     let _serial = SERIAL.lock();
     let pool = PinnedPool::global().unwrap();
     let len = 8 << 20;
