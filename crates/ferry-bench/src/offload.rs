@@ -25,11 +25,12 @@ use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::{Device, Tensor};
 use serde_json::{Value, json};
 
-use super::measure::median;
 use super::offload_grid::{self, DEFAULT_GRID, SweepCase};
 use super::offload_sweep::{self, SweepOptions};
-use super::pytorch::{PyTorch, PyTorchArgs};
-use super::report::{print_table, significant};
+use crate::harness;
+use crate::harness::measure::median;
+use crate::harness::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::report::{print_table, significant};
 
 #[derive(Args, Debug)]
 pub struct OffloadArgs {
@@ -224,28 +225,19 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     if let Some(options) = args.sweep_options() {
         return offload_sweep::run(options);
     }
-    let dev = match CudaDevice::get(0) {
-        Ok(dev) => dev,
-        Err(err) => {
-            println!(
-                "ferry bench offload needs a CUDA device (it measures device memory and copies \
-                 to pinned host memory): {err}"
-            );
-            return Ok(());
-        }
+    let Some(dev) = harness::cuda_device(0, |err| {
+        format!(
+            "ferry bench offload needs a CUDA device (it measures device memory and copies to \
+             pinned host memory): {err}"
+        )
+    }) else {
+        return Ok(());
     };
     let activation_bytes = args.layers * args.batch * args.width * 4;
     let options = OffloadOptions {
         min_bytes: args.min_bytes,
     };
-    let mut torch = None;
-    let mut pytorch_note = None;
-    if args.pytorch.compare_pytorch {
-        match args.pytorch.start("offload.py") {
-            Ok(t) => torch = Some(t),
-            Err(err) => pytorch_note = Some(format!("no PyTorch rows: {err}")),
-        }
-    }
+    let mut torch = args.pytorch.side("offload.py", "rows");
     println!(
         "ferry bench offload on {} ({}): {} layers of Linear({w}, {w}) + tanh at batch {}, \
          f32; saved activations {}; pinned budget {}",
@@ -257,9 +249,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
         gib(PinnedPool::global().map_or(0, |p| p.budget()) as u64),
         w = args.width,
     );
-    if let Some(t) = &torch {
-        println!("PyTorch {}", t.label());
-    }
+    torch.print_label();
     let model = Model::new(&args, dev.device())?;
     let mut rows = [
         Row::new("ferry, no offload"),
@@ -286,7 +276,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
                 Err(err) => rows[k].error = Some(err.to_string()),
             }
         }
-        if let Some(t) = torch.as_mut() {
+        if let Some(t) = torch.torch() {
             for (k, mode) in [(2, "none"), (3, "save_on_cpu")] {
                 if rows[k].error.is_some() {
                     continue;
@@ -342,7 +332,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     for r in rows.iter().filter(|r| r.error.is_some()) {
         println!("{}: {}", r.name, r.error.as_deref().unwrap_or_default());
     }
-    if let Some(note) = &pytorch_note {
+    if let Some(note) = &torch.note {
         println!("{note}");
     }
     if let Some(s) = rows[1].stats {
@@ -406,8 +396,8 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     if let Some(path) = &args.json {
         let doc = json!({
             "device": format!("{} ({})", dev.device(), dev.info().name),
-            "pytorch": torch.as_ref().map(PyTorch::label),
-            "pytorch_note": pytorch_note,
+            "pytorch": torch.label,
+            "pytorch_note": torch.note,
             "batch": args.batch,
             "width": args.width,
             "layers": args.layers,
@@ -424,8 +414,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
                 "step_vs_pytorch_save_on_cpu": vs_torch,
             },
         });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+        harness::write_json(path, &doc, "sample")?;
     }
     Ok(())
 }

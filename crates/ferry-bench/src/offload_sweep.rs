@@ -34,6 +34,7 @@ use super::offload_grid::{SweepCase, VOCAB};
 use super::offload_sweep_case::{CaseRun, LinkRun, Row, RowKind, Sample};
 use super::offload_sweep_output as output;
 use crate::Measured;
+use crate::harness;
 
 /// What the sweep runs with (from `ferry bench offload`'s flags).
 pub struct SweepOptions {
@@ -48,15 +49,13 @@ pub struct SweepOptions {
 const LINK_BYTES: usize = 1 << 30;
 
 pub fn run(options: SweepOptions) -> Result<(), Box<dyn Error>> {
-    let dev = match CudaDevice::get(0) {
-        Ok(dev) => dev,
-        Err(err) => {
-            println!(
-                "ferry bench offload --sweep needs a CUDA device (it times copies to pinned \
-                 host memory and measures device memory): {err}"
-            );
-            return Ok(());
-        }
+    let Some(dev) = harness::cuda_device(0, |err| {
+        format!(
+            "ferry bench offload --sweep needs a CUDA device (it times copies to pinned host \
+             memory and measures device memory): {err}"
+        )
+    }) else {
+        return Ok(());
     };
     let device = format!("{} ({})", dev.device(), dev.info().name);
     let pinned_budget = PinnedPool::global()?.budget() as u64;
@@ -79,8 +78,7 @@ pub fn run(options: SweepOptions) -> Result<(), Box<dyn Error>> {
     output::print_results(&runs, link_speed);
     if let Some(path) = &options.json {
         let doc = output::json(&device, pinned_budget, &options, &link, &runs);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+        harness::write_json(path, &doc, "sample")?;
     }
     Ok(())
 }

@@ -15,9 +15,10 @@ use ferry::memory::cuda::{self, CudaDevice};
 use ferry::{DType, DeviceMove, MoveOptions, Tensor, TransferPath};
 use serde_json::{Value, json};
 
-use super::pytorch::{self, PyTorch, PyTorchArgs};
-use super::report::{format_ratio, print_table, significant};
 use crate::Measured;
+use crate::harness;
+use crate::harness::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::report::{format_ratio, print_table, significant};
 
 /// Sizes moved by default, in bytes: 4 MiB, 64 MiB, 400 MB (the transfer bench's tensor), 1 GiB.
 const SIZES: [usize; 4] = [4 << 20, 64 << 20, 400_000_000, 1 << 30];
@@ -205,26 +206,12 @@ fn to_json(measured: &[CaseResult], torch: Option<&str>, notes: &[String]) -> Va
 pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
     let found = cuda::devices().map(|d| d.len()).map_err(|e| e.to_string());
     if let Some(why) = gpus_missing(found) {
-        println!("{why}");
-        if let Some(path) = &args.json {
-            let doc = json!({ "bench": "peer", "skipped": why, "cases": [] });
-            std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        }
-        return Ok(());
+        let doc = json!({ "bench": "peer", "skipped": why, "cases": [] });
+        return harness::skip(&why, args.json.as_deref(), &doc);
     }
     let devs = [CudaDevice::get(0)?, CudaDevice::get(1)?];
-    let mut notes = Vec::new();
-    let mut torch = None;
-    let mut torch_label = None;
-    if args.pytorch.compare_pytorch {
-        match args.pytorch.start("peer.py") {
-            Ok(t) => {
-                torch_label = Some(t.label());
-                torch = Some(t);
-            }
-            Err(err) => notes.push(format!("no PyTorch columns: {err}")),
-        }
-    }
+    let mut torch = args.pytorch.side("peer.py", "columns");
+    let mut notes: Vec<String> = torch.note.take().into_iter().collect();
     println!(
         "ferry bench peer: {} and {}, {} sample(s) after {} warm-up round(s) per case and side",
         devs[0].info().name,
@@ -232,9 +219,7 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
         args.samples,
         args.warmup
     );
-    if let Some(label) = &torch_label {
-        println!("PyTorch {label}");
-    }
+    torch.print_label();
     let sizes = if args.sizes.is_empty() {
         SIZES.to_vec()
     } else {
@@ -249,9 +234,9 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
         for (from, to) in [(0, 1), (1, 0)] {
             eprintln!("measuring {bytes} bytes cuda:{from} -> cuda:{to} ...");
             let case = Case { bytes, from, to };
-            let m = measure(case, &devs, torch.as_mut(), args.warmup, args.samples)?;
+            let m = measure(case, &devs, torch.torch(), args.warmup, args.samples)?;
             if let Some(err) = &m.torch[0].error
-                && pytorch::forget_if_ended(&mut torch)
+                && torch.forget_if_ended()
             {
                 notes.push(format!("the PyTorch script ended: {err}"));
             }
@@ -291,9 +276,8 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
         println!("{note}");
     }
     if let Some(path) = &args.json {
-        let doc = to_json(&measured, torch_label.as_deref(), &notes);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+        let doc = to_json(&measured, torch.label.as_deref(), &notes);
+        harness::write_json(path, &doc, "sample")?;
     }
     Ok(())
 }

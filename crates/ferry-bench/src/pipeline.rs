@@ -25,9 +25,10 @@ use ferry::{ChunkSpec, DeviceMove, pinned_block_size};
 use ferry::{DType, Device, Result, Tensor};
 use serde_json::{Value, json};
 
-use super::pytorch::{PyTorch, PyTorchArgs};
-use super::report::{print_table, significant};
 use crate::Measured;
+use crate::harness;
+use crate::harness::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::report::{print_table, significant};
 
 /// One frame: 1080 x 1920 RGB, f32.
 const FRAME: [usize; 3] = [1080, 1920, 3];
@@ -298,14 +299,10 @@ fn ratio(x: Option<f64>) -> String {
 }
 
 pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
-    let dev = match CudaDevice::get(0) {
-        Ok(dev) => dev,
-        Err(err) => {
-            println!(
-                "ferry bench pipeline needs a CUDA device (frames are produced on the GPU): {err}"
-            );
-            return Ok(());
-        }
+    let Some(dev) = harness::cuda_device(0, |err| {
+        format!("ferry bench pipeline needs a CUDA device (frames are produced on the GPU): {err}")
+    }) else {
+        return Ok(());
     };
     let (frames, depth) = (args.frames as usize, args.depth as usize);
     let gpu = Device::Cuda(dev.ordinal());
@@ -323,14 +320,7 @@ pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
         passes: args.host_passes,
         depth,
     };
-    let mut torch = None;
-    let mut torch_note = None;
-    if args.pytorch.compare_pytorch {
-        match args.pytorch.start("pipeline.py") {
-            Ok(t) => torch = Some(t),
-            Err(err) => torch_note = Some(format!("no PyTorch column: {err}")),
-        }
-    }
+    let mut torch = args.pytorch.side("pipeline.py", "column");
     println!(
         "ferry bench pipeline on {} ({}): {frames} frames of {FRAME:?} f32 ({:.1} MB), {} host pass(es), {depth} in flight, median of {} runs",
         fx.dev.device(),
@@ -339,22 +329,20 @@ pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
         args.host_passes,
         args.samples
     );
-    if let Some(t) = &torch {
-        println!("PyTorch {}", t.label());
-    }
+    torch.print_label();
     let mut stages = Vec::new();
     for id in STAGES {
         eprintln!("measuring {id} ...");
-        stages.push(measure(id, &fx, torch.as_mut(), args.samples));
+        stages.push(measure(id, &fx, torch.torch(), args.samples));
     }
     let mut rows = Vec::new();
     for (id, _) in ROWS {
         eprintln!("measuring {id} ...");
-        rows.push(measure(id, &fx, torch.as_mut(), args.samples));
+        rows.push(measure(id, &fx, torch.torch(), args.samples));
     }
     if args.trace {
         // Once right after a PyTorch sample (if any), once on a quiet host.
-        if let Some(torch) = torch.as_mut() {
+        if let Some(torch) = torch.torch() {
             torch.sample(&format!("pipelined {frames} {} {depth}", args.host_passes))?;
             super::pipeline_trace::trace(&fx, "right after a PyTorch sample")?;
         }
@@ -443,13 +431,12 @@ pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
             println!("PyTorch {}: {err}", m.id);
         }
     }
-    if let Some(note) = &torch_note {
+    if let Some(note) = &torch.note {
         println!("{note}");
     }
     if let Some(path) = &args.json {
         let doc = to_json(&args, &stages, &rows, ideal_ferry, ideal_torch);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+        harness::write_json(path, &doc, "sample")?;
     }
     Ok(())
 }

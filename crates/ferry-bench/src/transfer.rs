@@ -10,15 +10,13 @@ use std::error::Error;
 use std::path::PathBuf;
 
 use clap::Args;
-use ferry::memory::cuda::CudaDevice;
 
 use super::ferry_cases::{self as ferry_side, BenchResult, Fixture};
-use super::pytorch::{self, PyTorch, PyTorchArgs};
 use super::transfer_cases::{Case, cases, select};
-use super::transfer_output::{
-    CaseResult, LinkSpeed, RunSetup, print_header, print_results, to_json,
-};
+use super::transfer_output::{CaseResult, LinkSpeed, print_header, print_results, to_json};
 use crate::Measured;
+use crate::harness::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::{self, NO_CUDA_DEVICE, RunSetup};
 
 #[derive(Args, Debug)]
 pub struct TransferArgs {
@@ -89,38 +87,26 @@ pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
     }
     let all = cases();
     let selected = select(&all, &args.cases)?;
-    let dev = match CudaDevice::get(0) {
-        Ok(dev) => dev,
-        Err(err) => {
-            println!("no CUDA device: {err}");
-            return Ok(());
-        }
+    let Some(dev) = harness::cuda_device(0, |err| format!("{NO_CUDA_DEVICE}: {err}")) else {
+        return Ok(());
     };
+    let mut torch = args.pytorch.side("transfer.py", "column");
     let mut info = RunSetup {
         device: format!("{} ({})", dev.device(), dev.info().name),
+        on_gpu: true,
         samples: args.samples,
         warmup: args.warmup,
-        pytorch: None,
-        pytorch_note: None,
+        pytorch: torch.label.clone(),
+        pytorch_note: torch.note.clone(),
     };
-    let mut torch = None;
-    if args.pytorch.compare_pytorch {
-        match args.pytorch.start("transfer.py") {
-            Ok(t) => {
-                info.pytorch = Some(t.label());
-                torch = Some(t);
-            }
-            Err(err) => info.pytorch_note = Some(format!("no PyTorch column: {err}")),
-        }
-    }
     print_header(&info);
     let mut fx = Fixture::new(dev)?;
     let mut measured = Vec::new();
     for case in &selected {
         eprintln!("measuring {} ...", case.id);
-        let m = measure(case, &mut fx, torch.as_mut(), args.warmup, args.samples)?;
+        let m = measure(case, &mut fx, torch.torch(), args.warmup, args.samples)?;
         if let Some(err) = &m.pytorch.error
-            && pytorch::forget_if_ended(&mut torch)
+            && torch.forget_if_ended()
         {
             info.pytorch_note = Some(format!(
                 "the PyTorch script ended during {}: {err}",
@@ -133,9 +119,7 @@ pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
     let link = LinkSpeed::from_measured(&measured);
     print_results(&measured, link, &info);
     if let Some(path) = &args.json {
-        let doc = to_json(&info, &measured, link);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+        harness::write_json(path, &to_json(&info, &measured, link), "sample")?;
     }
     Ok(())
 }

@@ -4,8 +4,8 @@
 use super::ferry_cases::{
     self as ferry_side, BIG_BYTES, BenchResult, Fixture, SMALL_BYTES, STAGING_BOUND, Sample,
 };
-use super::report::{Target, Unit};
 use super::resnet50;
+use crate::harness::report::{Target, Unit};
 
 /// Which direction of the link a case's throughput is compared with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,118 @@
+//! The skeleton every bench repeats, kept once: finding the GPU or saying why the bench cannot
+//! run, PyTorch's side and the note when it is absent (`pytorch`), samples and their statistics
+//! (`measure`), numbers, verdicts and tables (`report`), and the JSON file with the run's facts
+//! (`run_info`). A bench module is its cases and its output; it imports from here and nothing
+//! here imports a bench.
+
+use std::error::Error;
+use std::fmt::Display;
+use std::path::Path;
+
+use ferry::memory::cuda::CudaDevice;
+use serde_json::Value;
+
+pub mod measure;
+pub mod pytorch;
+pub mod report;
+pub mod run_info;
+
+/// The opening of the message of a bench that has no GPU and says so briefly.
+pub const NO_CUDA_DEVICE: &str = "no CUDA device";
+
+/// What a bench with one table of cases ran on, besides its cases: the header, the notes under
+/// the table and the JSON file all read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunSetup {
+    /// The device ferry ran on, with its name.
+    pub device: String,
+    /// Whether ferry ran on a GPU: the targets are the H200's and are judged only there.
+    pub on_gpu: bool,
+    /// Timed samples (rounds) per case and side.
+    pub samples: u32,
+    /// Untimed ones before them.
+    pub warmup: u32,
+    /// PyTorch's version and GPU, when it took part.
+    pub pytorch: Option<String>,
+    /// Why the PyTorch column is empty or stops part way.
+    pub pytorch_note: Option<String>,
+}
+
+/// cuda:`ordinal`, or `None` once `why_not` has been printed: a bench on a machine without the
+/// GPU it needs says so and succeeds, so a run over every bench reaches the end.
+pub fn cuda_device(
+    ordinal: usize,
+    why_not: impl FnOnce(&dyn Display) -> String,
+) -> Option<CudaDevice> {
+    CudaDevice::get(ordinal)
+        .map_err(|err| println!("{}", why_not(&err)))
+        .ok()
+}
+
+/// Says why the bench cannot run here and, with `--json`, leaves `doc` (which records why) in
+/// place of its numbers, so a script collecting the files sees the skip.
+pub fn skip(why: &str, json: Option<&Path>, doc: &Value) -> Result<(), Box<dyn Error>> {
+    println!("{why}");
+    match json {
+        Some(path) => write_doc(path, doc),
+        None => Ok(()),
+    }
+}
+
+/// Writes `doc` to `--json`'s file and says so, naming what each number is (`sample`, `round`).
+pub fn write_json(path: &Path, doc: &Value, every: &str) -> Result<(), Box<dyn Error>> {
+    write_doc(path, doc)?;
+    println!("wrote every {every} to {}", path.display());
+    Ok(())
+}
+
+fn write_doc(path: &Path, doc: &Value) -> Result<(), Box<dyn Error>> {
+    std::fs::write(path, serde_json::to_string_pretty(doc)? + "\n")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn the_json_file_is_pretty_with_a_final_newline() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bench.json");
+        let doc = json!({ "bench": "test", "cases": [1, 2] });
+        write_json(&path, &doc, "sample").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.ends_with("}\n"), "{text:?}");
+        assert!(text.contains("\n  \"bench\": \"test\""), "{text}");
+        let back: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, doc);
+    }
+
+    #[test]
+    fn a_skip_leaves_its_reason_only_where_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("skipped.json");
+        let doc = json!({ "bench": "peer", "skipped": "needs two GPUs" });
+        skip("needs two GPUs", None, &doc).unwrap();
+        assert!(!path.exists());
+        skip("needs two GPUs", Some(&path), &doc).unwrap();
+        let back: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(back["skipped"], "needs two GPUs");
+        // A file that cannot be written is an error, not a silent skip.
+        let missing = dir.path().join("no/such/dir/x.json");
+        assert!(skip("why", Some(&missing), &doc).is_err());
+    }
+
+    #[test]
+    fn without_the_gpu_the_reason_names_the_error() {
+        let mut said = None;
+        let dev = cuda_device(4096, |err| {
+            said = Some(err.to_string());
+            format!("{NO_CUDA_DEVICE}: {err}")
+        });
+        // No machine has 4097 GPUs: the reason was asked for, with the driver's error.
+        assert!(dev.is_none());
+        assert!(said.is_some_and(|s| !s.is_empty()));
+    }
+}
