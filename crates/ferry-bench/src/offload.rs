@@ -25,8 +25,8 @@ use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::{Device, Tensor};
 use serde_json::{Value, json};
 
-use super::offload_grid::{self, DEFAULT_GRID, SweepCase};
-use super::offload_sweep::{self, SweepOptions};
+use super::offload_grid::{self, DEFAULT_GRID, SweepCase, SweepOptions};
+use super::offload_sweep;
 use crate::harness;
 use crate::harness::measure::median;
 use crate::harness::pytorch::{PyTorch, PyTorchArgs};

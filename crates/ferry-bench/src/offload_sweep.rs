@@ -20,7 +20,6 @@
 //! while a copy still reads it is not reused until the copy ends).
 
 use std::error::Error;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -30,20 +29,11 @@ use ferry::models::{Gpt, GptConfig};
 use ferry::nn::Module;
 use ferry::{DType, Device, Tensor};
 
-use super::offload_grid::{SweepCase, VOCAB};
+use super::offload_grid::{SweepCase, SweepOptions, VOCAB};
 use super::offload_sweep_case::{CaseRun, LinkRun, Row, RowKind, Sample};
 use super::offload_sweep_output as output;
 use crate::Measured;
 use crate::harness;
-
-/// What the sweep runs with (from `ferry bench offload`'s flags).
-pub struct SweepOptions {
-    pub grid: Vec<SweepCase>,
-    pub samples: u32,
-    pub warmup: u32,
-    pub min_bytes: usize,
-    pub json: Option<PathBuf>,
-}
 
 /// Bytes of the link copies.
 const LINK_BYTES: usize = 1 << 30;

@@ -5,7 +5,7 @@ use ferry::autograd::OffloadStats;
 use serde_json::{Value, json};
 
 use super::offload_goals::{Link, MAX_STEP_OVER_BOUND, MIN_PEAK_REDUCTION, verdict};
-use super::offload_sweep::SweepOptions;
+use super::offload_grid::SweepOptions;
 use super::offload_sweep_case::{CaseRun, LinkRun, Row, RowKind, Summary};
 use crate::RunInfo;
 use crate::harness::report::{print_table, significant};

@@ -105,13 +105,8 @@ pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
     for case in &selected {
         eprintln!("measuring {} ...", case.id);
         let m = measure(case, &mut fx, torch.torch(), args.warmup, args.samples)?;
-        if let Some(err) = &m.pytorch.error
-            && torch.forget_if_ended()
-        {
-            info.pytorch_note = Some(format!(
-                "the PyTorch script ended during {}: {err}",
-                case.id
-            ));
+        if let Some(note) = torch.ended_during(case.id, &m.pytorch) {
+            info.pytorch_note = Some(note);
         }
         measured.push(m);
     }

@@ -63,16 +63,10 @@ pub fn print_header(info: &RunSetup) {
         resnet50::RESNET50_STATE_DICT.len(),
         significant(resnet50::float_bytes() as f64 / 1e6),
     );
-    let pytorch = info.pytorch.as_ref().map_or(String::new(), |p| {
-        format!("; PyTorch {p}, sampled alternately with ferry")
-    });
-    println!(
-        "median of {} samples after {} warm-up rounds per case{pytorch}",
-        info.samples, info.warmup
+    info.print_sampling(
+        &format!("median of {} samples", info.samples),
+        "sampled alternately with ferry",
     );
-    if let Some(note) = &info.pytorch_note {
-        println!("{note}");
-    }
 }
 
 fn table_rows(measured: &[CaseResult<'_>], link: LinkSpeed) -> Vec<Vec<String>> {

@@ -37,6 +37,28 @@ pub struct RunSetup {
     pub pytorch_note: Option<String>,
 }
 
+impl RunSetup {
+    /// The header's line on sampling: `medians` (what they are of), then PyTorch's version and
+    /// `pytorch_how` when it runs, else the note saying why it does not.
+    pub fn print_sampling(&self, medians: &str, pytorch_how: &str) {
+        println!("{}", self.sampling(medians, pytorch_how));
+        if let Some(note) = &self.pytorch_note {
+            println!("{note}");
+        }
+    }
+
+    fn sampling(&self, medians: &str, pytorch_how: &str) -> String {
+        let pytorch = self
+            .pytorch
+            .as_ref()
+            .map_or(String::new(), |p| format!("; PyTorch {p}, {pytorch_how}"));
+        format!(
+            "{medians} after {} warm-up rounds per case{pytorch}",
+            self.warmup
+        )
+    }
+}
+
 /// cuda:`ordinal`, or `None` once `why_not` has been printed: a bench on a machine without the
 /// GPU it needs says so and succeeds, so a run over every bench reaches the end.
 pub fn cuda_device(
@@ -46,6 +68,28 @@ pub fn cuda_device(
     CudaDevice::get(ordinal)
         .map_err(|err| println!("{}", why_not(&err)))
         .ok()
+}
+
+/// `--cases` (or `--chains`): the entries of `table` whose ids are in `ids`, in table order, all
+/// of them for none. An unknown id is an error listing the known ones, so a typo is not a run of
+/// nothing.
+pub fn select<'a, T>(
+    table: &'a [T],
+    ids: &[String],
+    noun: &str,
+    id: impl Fn(&T) -> &str,
+) -> Result<Vec<&'a T>, String> {
+    if let Some(unknown) = ids.iter().find(|i| !table.iter().any(|e| id(e) == *i)) {
+        let known: Vec<&str> = table.iter().map(&id).collect();
+        return Err(format!(
+            "no {noun} `{unknown}`; the {noun}s are {}",
+            known.join(", ")
+        ));
+    }
+    Ok(table
+        .iter()
+        .filter(|e| ids.is_empty() || ids.iter().any(|i| i == id(e)))
+        .collect())
 }
 
 /// Says why the bench cannot run here and, with `--json`, leaves `doc` (which records why) in
@@ -75,6 +119,39 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn the_sampling_line_names_pytorch_only_when_it_ran() {
+        let mut setup = RunSetup {
+            device: "cuda:0 (test)".into(),
+            on_gpu: true,
+            samples: 9,
+            warmup: 2,
+            pytorch: None,
+            pytorch_note: Some("no PyTorch column: not importable".into()),
+        };
+        assert_eq!(
+            setup.sampling("median of 9 samples", "sampled alternately with ferry"),
+            "median of 9 samples after 2 warm-up rounds per case"
+        );
+        setup.pytorch = Some("2.11.0 (CUDA 13.0) on H200".into());
+        assert_eq!(
+            setup.sampling("median ms/step of 9 rounds", "eager"),
+            "median ms/step of 9 rounds after 2 warm-up rounds per case; \
+             PyTorch 2.11.0 (CUDA 13.0) on H200, eager"
+        );
+    }
+
+    #[test]
+    fn cases_are_picked_in_table_order_and_typos_are_refused() {
+        let table = [("link", 1), ("small", 2), ("large", 3)];
+        let ids = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let picked = select(&table, &ids(&["large", "link"]), "case", |e| e.0).unwrap();
+        assert_eq!(picked, [&("link", 1), &("large", 3)]);
+        assert_eq!(select(&table, &[], "case", |e| e.0).unwrap().len(), 3);
+        let err = select(&table, &ids(&["small", "lagre"]), "chain", |e| e.0).unwrap_err();
+        assert_eq!(err, "no chain `lagre`; the chains are link, small, large");
+    }
 
     #[test]
     fn the_json_file_is_pretty_with_a_final_newline() {

@@ -19,6 +19,8 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use clap::Args;
 use serde_json::Value;
 
+use super::measure::Measured;
+
 /// Where the scripts live, relative to the repository root.
 pub const SCRIPT_DIR: &str = "crates/ferry-bench/python";
 
@@ -133,6 +135,14 @@ impl PyTorchSide {
             self.torch = None;
         }
         ended
+    }
+
+    /// After `case`, whose PyTorch side is `pytorch`: when its failure ended the script, the
+    /// note that says where the column stops.
+    pub fn ended_during(&mut self, case: &str, pytorch: &Measured) -> Option<String> {
+        let err = pytorch.error.as_ref()?;
+        self.forget_if_ended()
+            .then(|| format!("the PyTorch script ended during {case}: {err}"))
     }
 }
 
@@ -452,9 +462,17 @@ done
         assert_eq!(on.note, None);
         assert_eq!(on.torch().unwrap().sample("small_4k"), Ok(1.5));
         assert!(!on.forget_if_ended());
-        assert!(on.torch().unwrap().sample("die").is_err());
+        // A failure that leaves the script running says nothing.
+        assert_eq!(on.ended_during("small_4k", &Measured::failed("slow")), None);
+        assert!(on.torch().is_some());
+        let mut failed = Measured::new();
+        failed.fail(on.torch().unwrap().sample("die").unwrap_err());
         std::thread::sleep(std::time::Duration::from_millis(200));
-        assert!(on.forget_if_ended());
+        assert_eq!(on.ended_during("large", &Measured::new()), None);
+        assert_eq!(
+            on.ended_during("large", &failed).as_deref(),
+            Some("the PyTorch script ended during large: killed")
+        );
         assert!(on.torch().is_none());
         // The label stays for the header and the JSON file.
         assert!(on.label.is_some());

@@ -133,18 +133,9 @@ fn measure<'a>(
     m
 }
 
+/// `--cases`: the cases with these ids, in table order (all of them for none).
 fn select(ids: &[String]) -> Result<Vec<&'static Case>, String> {
-    if let Some(unknown) = ids.iter().find(|id| !CASES.iter().any(|c| c.id == *id)) {
-        let known: Vec<&str> = CASES.iter().map(|c| c.id).collect();
-        return Err(format!(
-            "no case `{unknown}`; the cases are {}",
-            known.join(", ")
-        ));
-    }
-    Ok(CASES
-        .iter()
-        .filter(|c| ids.is_empty() || ids.iter().any(|i| i == c.id))
-        .collect())
+    harness::select(&CASES, ids, "case", |c| c.id)
 }
 
 pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
@@ -192,13 +183,8 @@ pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
             args.rounds,
             args.profile,
         );
-        if let Some(err) = &m.pytorch.error
-            && torch.forget_if_ended()
-        {
-            info.pytorch_note = Some(format!(
-                "the PyTorch script ended during {}: {err}",
-                case.id
-            ));
+        if let Some(note) = torch.ended_during(case.id, &m.pytorch) {
+            info.pytorch_note = Some(note);
         }
         measured.push(m);
     }

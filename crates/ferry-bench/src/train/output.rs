@@ -37,16 +37,10 @@ pub fn print_header(info: &RunSetup) {
          Adam (lr {LR}) step",
         info.device
     );
-    let pytorch = info.pytorch.as_ref().map_or(String::new(), |p| {
-        format!("; PyTorch {p}, eager, rounds alternating with ferry's")
-    });
-    println!(
-        "median ms/step of {} rounds after {} warm-up rounds per case{pytorch}",
-        info.samples, info.warmup
+    info.print_sampling(
+        &format!("median ms/step of {} rounds", info.samples),
+        "eager, rounds alternating with ferry's",
     );
-    if let Some(note) = &info.pytorch_note {
-        println!("{note}");
-    }
 }
 
 fn table_rows(measured: &[CaseResult<'_>], on_gpu: bool) -> Vec<Vec<String>> {
