@@ -7,7 +7,6 @@
 //! made once per case outside the timed region; results are dropped after the clock stops.
 
 use std::error::Error;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
@@ -17,7 +16,8 @@ use serde_json::{Value, json};
 
 use crate::Measured;
 use crate::harness;
-use crate::harness::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::SampledArgs;
+use crate::harness::pytorch::PyTorch;
 use crate::harness::report::{format_ratio, print_table, significant};
 
 /// Sizes moved by default, in bytes: 4 MiB, 64 MiB, 400 MB (the transfer bench's tensor), 1 GiB.
@@ -29,16 +29,7 @@ const TORCH_MODES: [&str; 2] = ["to", "non_blocking"];
 #[derive(Args, Debug)]
 pub struct PeerArgs {
     #[command(flatten)]
-    pytorch: PyTorchArgs,
-    /// Write every number, all samples included, to this JSON file.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-    /// Timed samples per case and side; the table shows their median.
-    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..))]
-    samples: u32,
-    /// Untimed rounds per case and side before the samples.
-    #[arg(long, default_value_t = 2)]
-    warmup: u32,
+    run: SampledArgs,
     /// Sizes in bytes, joined by commas [default: 4 MiB, 64 MiB, 400 MB, 1 GiB].
     #[arg(long, value_delimiter = ',', value_name = "BYTES")]
     sizes: Vec<usize>,
@@ -207,17 +198,17 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
     let found = cuda::devices().map(|d| d.len()).map_err(|e| e.to_string());
     if let Some(why) = gpus_missing(found) {
         let doc = json!({ "bench": "peer", "skipped": why, "cases": [] });
-        return harness::skip(&why, args.json.as_deref(), &doc);
+        return harness::skip(&why, args.run.json.as_deref(), &doc);
     }
     let devs = [CudaDevice::get(0)?, CudaDevice::get(1)?];
-    let mut torch = args.pytorch.side("peer.py", "columns");
+    let mut torch = args.run.pytorch.side("peer.py", "columns");
     let mut notes: Vec<String> = torch.note.take().into_iter().collect();
     println!(
         "ferry bench peer: {} and {}, {} sample(s) after {} warm-up round(s) per case and side",
         devs[0].info().name,
         devs[1].info().name,
-        args.samples,
-        args.warmup
+        args.run.samples,
+        args.run.warmup
     );
     torch.print_label();
     let sizes = if args.sizes.is_empty() {
@@ -234,7 +225,13 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
         for (from, to) in [(0, 1), (1, 0)] {
             eprintln!("measuring {bytes} bytes cuda:{from} -> cuda:{to} ...");
             let case = Case { bytes, from, to };
-            let m = measure(case, &devs, torch.torch(), args.warmup, args.samples)?;
+            let m = measure(
+                case,
+                &devs,
+                torch.torch(),
+                args.run.warmup,
+                args.run.samples,
+            )?;
             if let Some(err) = &m.torch[0].error
                 && torch.forget_if_ended()
             {
@@ -275,7 +272,7 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
     for note in &notes {
         println!("{note}");
     }
-    if let Some(path) = &args.json {
+    if let Some(path) = &args.run.json {
         let doc = to_json(&measured, torch.label.as_deref(), &notes);
         harness::write_json(path, &doc, "sample")?;
     }
@@ -285,6 +282,7 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::harness::pytorch::PyTorchArgs;
 
     #[test]
     fn fewer_than_two_gpus_is_a_message_not_a_failure() {
@@ -300,13 +298,15 @@ mod tests {
         // On this machine, whatever it has, the command returns Ok unless it has two GPUs.
         if cuda::devices().map_or(true, |d| d.len() < 2) {
             let args = PeerArgs {
-                pytorch: PyTorchArgs {
-                    compare_pytorch: true,
-                    ..PyTorchArgs::default()
+                run: SampledArgs {
+                    pytorch: PyTorchArgs {
+                        compare_pytorch: true,
+                        ..PyTorchArgs::default()
+                    },
+                    json: None,
+                    samples: 1,
+                    warmup: 0,
                 },
-                json: None,
-                samples: 1,
-                warmup: 0,
                 sizes: vec![],
             };
             assert!(run(args).is_ok());

@@ -7,7 +7,6 @@
 //! same id in python/transfer.py.
 
 use std::error::Error;
-use std::path::PathBuf;
 
 use clap::Args;
 
@@ -15,22 +14,13 @@ use super::ferry_cases::{self as ferry_side, BenchResult, Fixture};
 use super::transfer_cases::{Case, cases, select};
 use super::transfer_output::{CaseResult, LinkSpeed, print_header, print_results, to_json};
 use crate::Measured;
-use crate::harness::pytorch::{PyTorch, PyTorchArgs};
-use crate::harness::{self, NO_CUDA_DEVICE, RunSetup};
+use crate::harness::pytorch::PyTorch;
+use crate::harness::{self, NO_CUDA_DEVICE, RunSetup, SampledArgs};
 
 #[derive(Args, Debug)]
 pub struct TransferArgs {
     #[command(flatten)]
-    pytorch: PyTorchArgs,
-    /// Write every number, all samples included, to this JSON file.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-    /// Timed samples per case and side; the table shows their median (claims need 9 or more).
-    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..))]
-    samples: u32,
-    /// Untimed rounds per case and side before the samples.
-    #[arg(long, default_value_t = 2)]
-    warmup: u32,
+    run: SampledArgs,
     /// Only these cases (ids joined by commas, listed under the table); the link always runs.
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     cases: Vec<String>,
@@ -90,12 +80,12 @@ pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
     let Some(dev) = harness::cuda_device(0, |err| format!("{NO_CUDA_DEVICE}: {err}")) else {
         return Ok(());
     };
-    let mut torch = args.pytorch.side("transfer.py", "column");
+    let mut torch = args.run.pytorch.side("transfer.py", "column");
     let mut info = RunSetup {
         device: format!("{} ({})", dev.device(), dev.info().name),
         on_gpu: true,
-        samples: args.samples,
-        warmup: args.warmup,
+        samples: args.run.samples,
+        warmup: args.run.warmup,
         pytorch: torch.label.clone(),
         pytorch_note: torch.note.clone(),
     };
@@ -104,7 +94,13 @@ pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
     let mut measured = Vec::new();
     for case in &selected {
         eprintln!("measuring {} ...", case.id);
-        let m = measure(case, &mut fx, torch.torch(), args.warmup, args.samples)?;
+        let m = measure(
+            case,
+            &mut fx,
+            torch.torch(),
+            args.run.warmup,
+            args.run.samples,
+        )?;
         if let Some(note) = torch.ended_during(case.id, &m.pytorch) {
             info.pytorch_note = Some(note);
         }
@@ -113,7 +109,7 @@ pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
     drop(fx);
     let link = LinkSpeed::from_measured(&measured);
     print_results(&measured, link, &info);
-    if let Some(path) = &args.json {
+    if let Some(path) = &args.run.json {
         harness::write_json(path, &to_json(&info, &measured, link), "sample")?;
     }
     Ok(())

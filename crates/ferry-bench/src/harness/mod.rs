@@ -6,10 +6,13 @@
 
 use std::error::Error;
 use std::fmt::Display;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
+use clap::Args;
 use ferry::memory::cuda::CudaDevice;
 use serde_json::Value;
+
+use pytorch::PyTorchArgs;
 
 pub mod measure;
 pub mod pytorch;
@@ -18,6 +21,23 @@ pub mod run_info;
 
 /// The opening of the message of a bench that has no GPU and says so briefly.
 pub const NO_CUDA_DEVICE: &str = "no CUDA device";
+
+/// The flags of a bench that samples each case on both sides in turn (`#[command(flatten)]`ed
+/// into its arguments), so `--json`, `--samples` and `--warmup` mean one thing everywhere.
+#[derive(Args, Debug, Clone, PartialEq, Eq)]
+pub struct SampledArgs {
+    #[command(flatten)]
+    pub pytorch: PyTorchArgs,
+    /// Write every number, all samples included, to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Timed samples per case and side; the table shows their median (claims need 9 or more).
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..))]
+    pub samples: u32,
+    /// Untimed rounds per case and side before the samples.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: u32,
+}
 
 /// What a bench with one table of cases ran on, besides its cases: the header, the notes under
 /// the table and the JSON file all read it.
@@ -119,6 +139,25 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn sampled_flags_default_to_nine_after_two_and_refuse_zero() {
+        use clap::Parser;
+
+        #[derive(Parser)]
+        struct Bench {
+            #[command(flatten)]
+            run: SampledArgs,
+        }
+        let run = Bench::try_parse_from(["bench"]).unwrap().run;
+        assert_eq!((run.samples, run.warmup, run.json), (9, 2, None));
+        assert!(!run.pytorch.compare_pytorch);
+        let run = Bench::try_parse_from(["bench", "--samples", "3", "--json", "x.json"])
+            .unwrap()
+            .run;
+        assert_eq!((run.samples, run.json), (3, Some(PathBuf::from("x.json"))));
+        assert!(Bench::try_parse_from(["bench", "--samples", "0"]).is_err());
+    }
 
     #[test]
     fn the_sampling_line_names_pytorch_only_when_it_ran() {
