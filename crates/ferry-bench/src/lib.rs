@@ -42,6 +42,7 @@ mod offload_sweep_case;
 mod offload_sweep_output;
 mod peer;
 mod pipeline;
+mod pipeline_stages;
 mod pipeline_trace;
 mod resnet50;
 mod train;
