@@ -27,6 +27,7 @@ use serde_json::{Value, json};
 
 use super::offload_grid::{self, DEFAULT_GRID, SweepCase, SweepOptions};
 use super::offload_sweep;
+use super::offload_sweep_output::stats_json;
 use crate::harness;
 use crate::harness::measure::median;
 use crate::harness::pytorch::{PyTorch, PyTorchArgs};
@@ -139,18 +140,7 @@ impl Row {
             "step_ms_median": self.step_ms(),
             "peak_bytes": self.peak_bytes,
             "saved_bytes": self.saved_bytes,
-            "offload": self.stats.map(|s| json!({
-                "offloaded": s.offloaded,
-                "offloaded_bytes": s.offloaded_bytes,
-                "shared": s.shared,
-                "kept_small": s.kept_small,
-                "kept_not_activation": s.kept_not_activation,
-                "kept_over_budget": s.kept_over_budget,
-                "kept_over_budget_bytes": s.kept_over_budget_bytes,
-                "kept_on_error": s.kept_on_error,
-                "prefetched": s.prefetched,
-                "fetched_on_demand": s.fetched_on_demand,
-            })),
+            "offload": self.stats.as_ref().map(stats_json),
             "error": self.error,
         })
     }
@@ -429,7 +419,7 @@ fn caller_bytes(args: &OffloadArgs) -> u64 {
 mod tests {
     use clap::Parser;
 
-    use super::{DEFAULT_GRID, OffloadArgs, caller_bytes, parse_grid};
+    use super::{DEFAULT_GRID, OffloadArgs, OffloadStats, Row, caller_bytes, parse_grid};
 
     #[derive(Parser, Debug)]
     struct Command {
@@ -489,5 +479,27 @@ mod tests {
         }
         let err = parse("--sweep --grid 2x64").unwrap_err().to_string();
         assert!(err.contains("LAYERSxWIDTH@BATCH"), "{err}");
+    }
+
+    /// The offload row records the scope's counters as the sweep does, every one of them.
+    #[test]
+    fn a_row_records_the_scope_counters_like_the_sweep() {
+        let mut row = Row::new("ferry, offload_saved");
+        row.step_ms = vec![3.0, 1.0, 2.0];
+        row.stats = Some(OffloadStats {
+            offloaded: 16,
+            read_in_place: 2,
+            prefetched: 15,
+            ..OffloadStats::default()
+        });
+        let doc = row.json();
+        assert_eq!(doc["step_ms_median"], 2.0);
+        assert_eq!(doc["offload"]["offloaded"], 16);
+        assert_eq!(doc["offload"]["read_in_place"], 2);
+        assert_eq!(doc["offload"]["prefetched"], 15);
+        assert_eq!(
+            Row::new("ferry, no offload").json()["offload"],
+            serde_json::Value::Null
+        );
     }
 }

@@ -175,7 +175,8 @@ pub fn print_results(runs: &[CaseRun], link: Option<Link>) {
     );
 }
 
-fn stats_json(s: &OffloadStats) -> Value {
+/// The offload scope's counters, as both `ferry bench offload` and its sweep record them.
+pub fn stats_json(s: &OffloadStats) -> Value {
     json!({
         "offloaded": s.offloaded,
         "offloaded_bytes": s.offloaded_bytes,
