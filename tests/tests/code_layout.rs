@@ -11,8 +11,6 @@ const MAX_LINES: usize = 700;
 /// when a cycle not listed here appears, and when a listed one is gone or has changed (so the
 /// list only shrinks): take its entry out then.
 const KNOWN_CYCLES: &[(&str, &[&str])] = &[
-    ("ferry-bench", &["offload_sweep", "offload_sweep_output"]),
-    ("ferry-bench", &["pipeline", "pipeline_trace"]),
     ("ferry-graph", &["graph", "group", "hooks", "node"]),
     (
         "ferry-memory",

@@ -1,7 +1,7 @@
 """What every PyTorch side of `ferry bench` shares: importing torch, the `--serve` loop, timing.
 
-The `--serve` protocol (crates/ferry-bench/src/pytorch.rs speaks the other end): the first line
-is `{"ready": true, "torch": ..., "cuda": ..., "device": ..., ...}`, or `{"error": why}` followed
+The `--serve` protocol (crates/ferry-bench/src/harness/pytorch.rs speaks the other end): the first
+line is `{"ready": true, "torch": ..., "cuda": ..., "device": ..., ...}`, or `{"error": why}` followed
 by exit status 1 when PyTorch or the GPUs it needs are missing. Then each request line on stdin
 gets exactly one JSON line back: the handler's dict, or `{<echo>: request, "error": "Type: msg"}`
 when the handler raised. `quit` or the end of stdin ends the loop.

@@ -29,7 +29,8 @@ use super::autograd_json::to_json;
 use super::autograd_output::{
     MemoryRow, OPS_PER_STEP, OverheadRow, Reading, Report, ScalingRow, print_header, print_results,
 };
-use super::pytorch::{self, PyTorch, PyTorchArgs};
+use crate::harness;
+use crate::harness::pytorch::{PyTorchArgs, PyTorchSide};
 
 /// Steps per round of the per-op row: ferry's (as in `autograd_overhead`), PyTorch's.
 const FERRY_OVERHEAD_STEPS: u32 = 5_000;
@@ -95,32 +96,25 @@ impl AutogradArgs {
     }
 }
 
-/// PyTorch's side, or why it is missing: one request at a time, a script that died is dropped.
-struct TorchSide {
-    torch: Option<PyTorch>,
-    note: Option<String>,
-}
-
-impl TorchSide {
-    fn ask(&mut self, line: &str) -> Reading<Value> {
-        let Some(torch) = self.torch.as_mut() else {
-            return Reading::Skipped;
-        };
-        match torch.request(line) {
-            Ok(reply) => Reading::Got(reply),
-            Err(err) => {
-                if pytorch::forget_if_ended(&mut self.torch) {
-                    self.note = Some(format!("the PyTorch script ended at `{line}`: {err}"));
-                }
-                Reading::Failed(err)
+/// PyTorch's reply to `line`: one request at a time, a script that died is dropped and noted.
+fn ask(side: &mut PyTorchSide, line: &str) -> Reading<Value> {
+    let Some(torch) = side.torch() else {
+        return Reading::Skipped;
+    };
+    match torch.request(line) {
+        Ok(reply) => Reading::Got(reply),
+        Err(err) => {
+            if side.forget_if_ended() {
+                side.note = Some(format!("the PyTorch script ended at `{line}`: {err}"));
             }
+            Reading::Failed(err)
         }
     }
+}
 
-    /// A number from the reply to `line`.
-    fn number(&mut self, line: &str, key: &str) -> Reading<f64> {
-        self.ask(line).then(|reply| field(&reply, key, line))
-    }
+/// A number from PyTorch's reply to `line`.
+fn number(side: &mut PyTorchSide, line: &str, key: &str) -> Reading<f64> {
+    ask(side, line).then(|reply| field(&reply, key, line))
 }
 
 /// `key` of a reply to `line`, as a number.
@@ -172,12 +166,11 @@ fn chain_bytes(reply: &Value, line: &str) -> Reading<ChainBytes> {
 }
 
 /// One untimed run, then the measured one, on each side.
-fn measure_memory(chain: &'static Chain, device: Device, torch: &mut TorchSide) -> MemoryRow {
+fn measure_memory(chain: &'static Chain, device: Device, torch: &mut PyTorchSide) -> MemoryRow {
     let ferry = chains::measure(chain, device).and_then(|_| chains::measure(chain, device));
     let line = format!("memory {}", chain.id);
-    let pytorch = torch
-        .ask(&line)
-        .then(|_| torch.ask(&line))
+    let pytorch = ask(torch, &line)
+        .then(|_| ask(torch, &line))
         .then(|reply| chain_bytes(&reply, &line));
     MemoryRow {
         chain,
@@ -219,7 +212,7 @@ impl SmallModel {
     }
 }
 
-fn measure_overhead(torch: &mut TorchSide, warmup: u32, rounds: u32) -> OverheadRow {
+fn measure_overhead(torch: &mut PyTorchSide, warmup: u32, rounds: u32) -> OverheadRow {
     let on = torch.torch.is_some();
     let mut row = OverheadRow {
         ferry: start_rounds(true),
@@ -237,12 +230,12 @@ fn measure_overhead(torch: &mut TorchSide, warmup: u32, rounds: u32) -> Overhead
         };
         record(&mut row.ferry, ferry, timed);
         if row.pytorch_one.get().is_some() {
-            let ms = torch.number(&format!("overhead 1 {TORCH_OVERHEAD_STEPS}"), "ms");
+            let ms = number(torch, &format!("overhead 1 {TORCH_OVERHEAD_STEPS}"), "ms");
             record(&mut row.pytorch_one, us_per_op(ms), timed);
         }
         if row.pytorch_default.get().is_some() {
             let line = format!("overhead 0 {TORCH_OVERHEAD_STEPS}");
-            let ms = torch.ask(&line).then(|reply| {
+            let ms = ask(torch, &line).then(|reply| {
                 row.default_threads = reply.get("threads").and_then(Value::as_u64);
                 field(&reply, "ms", &line)
             });
@@ -304,12 +297,17 @@ fn ferry_scaling(
     })
 }
 
-fn measure_scaling(threads: usize, torch: &mut TorchSide, warmup: u32, rounds: u32) -> ScalingRow {
+fn measure_scaling(
+    threads: usize,
+    torch: &mut PyTorchSide,
+    warmup: u32,
+    rounds: u32,
+) -> ScalingRow {
     let mut pytorch = start_rounds(torch.torch.is_some());
     let line = format!("threads {threads} {TORCH_SCALING_STEPS}");
     let ferry = ferry_scaling(threads, FERRY_SCALING_STEPS, warmup, rounds, |round| {
         if pytorch.get().is_some() {
-            let sample = torch.number(&line, "steps_per_s");
+            let sample = number(torch, &line, "steps_per_s");
             record(&mut pytorch, sample, round >= warmup);
         }
     });
@@ -327,26 +325,13 @@ pub fn run(args: AutogradArgs) -> Result<(), Box<dyn Error>> {
     let cuda = CudaDevice::get(0)
         .map(|dev| format!("{} ({})", dev.device(), dev.info().name))
         .map_err(|e| e.to_string());
-    let mut torch = TorchSide {
-        torch: None,
-        note: None,
-    };
-    let mut pytorch = None;
-    if args.pytorch.compare_pytorch {
-        match args.pytorch.start("autograd.py") {
-            Ok(t) => {
-                pytorch = Some(t.label());
-                torch.torch = Some(t);
-            }
-            Err(err) => torch.note = Some(format!("no PyTorch column: {err}")),
-        }
-    }
+    let mut torch = args.pytorch.side("autograd.py", "column");
     let mut report = Report {
         cuda,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         rounds: args.rounds,
         warmup: args.warmup,
-        pytorch,
+        pytorch: torch.label.clone(),
         pytorch_note: torch.note.clone(),
         memory: Vec::new(),
         scaling: Vec::new(),
@@ -383,8 +368,7 @@ pub fn run(args: AutogradArgs) -> Result<(), Box<dyn Error>> {
     print_results(&report);
     if let Some(path) = &args.json {
         let doc = to_json(&report);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every row to {}", path.display());
+        harness::write_json(path, &doc, "row")?;
     }
     Ok(())
 }
@@ -396,6 +380,7 @@ mod tests {
     use clap::Parser;
 
     use super::*;
+    use crate::harness::pytorch::PyTorch;
 
     #[derive(Parser)]
     struct Cli {
@@ -484,7 +469,7 @@ mod tests {
     /// A stand-in for autograd.py (`sh -u script --serve` runs it), speaking its protocol;
     /// `threads 4` fails.
     fn fake_server(dir: &Path) -> PathBuf {
-        pytorch::fake_script(
+        crate::harness::pytorch::fake_script(
             dir,
             r#"echo '{"ready": true, "torch": "2.11.0", "cuda": "13.0", "device": "Fake GPU"}'
 while read kind a b; do
@@ -502,9 +487,9 @@ done
     #[test]
     fn pytorch_rounds_interleave_and_each_side_keeps_its_errors() {
         let dir = tempfile::tempdir().unwrap();
-        let mut torch = TorchSide {
+        let mut torch = PyTorchSide {
             torch: Some(PyTorch::start("sh", &fake_server(dir.path())).unwrap()),
-            note: None,
+            ..PyTorchSide::default()
         };
         let row = measure_overhead(&mut torch, 1, 3);
         assert_eq!(row.ferry.get().unwrap().len(), 3);
@@ -528,10 +513,7 @@ done
         assert_eq!((bytes.retained, bytes.backward_peak), (800, 1600));
         assert!(torch.note.is_none() && torch.torch.as_mut().unwrap().is_alive());
 
-        let mut absent = TorchSide {
-            torch: None,
-            note: None,
-        };
+        let mut absent = PyTorchSide::default();
         assert_eq!(
             measure_overhead(&mut absent, 0, 1).pytorch_one,
             Reading::Skipped

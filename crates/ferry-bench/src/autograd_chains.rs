@@ -6,6 +6,8 @@
 
 use ferry::prelude::*;
 
+use crate::harness;
+
 /// Square tensors are SIDE x SIDE f32: 400 MiB, a multiple of the device allocator's 2 MiB
 /// granule, so block rounding cannot pass for retention (10000 would round 400 MB up by 0.14%).
 pub const SIDE: usize = 10_240;
@@ -180,17 +182,7 @@ pub const CHAINS: [Chain; 8] = [
 
 /// The chains with these ids, in table order (all of them for none).
 pub fn select(ids: &[String]) -> Result<Vec<&'static Chain>, String> {
-    if let Some(unknown) = ids.iter().find(|id| !CHAINS.iter().any(|c| c.id == *id)) {
-        let known: Vec<&str> = CHAINS.iter().map(|c| c.id).collect();
-        return Err(format!(
-            "no chain `{unknown}`; the chains are {}",
-            known.join(", ")
-        ));
-    }
-    Ok(CHAINS
-        .iter()
-        .filter(|c| ids.is_empty() || ids.iter().any(|i| i == c.id))
-        .collect())
+    harness::select(&CHAINS, ids, "chain", |c| c.id)
 }
 
 /// One chain's device memory on one side, in bytes above what was allocated before its inputs.

@@ -10,8 +10,8 @@ use super::autograd_output::{
     OVERHEAD_GOAL_US, Reading, Report, SCALING_GOAL_UP_TO, efficiencies, scaling_goal,
     scaling_verdict,
 };
-use super::measure::median;
-use super::report::Verdict;
+use crate::harness::measure::median;
+use crate::harness::report::Verdict;
 
 fn side_json<T>(reading: &Reading<T>, value: impl Fn(&T) -> Value) -> Value {
     match reading {
@@ -116,12 +116,8 @@ pub fn rows_json(report: &Report) -> Vec<Value> {
 }
 
 pub fn to_json(report: &Report) -> Value {
-    let run = RunInfo::now();
-    json!({
+    RunInfo::stamp(json!({
         "benchmark": "ferry bench autograd",
-        "unix_time": run.unix_time,
-        "ferry_version": run.ferry_version,
-        "commit": run.commit,
         "cuda_device": report.cuda.as_ref().ok(),
         "cuda_error": report.cuda.as_ref().err(),
         "cpu_cores": report.cores,
@@ -130,7 +126,7 @@ pub fn to_json(report: &Report) -> Value {
         "pytorch": report.pytorch,
         "pytorch_note": report.pytorch_note,
         "rows": rows_json(report),
-    })
+    }))
 }
 
 #[cfg(test)]

@@ -3,8 +3,8 @@
 use std::collections::BTreeSet;
 
 use super::autograd_chains::{Chain, ChainBytes, SIDE};
-use super::measure::median;
-use super::report::{Verdict, format_ratio, print_table, significant};
+use crate::harness::measure::median;
+use crate::harness::report::{Verdict, format_ratio, print_table, significant};
 
 /// The per-op goal from issue 10, in µs per op on the H200 host.
 pub const OVERHEAD_GOAL_US: f64 = 3.0;

@@ -24,8 +24,9 @@ use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::{DType, Device, Tensor};
 use serde_json::Value;
 
-use super::measure::median;
-use super::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::measure::median;
+use crate::harness::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::{self, NO_CUDA_DEVICE};
 use output::{print_rows, to_json};
 
 mod output;
@@ -330,14 +331,13 @@ fn pytorch_round(torch: &mut PyTorch, rows: &mut [Row], timed: bool) {
 }
 
 pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
-    let dev = match CudaDevice::get(0) {
-        Ok(dev) => dev,
-        Err(err) => {
-            println!(
-                "no CUDA device: {err}\n`ferry bench checkpoint` saves and loads a GPU state dict, so it needs a GPU; nothing was measured"
-            );
-            return Ok(());
-        }
+    let Some(dev) = harness::cuda_device(0, |err| {
+        format!(
+            "{NO_CUDA_DEVICE}: {err}\n`ferry bench checkpoint` saves and loads a GPU state dict, \
+             so it needs a GPU; nothing was measured"
+        )
+    }) else {
+        return Ok(());
     };
     let pool = PinnedPool::global()?;
     let staging = usize::try_from(args.staging_mib << 20)?;
@@ -347,28 +347,16 @@ pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
     dev.synchronize()?;
     let bytes: usize = dict.iter().map(|(_, t)| t.nbytes()).sum();
 
-    let mut torch = None;
-    let mut pytorch_note = None;
-    let mut pytorch_version = None;
-    if args.pytorch.compare_pytorch {
-        let started = args.pytorch.start("checkpoint.py")
-            .and_then(|mut t| {
-                let reply = t.request(&format!("setup {} {}", args.gb, dir.display()))?;
-                match reply.get("bytes").and_then(Value::as_u64) {
-                    Some(b) if b as usize == bytes => Ok(t),
-                    other => Err(format!(
-                        "checkpoint.py built a dict of {other:?} bytes, ferry one of {bytes}: the two sides disagree"
-                    )),
-                }
-            });
-        match started {
-            Ok(t) => {
-                pytorch_version = Some(t.label());
-                torch = Some(t);
-            }
-            Err(err) => pytorch_note = Some(format!("no PyTorch rows: {err}")),
+    let mut torch = args.pytorch.side_with("checkpoint.py", "rows", |t| {
+        let reply = t.request(&format!("setup {} {}", args.gb, dir.display()))?;
+        match reply.get("bytes").and_then(Value::as_u64) {
+            Some(b) if b as usize == bytes => Ok(()),
+            other => Err(format!(
+                "checkpoint.py built a dict of {other:?} bytes, ferry one of {bytes}: the two \
+                 sides disagree"
+            )),
         }
-    }
+    });
     println!(
         "checkpoint of {:.2} GiB ({} tensors) on {} ({}); ferry's staging bound {} MiB; files in {}",
         bytes as f64 / f64::from(1 << 30),
@@ -378,9 +366,7 @@ pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
         args.staging_mib,
         dir.display()
     );
-    if let Some(v) = &pytorch_version {
-        println!("PyTorch {v}");
-    }
+    torch.print_label();
     println!(
         "{} round(s) after {} warm-up; times are medians, memory the largest of the samples",
         args.samples, args.warmup
@@ -390,7 +376,7 @@ pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
         Row::new("ferry_save", "ferry save_with (durable)", true),
         Row::new("ferry_load", "ferry load_to(cuda)", false),
     ];
-    if torch.is_some() {
+    if torch.torch.is_some() {
         rows.extend(
             PYTORCH_ROWS
                 .iter()
@@ -414,13 +400,13 @@ pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
                 }
             }
         }
-        if let Some(t) = torch.as_mut() {
+        if let Some(t) = torch.torch() {
             pytorch_round(t, &mut rows[2..], timed);
         }
     }
-    drop(torch);
+    drop(torch.torch.take());
     print_rows(&rows, bytes, staging);
-    if let Some(note) = &pytorch_note {
+    if let Some(note) = &torch.note {
         println!("note: {note}");
     }
     if let Some(file) = &args.json {
@@ -431,11 +417,10 @@ pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
             bytes,
             dict.len(),
             staging,
-            pytorch_version,
-            pytorch_note,
+            torch.label,
+            torch.note,
         );
-        std::fs::write(file, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", file.display());
+        harness::write_json(file, &doc, "sample")?;
     }
     Ok(())
 }

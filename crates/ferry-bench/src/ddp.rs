@@ -27,10 +27,11 @@ use ferry::optim::Adam;
 use ferry::prelude::*;
 use serde_json::{Value, json};
 
-use super::pytorch::{self, PyTorchArgs};
-use super::report::significant;
 use super::train::LR;
 use crate::Measured;
+use crate::harness;
+use crate::harness::pytorch::{self, PyTorchArgs};
+use crate::harness::report::significant;
 use output::{print_results, samples_per_s, to_json};
 
 mod output;
@@ -444,12 +445,8 @@ pub fn run(args: DdpArgs) -> Result<(), Box<dyn Error>> {
                 (format!("{n} x {name}"), n)
             }
             Err(why) => {
-                println!("{why}");
-                if let Some(path) = &args.json {
-                    let doc = json!({ "bench": "ddp", "skipped": why });
-                    std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-                }
-                return Ok(());
+                let doc = json!({ "bench": "ddp", "skipped": why });
+                return harness::skip(&why, args.json.as_deref(), &doc);
             }
         }
     };
@@ -482,8 +479,7 @@ pub fn run(args: DdpArgs) -> Result<(), Box<dyn Error>> {
     }
     if let Some(path) = &args.json {
         let doc = to_json(&cfg, &device, &ferry, torch.as_ref(), &notes);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every step to {}", path.display());
+        harness::write_json(path, &doc, "step")?;
     }
     Ok(())
 }

@@ -3,11 +3,13 @@
 //!
 //! It owns every benchmark (one module per `ferry bench` subcommand: `transfer`, `train`,
 //! `autograd`, `pipeline`, `checkpoint`, `offload`, `peer`, `ddp`), their PyTorch twins (the
-//! scripts in `python/`, beside this crate's sources) and what they share: [`Measured`]
-//! samples and their statistics, the run facts every JSON file records ([`RunInfo`]), the
-//! tables and verdicts (`report`), and the one way to start and talk to Python (`pytorch`). It
-//! does not own the models it times (they come from [`ferry::models`]) nor the `ferry` binary
-//! (ferry-cli parses the command line and calls [`run`]).
+//! scripts in `python/`, beside this crate's sources) and the harness they share (`harness`):
+//! the skip without a GPU, PyTorch's side and its notes, [`Measured`] samples and their
+//! statistics, tables ([`print_table`]) and verdicts, and the JSON file with the run's facts
+//! ([`RunInfo`]). A bench module is its cases and its output. `ferry methods` times and prints
+//! with the same [`Measured`] and [`print_table`]. It does not own the models it times (they
+//! come from [`ferry::models`]) nor the `ferry` binary (ferry-cli parses the command line and
+//! calls [`run`]).
 //!
 //! The key design decision: PyTorch runs as a long-lived child (`script.py --serve`) answering
 //! one JSON line per request, so ferry's and PyTorch's samples interleave in one process pair on
@@ -20,8 +22,9 @@ use std::error::Error;
 
 use clap::{Args, Subcommand};
 
-pub use measure::Measured;
-pub use run_info::RunInfo;
+pub use harness::measure::Measured;
+pub use harness::report::print_table;
+pub use harness::run_info::RunInfo;
 
 mod autograd;
 mod autograd_chains;
@@ -30,7 +33,7 @@ mod autograd_output;
 mod checkpoint;
 mod ddp;
 mod ferry_cases;
-mod measure;
+mod harness;
 mod offload;
 mod offload_goals;
 mod offload_grid;
@@ -39,11 +42,9 @@ mod offload_sweep_case;
 mod offload_sweep_output;
 mod peer;
 mod pipeline;
+mod pipeline_stages;
 mod pipeline_trace;
-mod pytorch;
-mod report;
 mod resnet50;
-mod run_info;
 mod train;
 mod transfer;
 mod transfer_cases;

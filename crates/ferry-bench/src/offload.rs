@@ -25,11 +25,13 @@ use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::{Device, Tensor};
 use serde_json::{Value, json};
 
-use super::measure::median;
-use super::offload_grid::{self, DEFAULT_GRID, SweepCase};
-use super::offload_sweep::{self, SweepOptions};
-use super::pytorch::{PyTorch, PyTorchArgs};
-use super::report::{print_table, significant};
+use super::offload_grid::{self, DEFAULT_GRID, SweepCase, SweepOptions};
+use super::offload_sweep;
+use super::offload_sweep_output::stats_json;
+use crate::harness;
+use crate::harness::measure::median;
+use crate::harness::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::report::{print_table, significant};
 
 #[derive(Args, Debug)]
 pub struct OffloadArgs {
@@ -138,18 +140,7 @@ impl Row {
             "step_ms_median": self.step_ms(),
             "peak_bytes": self.peak_bytes,
             "saved_bytes": self.saved_bytes,
-            "offload": self.stats.map(|s| json!({
-                "offloaded": s.offloaded,
-                "offloaded_bytes": s.offloaded_bytes,
-                "shared": s.shared,
-                "kept_small": s.kept_small,
-                "kept_not_activation": s.kept_not_activation,
-                "kept_over_budget": s.kept_over_budget,
-                "kept_over_budget_bytes": s.kept_over_budget_bytes,
-                "kept_on_error": s.kept_on_error,
-                "prefetched": s.prefetched,
-                "fetched_on_demand": s.fetched_on_demand,
-            })),
+            "offload": self.stats.as_ref().map(stats_json),
             "error": self.error,
         })
     }
@@ -224,28 +215,19 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     if let Some(options) = args.sweep_options() {
         return offload_sweep::run(options);
     }
-    let dev = match CudaDevice::get(0) {
-        Ok(dev) => dev,
-        Err(err) => {
-            println!(
-                "ferry bench offload needs a CUDA device (it measures device memory and copies \
-                 to pinned host memory): {err}"
-            );
-            return Ok(());
-        }
+    let Some(dev) = harness::cuda_device(0, |err| {
+        format!(
+            "ferry bench offload needs a CUDA device (it measures device memory and copies to \
+             pinned host memory): {err}"
+        )
+    }) else {
+        return Ok(());
     };
     let activation_bytes = args.layers * args.batch * args.width * 4;
     let options = OffloadOptions {
         min_bytes: args.min_bytes,
     };
-    let mut torch = None;
-    let mut pytorch_note = None;
-    if args.pytorch.compare_pytorch {
-        match args.pytorch.start("offload.py") {
-            Ok(t) => torch = Some(t),
-            Err(err) => pytorch_note = Some(format!("no PyTorch rows: {err}")),
-        }
-    }
+    let mut torch = args.pytorch.side("offload.py", "rows");
     println!(
         "ferry bench offload on {} ({}): {} layers of Linear({w}, {w}) + tanh at batch {}, \
          f32; saved activations {}; pinned budget {}",
@@ -257,9 +239,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
         gib(PinnedPool::global().map_or(0, |p| p.budget()) as u64),
         w = args.width,
     );
-    if let Some(t) = &torch {
-        println!("PyTorch {}", t.label());
-    }
+    torch.print_label();
     let model = Model::new(&args, dev.device())?;
     let mut rows = [
         Row::new("ferry, no offload"),
@@ -286,7 +266,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
                 Err(err) => rows[k].error = Some(err.to_string()),
             }
         }
-        if let Some(t) = torch.as_mut() {
+        if let Some(t) = torch.torch() {
             for (k, mode) in [(2, "none"), (3, "save_on_cpu")] {
                 if rows[k].error.is_some() {
                     continue;
@@ -342,7 +322,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     for r in rows.iter().filter(|r| r.error.is_some()) {
         println!("{}: {}", r.name, r.error.as_deref().unwrap_or_default());
     }
-    if let Some(note) = &pytorch_note {
+    if let Some(note) = &torch.note {
         println!("{note}");
     }
     if let Some(s) = rows[1].stats {
@@ -406,8 +386,8 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     if let Some(path) = &args.json {
         let doc = json!({
             "device": format!("{} ({})", dev.device(), dev.info().name),
-            "pytorch": torch.as_ref().map(PyTorch::label),
-            "pytorch_note": pytorch_note,
+            "pytorch": torch.label,
+            "pytorch_note": torch.note,
             "batch": args.batch,
             "width": args.width,
             "layers": args.layers,
@@ -424,8 +404,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
                 "step_vs_pytorch_save_on_cpu": vs_torch,
             },
         });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+        harness::write_json(path, &doc, "sample")?;
     }
     Ok(())
 }
@@ -440,7 +419,7 @@ fn caller_bytes(args: &OffloadArgs) -> u64 {
 mod tests {
     use clap::Parser;
 
-    use super::{DEFAULT_GRID, OffloadArgs, caller_bytes, parse_grid};
+    use super::{DEFAULT_GRID, OffloadArgs, OffloadStats, Row, caller_bytes, parse_grid};
 
     #[derive(Parser, Debug)]
     struct Command {
@@ -500,5 +479,27 @@ mod tests {
         }
         let err = parse("--sweep --grid 2x64").unwrap_err().to_string();
         assert!(err.contains("LAYERSxWIDTH@BATCH"), "{err}");
+    }
+
+    /// The offload row records the scope's counters as the sweep does, every one of them.
+    #[test]
+    fn a_row_records_the_scope_counters_like_the_sweep() {
+        let mut row = Row::new("ferry, offload_saved");
+        row.step_ms = vec![3.0, 1.0, 2.0];
+        row.stats = Some(OffloadStats {
+            offloaded: 16,
+            read_in_place: 2,
+            prefetched: 15,
+            ..OffloadStats::default()
+        });
+        let doc = row.json();
+        assert_eq!(doc["step_ms_median"], 2.0);
+        assert_eq!(doc["offload"]["offloaded"], 16);
+        assert_eq!(doc["offload"]["read_in_place"], 2);
+        assert_eq!(doc["offload"]["prefetched"], 15);
+        assert_eq!(
+            Row::new("ferry, no offload").json()["offload"],
+            serde_json::Value::Null
+        );
     }
 }

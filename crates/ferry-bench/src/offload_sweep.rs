@@ -20,7 +20,6 @@
 //! while a copy still reads it is not reused until the copy ends).
 
 use std::error::Error;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -30,33 +29,23 @@ use ferry::models::{Gpt, GptConfig};
 use ferry::nn::Module;
 use ferry::{DType, Device, Tensor};
 
-use super::offload_grid::{SweepCase, VOCAB};
+use super::offload_grid::{SweepCase, SweepOptions, VOCAB};
 use super::offload_sweep_case::{CaseRun, LinkRun, Row, RowKind, Sample};
 use super::offload_sweep_output as output;
 use crate::Measured;
-
-/// What the sweep runs with (from `ferry bench offload`'s flags).
-pub struct SweepOptions {
-    pub grid: Vec<SweepCase>,
-    pub samples: u32,
-    pub warmup: u32,
-    pub min_bytes: usize,
-    pub json: Option<PathBuf>,
-}
+use crate::harness;
 
 /// Bytes of the link copies.
 const LINK_BYTES: usize = 1 << 30;
 
 pub fn run(options: SweepOptions) -> Result<(), Box<dyn Error>> {
-    let dev = match CudaDevice::get(0) {
-        Ok(dev) => dev,
-        Err(err) => {
-            println!(
-                "ferry bench offload --sweep needs a CUDA device (it times copies to pinned \
-                 host memory and measures device memory): {err}"
-            );
-            return Ok(());
-        }
+    let Some(dev) = harness::cuda_device(0, |err| {
+        format!(
+            "ferry bench offload --sweep needs a CUDA device (it times copies to pinned host \
+             memory and measures device memory): {err}"
+        )
+    }) else {
+        return Ok(());
     };
     let device = format!("{} ({})", dev.device(), dev.info().name);
     let pinned_budget = PinnedPool::global()?.budget() as u64;
@@ -79,8 +68,7 @@ pub fn run(options: SweepOptions) -> Result<(), Box<dyn Error>> {
     output::print_results(&runs, link_speed);
     if let Some(path) = &options.json {
         let doc = output::json(&device, pinned_budget, &options, &link, &runs);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+        harness::write_json(path, &doc, "sample")?;
     }
     Ok(())
 }

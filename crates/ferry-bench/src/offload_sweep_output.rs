@@ -5,10 +5,10 @@ use ferry::autograd::OffloadStats;
 use serde_json::{Value, json};
 
 use super::offload_goals::{Link, MAX_STEP_OVER_BOUND, MIN_PEAK_REDUCTION, verdict};
-use super::offload_sweep::SweepOptions;
+use super::offload_grid::SweepOptions;
 use super::offload_sweep_case::{CaseRun, LinkRun, Row, RowKind, Summary};
-use super::report::{print_table, significant};
 use crate::RunInfo;
+use crate::harness::report::{print_table, significant};
 
 fn gib(bytes: u64) -> String {
     significant(bytes as f64 / (1u64 << 30) as f64)
@@ -175,7 +175,8 @@ pub fn print_results(runs: &[CaseRun], link: Option<Link>) {
     );
 }
 
-fn stats_json(s: &OffloadStats) -> Value {
+/// The offload scope's counters, as both `ferry bench offload` and its sweep record them.
+pub fn stats_json(s: &OffloadStats) -> Value {
     json!({
         "offloaded": s.offloaded,
         "offloaded_bytes": s.offloaded_bytes,
@@ -254,13 +255,9 @@ pub fn json(
     link: &LinkRun,
     runs: &[CaseRun],
 ) -> Value {
-    let info = RunInfo::now();
     let speed = link.speed();
-    json!({
+    RunInfo::stamp(json!({
         "bench": "offload --sweep",
-        "unix_time": info.unix_time,
-        "ferry_version": info.ferry_version,
-        "commit": info.commit,
         "device": device,
         "pinned_budget_bytes": pinned_budget,
         "samples": options.samples,
@@ -281,7 +278,7 @@ pub fn json(
             "error": link.d2h.error.as_ref().or(link.h2d.error.as_ref()),
         },
         "cases": runs.iter().map(|r| case_json(r, speed)).collect::<Vec<_>>(),
-    })
+    }))
 }
 
 #[cfg(test)]

@@ -7,7 +7,6 @@
 //! made once per case outside the timed region; results are dropped after the clock stops.
 
 use std::error::Error;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
@@ -15,9 +14,11 @@ use ferry::memory::cuda::{self, CudaDevice};
 use ferry::{DType, DeviceMove, MoveOptions, Tensor, TransferPath};
 use serde_json::{Value, json};
 
-use super::pytorch::{self, PyTorch, PyTorchArgs};
-use super::report::{format_ratio, print_table, significant};
 use crate::Measured;
+use crate::harness;
+use crate::harness::SampledArgs;
+use crate::harness::pytorch::PyTorch;
+use crate::harness::report::{format_ratio, print_table, significant};
 
 /// Sizes moved by default, in bytes: 4 MiB, 64 MiB, 400 MB (the transfer bench's tensor), 1 GiB.
 const SIZES: [usize; 4] = [4 << 20, 64 << 20, 400_000_000, 1 << 30];
@@ -28,16 +29,7 @@ const TORCH_MODES: [&str; 2] = ["to", "non_blocking"];
 #[derive(Args, Debug)]
 pub struct PeerArgs {
     #[command(flatten)]
-    pytorch: PyTorchArgs,
-    /// Write every number, all samples included, to this JSON file.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-    /// Timed samples per case and side; the table shows their median.
-    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..))]
-    samples: u32,
-    /// Untimed rounds per case and side before the samples.
-    #[arg(long, default_value_t = 2)]
-    warmup: u32,
+    run: SampledArgs,
     /// Sizes in bytes, joined by commas [default: 4 MiB, 64 MiB, 400 MB, 1 GiB].
     #[arg(long, value_delimiter = ',', value_name = "BYTES")]
     sizes: Vec<usize>,
@@ -205,36 +197,20 @@ fn to_json(measured: &[CaseResult], torch: Option<&str>, notes: &[String]) -> Va
 pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
     let found = cuda::devices().map(|d| d.len()).map_err(|e| e.to_string());
     if let Some(why) = gpus_missing(found) {
-        println!("{why}");
-        if let Some(path) = &args.json {
-            let doc = json!({ "bench": "peer", "skipped": why, "cases": [] });
-            std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        }
-        return Ok(());
+        let doc = json!({ "bench": "peer", "skipped": why, "cases": [] });
+        return harness::skip(&why, args.run.json.as_deref(), &doc);
     }
     let devs = [CudaDevice::get(0)?, CudaDevice::get(1)?];
-    let mut notes = Vec::new();
-    let mut torch = None;
-    let mut torch_label = None;
-    if args.pytorch.compare_pytorch {
-        match args.pytorch.start("peer.py") {
-            Ok(t) => {
-                torch_label = Some(t.label());
-                torch = Some(t);
-            }
-            Err(err) => notes.push(format!("no PyTorch columns: {err}")),
-        }
-    }
+    let mut torch = args.run.pytorch.side("peer.py", "columns");
+    let mut notes: Vec<String> = torch.note.take().into_iter().collect();
     println!(
         "ferry bench peer: {} and {}, {} sample(s) after {} warm-up round(s) per case and side",
         devs[0].info().name,
         devs[1].info().name,
-        args.samples,
-        args.warmup
+        args.run.samples,
+        args.run.warmup
     );
-    if let Some(label) = &torch_label {
-        println!("PyTorch {label}");
-    }
+    torch.print_label();
     let sizes = if args.sizes.is_empty() {
         SIZES.to_vec()
     } else {
@@ -249,9 +225,15 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
         for (from, to) in [(0, 1), (1, 0)] {
             eprintln!("measuring {bytes} bytes cuda:{from} -> cuda:{to} ...");
             let case = Case { bytes, from, to };
-            let m = measure(case, &devs, torch.as_mut(), args.warmup, args.samples)?;
+            let m = measure(
+                case,
+                &devs,
+                torch.torch(),
+                args.run.warmup,
+                args.run.samples,
+            )?;
             if let Some(err) = &m.torch[0].error
-                && pytorch::forget_if_ended(&mut torch)
+                && torch.forget_if_ended()
             {
                 notes.push(format!("the PyTorch script ended: {err}"));
             }
@@ -290,10 +272,9 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
     for note in &notes {
         println!("{note}");
     }
-    if let Some(path) = &args.json {
-        let doc = to_json(&measured, torch_label.as_deref(), &notes);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+    if let Some(path) = &args.run.json {
+        let doc = to_json(&measured, torch.label.as_deref(), &notes);
+        harness::write_json(path, &doc, "sample")?;
     }
     Ok(())
 }
@@ -301,6 +282,7 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::harness::pytorch::PyTorchArgs;
 
     #[test]
     fn fewer_than_two_gpus_is_a_message_not_a_failure() {
@@ -316,13 +298,15 @@ mod tests {
         // On this machine, whatever it has, the command returns Ok unless it has two GPUs.
         if cuda::devices().map_or(true, |d| d.len() < 2) {
             let args = PeerArgs {
-                pytorch: PyTorchArgs {
-                    compare_pytorch: true,
-                    ..PyTorchArgs::default()
+                run: SampledArgs {
+                    pytorch: PyTorchArgs {
+                        compare_pytorch: true,
+                        ..PyTorchArgs::default()
+                    },
+                    json: None,
+                    samples: 1,
+                    warmup: 0,
                 },
-                json: None,
-                samples: 1,
-                warmup: 0,
                 sizes: vec![],
             };
             assert!(run(args).is_ok());

@@ -13,24 +13,20 @@
 //! pause and an untimed run, since each side's idle worker threads slow the other's host work
 //! for a while (`--trace` shows it). `--trace` also times one run frame by frame.
 
-use std::collections::VecDeque;
 use std::error::Error;
-use std::hint::black_box;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use clap::Args;
-use ferry::memory::cuda::{CudaDevice, Stream};
-use ferry::{ChunkSpec, DeviceMove, pinned_block_size};
 use ferry::{DType, Device, Result, Tensor};
 use serde_json::{Value, json};
 
-use super::pytorch::{PyTorch, PyTorchArgs};
-use super::report::{print_table, significant};
+use super::pipeline_stages::{FRAME, Fixture};
+use super::pipeline_trace;
 use crate::Measured;
+use crate::harness;
+use crate::harness::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::report::{print_table, significant};
 
-/// One frame: 1080 x 1920 RGB, f32.
-const FRAME: [usize; 3] = [1080, 1920, 3];
 /// The speedup over serial the reference article reports for its pipeline.
 const ARTICLE_SPEEDUP: f64 = 0.30;
 /// Goal: ferry's pipeline at this fraction of the ideal throughput, or better.
@@ -79,134 +75,6 @@ const PIPELINES: [usize; 2] = [1, 2];
 /// started in that window had its first frame's host work take 6.7 to 9.4 ms instead of 0.2
 /// (traced on the H200, `--trace`); rayon's workers do the same to PyTorch, for less long.
 const SETTLE: std::time::Duration = std::time::Duration::from_millis(200);
-
-pub(crate) struct Fixture {
-    pub(crate) dev: CudaDevice,
-    /// The input every frame is computed from, and a batch of `frames` of them.
-    pub(crate) base: Tensor,
-    batch_base: Tensor,
-    pub(crate) copy: Stream,
-    /// `depth` device frames the slots pipeline writes each frame into, in turn.
-    slots: Vec<Tensor>,
-    pub(crate) frames: usize,
-    pub(crate) passes: u32,
-    pub(crate) depth: usize,
-}
-
-/// Frame `i`: a few elementwise kernels over the base frame(s).
-pub(crate) fn produce(base: &Tensor, i: usize) -> Result<Tensor> {
-    base.mul_scalar(1.0 + i as f64 * 1e-3)?
-        .add_scalar(0.1)?
-        .tanh()?
-        .mul_scalar(0.5)?
-        .add_scalar(0.5)
-}
-
-/// The host's work on a frame: `passes` reductions of all of it.
-pub(crate) fn process(frame: &Tensor, passes: u32) -> Result<f32> {
-    let mut acc = 0.0;
-    for _ in 0..passes {
-        acc += frame.sum()?.to_vec::<f32>()?[0];
-    }
-    Ok(black_box(acc))
-}
-
-impl Fixture {
-    fn ms_per_frame(&self, start: Instant) -> f64 {
-        start.elapsed().as_secs_f64() * 1e3 / self.frames as f64
-    }
-
-    /// One run of `id`, in ms per frame.
-    fn run(&self, id: &str) -> Result<f64> {
-        self.dev.synchronize()?;
-        match id {
-            "gpu" => {
-                let start = Instant::now();
-                for i in 0..self.frames {
-                    drop(produce(&self.base, i)?);
-                }
-                self.dev.synchronize()?;
-                Ok(self.ms_per_frame(start))
-            }
-            "link" => {
-                let frame = produce(&self.base, 0)?;
-                self.dev.synchronize()?;
-                let start = Instant::now();
-                for _ in 0..self.frames {
-                    drop(frame.to(Device::Cpu)?); // DMA into pooled pinned memory, waited for
-                }
-                Ok(self.ms_per_frame(start))
-            }
-            "host" => {
-                let frame = produce(&self.base, 0)?.to(Device::Cpu)?;
-                let start = Instant::now();
-                for _ in 0..self.frames {
-                    process(&frame, self.passes)?;
-                }
-                Ok(self.ms_per_frame(start))
-            }
-            "serial" => {
-                let start = Instant::now();
-                for i in 0..self.frames {
-                    let host = produce(&self.base, i)?.to(Device::Cpu)?;
-                    process(&host, self.passes)?;
-                }
-                Ok(self.ms_per_frame(start))
-            }
-            "pipelined" => {
-                let start = Instant::now();
-                let mut in_flight = VecDeque::with_capacity(self.depth);
-                for i in 0..self.frames {
-                    // Queued on the default stream; its move on the copy stream waits for it on
-                    // the device, and the host goes on to the oldest frame meanwhile.
-                    let frame = produce(&self.base, i)?;
-                    in_flight.push_back(frame.to_async(Device::Cpu, &self.copy)?);
-                    if in_flight.len() == self.depth {
-                        let (host, _) = in_flight.pop_front().expect("depth >= 2").wait()?;
-                        process(&host, self.passes)?;
-                    }
-                }
-                while let Some(pending) = in_flight.pop_front() {
-                    process(&pending.wait()?.0, self.passes)?;
-                }
-                Ok(self.ms_per_frame(start))
-            }
-            "pipelined_slots" => {
-                // Each frame is written into a slot that outlives the run, so no device buffer
-                // used by the copy stream is freed mid-run; writing a slot waits, on the device,
-                // for the move that last read it.
-                let start = Instant::now();
-                let mut in_flight = VecDeque::with_capacity(self.depth);
-                for i in 0..self.frames {
-                    let slot = &self.slots[i % self.depth];
-                    slot.assign(&produce(&self.base, i)?)?;
-                    in_flight.push_back(slot.to_async(Device::Cpu, &self.copy)?);
-                    if in_flight.len() == self.depth {
-                        let (host, _) = in_flight.pop_front().expect("depth >= 2").wait()?;
-                        process(&host, self.passes)?;
-                    }
-                }
-                while let Some(pending) = in_flight.pop_front() {
-                    process(&pending.wait()?.0, self.passes)?;
-                }
-                Ok(self.ms_per_frame(start))
-            }
-            "streamed" => {
-                let start = Instant::now();
-                let batch = produce(&self.batch_base, 0)?;
-                // Two frames of staging: one frame per chunk, one travelling while the host
-                // works on the other.
-                let frame_bytes = FRAME.iter().product::<usize>() * 4;
-                let spec = ChunkSpec::MaxStagingBytes(2 * pinned_block_size(frame_bytes));
-                for chunk in batch.stream_to(Device::Cpu, spec)? {
-                    process(chunk?.tensor(), self.passes)?;
-                }
-                Ok(self.ms_per_frame(start))
-            }
-            other => unreachable!("no case {other}"),
-        }
-    }
-}
 
 /// Samples of one id (ms per frame), ferry's block, then PyTorch's (one warm-up run each first).
 struct Sampled {
@@ -298,14 +166,10 @@ fn ratio(x: Option<f64>) -> String {
 }
 
 pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
-    let dev = match CudaDevice::get(0) {
-        Ok(dev) => dev,
-        Err(err) => {
-            println!(
-                "ferry bench pipeline needs a CUDA device (frames are produced on the GPU): {err}"
-            );
-            return Ok(());
-        }
+    let Some(dev) = harness::cuda_device(0, |err| {
+        format!("ferry bench pipeline needs a CUDA device (frames are produced on the GPU): {err}")
+    }) else {
+        return Ok(());
     };
     let (frames, depth) = (args.frames as usize, args.depth as usize);
     let gpu = Device::Cuda(dev.ordinal());
@@ -323,14 +187,7 @@ pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
         passes: args.host_passes,
         depth,
     };
-    let mut torch = None;
-    let mut torch_note = None;
-    if args.pytorch.compare_pytorch {
-        match args.pytorch.start("pipeline.py") {
-            Ok(t) => torch = Some(t),
-            Err(err) => torch_note = Some(format!("no PyTorch column: {err}")),
-        }
-    }
+    let mut torch = args.pytorch.side("pipeline.py", "column");
     println!(
         "ferry bench pipeline on {} ({}): {frames} frames of {FRAME:?} f32 ({:.1} MB), {} host pass(es), {depth} in flight, median of {} runs",
         fx.dev.device(),
@@ -339,27 +196,25 @@ pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
         args.host_passes,
         args.samples
     );
-    if let Some(t) = &torch {
-        println!("PyTorch {}", t.label());
-    }
+    torch.print_label();
     let mut stages = Vec::new();
     for id in STAGES {
         eprintln!("measuring {id} ...");
-        stages.push(measure(id, &fx, torch.as_mut(), args.samples));
+        stages.push(measure(id, &fx, torch.torch(), args.samples));
     }
     let mut rows = Vec::new();
     for (id, _) in ROWS {
         eprintln!("measuring {id} ...");
-        rows.push(measure(id, &fx, torch.as_mut(), args.samples));
+        rows.push(measure(id, &fx, torch.torch(), args.samples));
     }
     if args.trace {
         // Once right after a PyTorch sample (if any), once on a quiet host.
-        if let Some(torch) = torch.as_mut() {
+        if let Some(torch) = torch.torch() {
             torch.sample(&format!("pipelined {frames} {} {depth}", args.host_passes))?;
-            super::pipeline_trace::trace(&fx, "right after a PyTorch sample")?;
+            pipeline_trace::trace(&fx, "right after a PyTorch sample")?;
         }
         std::thread::sleep(SETTLE);
-        super::pipeline_trace::trace(&fx, "after a pause")?;
+        pipeline_trace::trace(&fx, "after a pause")?;
     }
     drop(fx);
 
@@ -443,13 +298,12 @@ pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
             println!("PyTorch {}: {err}", m.id);
         }
     }
-    if let Some(note) = &torch_note {
+    if let Some(note) = &torch.note {
         println!("{note}");
     }
     if let Some(path) = &args.json {
         let doc = to_json(&args, &stages, &rows, ideal_ferry, ideal_torch);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+        harness::write_json(path, &doc, "sample")?;
     }
     Ok(())
 }

@@ -12,9 +12,9 @@ use std::time::Instant;
 use ferry::memory::cuda::Event;
 use ferry::{Device, DeviceMove, Result};
 
-use super::measure::median;
-use super::pipeline::{Fixture, process, produce};
-use super::report::{print_table, significant};
+use super::pipeline_stages::{Fixture, process, produce};
+use crate::harness::measure::median;
+use crate::harness::report::{print_table, significant};
 
 /// Frames printed one by one (the rest go into the medians only).
 const SHOWN: usize = 12;

@@ -7,32 +7,20 @@
 //! same id in python/transfer.py.
 
 use std::error::Error;
-use std::path::PathBuf;
 
 use clap::Args;
-use ferry::memory::cuda::CudaDevice;
 
 use super::ferry_cases::{self as ferry_side, BenchResult, Fixture};
-use super::pytorch::{self, PyTorch, PyTorchArgs};
 use super::transfer_cases::{Case, cases, select};
-use super::transfer_output::{
-    CaseResult, LinkSpeed, RunSetup, print_header, print_results, to_json,
-};
+use super::transfer_output::{CaseResult, LinkSpeed, print_header, print_results, to_json};
 use crate::Measured;
+use crate::harness::pytorch::PyTorch;
+use crate::harness::{self, NO_CUDA_DEVICE, RunSetup, SampledArgs};
 
 #[derive(Args, Debug)]
 pub struct TransferArgs {
     #[command(flatten)]
-    pytorch: PyTorchArgs,
-    /// Write every number, all samples included, to this JSON file.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-    /// Timed samples per case and side; the table shows their median (claims need 9 or more).
-    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..))]
-    samples: u32,
-    /// Untimed rounds per case and side before the samples.
-    #[arg(long, default_value_t = 2)]
-    warmup: u32,
+    run: SampledArgs,
     /// Only these cases (ids joined by commas, listed under the table); the link always runs.
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     cases: Vec<String>,
@@ -89,53 +77,40 @@ pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
     }
     let all = cases();
     let selected = select(&all, &args.cases)?;
-    let dev = match CudaDevice::get(0) {
-        Ok(dev) => dev,
-        Err(err) => {
-            println!("no CUDA device: {err}");
-            return Ok(());
-        }
+    let Some(dev) = harness::cuda_device(0, |err| format!("{NO_CUDA_DEVICE}: {err}")) else {
+        return Ok(());
     };
+    let mut torch = args.run.pytorch.side("transfer.py", "column");
     let mut info = RunSetup {
         device: format!("{} ({})", dev.device(), dev.info().name),
-        samples: args.samples,
-        warmup: args.warmup,
-        pytorch: None,
-        pytorch_note: None,
+        on_gpu: true,
+        samples: args.run.samples,
+        warmup: args.run.warmup,
+        pytorch: torch.label.clone(),
+        pytorch_note: torch.note.clone(),
     };
-    let mut torch = None;
-    if args.pytorch.compare_pytorch {
-        match args.pytorch.start("transfer.py") {
-            Ok(t) => {
-                info.pytorch = Some(t.label());
-                torch = Some(t);
-            }
-            Err(err) => info.pytorch_note = Some(format!("no PyTorch column: {err}")),
-        }
-    }
     print_header(&info);
     let mut fx = Fixture::new(dev)?;
     let mut measured = Vec::new();
     for case in &selected {
         eprintln!("measuring {} ...", case.id);
-        let m = measure(case, &mut fx, torch.as_mut(), args.warmup, args.samples)?;
-        if let Some(err) = &m.pytorch.error
-            && pytorch::forget_if_ended(&mut torch)
-        {
-            info.pytorch_note = Some(format!(
-                "the PyTorch script ended during {}: {err}",
-                case.id
-            ));
+        let m = measure(
+            case,
+            &mut fx,
+            torch.torch(),
+            args.run.warmup,
+            args.run.samples,
+        )?;
+        if let Some(note) = torch.ended_during(case.id, &m.pytorch) {
+            info.pytorch_note = Some(note);
         }
         measured.push(m);
     }
     drop(fx);
     let link = LinkSpeed::from_measured(&measured);
     print_results(&measured, link, &info);
-    if let Some(path) = &args.json {
-        let doc = to_json(&info, &measured, link);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every sample to {}", path.display());
+    if let Some(path) = &args.run.json {
+        harness::write_json(path, &to_json(&info, &measured, link), "sample")?;
     }
     Ok(())
 }

@@ -4,8 +4,9 @@
 use super::ferry_cases::{
     self as ferry_side, BIG_BYTES, BenchResult, Fixture, SMALL_BYTES, STAGING_BOUND, Sample,
 };
-use super::report::{Target, Unit};
 use super::resnet50;
+use crate::harness;
+use crate::harness::report::{Target, Unit};
 
 /// Which direction of the link a case's throughput is compared with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -184,20 +185,11 @@ pub fn cases() -> Vec<Case> {
 
 /// The cases to run, in table order: the link always, then the ones asked for (all by default).
 pub fn select<'a>(all: &'a [Case], ids: &[String]) -> Result<Vec<&'a Case>, String> {
-    if let Some(unknown) = ids
-        .iter()
-        .find(|id| !all.iter().any(|c| c.id == id.as_str()))
-    {
-        let known: Vec<&str> = all.iter().map(|c| c.id).collect();
-        return Err(format!(
-            "no case `{unknown}`; the cases are {}",
-            known.join(", ")
-        ));
+    let mut wanted = ids.to_vec();
+    if !wanted.is_empty() {
+        wanted.extend(LINK_IDS.map(String::from));
     }
-    Ok(all
-        .iter()
-        .filter(|c| ids.is_empty() || LINK_IDS.contains(&c.id) || ids.iter().any(|i| i == c.id))
-        .collect())
+    harness::select(all, &wanted, "case", |c| c.id)
 }
 
 #[cfg(test)]

@@ -3,12 +3,13 @@
 
 use serde_json::{Value, json};
 
+use crate::harness::RunSetup;
 use crate::{Measured, RunInfo};
 
 use super::ferry_cases::{BIG_BYTES, SIDE, SMALL_REPS};
-use super::report::{format_ratio, print_table, significant};
 use super::resnet50;
 use super::transfer_cases::{Case, LINK_IDS, Link};
+use crate::harness::report::{format_ratio, print_table, significant};
 
 /// A case's samples on each side, or why a side has none.
 pub struct CaseResult<'a> {
@@ -53,17 +54,6 @@ impl LinkSpeed {
     }
 }
 
-/// What the run was, besides its cases: for the header and the JSON.
-pub struct RunSetup {
-    pub device: String,
-    pub samples: u32,
-    pub warmup: u32,
-    /// PyTorch's version and GPU, when it took part.
-    pub pytorch: Option<String>,
-    /// Why the PyTorch column is empty or stops part way.
-    pub pytorch_note: Option<String>,
-}
-
 pub fn print_header(info: &RunSetup) {
     println!(
         "ferry bench transfer on {}: {SIDE}x{SIDE} f32 = {} MB; resnet50 state dict: {} \
@@ -73,16 +63,10 @@ pub fn print_header(info: &RunSetup) {
         resnet50::RESNET50_STATE_DICT.len(),
         significant(resnet50::float_bytes() as f64 / 1e6),
     );
-    let pytorch = info.pytorch.as_ref().map_or(String::new(), |p| {
-        format!("; PyTorch {p}, sampled alternately with ferry")
-    });
-    println!(
-        "median of {} samples after {} warm-up rounds per case{pytorch}",
-        info.samples, info.warmup
+    info.print_sampling(
+        &format!("median of {} samples", info.samples),
+        "sampled alternately with ferry",
     );
-    if let Some(note) = &info.pytorch_note {
-        println!("{note}");
-    }
 }
 
 fn table_rows(measured: &[CaseResult<'_>], link: LinkSpeed) -> Vec<Vec<String>> {
@@ -156,7 +140,6 @@ pub fn print_results(measured: &[CaseResult<'_>], link: LinkSpeed, info: &RunSet
 }
 
 pub fn to_json(info: &RunSetup, measured: &[CaseResult<'_>], link: LinkSpeed) -> Value {
-    let run = RunInfo::now();
     let cases: Vec<Value> = measured
         .iter()
         .map(|m| {
@@ -188,11 +171,8 @@ pub fn to_json(info: &RunSetup, measured: &[CaseResult<'_>], link: LinkSpeed) ->
             })
         })
         .collect();
-    json!({
+    RunInfo::stamp(json!({
         "benchmark": "ferry bench transfer",
-        "unix_time": run.unix_time,
-        "ferry_version": run.ferry_version,
-        "commit": run.commit,
         "device": info.device,
         "host_threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "samples": info.samples,
@@ -209,7 +189,7 @@ pub fn to_json(info: &RunSetup, measured: &[CaseResult<'_>], link: LinkSpeed) ->
             "total_bytes": resnet50::total_bytes(),
         },
         "cases": cases,
-    })
+    }))
 }
 
 #[cfg(test)]
@@ -262,6 +242,7 @@ mod tests {
 
         let info = RunSetup {
             device: "cuda:0 (test)".into(),
+            on_gpu: true,
             samples: 3,
             warmup: 0,
             pytorch: None,

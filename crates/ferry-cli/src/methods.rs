@@ -13,6 +13,7 @@ use ferry::memory::cuda::{CudaDevice, PinnedPool, Stream};
 use ferry::prelude::*;
 use ferry::tensor::{Buffer, Storage};
 use ferry::{ChunkPlan, TransferPath, TransferReport, move_state_dict};
+use ferry_bench::{Measured, print_table};
 
 mod peer;
 
@@ -77,7 +78,7 @@ struct Method<'a> {
 /// One table row.
 struct Row {
     name: String,
-    times_ms: Vec<f64>,
+    times: Measured,
     bytes_moved: usize,
     host_extra: usize,
     device_extra: Option<usize>,
@@ -146,7 +147,7 @@ fn pageable_bytes(tensors: &[Tensor]) -> usize {
 fn measure(method: &mut Method<'_>, meters: &Meters, repeat: u32) -> ferry::Result<Row> {
     let mut row = Row {
         name: method.name.clone(),
-        times_ms: Vec::new(),
+        times: Measured::new(),
         bytes_moved: 0,
         host_extra: 0,
         device_extra: meters.device.as_ref().map(|_| 0),
@@ -164,7 +165,7 @@ fn measure(method: &mut Method<'_>, meters: &Meters, repeat: u32) -> ferry::Resu
         if run == 0 {
             continue; // the warm-up
         }
-        row.times_ms.push(elapsed.as_secs_f64() * 1e3);
+        row.times.push(elapsed.as_secs_f64() * 1e3);
         row.device_extra = row.device_extra.map(|d| d.max(device_peak));
         row.host_extra = row
             .host_extra
@@ -389,7 +390,7 @@ pub fn run(args: MethodsArgs) -> Result<(), Box<dyn Error>> {
             }
         }
     }
-    print_table(&rows);
+    print_rows(&rows);
     Ok(())
 }
 
@@ -425,18 +426,36 @@ fn peer_rows(shape: &[usize], target: &CudaDevice, repeat: u32) -> ferry::Result
     Ok(rows)
 }
 
-fn median(times: &[f64]) -> f64 {
-    let mut sorted = times.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let n = sorted.len();
-    if n % 2 == 1 {
-        sorted[n / 2]
+/// One row's cells; every row has at least one timed run (`--repeat` >= 1).
+fn cells(r: &Row) -> Vec<String> {
+    let mb = |b: usize| format!("{:.1}", b as f64 / 1e6);
+    let ms = |t: Option<f64>| format!("{:.3}", t.unwrap_or(f64::NAN));
+    let med = r.times.median().unwrap_or(f64::NAN);
+    let gbs = if r.bytes_moved > 0 {
+        format!("{:.2}", r.bytes_moved as f64 / (med / 1e3) / 1e9)
     } else {
-        (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
-    }
+        "-".into()
+    };
+    let grad = match r.gradient {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "-",
+    };
+    vec![
+        r.name.clone(),
+        ms(Some(med)),
+        ms(r.times.min()),
+        ms(r.times.max()),
+        gbs,
+        mb(r.host_extra),
+        r.device_extra.map_or("-".into(), mb),
+        grad.into(),
+        r.nodes.to_string(),
+    ]
 }
 
-fn print_table(rows: &[Row]) {
+/// The table: times and widths are ferry-bench's, so `ferry methods` and `ferry bench` read alike.
+fn print_rows(rows: &[Row]) {
     let header = [
         "method",
         "median ms",
@@ -448,68 +467,8 @@ fn print_table(rows: &[Row]) {
         "grad kept",
         "nodes",
     ];
-    let mb = |b: usize| format!("{:.1}", b as f64 / 1e6);
-    let body: Vec<[String; 9]> = rows
-        .iter()
-        .map(|r| {
-            let med = median(&r.times_ms);
-            let min = r.times_ms.iter().copied().fold(f64::INFINITY, f64::min);
-            let max = r.times_ms.iter().copied().fold(0.0, f64::max);
-            let gbs = if r.bytes_moved > 0 {
-                format!("{:.2}", r.bytes_moved as f64 / (med / 1e3) / 1e9)
-            } else {
-                "-".into()
-            };
-            let grad = match r.gradient {
-                Some(true) => "yes",
-                Some(false) => "no",
-                None => "-",
-            };
-            [
-                r.name.clone(),
-                format!("{med:.3}"),
-                format!("{min:.3}"),
-                format!("{max:.3}"),
-                gbs,
-                mb(r.host_extra),
-                r.device_extra.map_or("-".into(), mb),
-                grad.into(),
-                r.nodes.to_string(),
-            ]
-        })
-        .collect();
-    let mut widths = header.map(str::len);
-    for row in &body {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.len());
-        }
-    }
-    let line = |cells: &[&str]| {
-        let parts: Vec<String> = cells
-            .iter()
-            .zip(widths)
-            .enumerate()
-            .map(|(i, (c, w))| {
-                if i == 0 {
-                    format!("{c:<w$}")
-                } else {
-                    format!("{c:>w$}")
-                }
-            })
-            .collect();
-        println!("{}", parts.join("  "));
-    };
-    line(&header);
-    line(
-        &widths
-            .map(|w| "-".repeat(w))
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    );
-    for row in &body {
-        line(&row.iter().map(String::as_str).collect::<Vec<_>>());
-    }
+    let body: Vec<Vec<String>> = rows.iter().map(cells).collect();
+    print_table(&header, &body);
     println!(
         "host +MB: pinned-pool peak (its statistics) plus pageable bytes the result holds; \
          device +MB: the allocator's peak over what was allocated before the run; \
@@ -520,5 +479,37 @@ fn print_table(rows: &[Row]) {
             "peer rows: device +MB is read on the target GPU; each run waits for the target \
              before the clock stops"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_reads_its_times_through_the_bench_statistics() {
+        let row = Row {
+            name: "cpu()".into(),
+            times: Measured::from_samples(vec![4.0, 1.0, 3.0, 2.0]),
+            bytes_moved: 400_000_000,
+            host_extra: 400_000_000,
+            device_extra: None,
+            gradient: Some(true),
+            nodes: 1,
+        };
+        // The median of an even count is the mean of the middle two: 2.5 ms for 400 MB.
+        assert_eq!(
+            cells(&row),
+            [
+                "cpu()", "2.500", "1.000", "4.000", "160.00", "400.0", "-", "yes", "1"
+            ]
+        );
+        let host_only = Row {
+            bytes_moved: 0,
+            gradient: None,
+            device_extra: Some(0),
+            ..row
+        };
+        assert_eq!(cells(&host_only)[4..8], ["-", "400.0", "0.0", "-"]);
     }
 }

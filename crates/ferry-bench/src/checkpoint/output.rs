@@ -5,7 +5,7 @@ use serde_json::{Value, json};
 
 use super::{CheckpointArgs, Row};
 use crate::RunInfo;
-use crate::report::{print_table, significant};
+use crate::harness::report::{print_table, significant};
 
 fn mb(bytes: Option<f64>) -> String {
     bytes.map_or("-".into(), |b| significant(b / 1e6))
@@ -84,7 +84,6 @@ pub(super) fn to_json(
     pytorch: Option<String>,
     pytorch_note: Option<String>,
 ) -> Value {
-    let run = RunInfo::now();
     let rows: Vec<Value> = rows
         .iter()
         .map(|r| {
@@ -117,11 +116,8 @@ pub(super) fn to_json(
             })
         })
         .collect();
-    json!({
+    RunInfo::stamp(json!({
         "benchmark": "ferry bench checkpoint",
-        "unix_time": run.unix_time,
-        "ferry_version": run.ferry_version,
-        "commit": run.commit,
         "device": format!("{} ({})", dev.device(), dev.info().name),
         "gb": args.gb,
         "bytes": bytes,
@@ -132,5 +128,5 @@ pub(super) fn to_json(
         "pytorch": pytorch,
         "pytorch_note": pytorch_note,
         "rows": rows,
-    })
+    }))
 }

@@ -6,7 +6,7 @@ use serde_json::{Value, json};
 use crate::RunInfo;
 
 use super::{Config, Row};
-use crate::report::{Verdict, format_ratio, print_table, significant};
+use crate::harness::report::{Verdict, format_ratio, print_table, significant};
 
 /// The goal for scaling efficiency on two GPUs.
 const EFFICIENCY_GOAL: f64 = 0.9;
@@ -131,12 +131,8 @@ pub(super) fn to_json(
         .iter()
         .map(|g| json!({ "goal": g.name, "figure": g.figure, "met": g.verdict.as_bool() }))
         .collect();
-    let run = RunInfo::now();
-    json!({
+    RunInfo::stamp(json!({
         "bench": "ddp",
-        "unix_time": run.unix_time,
-        "ferry_version": run.ferry_version,
-        "commit": run.commit,
         "device": device,
         "host": cfg.host,
         "widths": cfg.widths,
@@ -154,7 +150,7 @@ pub(super) fn to_json(
         })),
         "goals": goal_rows,
         "notes": notes,
-    })
+    }))
 }
 
 pub(super) fn print_results(cfg: &Config, ferry: &[Row], torch: Option<&(String, Vec<Row>)>) {

@@ -3,7 +3,7 @@
 
 use super::output::{cells, goals, scaling_efficiency};
 use super::*;
-use crate::report::Verdict;
+use crate::harness::report::Verdict;
 
 fn row(id: &'static str, replicas: usize, step_ms: &[f64]) -> Row {
     Row {

@@ -1,6 +1,6 @@
 //! The cases `ferry bench train` times, as a table, and the phases a step is made of.
 
-use crate::report::Target;
+use crate::harness::report::Target;
 
 pub const LR: f64 = 1e-3;
 pub(super) const CLASSES: usize = 10;

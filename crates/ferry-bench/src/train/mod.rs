@@ -32,12 +32,12 @@ pub use cases::{CASES, Case, LR};
 use std::error::Error;
 use std::path::PathBuf;
 
-use super::pytorch::{self, PyTorch, PyTorchArgs};
 use crate::Measured;
+use crate::harness::pytorch::{PyTorch, PyTorchArgs, PyTorchSide};
+use crate::harness::{self, NO_CUDA_DEVICE, RunSetup};
 use clap::Args;
-use ferry::memory::cuda::CudaDevice;
 use ferry::prelude::*;
-use output::{CaseResult, RunSetup, print_header, print_results, to_json};
+use output::{CaseResult, print_header, print_results, to_json};
 use step::FerryRun;
 
 #[derive(Args, Debug)]
@@ -133,18 +133,9 @@ fn measure<'a>(
     m
 }
 
+/// `--cases`: the cases with these ids, in table order (all of them for none).
 fn select(ids: &[String]) -> Result<Vec<&'static Case>, String> {
-    if let Some(unknown) = ids.iter().find(|id| !CASES.iter().any(|c| c.id == *id)) {
-        let known: Vec<&str> = CASES.iter().map(|c| c.id).collect();
-        return Err(format!(
-            "no case `{unknown}`; the cases are {}",
-            known.join(", ")
-        ));
-    }
-    Ok(CASES
-        .iter()
-        .filter(|c| ids.is_empty() || ids.iter().any(|i| i == c.id))
-        .collect())
+    harness::select(&CASES, ids, "case", |c| c.id)
 }
 
 pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
@@ -154,35 +145,28 @@ pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             format!("cpu ({threads} threads)")
         }
-        Device::Cuda(ordinal) => match CudaDevice::get(ordinal) {
-            Ok(dev) => format!("{} ({})", dev.device(), dev.info().name),
-            Err(err) => {
-                println!("no CUDA device: {err}");
+        Device::Cuda(ordinal) => {
+            let why_not = |err: &dyn std::fmt::Display| format!("{NO_CUDA_DEVICE}: {err}");
+            let Some(dev) = harness::cuda_device(ordinal, why_not) else {
                 return Ok(());
-            }
-        },
+            };
+            format!("{} ({})", dev.device(), dev.info().name)
+        }
     };
     let on_gpu = args.device != Device::Cpu;
+    let mut torch = if args.pytorch.compare_pytorch && !on_gpu {
+        PyTorchSide::absent("no PyTorch column: it is compared on the GPU only")
+    } else {
+        args.pytorch.side("train.py", "column")
+    };
     let mut info = RunSetup {
         device: device_name,
         on_gpu,
-        rounds: args.rounds,
+        samples: args.rounds,
         warmup: args.warmup,
-        pytorch: None,
-        pytorch_note: None,
+        pytorch: torch.label.clone(),
+        pytorch_note: torch.note.clone(),
     };
-    let mut torch = None;
-    if args.pytorch.compare_pytorch && !on_gpu {
-        info.pytorch_note = Some("no PyTorch column: it is compared on the GPU only".into());
-    } else if args.pytorch.compare_pytorch {
-        match args.pytorch.start("train.py") {
-            Ok(t) => {
-                info.pytorch = Some(t.label());
-                torch = Some(t);
-            }
-            Err(err) => info.pytorch_note = Some(format!("no PyTorch column: {err}")),
-        }
-    }
     print_header(&info);
     let mut measured = Vec::new();
     for case in selected {
@@ -194,26 +178,19 @@ pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
             case,
             args.device,
             steps,
-            torch.as_mut(),
+            torch.torch(),
             args.warmup,
             args.rounds,
             args.profile,
         );
-        if let Some(err) = &m.pytorch.error
-            && pytorch::forget_if_ended(&mut torch)
-        {
-            info.pytorch_note = Some(format!(
-                "the PyTorch script ended during {}: {err}",
-                case.id
-            ));
+        if let Some(note) = torch.ended_during(case.id, &m.pytorch) {
+            info.pytorch_note = Some(note);
         }
         measured.push(m);
     }
     print_results(&measured, &info);
     if let Some(path) = &args.json {
-        let doc = to_json(&info, &measured);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("wrote every round to {}", path.display());
+        harness::write_json(path, &to_json(&info, &measured), "round")?;
     }
     Ok(())
 }
@@ -268,7 +245,7 @@ mod tests {
     /// A stand-in for train.py (`sh -u script --serve` runs it): its round takes STEPS ms a step,
     /// and `broken` fails.
     fn fake_server(dir: &Path) -> PathBuf {
-        pytorch::fake_script(
+        crate::harness::pytorch::fake_script(
             dir,
             r#"echo '{"ready": true, "torch": "2.11.0", "cuda": "13.0", "device": "Fake GPU"}'
 while read case steps; do

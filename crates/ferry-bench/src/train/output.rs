@@ -2,10 +2,11 @@
 
 use serde_json::{Value, json};
 
+use crate::harness::RunSetup;
 use crate::{Measured, RunInfo};
 
 use super::cases::{Case, LR};
-use crate::report::{Verdict, format_ratio, print_table};
+use crate::harness::report::{Verdict, format_ratio, print_table};
 
 /// A case's rounds on each side (ms per step, a round a sample), or why a side has none.
 #[derive(Debug)]
@@ -30,35 +31,16 @@ impl CaseResult<'_> {
     }
 }
 
-/// What the run was, besides its cases.
-pub struct RunSetup {
-    pub device: String,
-    /// Whether ferry ran on a GPU: the targets are judged only there.
-    pub on_gpu: bool,
-    pub rounds: u32,
-    pub warmup: u32,
-    /// PyTorch's version and GPU, when it took part.
-    pub pytorch: Option<String>,
-    /// Why the PyTorch column is empty or stops part way.
-    pub pytorch_note: Option<String>,
-}
-
 pub fn print_header(info: &RunSetup) {
     println!(
         "ferry bench train on {}: fp32; a step = zero_grad, forward, cross-entropy, backward, \
          Adam (lr {LR}) step",
         info.device
     );
-    let pytorch = info.pytorch.as_ref().map_or(String::new(), |p| {
-        format!("; PyTorch {p}, eager, rounds alternating with ferry's")
-    });
-    println!(
-        "median ms/step of {} rounds after {} warm-up rounds per case{pytorch}",
-        info.rounds, info.warmup
+    info.print_sampling(
+        &format!("median ms/step of {} rounds", info.samples),
+        "eager, rounds alternating with ferry's",
     );
-    if let Some(note) = &info.pytorch_note {
-        println!("{note}");
-    }
 }
 
 fn table_rows(measured: &[CaseResult<'_>], on_gpu: bool) -> Vec<Vec<String>> {
@@ -125,7 +107,6 @@ pub fn print_results(measured: &[CaseResult<'_>], info: &RunSetup) {
 }
 
 pub fn to_json(info: &RunSetup, measured: &[CaseResult<'_>]) -> Value {
-    let run = RunInfo::now();
     let cases: Vec<Value> = measured
         .iter()
         .map(|m| {
@@ -153,19 +134,16 @@ pub fn to_json(info: &RunSetup, measured: &[CaseResult<'_>]) -> Value {
             })
         })
         .collect();
-    json!({
+    RunInfo::stamp(json!({
         "benchmark": "ferry bench train",
-        "unix_time": run.unix_time,
-        "ferry_version": run.ferry_version,
-        "commit": run.commit,
         "device": info.device,
         "optimizer": format!("Adam lr {LR}"),
-        "rounds": info.rounds,
+        "rounds": info.samples,
         "warmup": info.warmup,
         "pytorch": info.pytorch,
         "pytorch_note": info.pytorch_note,
         "cases": cases,
-    })
+    }))
 }
 
 #[cfg(test)]
@@ -212,7 +190,7 @@ mod tests {
         let info = RunSetup {
             device: "cuda:0 (test)".into(),
             on_gpu: true,
-            rounds: 3,
+            samples: 3,
             warmup: 2,
             pytorch: None,
             pytorch_note: None,

@@ -18,7 +18,7 @@ use ferry::prelude::*;
 
 use super::cases::{Case, PHASES, Phase};
 use super::step::FerryRun;
-use crate::report::print_table;
+use crate::harness::report::print_table;
 
 /// Products the GPU runs ahead of each host-ahead step (about 2.6 ms each on an H200 in f32).
 const HEAD_START: usize = 3;

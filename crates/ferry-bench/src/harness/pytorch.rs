@@ -19,6 +19,8 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use clap::Args;
 use serde_json::Value;
 
+use super::measure::Measured;
+
 /// Where the scripts live, relative to the repository root.
 pub const SCRIPT_DIR: &str = "crates/ferry-bench/python";
 
@@ -56,6 +58,91 @@ impl PyTorchArgs {
             &self.python,
             &locate_script(self.pytorch_script.as_deref(), name)?,
         )
+    }
+}
+
+impl PyTorchArgs {
+    /// PyTorch's side of a bench: the script `name`, started when --compare-pytorch asks for it.
+    /// A start that fails is a note, "no PyTorch `absent`: why" (`absent` names what stays empty:
+    /// "column", "rows"), and the bench runs ferry's side alone.
+    pub fn side(&self, name: &str, absent: &str) -> PyTorchSide {
+        self.side_with(name, absent, |_| Ok(()))
+    }
+
+    /// [`PyTorchArgs::side`] for a script that must first agree with ferry's side (`setup`);
+    /// a disagreement is noted as a failed start is.
+    pub fn side_with(
+        &self,
+        name: &str,
+        absent: &str,
+        setup: impl FnOnce(&mut PyTorch) -> Result<(), String>,
+    ) -> PyTorchSide {
+        if !self.compare_pytorch {
+            return PyTorchSide::default();
+        }
+        let started = self
+            .start(name)
+            .and_then(|mut torch| setup(&mut torch).map(|()| torch));
+        match started {
+            Ok(torch) => PyTorchSide {
+                label: Some(torch.label()),
+                torch: Some(torch),
+                note: None,
+            },
+            Err(err) => PyTorchSide::absent(format!("no PyTorch {absent}: {err}")),
+        }
+    }
+}
+
+/// PyTorch's side of one run: the script while it answers, its label for the header and the
+/// JSON file, and why its column is empty or stops part way.
+#[derive(Default)]
+pub struct PyTorchSide {
+    /// The running script; `None` when not asked for, not started, or ended by a failure.
+    pub torch: Option<PyTorch>,
+    /// [`PyTorch::label`] of the script that started, kept after it ends.
+    pub label: Option<String>,
+    /// Why the side is missing or incomplete.
+    pub note: Option<String>,
+}
+
+impl PyTorchSide {
+    /// No script, for this reason.
+    pub fn absent(note: impl Into<String>) -> Self {
+        Self {
+            note: Some(note.into()),
+            ..Self::default()
+        }
+    }
+
+    /// The script, while it runs.
+    pub fn torch(&mut self) -> Option<&mut PyTorch> {
+        self.torch.as_mut()
+    }
+
+    /// "PyTorch VERSION on DEVICE" under a bench's header, when it started.
+    pub fn print_label(&self) {
+        if let Some(label) = &self.label {
+            println!("PyTorch {label}");
+        }
+    }
+
+    /// After a failed request: when the failure ended the script, drops it (later cases run
+    /// ferry's side alone) and returns true.
+    pub fn forget_if_ended(&mut self) -> bool {
+        let ended = self.torch.as_mut().is_some_and(|torch| !torch.is_alive());
+        if ended {
+            self.torch = None;
+        }
+        ended
+    }
+
+    /// After `case`, whose PyTorch side is `pytorch`: when its failure ended the script, the
+    /// note that says where the column stops.
+    pub fn ended_during(&mut self, case: &str, pytorch: &Measured) -> Option<String> {
+        let err = pytorch.error.as_ref()?;
+        self.forget_if_ended()
+            .then(|| format!("the PyTorch script ended during {case}: {err}"))
     }
 }
 
@@ -137,16 +224,6 @@ pub fn run_once(
         Some(err) => Err(err.as_str().unwrap_or("unknown error").to_string()),
         None => Ok(doc),
     }
-}
-
-/// After a failed request: when the failure ended the script in `slot`, drops it (later cases
-/// run ferry's side alone) and returns true.
-pub fn forget_if_ended(slot: &mut Option<PyTorch>) -> bool {
-    let ended = slot.as_mut().is_some_and(|torch| !torch.is_alive());
-    if ended {
-        *slot = None;
-    }
-    ended
 }
 
 /// Writes a stand-in for a bench script (`sh -u script --serve` runs it) speaking the protocol
@@ -357,5 +434,67 @@ done
             .err()
             .unwrap();
         assert!(err.contains("could not start"), "{err}");
+    }
+
+    #[test]
+    fn a_side_starts_only_when_asked_and_a_failed_start_is_a_note() {
+        let dir = tempfile::tempdir().unwrap();
+        let hello = r#"echo '{"ready": true, "torch": "2.11.0", "cuda": "13.0", "device": "Fake GPU"}'
+while read case; do
+  case "$case" in
+    quit) exit 0 ;;
+    die) echo '{"error": "killed"}'; exit 1 ;;
+    *) echo '{"ms": 1.5}' ;;
+  esac
+done
+"#;
+        let script = fake_script(dir.path(), hello);
+        let args = |compare_pytorch| PyTorchArgs {
+            compare_pytorch,
+            python: "sh".into(),
+            pytorch_script: Some(script.clone()),
+        };
+        let mut off = args(false).side("transfer.py", "column");
+        assert!(off.torch().is_none() && off.label.is_none() && off.note.is_none());
+
+        let mut on = args(true).side("transfer.py", "column");
+        assert_eq!(on.label.as_deref(), Some("2.11.0 (CUDA 13.0) on Fake GPU"));
+        assert_eq!(on.note, None);
+        assert_eq!(on.torch().unwrap().sample("small_4k"), Ok(1.5));
+        assert!(!on.forget_if_ended());
+        // A failure that leaves the script running says nothing.
+        assert_eq!(on.ended_during("small_4k", &Measured::failed("slow")), None);
+        assert!(on.torch().is_some());
+        let mut failed = Measured::new();
+        failed.fail(on.torch().unwrap().sample("die").unwrap_err());
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(on.ended_during("large", &Measured::new()), None);
+        assert_eq!(
+            on.ended_during("large", &failed).as_deref(),
+            Some("the PyTorch script ended during large: killed")
+        );
+        assert!(on.torch().is_none());
+        // The label stays for the header and the JSON file.
+        assert!(on.label.is_some());
+
+        let refused = args(true).side_with("checkpoint.py", "rows", |_| {
+            Err("the two sides disagree".into())
+        });
+        assert!(refused.torch.is_none() && refused.label.is_none());
+        assert_eq!(
+            refused.note.as_deref(),
+            Some("no PyTorch rows: the two sides disagree")
+        );
+
+        let missing = PyTorchArgs {
+            compare_pytorch: true,
+            python: "sh".into(),
+            pytorch_script: Some(dir.path().join("absent.py")),
+        };
+        let note = missing.side("peer.py", "columns").note.unwrap();
+        assert!(
+            note.starts_with("no PyTorch columns: --pytorch-script"),
+            "{note}"
+        );
     }
 }

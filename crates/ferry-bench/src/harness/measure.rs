@@ -1,7 +1,7 @@
 //! One side's timings of one case: [`Measured`], the same type for ferry's samples and
 //! PyTorch's, in every benchmark.
 
-use crate::report::significant;
+use super::report::significant;
 
 /// Timed samples in milliseconds, and why there are none (or no more): a side that failed keeps
 /// the samples it took. Its statistics cover those samples; [`Measured::complete_median`] is the

@@ -4,8 +4,10 @@
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// When and from what a benchmark ran; each JSON writer records its three fields as
-/// `"unix_time"`, `"ferry_version"` and `"commit"`.
+use serde_json::{Value, json};
+
+/// When and from what a benchmark ran; [`RunInfo::stamp`] records its three fields in a JSON
+/// file as `"unix_time"`, `"ferry_version"` and `"commit"`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunInfo {
     /// Seconds since the Unix epoch when the run ended (0 if the clock is before it).
@@ -26,6 +28,17 @@ impl RunInfo {
             ferry_version: env!("CARGO_PKG_VERSION"),
             commit: commit(),
         }
+    }
+
+    /// `doc` (a JSON object) with the facts now added beside its numbers.
+    pub fn stamp(mut doc: Value) -> Value {
+        let run = Self::now();
+        if let Value::Object(fields) = &mut doc {
+            fields.insert("unix_time".into(), json!(run.unix_time));
+            fields.insert("ferry_version".into(), json!(run.ferry_version));
+            fields.insert("commit".into(), json!(run.commit));
+        }
+        doc
     }
 }
 
@@ -52,5 +65,18 @@ mod tests {
             assert_eq!(commit.len(), 40, "{commit}");
             assert!(commit.chars().all(|c| c.is_ascii_hexdigit()), "{commit}");
         }
+    }
+
+    #[test]
+    fn a_stamp_adds_the_facts_and_keeps_the_numbers() {
+        let doc = RunInfo::stamp(json!({ "benchmark": "test", "cases": [1] }));
+        assert_eq!(doc["benchmark"], "test");
+        assert_eq!(doc["cases"], json!([1]));
+        assert_eq!(doc["ferry_version"], env!("CARGO_PKG_VERSION"));
+        assert!(doc["unix_time"].as_u64().unwrap() > 1_600_000_000, "{doc}");
+        assert!(
+            doc["commit"].is_string() || doc["commit"].is_null(),
+            "{doc}"
+        );
     }
 }
