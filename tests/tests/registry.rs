@@ -11,7 +11,7 @@ use ferry_tensor::autograd::{GradOptions, grad};
 use ferry_tensor::gradcheck::{GradcheckOptions, gradgradcheck};
 use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::registry::{self, Case, Grad, NEVER_RECORDED};
-use ferry_tests::{check_grad, device_test, seed};
+use ferry_tests::{check_grad_with, device_test, seed};
 
 use crate::saved_state::cases::{Forward, check_forward};
 
@@ -125,14 +125,24 @@ fn case_names_are_unique_and_every_case_is_complete() {
     assert!(cases.iter().filter(|c| c.parity).count() >= 55);
 }
 
+/// The path of tests/torch/registry.json, rewritten first under `FERRY_WRITE_REGISTRY=1` (by
+/// renaming a complete file into place: the tests that read it run in parallel).
+fn registry_file() -> std::path::PathBuf {
+    let path = ferry_tests::repo_root().join(registry::JSON_PATH);
+    if std::env::var_os("FERRY_WRITE_REGISTRY").is_some_and(|v| v == "1") {
+        let dir = path.parent().unwrap();
+        let tmp = tempfile::NamedTempFile::new_in(dir).unwrap();
+        std::fs::write(tmp.path(), registry::to_json()).unwrap();
+        tmp.persist(&path).unwrap();
+    }
+    path
+}
+
 /// tests/torch/registry.json is the registry's JSON; `FERRY_WRITE_REGISTRY=1` rewrites it.
 #[test]
 fn the_registry_file_is_up_to_date() {
-    let path = ferry_tests::repo_root().join(registry::JSON_PATH);
+    let path = registry_file();
     let want = registry::to_json();
-    if std::env::var_os("FERRY_WRITE_REGISTRY").is_some_and(|v| v == "1") {
-        std::fs::write(&path, &want).unwrap();
-    }
     let have = std::fs::read_to_string(&path).unwrap_or_default();
     assert!(
         have == want,
@@ -145,6 +155,7 @@ fn the_registry_file_is_up_to_date() {
 /// parity.py mirrors exactly the registry's parity cases (its name check needs no torch).
 #[test]
 fn the_parity_script_mirrors_the_registry() {
+    registry_file();
     let root = ferry_tests::repo_root();
     let run = std::process::Command::new("python3")
         .arg(root.join("tests/torch/parity.py"))
@@ -233,7 +244,16 @@ fn gradients(device: Device) -> Result<()> {
         let (floats, fixed): (Vec<Tensor>, Vec<Tensor>) =
             inputs.into_iter().partition(|t| t.dtype() == DType::F64);
         let f = |xs: &[Tensor]| on_floats(&case, &fixed, xs);
-        check_grad(case.name, f, &floats)?;
+        let options = match case.grad {
+            // f32 keeps ~7 digits: a larger step; central differences are exact on quadratics.
+            Grad::Loose => GradcheckOptions {
+                eps: 1e-2,
+                atol: 1e-3,
+                rtol: 1e-3,
+            },
+            _ => GradcheckOptions::default(),
+        };
+        check_grad_with(case.name, f, &floats, options)?;
         if case.grad == Grad::Second {
             let mismatches = gradgradcheck(f, &floats, GradcheckOptions::default())?;
             assert!(

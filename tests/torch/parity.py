@@ -45,6 +45,7 @@ CASES = {
     "chunk_cat": lambda x: torch.cat([x[0].chunk(3, 0)[2], x[0].chunk(3, 0)[0]], 1),
     "unsqueeze_broadcast_squeeze": lambda x: x[0].unsqueeze(0).expand(3, 5).sum(0, keepdim=True).squeeze(0),
     "cast_f16_round_trip": lambda x: x[0].half().float() * x[1],
+    "to_dtype_square": lambda x: (x[0].double() * x[0].double()).float(),
     "softmax": lambda x: x[0].softmax(1),
     "log_softmax_axis0": lambda x: x[0].log_softmax(0),
     "cross_entropy": lambda x: torch.nn.functional.cross_entropy(x[0], x[1]),

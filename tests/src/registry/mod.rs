@@ -48,6 +48,8 @@ pub enum Grad {
     /// gradcheck and gradgradcheck: the backward records ops of its own (`backward_records`)
     /// whose rules need checking too.
     Second,
+    /// gradcheck with a large step and loose tolerances: the case computes in `f32`.
+    Loose,
     /// None, for the reason given (no gradient, or a step gradcheck cannot resolve).
     Skip(&'static str),
 }
@@ -149,6 +151,12 @@ impl Case {
     pub const fn backward(mut self, ops: &'static [&'static str]) -> Case {
         self.backward_records = ops;
         self.grad = Grad::Second;
+        self
+    }
+
+    /// With a gradcheck for a case that computes in `f32`.
+    pub const fn loose(mut self) -> Case {
+        self.grad = Grad::Loose;
         self
     }
 
@@ -290,6 +298,7 @@ pub fn to_json() -> String {
         let grad = match case.grad {
             Grad::First => "first",
             Grad::Second => "second",
+            Grad::Loose => "loose",
             Grad::Skip(_) => "none",
         };
         lines.push(format!(

@@ -17,6 +17,11 @@ fn like_input0(x: &[Tensor], _: &Tensor) -> usize {
     x[0].nbytes()
 }
 
+/// An f64 copy of an f32 input 0.
+fn twice_input0(x: &[Tensor], _: &Tensor) -> usize {
+    2 * x[0].nbytes()
+}
+
 pub(super) fn cases() -> Vec<Case> {
     vec![
         Case::new(
@@ -161,6 +166,27 @@ pub(super) fn cases() -> Vec<Case> {
             },
         )
         .no_gradcheck("f16 rounding is a staircase at gradcheck's step (grad_shape checks casts)"),
+        // A cast to the other of f32 and f64 and back: mul keeps the cast value (twice, counted
+        // once), f64 for an f32 input.
+        Case::new(
+            "to_dtype_square",
+            &["to_dtype", "mul"],
+            &[F(&[3, 4])],
+            |x| {
+                let other = if x[0].dtype() == DType::F32 {
+                    DType::F64
+                } else {
+                    DType::F32
+                };
+                let y = x[0].to_dtype(other)?;
+                y.mul(&y)?.to_dtype(x[0].dtype())
+            },
+            Keeps {
+                unnamed: twice_input0,
+                ..Keeps::NOTHING
+            },
+        )
+        .loose(),
         Case::new(
             "softmax",
             &["softmax"],
