@@ -99,6 +99,9 @@ fn the_scan_reads_each_way_of_naming_an_op() {
         "use crate::autograd::record;\nfn g(&self) { record(out, names[0], &[self], r) }\n",
     )]);
     assert_eq!(odd.unresolved.len(), 1, "{odd:?}");
+    let by_path = "fn q() { ferry::tensor::record(o, \"path\", &[], r) }\n";
+    let qualified = scan::names_in(&[file(by_path)]);
+    assert_eq!(qualified.into_iter().collect::<Vec<_>>(), ["path"]);
     let other = scan::scan(&[file(
         "fn record(a: u8, b: u8) {}\nfn h() { record(1, 2) }\n",
     )]);

@@ -36,7 +36,8 @@ pub fn code(source: &str) -> String {
         .join("\n")
 }
 
-/// Every `.rs` file under `src` of each crate that is ferry-tensor or depends on it.
+/// Every `.rs` file under `src` of each crate that is ferry-tensor or depends on it (directly or
+/// through ferry, which re-exports it).
 pub fn sources() -> Vec<(PathBuf, String)> {
     let crates = ferry_tests::repo_root().join("crates");
     let mut files = Vec::new();
@@ -45,7 +46,13 @@ pub fn sources() -> Vec<(PathBuf, String)> {
         let dir = entry.unwrap().path();
         let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap_or_default();
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
-        if name != "ferry-tensor" && !manifest.contains("ferry-tensor") {
+        // ferry-graph and ferry-memory sit below ferry-tensor (ferry-graph's own `record` takes
+        // node metadata, not an op name).
+        let uses_tensor = manifest.contains("ferry-tensor")
+            || manifest
+                .lines()
+                .any(|l| l.starts_with("ferry.") || l.starts_with("ferry ="));
+        if name != "ferry-tensor" && !uses_tensor {
             continue;
         }
         let mut stack = vec![dir.join("src")];
@@ -91,7 +98,7 @@ pub fn scan(files: &[(PathBuf, String)]) -> Scan {
         for (path, text) in files {
             // A file calls the recording function only where it defines or imports it (another
             // crate's own `fn record` is something else).
-            if short(path) != home && !imports(text, &callee) {
+            if short(path) != home && !imports(text, &callee) && !qualified(text, &callee) {
                 continue;
             }
             for call in calls(text, &callee) {
@@ -130,6 +137,12 @@ fn imports(text: &str, callee: &str) -> bool {
         item.split(|c: char| !(c.is_alphanumeric() || c == '_'))
             .any(|word| word == callee)
     })
+}
+
+/// Whether `text` calls `callee` by a path (`ferry::tensor::record(..)`), ferry-graph's aside.
+fn qualified(text: &str, callee: &str) -> bool {
+    text.match_indices(&format!("::{callee}("))
+        .any(|(i, _)| !text[..i].ends_with("ferry_graph"))
 }
 
 fn short(path: &Path) -> String {
