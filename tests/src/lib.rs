@@ -6,6 +6,8 @@
 //! ability to reproduce a failure.
 #![forbid(unsafe_code)]
 
+pub mod registry;
+
 use std::cell::Cell;
 use std::path::{Path, PathBuf};
 

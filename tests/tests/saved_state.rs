@@ -9,7 +9,7 @@ use std::sync::Arc;
 use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::device_test;
 
-mod cases;
+pub(crate) mod cases;
 
 fn group(device: Device, cases: Vec<cases::Case>) -> Result<()> {
     for case in &cases {

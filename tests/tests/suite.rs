@@ -30,6 +30,8 @@ mod graph_accounting;
 mod leak_check;
 // Every recording op keeps alive exactly the tensors its rule declares, and saved_bytes says so.
 mod saved_state;
+// The op registry walked: recorded ops, gradcheck, saved state; every recorded op registered.
+mod registry;
 // Threads training their own models read exact counts of their own graphs, with no lock.
 mod concurrency;
 // f16 and bf16: casts, round trips and ops against f32.

@@ -3,17 +3,19 @@
 covering every op. Reads the JSON written by `cargo run -p ferry-tests --example parity`.
 
     python3 tests/torch/parity.py parity.json [--device cuda]
+    python3 tests/torch/parity.py --check-names    (no torch needed)
 
-Each expression is mirrored here in PyTorch (float32, TF32 off), backward of sum(out * probe)
-gives the gradients; both are compared by ||ferry - torch|| / ||torch||. Exits 1 on a mismatch.
+The expressions are the parity cases of ferry's op registry (tests/src/registry), whose names
+this script reads from tests/torch/registry.json (written from the registry and kept up to date
+by the suite). Each is mirrored here in PyTorch (float32, TF32 off), backward of sum(out * probe)
+gives the gradients; both are compared by ||ferry - torch|| / ||torch||. Exits 1 on a mismatch,
+and when the mirrors here, the registry and the report do not name the same cases.
 """
 import json
+import pathlib
 import sys
 
-import torch
-
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
+REGISTRY = pathlib.Path(__file__).with_name("registry.json")
 
 CASES = {
     "add_broadcast": lambda x: x[0] + x[1],
@@ -43,6 +45,7 @@ CASES = {
     "chunk_cat": lambda x: torch.cat([x[0].chunk(3, 0)[2], x[0].chunk(3, 0)[0]], 1),
     "unsqueeze_broadcast_squeeze": lambda x: x[0].unsqueeze(0).expand(3, 5).sum(0, keepdim=True).squeeze(0),
     "cast_f16_round_trip": lambda x: x[0].half().float() * x[1],
+    "to_dtype_square": lambda x: (x[0].double() * x[0].double()).float(),
     "softmax": lambda x: x[0].softmax(1),
     "log_softmax_axis0": lambda x: x[0].log_softmax(0),
     "cross_entropy": lambda x: torch.nn.functional.cross_entropy(x[0], x[1]),
@@ -66,6 +69,8 @@ CASES = {
     "maximum_ties": lambda x: torch.maximum(x[0], x[0].clamp(-0.5, 0.5)),
     "where_broadcast": lambda x: torch.where(x[0] > 0, x[0] * x[1], x[2]),
     "masked_fill": lambda x: x[0].masked_fill(x[1] > 2, -2.0),
+    "copy": lambda x: x[0].clone(),
+    "contiguous": lambda x: x[0].t().contiguous(),
     "permute": lambda x: x[0].permute(2, 0, 1) * x[1],
     "stack": lambda x: torch.stack([x[0], x[1].t()], 1),
     "conv2d_stride_pad_dilation_groups": lambda x: torch.nn.functional.conv2d(
@@ -93,13 +98,49 @@ def rel(a, b):
     return diff / denom if denom > 0 else diff
 
 
+def registry_names(path=REGISTRY):
+    """The names of the registry's parity cases, in its order."""
+    with open(path) as f:
+        return [c["name"] for c in json.load(f)["cases"] if c["parity"]]
+
+
+def name_mismatches(registry, mirrored, reported=None):
+    """What differs between the registry's parity cases, the mirrors here and (if given) a
+    report's cases: one line each, empty when all agree."""
+    problems = []
+    for name in sorted(set(registry) - set(mirrored)):
+        problems.append(f"{name}: a parity case of the registry with no PyTorch mirror here")
+    for name in sorted(set(mirrored) - set(registry)):
+        problems.append(f"{name}: mirrored here but not a parity case of the registry")
+    if reported is not None:
+        for name in sorted(set(registry) ^ set(reported)):
+            problems.append(f"{name}: in one of the registry and the report only (rerun the example)")
+    return problems
+
+
+def check_names():
+    problems = name_mismatches(registry_names(), CASES)
+    for line in problems:
+        print(line)
+    print(f"{len(registry_names())} parity cases in {REGISTRY.name}, {len(CASES)} mirrored here; "
+          f"{len(problems)} mismatch(es)")
+    return 1 if problems else 0
+
+
 def main():
+    if "--check-names" in sys.argv:
+        return check_names()
+    global torch
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     path = sys.argv[1] if len(sys.argv) > 1 else "parity.json"
     device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
     report = json.load(open(path))
-    missing = set(CASES) ^ {c["name"] for c in report["cases"]}
-    if missing:
-        print(f"cases differ between ferry and this script: {sorted(missing)}")
+    problems = name_mismatches(registry_names(), CASES, [c["name"] for c in report["cases"]])
+    if problems:
+        print("\n".join(problems))
         return 1
     tol = 2e-5
     worst, failures = 0.0, []

@@ -42,7 +42,8 @@ struct Watched {
 }
 
 impl Forward {
-    fn of(outputs: impl IntoIterator<Item = Tensor>) -> Self {
+    /// A forward that left `outputs`, watching nothing yet.
+    pub fn of(outputs: impl IntoIterator<Item = Tensor>) -> Self {
         Self {
             outputs: outputs.into_iter().collect(),
             watched: Vec::new(),
@@ -50,7 +51,8 @@ impl Forward {
         }
     }
 
-    fn watch(mut self, name: &'static str, t: &Tensor, kept: bool) -> Self {
+    /// Watches `t`'s storage: the graph must keep it exactly when `kept`.
+    pub fn watch(mut self, name: &'static str, t: &Tensor, kept: bool) -> Self {
         self.watched.push(Watched {
             name,
             storage: Arc::downgrade(t.storage()),
@@ -72,7 +74,7 @@ impl Forward {
     }
 
     /// A rule keeps a storage of `bytes` on `device` that the test cannot reach.
-    fn keeps_unnamed(mut self, device: Device, bytes: usize) -> Self {
+    pub fn keeps_unnamed(mut self, device: Device, bytes: usize) -> Self {
         self.unnamed.push((device, bytes));
         self
     }
@@ -83,12 +85,22 @@ impl Forward {
 /// the allocated bytes are theirs too; then that dropping the graph frees everything.
 pub fn check(device: Device, case: &Case, meter: Option<&dyn Meter>) -> Result<()> {
     let (name, forward) = case;
+    check_forward(name, device, || forward(device), meter)
+}
+
+/// [`check`] of a forward pass given as a closure (the op registry's cases).
+pub fn check_forward(
+    name: &str,
+    device: Device,
+    forward: impl FnOnce() -> Result<Forward>,
+    meter: Option<&dyn Meter>,
+) -> Result<()> {
     let before = meter.map(Meter::allocated).transpose()?;
     let Forward {
         outputs,
         watched,
         unnamed,
-    } = forward(device)?;
+    } = forward()?;
     let nodes: Vec<NodeHandle<Tensor>> = outputs.iter().filter_map(|t| t.node().cloned()).collect();
     assert_eq!(
         nodes.len(),
