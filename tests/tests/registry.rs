@@ -191,7 +191,8 @@ fn records(device: Device) -> Result<()> {
         let mut all = forward;
         if out.requires_grad() {
             let floats: Vec<&Tensor> = inputs.iter().filter(|t| t.requires_grad()).collect();
-            let seed_grad = Tensor::rand(out.shape(), out.dtype(), device)?.with_grad()?;
+            // On the output's device: a move's output is on the host whatever `device` is.
+            let seed_grad = Tensor::rand(out.shape(), out.dtype(), out.device())?.with_grad()?;
             let options = GradOptions {
                 grad_outputs: Some(vec![seed_grad]),
                 create_graph: true,
