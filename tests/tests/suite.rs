@@ -52,6 +52,8 @@ mod transfer;
 mod nn;
 // SGD, Adam, AdamW against hand-worked updates; zero_grad; optimizer state dicts.
 mod optim;
+// The CPU AdamW over host slices against the tensor step on each device (f64 CPU, CUDA kernel).
+mod host_optim;
 // safetensors checkpoints: round trips, and bad files refused with the key named.
 mod checkpoint;
 // Checkpoints read by Python's safetensors (numpy here, PyTorch on the GPU machine) and back.

@@ -2,7 +2,7 @@
 //! machine, in one run.
 //!
 //! It owns every benchmark (one module per `ferry bench` subcommand: `transfer`, `train`,
-//! `autograd`, `pipeline`, `checkpoint`, `offload`, `peer`, `ddp`), their PyTorch twins (the
+//! `autograd`, `pipeline`, `checkpoint`, `offload`, `optim`, `peer`, `ddp`), their PyTorch twins (the
 //! scripts in `python/`, beside this crate's sources) and the harness they share (`harness`):
 //! the skip without a GPU, PyTorch's side and its notes, [`Measured`] samples and their
 //! statistics, tables ([`print_table`]) and verdicts, and the JSON file with the run's facts
@@ -40,6 +40,7 @@ mod offload_grid;
 mod offload_sweep;
 mod offload_sweep_case;
 mod offload_sweep_output;
+mod optim;
 mod peer;
 mod pipeline;
 mod pipeline_stages;
@@ -80,6 +81,10 @@ enum BenchCommand {
     /// save_on_cpu(pin_memory=True) alongside. --sweep: MLPs across layers x width x batch and
     /// transformer blocks, each against the link bound and the peak goal.
     Offload(offload::OffloadArgs),
+    /// ferry's CPU AdamW (the host half of optimizer offload) in parameters/s on one large
+    /// tensor and on a Llama's tensors, against the host's copy bandwidth and, with
+    /// --compare-pytorch, torch's fused CPU AdamW. Needs no GPU.
+    Optim(optim::OptimArgs),
     /// Moves between two GPUs (4 MiB to 1 GiB, both directions); with --compare-pytorch,
     /// PyTorch's `.to('cuda:N')` and `non_blocking=True` interleaved. Needs two GPUs.
     Peer(peer::PeerArgs),
@@ -100,6 +105,7 @@ pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
         BenchCommand::Pipeline(args) => pipeline::run(args),
         BenchCommand::Checkpoint(args) => checkpoint::run(args),
         BenchCommand::Offload(args) => offload::run(args),
+        BenchCommand::Optim(args) => optim::run(args),
         BenchCommand::Peer(args) => peer::run(args),
         BenchCommand::Ddp(args) => ddp::run(args),
     }

@@ -1,4 +1,5 @@
-//! Optimizers: SGD (momentum, weight decay, Nesterov), Adam and AdamW, with state dicts;
+//! Optimizers: SGD (momentum, weight decay, Nesterov), Adam and AdamW, with state dicts, and
+//! their steps over host slices at the memory bus's speed ([`host`]);
 //! learning-rate schedules ([`LrSchedule`], [`Scheduled`]), gradient clipping
 //! ([`clip_grad_norm`], [`clip_grad_value`]) and a moving average of the weights ([`Ema`]).
 //!
@@ -31,12 +32,14 @@
 mod adam;
 mod clip;
 mod ema;
+pub mod host;
 mod schedule;
 mod sgd;
 
 pub use adam::{Adam, AdamW};
 pub use clip::{ClipOptions, clip_grad_norm, clip_grad_norm_with, clip_grad_value, grad_norm};
 pub use ema::Ema;
+pub use ferry_tensor::ops::optim::AdamStep;
 pub use schedule::{Constant, Cosine, LrSchedule, Scheduled, StepDecay, Warmup};
 pub use sgd::Sgd;
 
