@@ -2,7 +2,7 @@
 //! machine, in one run.
 //!
 //! It owns every benchmark (one module per `ferry bench` subcommand: `transfer`, `train`,
-//! `autograd`, `pipeline`, `checkpoint`, `offload`, `optim`, `peer`, `ddp`), their PyTorch twins (the
+//! `autograd`, `pipeline`, `checkpoint`, `offload`, `optim`, `offload-optim`, `peer`, `ddp`), their PyTorch twins (the
 //! scripts in `python/`, beside this crate's sources) and the harness they share (`harness`):
 //! the skip without a GPU, PyTorch's side and its notes, [`Measured`] samples and their
 //! statistics, tables ([`print_table`]) and verdicts, and the JSON file with the run's facts
@@ -37,6 +37,7 @@ mod harness;
 mod offload;
 mod offload_goals;
 mod offload_grid;
+mod offload_optim;
 mod offload_sweep;
 mod offload_sweep_case;
 mod offload_sweep_output;
@@ -85,6 +86,9 @@ enum BenchCommand {
     /// tensor and on a Llama's tensors, against the host's copy bandwidth and, with
     /// --compare-pytorch, torch's fused CPU AdamW. Needs no GPU.
     Optim(optim::OptimArgs),
+    /// ferry's GPT at about 1 B parameters trained with AdamW on the GPU and with its state
+    /// offloaded to the host (OffloadAdamW): step time, throughput, device peak, losses.
+    OffloadOptim(offload_optim::OffloadOptimArgs),
     /// Moves between two GPUs (4 MiB to 1 GiB, both directions); with --compare-pytorch,
     /// PyTorch's `.to('cuda:N')` and `non_blocking=True` interleaved. Needs two GPUs.
     Peer(peer::PeerArgs),
@@ -106,6 +110,7 @@ pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
         BenchCommand::Checkpoint(args) => checkpoint::run(args),
         BenchCommand::Offload(args) => offload::run(args),
         BenchCommand::Optim(args) => optim::run(args),
+        BenchCommand::OffloadOptim(args) => offload_optim::run(args),
         BenchCommand::Peer(args) => peer::run(args),
         BenchCommand::Ddp(args) => ddp::run(args),
     }

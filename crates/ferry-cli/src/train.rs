@@ -136,6 +136,20 @@ pub struct TrainArgs {
     /// newest N are deleted (0 keeps them all). `model.safetensors` is always the latest.
     #[arg(long, default_value_t = 3)]
     pub keep: usize,
+    /// gpt: keep AdamW's master weights and moments in host memory and step them on the CPU
+    /// while backward runs (ferry::optim::OffloadAdamW); needs a GPU --device. Gradients are
+    /// consumed as backward produces them, so it does not combine with --clip-grad-norm yet.
+    #[arg(long, conflicts_with = "clip_grad_norm")]
+    pub offload_optimizer: bool,
+    /// Cap ferry's device allocator, as FERRY_DEVICE_BUDGET does: bytes, or a size such as
+    /// 6G. Beyond it allocations fail with the out-of-memory error.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub device_budget: Option<usize>,
+}
+
+fn parse_size(text: &str) -> Result<usize, String> {
+    ferry::memory::size::parse_bytes(text)
+        .ok_or_else(|| format!("{text:?} is not a size: bytes, or a number with K, M, G or T (6G)"))
 }
 
 impl TrainArgs {

@@ -64,6 +64,25 @@ pub enum MemoryError {
         /// `None` when the driver could not say.
         memory: Option<DeviceMemoryInfo>,
     },
+    /// A device allocation would take ferry's allocator past its budget on that device
+    /// (`FERRY_DEVICE_BUDGET`, `CudaDevice::set_budget`), even after emptying its cache.
+    #[error(
+        "CUDA out of memory on {device} within ferry's device budget: tried to allocate {}, and {} reserved (of it {} allocated) \
+         plus that would pass the budget of {} (FERRY_DEVICE_BUDGET or CudaDevice::set_budget); cached blocks were already released. \
+         Raise the budget, keep the optimizer's state on the host (ferry::optim::OffloadAdamW), use a smaller batch, \
+         or free tensors you no longer need",
+        human_bytes(*.requested), human_bytes(.stats.reserved_bytes), human_bytes(.stats.allocated_bytes), human_bytes(*.budget)
+    )]
+    DeviceBudgetExceeded {
+        /// The device whose budget it is.
+        device: Device,
+        /// Bytes asked for.
+        requested: usize,
+        /// The budget, bytes.
+        budget: usize,
+        /// The allocator's statistics at the time (boxed: errors stay small).
+        stats: Box<MemoryStats>,
+    },
     /// The pinned host pool could not get page-locked memory even after emptying its cache.
     #[error(
         "could not page-lock {} of host memory ({} pinned by ferry in live buffers, {} reserved; cached blocks were already released and the request retried): \

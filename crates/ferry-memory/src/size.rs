@@ -48,6 +48,34 @@ pub(crate) fn human_bytes(bytes: usize) -> String {
     }
 }
 
+/// Bytes from a size written by a person: a plain number of bytes (`1073741824`), or a number
+/// (decimals allowed) with a binary unit `K`, `M`, `G` or `T`, optionally followed by `B` or
+/// `iB`, in any case: `8G`, `8GiB`, `512m`, `1.5G`. `None` for anything else or an overflow.
+pub fn parse_bytes(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    if number.is_empty() || number.starts_with('.') {
+        return None;
+    }
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
+    };
+    if let Ok(whole) = number.parse::<usize>() {
+        return whole.checked_mul(1usize << shift);
+    }
+    let value: f64 = number.parse().ok()?;
+    let bytes = value * (1u64 << shift) as f64;
+    (bytes.is_finite() && bytes < usize::MAX as f64).then_some(bytes as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

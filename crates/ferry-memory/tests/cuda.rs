@@ -839,3 +839,45 @@ fn a_peer_copy_waits_for_the_producer_on_the_source_gpu() {
         "the peer copy read {wrong} values before the source GPU wrote them"
     );
 }
+
+/// Lifts the device budget when the test ends, passed or not: the other tests share the device.
+struct BudgetLifted(CudaDevice);
+
+impl Drop for BudgetLifted {
+    fn drop(&mut self) {
+        self.0.set_budget(None);
+    }
+}
+
+/// A device budget: what fits is allocated, cached blocks are given back to make room, and
+/// what does not fit is the out-of-memory error, naming the budget, its variable and the fixes.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_device_budget_caps_the_allocator_and_its_error_names_it() {
+    let (_guard, device) = gpu();
+    device.empty_cache().unwrap();
+    let base = device.memory_stats().reserved_bytes;
+    let lifted = BudgetLifted(device.clone());
+    let stream = device.default_stream().clone();
+    device.set_budget(Some(base + (64 << 20)));
+    assert_eq!(device.budget(), Some(base + (64 << 20)));
+
+    let a = device.alloc(40 << 20, &stream).unwrap();
+    drop(a);
+    // 40 MiB cached and 48 MiB wanted: the cache goes back to the driver, then it fits.
+    let b = device.alloc(48 << 20, &stream).unwrap();
+    assert!(device.memory_stats().reserved_bytes <= base + (64 << 20));
+    match device.alloc(32 << 20, &stream) {
+        Err(err @ MemoryError::DeviceBudgetExceeded { .. }) => {
+            let text = err.to_string();
+            for needle in ["FERRY_DEVICE_BUDGET", "32.00 MiB", "OffloadAdamW", "cuda:0"] {
+                assert!(text.contains(needle), "{needle:?} missing from: {text}");
+            }
+        }
+        other => panic!("expected DeviceBudgetExceeded, got {other:?}"),
+    }
+    drop(b);
+    drop(lifted);
+    assert_eq!(device.budget(), None);
+    device.alloc(96 << 20, &stream).unwrap();
+}

@@ -14,7 +14,7 @@ use std::error::Error;
 
 use ferry::models::{Gpt, GptConfig};
 use ferry::nn::Module;
-use ferry::optim::{AdamW, Constant, Cosine, LrSchedule};
+use ferry::optim::{AdamW, Constant, Cosine, LrSchedule, OffloadAdamW, Optimizer};
 use ferry::prelude::*;
 use ferry::train::{EpochEnd, Every, HostBatch, Scored, Task, TrainSummary};
 use rand::{Rng, SeedableRng};
@@ -216,7 +216,26 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     let lr = args.lr.unwrap_or(3e-3);
     ferry::manual_seed(args.seed);
     let mut model = Gpt::new(config, device)?;
-    let mut opt = AdamW::new(model.parameters(), lr)?.weight_decay(args.weight_decay);
+    if let Some(bytes) = args.device_budget {
+        let Device::Cuda(ordinal) = device else {
+            return Err("--device-budget caps a GPU's allocator: give a --device cuda:N".into());
+        };
+        ferry::memory::cuda::CudaDevice::get(ordinal)?.set_budget(Some(bytes));
+    }
+    let mut opt: Box<dyn Optimizer> = if args.offload_optimizer {
+        let opt = OffloadAdamW::new(model.parameters(), lr)?.weight_decay(args.weight_decay);
+        super::say(
+            args,
+            &format!(
+                "optimizer state on the host: {:.2} GB, {:.2} GB of it pinned for the copies",
+                opt.state_bytes() as f64 / 1e9,
+                opt.pinned_bytes() as f64 / 1e9
+            ),
+        );
+        Box::new(opt)
+    } else {
+        Box::new(AdamW::new(model.parameters(), lr)?.weight_decay(args.weight_decay))
+    };
     super::say(
         args,
         &format!(
@@ -247,7 +266,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     let mut report = Report::new(args, &line);
     let summary = super::trainer(args, device)
         .schedule(schedule(args, lr)?, Every::Step)
-        .fit(&mut model, &mut opt, None, &task, &mut report)
+        .fit(&mut model, opt.as_mut(), None, &task, &mut report)
         .map_err(super::explain)?;
     if !args.quiet {
         for seed in 0..2 {

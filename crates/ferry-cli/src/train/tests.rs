@@ -40,7 +40,45 @@ fn args(out: &Path, epochs: usize) -> TrainArgs {
         layers: 4,
         heads: 4,
         steps_per_epoch: 100,
+        offload_optimizer: false,
+        device_budget: None,
     }
+}
+
+/// A tiny GPT run of one epoch of two steps on `device`, optimizer offloaded.
+fn offloaded_gpt(out: &Path, device: Device) -> TrainArgs {
+    TrainArgs {
+        task: Task::Gpt,
+        device,
+        context: 16,
+        width: 32,
+        layers: 1,
+        heads: 4,
+        steps_per_epoch: 2,
+        offload_optimizer: true,
+        ..args(out, 1)
+    }
+}
+
+#[test]
+fn offloading_the_optimizer_of_a_cpu_model_is_refused_naming_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = train(&offloaded_gpt(dir.path(), Device::Cpu))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("move the model to a GPU"), "{err}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_gpt_trains_with_its_optimizer_offloaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = offloaded_gpt(dir.path(), Device::Cuda(0));
+    args.epochs = 2;
+    let summary = train(&args).unwrap();
+    assert_eq!(summary.trained_now, 2);
+    let losses: Vec<f64> = summary.history.iter().map(|e| e.loss).collect();
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
 }
 
 #[test]

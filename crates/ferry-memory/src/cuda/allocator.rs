@@ -7,6 +7,7 @@
 //! (or waiting out an out-of-memory retry) never holds up another thread's cache hit.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::sys::{self, CUevent_flags, CUresult};
 use cudarc::driver::{CudaContext, CudaEvent, DriverError, result};
@@ -118,10 +119,31 @@ pub(crate) struct DeviceAllocator {
     device: Device,
     ctx: Arc<CudaContext>,
     pools: Mutex<Pools>,
+    /// The most bytes it may reserve from the driver (`usize::MAX`: no cap but the device's).
+    budget: AtomicUsize,
+}
+
+/// The environment variable that caps each device's allocator: bytes, or a size such as `20G`.
+pub const DEVICE_BUDGET_VARIABLE: &str = "FERRY_DEVICE_BUDGET";
+
+/// The budget `FERRY_DEVICE_BUDGET` sets, `usize::MAX` when unset; an error naming the variable
+/// when it is not a size.
+pub(crate) fn budget_from_env() -> Result<usize, MemoryError> {
+    match std::env::var(DEVICE_BUDGET_VARIABLE) {
+        Err(std::env::VarError::NotPresent) => Ok(usize::MAX),
+        Ok(value) => crate::size::parse_bytes(&value).ok_or(MemoryError::BadBudget {
+            variable: DEVICE_BUDGET_VARIABLE,
+            value,
+        }),
+        Err(std::env::VarError::NotUnicode(value)) => Err(MemoryError::BadBudget {
+            variable: DEVICE_BUDGET_VARIABLE,
+            value: value.to_string_lossy().into_owned(),
+        }),
+    }
 }
 
 impl DeviceAllocator {
-    pub(crate) fn new(device: Device, ctx: Arc<CudaContext>) -> Self {
+    pub(crate) fn new(device: Device, ctx: Arc<CudaContext>, budget: usize) -> Self {
         let pools = Pools {
             small: BlockCache::new(),
             large: BlockCache::new(),
@@ -132,7 +154,16 @@ impl DeviceAllocator {
             device,
             ctx,
             pools: Mutex::new(pools),
+            budget: AtomicUsize::new(budget),
         }
+    }
+
+    pub(crate) fn budget(&self) -> usize {
+        self.budget.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_budget(&self, bytes: usize) {
+        self.budget.store(bytes, Ordering::Release);
     }
 
     pub(crate) fn stats(&self) -> MemoryStats {
@@ -163,6 +194,15 @@ impl DeviceAllocator {
                 pools.stats.cache_hits += 1;
                 pools.stats.note_allocated(free.block.size);
                 return Ok(free.block);
+            }
+            if !self.within_budget(&mut pools, class)? {
+                let stats = pools.stats;
+                return Err(MemoryError::DeviceBudgetExceeded {
+                    device: self.device,
+                    requested: bytes,
+                    budget: self.budget(),
+                    stats: Box::new(stats),
+                });
             }
             // Counted before the driver call, which runs outside the lock.
             pools.stats.reserved_bytes += class;
@@ -198,6 +238,21 @@ impl DeviceAllocator {
                 })
             }
         }
+    }
+
+    /// Whether a new block of `class` bytes fits the budget, once cached blocks have been given
+    /// back to the driver if they are what stands in the way (the lock is let go meanwhile).
+    fn within_budget(
+        &self,
+        pools: &mut parking_lot::MutexGuard<'_, Pools>,
+        class: usize,
+    ) -> Result<bool, MemoryError> {
+        let fits = |p: &Pools| p.stats.reserved_bytes.saturating_add(class) <= self.budget();
+        if fits(pools) {
+            return Ok(true);
+        }
+        parking_lot::MutexGuard::unlocked(pools, || self.release_cached(false))?;
+        Ok(fits(pools))
     }
 
     /// `cuMemAlloc`; on out-of-memory, gives the cached blocks back to the driver (they may be

@@ -67,12 +67,13 @@ impl CudaDevice {
             });
         }
         let info = discover::info(ordinal)?;
+        let budget = super::allocator::budget_from_env()?;
         let ctx = CudaContext::new(ordinal).map_err(driver("cuDevicePrimaryCtxRetain"))?;
         let default_stream = Stream::wrap(ctx.default_stream());
         let device = CudaDevice {
             inner: Arc::new(DeviceInner {
                 info,
-                allocator: DeviceAllocator::new(Device::Cuda(ordinal), ctx.clone()),
+                allocator: DeviceAllocator::new(Device::Cuda(ordinal), ctx.clone(), budget),
                 ctx,
                 default_stream,
                 multi_stream: AtomicBool::new(false),
@@ -182,6 +183,21 @@ impl CudaDevice {
     /// The allocator's counters.
     pub fn memory_stats(&self) -> MemoryStats {
         self.inner.allocator.stats()
+    }
+
+    /// The most bytes ferry's allocator may reserve on this device, `None` for no cap but the
+    /// device's own memory. Set by `FERRY_DEVICE_BUDGET` (bytes, or a size such as `20G`) when
+    /// the device is first used, or by [`CudaDevice::set_budget`].
+    pub fn budget(&self) -> Option<usize> {
+        Some(self.inner.allocator.budget()).filter(|&b| b != usize::MAX)
+    }
+
+    /// Caps the bytes ferry's allocator may reserve on this device (`None` lifts the cap). A
+    /// request beyond it first gives cached blocks back to the driver, then fails with
+    /// [`MemoryError::DeviceBudgetExceeded`], as a request beyond the device's memory fails.
+    /// Memory already reserved stays; the cap applies to new blocks.
+    pub fn set_budget(&self, bytes: Option<usize>) {
+        self.inner.allocator.set_budget(bytes.unwrap_or(usize::MAX));
     }
 
     /// Restarts peak tracking from the current allocated bytes.

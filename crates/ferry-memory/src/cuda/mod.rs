@@ -32,7 +32,7 @@ mod stream;
 #[cfg(test)]
 pub(crate) mod test_hooks;
 
-pub use allocator::{DeviceMemoryInfo, MemoryStats};
+pub use allocator::{DEVICE_BUDGET_VARIABLE, DeviceMemoryInfo, MemoryStats};
 pub use batch::PinnedBatch;
 pub use blas::{GemmInput, GemmOutput, GemmSpec};
 pub use blas_lt::{GemmEpilogue, cublaslt_present};

@@ -33,6 +33,7 @@ mod adam;
 mod clip;
 mod ema;
 pub mod host;
+mod offload;
 mod schedule;
 mod sgd;
 
@@ -40,6 +41,7 @@ pub use adam::{Adam, AdamW};
 pub use clip::{ClipOptions, clip_grad_norm, clip_grad_norm_with, clip_grad_value, grad_norm};
 pub use ema::Ema;
 pub use ferry_tensor::ops::optim::AdamStep;
+pub use offload::OffloadAdamW;
 pub use schedule::{Constant, Cosine, LrSchedule, Scheduled, StepDecay, Warmup};
 pub use sgd::Sgd;
 

@@ -1,0 +1,277 @@
+//! `ferry bench offload-optim`: ferry's GPT at about a billion parameters trained with AdamW
+//! on the GPU, then with [`OffloadAdamW`] (state in host memory, stepped on the CPU while
+//! backward runs), from the same weights on the same batches: step time, throughput, peak
+//! device memory, where the optimizer state lives, and the losses of both runs side by side.
+//!
+//! The goals (issue 26, on the H200): throughput with offload >= 90% of the all-GPU run's at a
+//! batch where forward and backward take at least as long as the CPU step; the device's peak
+//! holds no optimizer state; losses within 1e-3 relative over the compared steps.
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use ferry::amp::autocast;
+use ferry::memory::cuda::CudaDevice;
+use ferry::models::{Gpt, GptConfig};
+use ferry::nn::{Module, cross_entropy};
+use ferry::optim::{AdamW, OffloadAdamW, Optimizer};
+use ferry::{DType, Device, Tensor};
+use serde_json::json;
+
+use crate::harness::measure::Measured;
+use crate::harness::report::{print_table, significant};
+use crate::harness::{self, NO_CUDA_DEVICE, run_info::RunInfo};
+
+#[derive(Args, Debug)]
+pub struct OffloadOptimArgs {
+    /// Transformer blocks (20 x 2048 wide: 1.0 B parameters).
+    #[arg(long, default_value_t = 20)]
+    layers: usize,
+    /// Width of the model.
+    #[arg(long, default_value_t = 2048)]
+    width: usize,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 1024)]
+    seq: usize,
+    /// Timed steps per run; the table shows their median.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    samples: u32,
+    /// Untimed steps before them.
+    #[arg(long, default_value_t = 2)]
+    warmup: u32,
+    /// Steps whose losses are compared between the runs (the first of each run's steps).
+    #[arg(long, default_value_t = 20)]
+    loss_steps: u32,
+    /// Cap ferry's device allocator at this many GiB (as FERRY_DEVICE_BUDGET does): a model
+    /// whose training state passes it fails on the GPU with the out-of-memory error and trains
+    /// with offload.
+    #[arg(long, value_name = "GIB")]
+    device_budget_gib: Option<f64>,
+    /// Write every number to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+const VOCAB: usize = 256;
+
+struct Run {
+    steps: Measured,
+    losses: Vec<f64>,
+    peak: usize,
+    params: usize,
+    pinned: usize,
+    host_state: usize,
+}
+
+fn batch(args: &OffloadOptimArgs, step: u32, device: Device) -> ferry::Result<(Tensor, Tensor)> {
+    // Deterministic token ids, different each step, the same in both runs.
+    let n = args.batch * args.seq;
+    let ids: Vec<i64> = (0..n + 1)
+        .map(|i| ((i as u64 * 2_654_435_761 + u64::from(step) * 40_503) % VOCAB as u64) as i64)
+        .collect();
+    let x = Tensor::from_vec(ids[..n].to_vec(), &[args.batch, args.seq])?;
+    let y = Tensor::from_vec(ids[1..].to_vec(), &[args.batch, args.seq])?;
+    use ferry::DeviceMove;
+    Ok((x.to(device)?, y.to(device)?))
+}
+
+fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run, Box<dyn Error>> {
+    let device = dev.device();
+    ferry::manual_seed(0);
+    let config = GptConfig {
+        vocab: VOCAB,
+        context: args.seq,
+        width: args.width,
+        layers: args.layers,
+        heads: args.width / 128,
+    };
+    let model = Gpt::new(config, device)?;
+    let params: usize = model.parameters().iter().map(Tensor::numel).sum();
+    let mut opt: Box<dyn Optimizer> = if offload {
+        Box::new(OffloadAdamW::new(model.parameters(), 1e-4)?)
+    } else {
+        Box::new(AdamW::new(model.parameters(), 1e-4)?)
+    };
+    let (pinned, host_state) = (
+        if offload {
+            2 * model.parameters().iter().map(Tensor::nbytes).sum::<usize>()
+        } else {
+            0
+        },
+        if offload { 12 * params } else { 0 },
+    );
+    dev.synchronize()?;
+    dev.reset_peak();
+    let mut steps = Measured::new();
+    let mut losses = Vec::new();
+    let total = (args.warmup + args.samples).max(args.loss_steps);
+    for step in 0..total {
+        let (x, y) = batch(args, step, device)?;
+        dev.synchronize()?;
+        let start = Instant::now();
+        opt.zero_grad();
+        let loss = autocast(DType::BF16, || {
+            let logits = model.forward(&x)?;
+            cross_entropy(
+                &logits.reshape(&[args.batch * args.seq, VOCAB])?,
+                &y.reshape(&[args.batch * args.seq])?,
+            )
+        })?;
+        loss.backward()?;
+        opt.step()?;
+        dev.synchronize()?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        if step < args.loss_steps {
+            losses.push(loss.item()?);
+        }
+        if step >= args.warmup && step < args.warmup + args.samples {
+            steps.push(ms);
+        }
+    }
+    let peak = dev.memory_stats().peak_allocated_bytes;
+    drop(opt);
+    drop(model);
+    dev.synchronize()?;
+    dev.empty_cache()?;
+    Ok(Run {
+        steps,
+        losses,
+        peak,
+        params,
+        pinned,
+        host_state,
+    })
+}
+
+fn gib_text(bytes: usize) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+fn to_json(r: &Run) -> serde_json::Value {
+    json!({ "ms": r.steps.samples_ms, "peak": r.peak, "losses": r.losses, "pinned": r.pinned,
+            "host_state": r.host_state })
+}
+
+pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
+    let Some(dev) = harness::cuda_device(0, |err| {
+        format!(
+            "{NO_CUDA_DEVICE} ({err}): ferry bench offload-optim trains on a GPU; nothing to measure here"
+        )
+    }) else {
+        return Ok(());
+    };
+    let tokens = (args.batch * args.seq) as f64;
+    println!(
+        "ferry bench offload-optim: GPT {} layers x {} wide, batch {} x {} tokens, bf16 autocast, \
+         fp32 weights; median of {} steps after {} untimed",
+        args.layers, args.width, args.batch, args.seq, args.samples, args.warmup
+    );
+    if let Some(gib) = args.device_budget_gib {
+        dev.set_budget(Some((gib * (1u64 << 30) as f64) as usize));
+        println!("device budget: {gib} GiB");
+    }
+    let outcome = |offload: bool| match train(&args, &dev, offload) {
+        Ok(run) => Some(run),
+        Err(err) => {
+            let name = if offload {
+                "OffloadAdamW"
+            } else {
+                "AdamW on the GPU"
+            };
+            println!("{name}: {err}");
+            // What the failed run left cached goes back, for the next run.
+            let _ = dev.synchronize().and_then(|()| dev.empty_cache());
+            None
+        }
+    };
+    let (gpu, off) = (outcome(false), outcome(true));
+    if args.device_budget_gib.is_some() {
+        dev.set_budget(None);
+    }
+    let params = gpu.as_ref().or(off.as_ref()).map_or(0, |r| r.params);
+    println!(
+        "{:.3} B parameters: fp32 training state (weights, gradients, Adam's moments) {}",
+        params as f64 / 1e9,
+        gib_text(16 * params)
+    );
+    let row = |name: &str, r: &Run| {
+        let ms = r.steps.median().unwrap_or(f64::NAN);
+        vec![
+            name.to_string(),
+            format!("{} ms", significant(ms)),
+            significant(tokens / ms * 1e3),
+            gib_text(r.peak),
+            gib_text(r.pinned),
+            gib_text(r.host_state),
+        ]
+    };
+    let rows: Vec<Vec<String>> = [("AdamW on the GPU", &gpu), ("OffloadAdamW", &off)]
+        .into_iter()
+        .filter_map(|(name, r)| r.as_ref().map(|r| row(name, r)))
+        .collect();
+    print_table(
+        &[
+            "run",
+            "step",
+            "tokens/s",
+            "device peak",
+            "pinned",
+            "host state",
+        ],
+        &rows,
+    );
+    if let (Some(gpu), Some(off)) = (&gpu, &off) {
+        let (a, b) = (
+            gpu.steps.median().unwrap_or(f64::NAN),
+            off.steps.median().unwrap_or(f64::NAN),
+        );
+        let worst = gpu
+            .losses
+            .iter()
+            .zip(&off.losses)
+            .map(|(x, y)| ((x - y) / x).abs())
+            .fold(0.0f64, f64::max);
+        println!(
+            "throughput with offload: {}% of the all-GPU run's (goal >= 90%); device peak {} \
+             lower; losses over {} steps within {:.2e} relative (goal <= 1e-3), last {} and {}",
+            significant(100.0 * a / b),
+            gib_text(gpu.peak.saturating_sub(off.peak)),
+            gpu.losses.len().min(off.losses.len()),
+            worst,
+            gpu.losses.last().map_or("-".into(), |l| format!("{l:.4}")),
+            off.losses.last().map_or("-".into(), |l| format!("{l:.4}")),
+        );
+    }
+    if let Some(path) = &args.json {
+        let doc = RunInfo::stamp(json!({
+            "bench": "offload-optim",
+            "layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq,
+            "params": params, "device_budget_gib": args.device_budget_gib,
+            "gpu": gpu.as_ref().map(to_json),
+            "offload": off.as_ref().map(to_json),
+        }));
+        harness::write_json(path, &doc, "step")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_machine_without_a_gpu_says_so_and_succeeds() {
+        let crate::BenchCommand::OffloadOptim(args) =
+            crate::parse_bench("ferry bench offload-optim --layers 1 --width 64 --batch 1 --seq 8")
+                .unwrap()
+        else {
+            panic!("not the offload-optim bench")
+        };
+        if ferry::memory::cuda::CudaDevice::get(0).is_err() {
+            super::run(args).unwrap();
+        }
+    }
+}

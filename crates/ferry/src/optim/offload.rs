@@ -1,0 +1,463 @@
+//! Optimizer offload: AdamW whose fp32 master weights and moments live in host memory, stepped
+//! by [`super::host`] on the CPU while backward still runs on the GPU.
+//!
+//! The GPU keeps the parameters (f32, bf16 or f16) and no optimizer state. Each parameter's
+//! gradient leaves for pinned host memory on a copy stream the moment backward has accumulated
+//! it (a post-accumulate hook), and its device memory is freed then, so the GPU holds at most
+//! the gradients still in flight. A worker thread steps each parameter as its gradient lands,
+//! writes the updated weights in the parameter's dtype into a pinned upload buffer in the same
+//! pass, and queues the upload on a second copy stream, so the link carries gradients down and
+//! weights up at once. Nothing waits on the host for an upload: the next kernel that reads a
+//! parameter waits for its copy on the device (ferry-memory orders every use of a buffer after
+//! the copies in flight into it).
+//!
+//! The key decision: the state lives in pageable memory and only what the link touches is
+//! pinned (a gradient landing buffer and an upload buffer per parameter: 4 to 8 bytes per
+//! parameter against the state's 12), so a model's state can take most of the host's memory
+//! without pinning it.
+//!
+//! What a step means: the CPU steps a parameter during backward with the learning rate set
+//! before that backward, and [`Optimizer::step`] waits for the worker to finish the steps of
+//! the gradients backward produced, steps parameters whose `.grad` was set without a backward,
+//! and counts the step. Gradients are consumed: after the step every `.grad` is `None`.
+
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+
+use ferry_memory::cuda::{PinnedBuffer, PinnedPool, Stream};
+use ferry_memory::{DType, Device, bf16, f16};
+use ferry_tensor::{Buffer, HookHandle, Result, Tensor, TensorError};
+use ferry_transfer::StateDict;
+use parking_lot::{Condvar, Mutex};
+
+use super::Optimizer;
+use super::host::{self, AdamTensor, GradSlice, ParamSlice};
+use crate::checkpoint::CheckpointError;
+use crate::nn::check_state;
+
+/// AdamW with its state in host memory; see the module docs.
+pub struct OffloadAdamW {
+    shared: Arc<Shared>,
+    hooks: Vec<HookHandle<Tensor>>,
+    worker: Option<JoinHandle<()>>,
+    /// The worker's queue; dropping it ends the worker.
+    queue: Option<Sender<usize>>,
+}
+
+/// What the hooks, the worker and the optimizer share.
+struct Shared {
+    params: Vec<Tensor>,
+    down: Stream,
+    up: Stream,
+    slots: Vec<Mutex<Slot>>,
+    hyper: Mutex<Hyper>,
+    /// Gradients sent to the worker and not yet stepped; `step` waits for zero.
+    in_flight: Mutex<usize>,
+    drained: Condvar,
+    /// The first error of a hook or the worker, reported by the next `step`.
+    error: Mutex<Option<String>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Hyper {
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+    /// Steps counted so far; the steps in progress are number `steps + 1`.
+    steps: u64,
+}
+
+/// One parameter's host side.
+struct Slot {
+    master: Vec<f32>,
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+    /// Where its gradient lands (the gradient's dtype, which is the parameter's).
+    landing: PinnedBuffer,
+    /// Where the updated weights wait for their upload (the parameter's dtype).
+    upload: PinnedBuffer,
+    /// The step its state has taken, so a gradient seen twice in one step is not applied twice.
+    stepped: u64,
+}
+
+impl OffloadAdamW {
+    /// AdamW over `params` (leaves on one CUDA device that require grad, contiguous, in f32,
+    /// bf16 or f16) with learning rate `lr`, betas (0.9, 0.999), eps 1e-8, weight decay 0.01
+    /// (torch.optim.AdamW's defaults). Copies the parameters to host master weights and pins
+    /// a landing and an upload buffer for each.
+    pub fn new(params: impl IntoIterator<Item = Tensor>, lr: f64) -> Result<Self> {
+        const OP: &str = "OffloadAdamW::new";
+        let params = super::leaf_parameters(OP, params)?;
+        let Some(first) = params.first() else {
+            return Err(invalid(OP, "no parameters to optimize".into()));
+        };
+        let Device::Cuda(ordinal) = first.device() else {
+            return Err(invalid(
+                OP,
+                format!(
+                    "parameter 0 is on {}; optimizer offload keeps GPU parameters' state on the \
+                     host, so move the model to a GPU first (`model.to(Device::Cuda(0))`), or \
+                     use `AdamW` for a model on the CPU",
+                    first.device()
+                ),
+            ));
+        };
+        let mut slots = Vec::with_capacity(params.len());
+        for (i, p) in params.iter().enumerate() {
+            if p.device() != first.device() {
+                return Err(invalid(
+                    OP,
+                    format!(
+                        "parameter {i} is on {} and parameter 0 on {}: one optimizer, one device",
+                        p.device(),
+                        first.device()
+                    ),
+                ));
+            }
+            if !matches!(p.dtype(), DType::F32 | DType::BF16 | DType::F16) || !p.is_contiguous() {
+                return Err(invalid(
+                    OP,
+                    format!(
+                        "parameter {i} is {:?} {}; offload steps contiguous f32, bf16 or f16 \
+                         parameters",
+                        p.dtype(),
+                        if p.is_contiguous() {
+                            ""
+                        } else {
+                            "and not contiguous"
+                        }
+                    ),
+                ));
+            }
+            let master = ferry_tensor::with_no_grad(|| p.to_dtype(DType::F32)?.to_vec::<f32>())?;
+            let n = p.numel();
+            let pool = PinnedPool::global()?;
+            slots.push(Mutex::new(Slot {
+                master,
+                exp_avg: vec![0.0; n],
+                exp_avg_sq: vec![0.0; n],
+                landing: pool.alloc(p.nbytes())?,
+                upload: pool.alloc(p.nbytes())?,
+                stepped: 0,
+            }));
+        }
+        let device = ferry_memory::cuda::CudaDevice::get(ordinal)?;
+        let shared = Arc::new(Shared {
+            params,
+            down: device.new_stream()?,
+            up: device.new_stream()?,
+            slots,
+            hyper: Mutex::new(Hyper {
+                lr,
+                betas: (0.9, 0.999),
+                eps: 1e-8,
+                weight_decay: 0.01,
+                steps: 0,
+            }),
+            in_flight: Mutex::new(0),
+            drained: Condvar::new(),
+            error: Mutex::new(None),
+        });
+        let (queue, landed) = channel();
+        let worker = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("ferry-offload".into())
+                .spawn(move || work(&shared, &landed))
+                .map_err(|e| invalid(OP, format!("could not start the step thread: {e}")))?
+        };
+        let mut hooks = Vec::with_capacity(shared.params.len());
+        for (i, p) in shared.params.iter().enumerate() {
+            let weak: Weak<Shared> = Arc::downgrade(&shared);
+            let queue = queue.clone();
+            hooks.push(p.register_post_accumulate_grad_hook(move |grad| {
+                let Some(shared) = weak.upgrade() else {
+                    return Ok(());
+                };
+                shared.send_down(i, grad, &queue)
+            })?);
+        }
+        Ok(Self {
+            shared,
+            hooks,
+            worker: Some(worker),
+            queue: Some(queue),
+        })
+    }
+
+    /// Decay rates of the first and second moment estimates.
+    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
+        self.shared.hyper.lock().betas = (beta1, beta2);
+        self
+    }
+
+    /// Term added to the denominator for stability.
+    pub fn eps(self, eps: f64) -> Self {
+        self.shared.hyper.lock().eps = eps;
+        self
+    }
+
+    /// Decoupled weight decay factor.
+    pub fn weight_decay(self, weight_decay: f64) -> Self {
+        self.shared.hyper.lock().weight_decay = weight_decay;
+        self
+    }
+
+    /// Pinned bytes this optimizer holds (landing and upload buffers).
+    pub fn pinned_bytes(&self) -> usize {
+        self.shared
+            .slots
+            .iter()
+            .map(|s| {
+                let s = s.lock();
+                s.landing.block_size() + s.upload.block_size()
+            })
+            .sum()
+    }
+
+    /// Host bytes of the optimizer state (master weights and both moments).
+    pub fn state_bytes(&self) -> usize {
+        12 * self.shared.params.iter().map(Tensor::numel).sum::<usize>()
+    }
+}
+
+fn invalid(op: &'static str, message: String) -> TensorError {
+    TensorError::InvalidArgument { op, message }
+}
+
+impl Shared {
+    /// From the hook: queues parameter `i`'s gradient to its landing buffer, frees it on the
+    /// device, and hands `i` to the worker.
+    fn send_down(&self, i: usize, grad: &Tensor, queue: &Sender<usize>) -> Result<()> {
+        let param = &self.params[i];
+        if grad.dtype() != param.dtype() || !grad.is_contiguous() {
+            // Gradients of a parameter come in its dtype and layout; anything else is the
+            // caller's doing, and is converted here rather than stepped wrong.
+            let grad = ferry_tensor::with_no_grad(|| grad.to_dtype(param.dtype())?.contiguous())?;
+            return self.send_down(i, &grad, queue);
+        }
+        {
+            let mut slot = self.slots[i].lock();
+            let guard = grad.storage().read();
+            let Buffer::Cuda(from) = &*guard else {
+                return Err(invalid(
+                    "OffloadAdamW",
+                    format!("the gradient of parameter {i} is on {}", grad.device()),
+                ));
+            };
+            let offset = grad.layout().offset() * grad.dtype().size();
+            from.copy_to_pinned_async_at(offset, &mut slot.landing, &self.down)?;
+        }
+        // Its device memory goes back now (the free waits for the copy on the device).
+        param.set_grad(None);
+        *self.in_flight.lock() += 1;
+        if queue.send(i).is_err() {
+            self.finish_one();
+            return Err(invalid("OffloadAdamW", "the step thread has ended".into()));
+        }
+        Ok(())
+    }
+
+    fn finish_one(&self) {
+        let mut in_flight = self.in_flight.lock();
+        *in_flight -= 1;
+        if *in_flight == 0 {
+            self.drained.notify_all();
+        }
+    }
+
+    /// Steps parameter `i` from its landed gradient and queues its upload.
+    fn step_one(&self, i: usize) -> Result<()> {
+        let hyper = *self.hyper.lock();
+        let t = hyper.steps + 1;
+        let step = host::adamw_step(t, hyper.lr, hyper.betas, hyper.eps, hyper.weight_decay);
+        let param = &self.params[i];
+        let mut slot = self.slots[i].lock();
+        if slot.stepped == t {
+            return Err(invalid(
+                "OffloadAdamW",
+                format!(
+                    "parameter {i} got a second gradient in step {t}: call `step()` after each \
+                     backward (accumulating gradients over several backward passes is not \
+                     supported with offload yet)"
+                ),
+            ));
+        }
+        let Slot {
+            master,
+            exp_avg,
+            exp_avg_sq,
+            landing,
+            upload,
+            stepped,
+        } = &mut *slot;
+        let bytes = landing.as_bytes()?;
+        let grad = match param.dtype() {
+            DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
+            DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
+            _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
+        };
+        let out_bytes = upload.as_bytes_mut()?;
+        let out = match param.dtype() {
+            DType::BF16 => ParamSlice::Bf16(bytemuck::cast_slice_mut::<u8, bf16>(out_bytes)),
+            DType::F16 => ParamSlice::F16(bytemuck::cast_slice_mut::<u8, f16>(out_bytes)),
+            _ => ParamSlice::F32(bytemuck::cast_slice_mut::<u8, f32>(out_bytes)),
+        };
+        host::adamw(
+            &step,
+            [AdamTensor {
+                master,
+                exp_avg,
+                exp_avg_sq,
+                grad,
+                out: Some(out),
+            }],
+        )?;
+        *stepped = t;
+        let offset = param.layout().offset() * param.dtype().size();
+        let mut guard = param.storage().write();
+        let Buffer::Cuda(to) = &mut *guard else {
+            unreachable!("parameters were checked to be on a GPU");
+        };
+        to.copy_from_pinned_async_at(offset, upload, &self.up)?;
+        Ok(())
+    }
+
+    fn note(&self, err: TensorError) {
+        self.error.lock().get_or_insert_with(|| err.to_string());
+    }
+}
+
+/// The worker: steps each parameter whose gradient was sent, in the order they were sent.
+fn work(shared: &Shared, landed: &Receiver<usize>) {
+    while let Ok(i) = landed.recv() {
+        if let Err(err) = shared.step_one(i) {
+            shared.note(err);
+        }
+        shared.finish_one();
+    }
+}
+
+impl Optimizer for OffloadAdamW {
+    fn step(&mut self) -> Result<()> {
+        let shared = &self.shared;
+        // Gradients set without a backward (no hook ran for them) go down now.
+        let queue = self.queue.as_ref().expect("present until drop");
+        for (i, p) in shared.params.iter().enumerate() {
+            if let Some(grad) = p.grad() {
+                shared.send_down(i, &grad, queue)?;
+            }
+        }
+        {
+            let mut in_flight = shared.in_flight.lock();
+            while *in_flight > 0 {
+                shared.drained.wait(&mut in_flight);
+            }
+        }
+        shared.hyper.lock().steps += 1;
+        match shared.error.lock().take() {
+            Some(message) => Err(invalid("OffloadAdamW::step", message)),
+            None => Ok(()),
+        }
+    }
+
+    fn parameters(&self) -> &[Tensor] {
+        &self.shared.params
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.shared.hyper.lock().lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.shared.hyper.lock().lr = lr;
+    }
+
+    fn steps(&self) -> u64 {
+        self.shared.hyper.lock().steps
+    }
+
+    /// AdamW's names (`step`, `lr`, `{i}.exp_avg`, `{i}.exp_avg_sq`) plus `{i}.master`, the
+    /// fp32 master weights, as host tensors (copies: the state keeps changing).
+    fn state_dict(&self) -> StateDict {
+        let hyper = *self.shared.hyper.lock();
+        let mut out = vec![
+            ("step".to_string(), Tensor::scalar(hyper.steps as i64)),
+            ("lr".to_string(), Tensor::scalar(hyper.lr)),
+        ];
+        for (i, (slot, p)) in self
+            .shared
+            .slots
+            .iter()
+            .zip(&self.shared.params)
+            .enumerate()
+        {
+            let slot = slot.lock();
+            let tensor =
+                |v: &[f32]| Tensor::from_slice(v, p.shape()).expect("the parameter's shape");
+            if slot.stepped > 0 {
+                out.push((format!("{i}.exp_avg"), tensor(&slot.exp_avg)));
+                out.push((format!("{i}.exp_avg_sq"), tensor(&slot.exp_avg_sq)));
+            }
+            out.push((format!("{i}.master"), tensor(&slot.master)));
+        }
+        out
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<(), CheckpointError> {
+        let f32_like = |p: &Tensor| Tensor::zeros(p.shape(), DType::F32, Device::Cpu);
+        let mut expected = vec![
+            ("step".to_string(), Tensor::scalar(0i64)),
+            ("lr".to_string(), Tensor::scalar(0f64)),
+        ];
+        for (i, p) in self.shared.params.iter().enumerate() {
+            let has = |name: &str| state.iter().any(|(k, _)| *k == format!("{i}.{name}"));
+            let names: &[&str] = if has("exp_avg") {
+                &["exp_avg", "exp_avg_sq", "master"]
+            } else {
+                &["master"]
+            };
+            for name in names {
+                expected.push((format!("{i}.{name}"), f32_like(p)?));
+            }
+        }
+        check_state("optimizer", &expected, state)?;
+        let find = |key: &str| &state.iter().find(|(k, _)| k == key).expect("checked").1;
+        for (i, slot) in self.shared.slots.iter().enumerate() {
+            let mut slot = slot.lock();
+            slot.master = find(&format!("{i}.master")).to_vec::<f32>()?;
+            let key = format!("{i}.exp_avg");
+            if state.iter().any(|(k, _)| *k == key) {
+                slot.exp_avg = find(&key).to_vec::<f32>()?;
+                slot.exp_avg_sq = find(&format!("{i}.exp_avg_sq")).to_vec::<f32>()?;
+            } else {
+                slot.exp_avg.fill(0.0);
+                slot.exp_avg_sq.fill(0.0);
+            }
+            slot.stepped = 0;
+        }
+        let mut hyper = self.shared.hyper.lock();
+        hyper.steps = find("step").item()? as u64;
+        hyper.lr = find("lr").item()?;
+        Ok(())
+    }
+}
+
+impl Drop for OffloadAdamW {
+    fn drop(&mut self) {
+        for hook in self.hooks.drain(..) {
+            // false only when the parameter is gone, and its hook with it.
+            let _ = hook.remove();
+        }
+        drop(self.queue.take());
+        if let Some(worker) = self.worker.take() {
+            // A worker that panicked has nothing left to report: its error was noted.
+            let _ = worker.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

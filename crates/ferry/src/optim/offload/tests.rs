@@ -1,0 +1,160 @@
+use ferry_tensor::{DType, Device, Tensor, manual_seed};
+
+use super::*;
+use crate::nn::{Linear, Module, ReLU, Sequential};
+use crate::optim::AdamW;
+
+fn mlp(device: Device, dtype: DType) -> Result<Sequential> {
+    manual_seed(7);
+    let mut model = Sequential::new()
+        .push(Linear::new(48, 64, Device::Cpu)?)
+        .push(ReLU)
+        .push(Linear::new(64, 5, Device::Cpu)?);
+    model.to(device)?;
+    if dtype != DType::F32 {
+        model.visit_parameters_mut("", &mut |_, p| {
+            *p = ferry_tensor::with_no_grad(|| p.detach().to_dtype(dtype))?.with_grad()?;
+            Ok(())
+        })?;
+    }
+    Ok(model)
+}
+
+fn batch(device: Device, seed: u64) -> Result<Tensor> {
+    manual_seed(seed);
+    Tensor::randn(&[16, 48], DType::F32, device)
+}
+
+fn loss(model: &Sequential, x: &Tensor) -> Result<Tensor> {
+    let x = x.to_dtype(model.parameters()[0].dtype())?;
+    model.forward(&x)?.to_dtype(DType::F32)?.powf(2.0)?.mean()
+}
+
+/// Five steps with the state on the host follow five steps of AdamW on the GPU: the same
+/// losses and weights, to the few roundings the CPU and GPU updates differ by.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn offloaded_steps_follow_adamw_on_the_gpu() {
+    let gpu = Device::Cuda(0);
+    let (reference, offloaded) = (mlp(gpu, DType::F32).unwrap(), mlp(gpu, DType::F32).unwrap());
+    let mut adamw = AdamW::new(reference.parameters(), 1e-2).unwrap();
+    let mut offload = OffloadAdamW::new(offloaded.parameters(), 1e-2).unwrap();
+    for step in 0..5 {
+        let x = batch(gpu, 100 + step).unwrap();
+        let (a, b) = (loss(&reference, &x).unwrap(), loss(&offloaded, &x).unwrap());
+        let (la, lb) = (a.item().unwrap(), b.item().unwrap());
+        assert!(
+            (la - lb).abs() <= 1e-5 * la.abs(),
+            "step {step}: loss {la} against {lb}"
+        );
+        adamw.zero_grad();
+        a.backward().unwrap();
+        adamw.step().unwrap();
+        b.backward().unwrap();
+        // Backward already sent every gradient down and freed it on the GPU.
+        assert!(offloaded.parameters().iter().all(|p| p.grad().is_none()));
+        offload.step().unwrap();
+    }
+    for (p, q) in reference.parameters().iter().zip(offloaded.parameters()) {
+        let (p, q) = (p.to_vec::<f32>().unwrap(), q.to_vec::<f32>().unwrap());
+        for (a, b) in p.iter().zip(&q) {
+            assert!((a - b).abs() <= 1e-5 * (a.abs() + 1e-2), "{a} against {b}");
+        }
+    }
+    assert_eq!(offload.steps(), 5);
+    assert!(
+        offload.pinned_bytes()
+            >= 2 * offloaded
+                .parameters()
+                .iter()
+                .map(Tensor::nbytes)
+                .sum::<usize>()
+    );
+}
+
+/// bf16 parameters: bf16 gradients land, fp32 master weights step, and the weights uploaded are
+/// the master weights rounded to bf16; the loss falls.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bf16_parameters_get_their_rounded_master_weights() {
+    let gpu = Device::Cuda(0);
+    let model = mlp(gpu, DType::BF16).unwrap();
+    let mut offload = OffloadAdamW::new(model.parameters(), 1e-2).unwrap();
+    let x = batch(gpu, 3).unwrap();
+    let first = loss(&model, &x).unwrap().item().unwrap();
+    for _ in 0..20 {
+        loss(&model, &x).unwrap().backward().unwrap();
+        offload.step().unwrap();
+    }
+    let last = loss(&model, &x).unwrap().item().unwrap();
+    assert!(last < 0.5 * first, "loss {first} -> {last}");
+    let state = offload.state_dict();
+    for (i, p) in model.parameters().iter().enumerate() {
+        let master = &state
+            .iter()
+            .find(|(k, _)| *k == format!("{i}.master"))
+            .unwrap()
+            .1;
+        let rounded: Vec<u16> = master
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|m| bf16::from_f32(*m).to_bits())
+            .collect();
+        let on_gpu: Vec<u16> = p
+            .to_vec::<bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(on_gpu, rounded, "parameter {i}");
+    }
+}
+
+/// A state dict taken after some steps and loaded into a fresh optimizer continues as the
+/// original does.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_loaded_state_dict_continues_the_run() {
+    let gpu = Device::Cuda(0);
+    let (a, b) = (mlp(gpu, DType::F32).unwrap(), mlp(gpu, DType::F32).unwrap());
+    let mut first = OffloadAdamW::new(a.parameters(), 1e-2).unwrap();
+    let x = batch(gpu, 5).unwrap();
+    for _ in 0..3 {
+        loss(&a, &x).unwrap().backward().unwrap();
+        first.step().unwrap();
+    }
+    // b gets a's weights and a's optimizer state.
+    for (p, q) in a.parameters().iter().zip(b.parameters()) {
+        q.assign(p).unwrap();
+    }
+    let mut second = OffloadAdamW::new(b.parameters(), 1e-2).unwrap();
+    second.load_state_dict(&first.state_dict()).unwrap();
+    assert_eq!(second.steps(), 3);
+    for (model, opt) in [(&a, &mut first), (&b, &mut second)] {
+        loss(model, &x).unwrap().backward().unwrap();
+        opt.step().unwrap();
+    }
+    for (p, q) in a.parameters().iter().zip(b.parameters()) {
+        assert_eq!(p.to_vec::<f32>().unwrap(), q.to_vec::<f32>().unwrap());
+    }
+}
+
+/// Parameters on the CPU are refused with the fix named.
+#[test]
+fn parameters_on_the_cpu_are_refused_naming_the_fix() {
+    let model = mlp(Device::Cpu, DType::F32).unwrap();
+    let err = OffloadAdamW::new(model.parameters(), 1e-3)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("move the model to a GPU") && err.contains("AdamW"),
+        "{err}"
+    );
+    let err = OffloadAdamW::new(Vec::new(), 1e-3)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("no parameters"), "{err}");
+}
