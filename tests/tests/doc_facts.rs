@@ -272,13 +272,17 @@ fn copies_across_the_boundary_outside_ferry_transfer_are_the_ones_the_guide_list
         "copy_from_pinned_async",
     ];
     // (where the copies are, what guide/03 calls them)
-    const LISTED: [(&str, &str); 3] = [
+    const LISTED: [(&str, &str); 4] = [
         ("crates/ferry-tensor/src/cuda/", "`to_vec`"),
         (
             "crates/ferry-tensor/src/autograd/offload",
             "`crates/ferry-tensor/src/autograd/offload.rs`",
         ),
         ("crates/ferry/src/checkpoint/", "`ferry::checkpoint`"),
+        (
+            "crates/ferry/src/optim/offload",
+            "`crates/ferry/src/optim/offload.rs`",
+        ),
     ];
     let guide = read("docs/guide/03-device-moves.md");
     for (_, named) in LISTED {

@@ -47,6 +47,13 @@ pub struct OffloadOptimArgs {
     /// Steps whose losses are compared between the runs (the first of each run's steps).
     #[arg(long, default_value_t = 20)]
     loss_steps: u32,
+    /// Peak learning rate, reached by a linear warm-up over the first 20 steps (both runs).
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    /// The offloaded run keeps bf16 weights on the GPU (fp32 master weights on the host), as a
+    /// model that does not fit otherwise would; the all-GPU run stays fp32.
+    #[arg(long)]
+    offload_bf16: bool,
     /// Cap ferry's device allocator at this many GiB (as FERRY_DEVICE_BUDGET does): a model
     /// whose training state passes it fails on the GPU with the out-of-memory error and trains
     /// with offload.
@@ -90,21 +97,25 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
         layers: args.layers,
         heads: args.width / 128,
     };
-    let model = Gpt::new(config, device)?;
+    let mut model = Gpt::new(config, device)?;
+    if offload && args.offload_bf16 {
+        model.visit_parameters_mut("", &mut |_, p| {
+            *p = ferry::with_no_grad(|| p.detach().to_dtype(DType::BF16))?.with_grad()?;
+            Ok(())
+        })?;
+    }
     let params: usize = model.parameters().iter().map(Tensor::numel).sum();
     let mut opt: Box<dyn Optimizer> = if offload {
-        Box::new(OffloadAdamW::new(model.parameters(), 1e-4)?)
+        Box::new(OffloadAdamW::new(model.parameters(), args.lr)?)
     } else {
-        Box::new(AdamW::new(model.parameters(), 1e-4)?)
+        Box::new(AdamW::new(model.parameters(), args.lr)?)
     };
-    let (pinned, host_state) = (
-        if offload {
-            2 * model.parameters().iter().map(Tensor::nbytes).sum::<usize>()
-        } else {
-            0
-        },
-        if offload { 12 * params } else { 0 },
-    );
+    let weights: usize = model.parameters().iter().map(Tensor::nbytes).sum();
+    let (pinned, host_state) = if offload {
+        (2 * weights, 12 * params)
+    } else {
+        (0, 0)
+    };
     dev.synchronize()?;
     dev.reset_peak();
     let mut steps = Measured::new();
@@ -113,6 +124,7 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
     for step in 0..total {
         let (x, y) = batch(args, step, device)?;
         dev.synchronize()?;
+        opt.set_learning_rate(args.lr * f64::from(step + 1).min(20.0) / 20.0);
         let start = Instant::now();
         opt.zero_grad();
         let loss = autocast(DType::BF16, || {

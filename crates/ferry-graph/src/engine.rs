@@ -1,6 +1,8 @@
 //! The backward engine. It plans on a petgraph of what the roots reach (only what leads to the
 //! asked-for inputs, for [`grad`]), then runs nodes in dependency order, latest-recorded first,
 //! freeing each node's saved buffers as soon as its rule has run unless the graph is retained.
+//! A leaf accumulates as soon as its gradient is complete, ahead of every rule: its hooks (a
+//! bucket's all-reduce, a gradient's copy to the host) start while backward goes on.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::BuildHasherDefault;
@@ -100,11 +102,26 @@ struct Run<G: GradValue> {
     options: BackwardOptions,
 }
 
-/// Ready nodes, latest recorded first.
+/// Ready nodes: leaves first, then latest recorded first.
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
 struct Ready {
     seq: u64,
     index: NodeIndex,
+}
+
+impl Ready {
+    fn of<G: GradValue>(graph: &DiGraph<NodeHandle<G>, usize>, index: NodeIndex) -> Self {
+        let node = &graph[index].0;
+        // A leaf's accumulation ends its gradient's journey: nothing waits behind it, and
+        // its post-accumulate hooks should start at once, not after every rule recorded later
+        // than the leaf was made (all of them).
+        let seq = if node.leaf_grad.is_some() {
+            u64::MAX
+        } else {
+            node.seq
+        };
+        Self { seq, index }
+    }
 }
 
 impl<G: GradValue> Run<G> {
@@ -181,10 +198,7 @@ impl<G: GradValue> Run<G> {
             .graph
             .node_indices()
             .filter(|i| self.needed[i.index()] && self.waiting[i.index()] == 0)
-            .map(|index| Ready {
-                seq: self.graph[index].0.seq,
-                index,
-            })
+            .map(|index| Ready::of(&self.graph, index))
             .collect();
         // Only while some saved buffer is off its device: one atomic read otherwise.
         let mut prefetch = (OffloadedSave::live() > 0).then(|| Prefetch::plan(&self));
@@ -216,10 +230,7 @@ impl<G: GradValue> Run<G> {
                 }
                 self.waiting[target.index()] -= 1;
                 if self.waiting[target.index()] == 0 {
-                    ready.push(Ready {
-                        seq: self.graph[target].0.seq,
-                        index: target,
-                    });
+                    ready.push(Ready::of(&self.graph, target));
                 }
             }
         }

@@ -604,3 +604,32 @@ fn backward_prefetches_two_nodes_ahead_or_a_window_of_bytes_while_a_save_is_offl
         ]
     );
 }
+
+#[test]
+fn a_leaf_accumulates_as_soon_as_its_gradient_is_complete() {
+    // a and b are made first, so every rule is recorded after them; b's gradient is complete
+    // once v has run, while u (recorded before v) still waits.
+    let g = Graph::new();
+    let (a, _) = leaf(&g, 2.0);
+    let (b, db) = leaf(&g, 5.0);
+    let u = mul(&g, &a, &constant(3.0));
+    let v = mul(&g, &b, &constant(2.0));
+    let w = mul(&g, &u, &v);
+    let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let (in_u, in_b) = (Arc::clone(&order), Arc::clone(&order));
+    let _u = u.node.as_ref().unwrap().register_hook(move |_: &f64| {
+        in_u.lock().push("u runs");
+        Ok(None)
+    });
+    let _b = b
+        .node
+        .as_ref()
+        .unwrap()
+        .register_post_accumulate_hook(move |_: &f64| {
+            in_b.lock().push("b accumulated");
+            Ok(())
+        });
+    run(&w).unwrap();
+    assert_eq!(*order.lock(), vec!["b accumulated", "u runs"]);
+    assert_eq!(grad(&db), Some(12.0), "dw/db = u·2 = 6·2");
+}

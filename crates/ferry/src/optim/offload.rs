@@ -161,11 +161,19 @@ impl OffloadAdamW {
             error: Mutex::new(None),
         });
         let (queue, landed) = channel();
+        // One core fewer than the machine has: the thread that runs backward must keep
+        // launching kernels while the steps stream memory on the rest.
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(cores.saturating_sub(1).max(1))
+            .thread_name(|i| format!("ferry-offload-{i}"))
+            .build()
+            .map_err(|e| invalid(OP, format!("could not start the step threads: {e}")))?;
         let worker = {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
                 .name("ferry-offload".into())
-                .spawn(move || work(&shared, &landed))
+                .spawn(move || work(&shared, &landed, &pool))
                 .map_err(|e| invalid(OP, format!("could not start the step thread: {e}")))?
         };
         let mut hooks = Vec::with_capacity(shared.params.len());
@@ -330,10 +338,11 @@ impl Shared {
     }
 }
 
-/// The worker: steps each parameter whose gradient was sent, in the order they were sent.
-fn work(shared: &Shared, landed: &Receiver<usize>) {
+/// The worker: steps each parameter whose gradient was sent, in the order they were sent, on
+/// the cores of `pool`.
+fn work(shared: &Shared, landed: &Receiver<usize>, pool: &rayon::ThreadPool) {
     while let Ok(i) = landed.recv() {
-        if let Err(err) = shared.step_one(i) {
+        if let Err(err) = pool.install(|| shared.step_one(i)) {
             shared.note(err);
         }
         shared.finish_one();
