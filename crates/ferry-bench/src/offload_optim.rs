@@ -68,6 +68,7 @@ const VOCAB: usize = 256;
 
 struct Run {
     steps: Measured,
+    step_calls: Measured,
     losses: Vec<f64>,
     peak: usize,
     params: usize,
@@ -119,6 +120,8 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
     dev.synchronize()?;
     dev.reset_peak();
     let mut steps = Measured::new();
+    // How long `step()` held the training thread (for offload: waiting for the CPU's steps).
+    let mut step_calls = Measured::new();
     let mut losses = Vec::new();
     let total = (args.warmup + args.samples).max(args.loss_steps);
     for step in 0..total {
@@ -135,7 +138,9 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
             )
         })?;
         loss.backward()?;
+        let stepping = Instant::now();
         opt.step()?;
+        let step_ms = stepping.elapsed().as_secs_f64() * 1e3;
         dev.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         if step < args.loss_steps {
@@ -143,6 +148,7 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
         }
         if step >= args.warmup && step < args.warmup + args.samples {
             steps.push(ms);
+            step_calls.push(step_ms);
         }
     }
     let peak = dev.memory_stats().peak_allocated_bytes;
@@ -152,6 +158,7 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
     dev.empty_cache()?;
     Ok(Run {
         steps,
+        step_calls,
         losses,
         peak,
         params,
@@ -165,7 +172,7 @@ fn gib_text(bytes: usize) -> String {
 }
 
 fn to_json(r: &Run) -> serde_json::Value {
-    json!({ "ms": r.steps.samples_ms, "peak": r.peak, "losses": r.losses, "pinned": r.pinned,
+    json!({ "ms": r.steps.samples_ms, "step_call_ms": r.step_calls.samples_ms, "peak": r.peak, "losses": r.losses, "pinned": r.pinned,
             "host_state": r.host_state })
 }
 
@@ -216,6 +223,10 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         vec![
             name.to_string(),
             format!("{} ms", significant(ms)),
+            format!(
+                "{} ms",
+                significant(r.step_calls.median().unwrap_or(f64::NAN))
+            ),
             significant(tokens / ms * 1e3),
             gib_text(r.peak),
             gib_text(r.pinned),
