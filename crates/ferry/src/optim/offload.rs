@@ -25,7 +25,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
-use ferry_memory::cuda::{Event, PinnedBuffer, PinnedPool, Stream};
+use ferry_memory::cuda::{PinnedBuffer, PinnedPool, Stream};
 use ferry_memory::{DType, Device, bf16, f16};
 use ferry_tensor::{Buffer, HookHandle, Result, Tensor, TensorError};
 use ferry_transfer::StateDict;
@@ -80,9 +80,6 @@ struct Slot {
     upload: PinnedBuffer,
     /// The step its state has taken, so a gradient seen twice in one step is not applied twice.
     stepped: u64,
-    /// Recorded on the copy stream after the gradient's copy, which itself came after every
-    /// kernel that read the parameter in this backward: its upload need wait for nothing else.
-    landed: Option<Event>,
 }
 
 impl OffloadAdamW {
@@ -144,7 +141,6 @@ impl OffloadAdamW {
                 landing: pool.alloc(p.nbytes())?,
                 upload: pool.alloc(p.nbytes())?,
                 stepped: 0,
-                landed: None,
             }));
         }
         let device = ferry_memory::cuda::CudaDevice::get(ordinal)?;
@@ -261,7 +257,6 @@ impl Shared {
             };
             let offset = grad.layout().offset() * grad.dtype().size();
             from.copy_to_pinned_async_at(offset, &mut slot.landing, &self.down)?;
-            slot.landed = Some(self.down.record()?);
         }
         // Its device memory goes back now (the free waits for the copy on the device).
         param.set_grad(None);
@@ -305,7 +300,6 @@ impl Shared {
             landing,
             upload,
             stepped,
-            landed,
         } = &mut *slot;
         let bytes = landing.as_bytes()?;
         let grad = match param.dtype() {
@@ -335,11 +329,7 @@ impl Shared {
         let Buffer::Cuda(to) = &mut *guard else {
             unreachable!("parameters were checked to be on a GPU");
         };
-        // After the gradient's copy, not after all of backward: the upload runs beside the rest.
-        match landed.take() {
-            Some(ready) => to.copy_from_pinned_async_at_after(offset, upload, &self.up, &ready)?,
-            None => to.copy_from_pinned_async_at(offset, upload, &self.up)?,
-        }
+        to.copy_from_pinned_async_at(offset, upload, &self.up)?;
         Ok(())
     }
 

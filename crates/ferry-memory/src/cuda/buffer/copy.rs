@@ -190,49 +190,7 @@ impl DeviceBuffer {
         src: &mut PinnedBuffer,
         stream: &Stream,
     ) -> Result<(), MemoryError> {
-        self.upload("copy_from_pinned_async", offset, src, stream, None)
-    }
-
-    /// [`DeviceBuffer::copy_from_pinned_async_at`], ordered on the device after `ready` alone:
-    /// an event recorded after the last work that reads these bytes before they are replaced,
-    /// not after everything queued on the buffer's stream so far. An optimizer writes a
-    /// parameter back this way while backward's later kernels, which do not read it, still run.
-    /// Work queued on the home stream since `ready` that reads the bytes races with the copy;
-    /// later uses on any stream wait for it, as after any copy.
-    pub fn copy_from_pinned_async_at_after(
-        &mut self,
-        offset: usize,
-        src: &mut PinnedBuffer,
-        stream: &Stream,
-        ready: &Event,
-    ) -> Result<(), MemoryError> {
-        if ready.cudarc().context() != self.stream.cudarc().context() {
-            return Err(MemoryError::DeviceMismatch {
-                op: "copy_from_pinned_async_at_after",
-                expected: self.device(),
-                actual: Device::Cuda(ready.cudarc().context().ordinal()),
-            });
-        }
-        self.upload(
-            "copy_from_pinned_async_at_after",
-            offset,
-            src,
-            stream,
-            Some(ready),
-        )
-    }
-
-    /// Queues the pinned-to-device copy into bytes `offset..offset + src.len()` on `stream`,
-    /// ordered after `producers` when given (else after everything on the home stream).
-    fn upload(
-        &mut self,
-        op: &'static str,
-        offset: usize,
-        src: &mut PinnedBuffer,
-        stream: &Stream,
-        producers: Option<&Event>,
-    ) -> Result<(), MemoryError> {
-        let dst = self.range_after(op, offset, src.len(), stream, producers)?;
+        let dst = self.range("copy_from_pinned_async", offset, src.len(), stream)?;
         if src.is_empty() {
             return Ok(());
         }
