@@ -16,7 +16,7 @@ use ferry::amp::autocast;
 use ferry::memory::cuda::CudaDevice;
 use ferry::models::{Gpt, GptConfig};
 use ferry::nn::{Module, cross_entropy};
-use ferry::optim::{AdamW, OffloadAdamW, Optimizer};
+use ferry::optim::{AdamW, OffloadAdamW, Optimizer, StepTimeline};
 use ferry::{DType, Device, Tensor};
 use serde_json::json;
 
@@ -66,8 +66,57 @@ pub struct OffloadOptimArgs {
 
 const VOCAB: usize = 256;
 
+/// One offloaded step on the host's clock, milliseconds from the start of its forward.
+#[derive(Debug, Clone, Copy, Default)]
+struct Timeline {
+    /// Backward queued (its call returned).
+    backward: f64,
+    sent: (f64, f64),
+    landed: (f64, f64),
+    stepped: f64,
+    busy: f64,
+    returned: f64,
+    /// The GPU done (after a synchronize).
+    synced: f64,
+}
+
+impl Timeline {
+    fn of(start: Instant, backward: Instant, t: &StepTimeline, synced: f64) -> Self {
+        let ms = |at: Instant| at.saturating_duration_since(start).as_secs_f64() * 1e3;
+        let span =
+            |s: Option<(Instant, Instant)>| s.map_or((f64::NAN, f64::NAN), |(a, b)| (ms(a), ms(b)));
+        Self {
+            backward: ms(backward),
+            sent: span(t.sent),
+            landed: span(t.landed),
+            stepped: t.stepped.map_or(f64::NAN, ms),
+            busy: t.busy.as_secs_f64() * 1e3,
+            returned: t.returned.map_or(f64::NAN, ms),
+            synced,
+        }
+    }
+
+    /// The median of each field over `all`.
+    fn median(all: &[Self]) -> Option<Self> {
+        let m = |f: fn(&Self) -> f64| {
+            let v: Vec<f64> = all.iter().map(f).collect();
+            crate::harness::measure::median(&v).unwrap_or(f64::NAN)
+        };
+        (!all.is_empty()).then(|| Self {
+            backward: m(|t| t.backward),
+            sent: (m(|t| t.sent.0), m(|t| t.sent.1)),
+            landed: (m(|t| t.landed.0), m(|t| t.landed.1)),
+            stepped: m(|t| t.stepped),
+            busy: m(|t| t.busy),
+            returned: m(|t| t.returned),
+            synced: m(|t| t.synced),
+        })
+    }
+}
+
 struct Run {
     steps: Measured,
+    timelines: Vec<Timeline>,
     step_calls: Measured,
     losses: Vec<f64>,
     peak: usize,
@@ -106,10 +155,10 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
         })?;
     }
     let params: usize = model.parameters().iter().map(Tensor::numel).sum();
-    let mut opt: Box<dyn Optimizer> = if offload {
-        Box::new(OffloadAdamW::new(model.parameters(), args.lr)?)
+    let (mut gpu_opt, mut offload_opt) = if offload {
+        (None, Some(OffloadAdamW::new(model.parameters(), args.lr)?))
     } else {
-        Box::new(AdamW::new(model.parameters(), args.lr)?)
+        (Some(AdamW::new(model.parameters(), args.lr)?), None)
     };
     let weights: usize = model.parameters().iter().map(Tensor::nbytes).sum();
     let (pinned, host_state) = if offload {
@@ -123,10 +172,16 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
     // How long `step()` held the training thread (for offload: waiting for the CPU's steps).
     let mut step_calls = Measured::new();
     let mut losses = Vec::new();
+    let mut timelines = Vec::new();
     let total = (args.warmup + args.samples).max(args.loss_steps);
     for step in 0..total {
         let (x, y) = batch(args, step, device)?;
         dev.synchronize()?;
+        let opt: &mut dyn Optimizer = match (&mut gpu_opt, &mut offload_opt) {
+            (Some(adamw), _) => adamw,
+            (_, Some(offload)) => offload,
+            (None, None) => unreachable!("one of the two was made"),
+        };
         opt.set_learning_rate(args.lr * f64::from(step + 1).min(20.0) / 20.0);
         let start = Instant::now();
         opt.zero_grad();
@@ -143,6 +198,12 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
         let step_ms = stepping.elapsed().as_secs_f64() * 1e3;
         dev.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
+        if let Some(offload) = &offload_opt
+            && step >= args.warmup
+            && step < args.warmup + args.samples
+        {
+            timelines.push(Timeline::of(start, stepping, &offload.last_timeline(), ms));
+        }
         if step < args.loss_steps {
             losses.push(loss.item()?);
         }
@@ -152,12 +213,13 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
         }
     }
     let peak = dev.memory_stats().peak_allocated_bytes;
-    drop(opt);
+    drop((gpu_opt, offload_opt));
     drop(model);
     dev.synchronize()?;
     dev.empty_cache()?;
     Ok(Run {
         steps,
+        timelines,
         step_calls,
         losses,
         peak,
@@ -172,7 +234,17 @@ fn gib_text(bytes: usize) -> String {
 }
 
 fn to_json(r: &Run) -> serde_json::Value {
-    json!({ "ms": r.steps.samples_ms, "step_call_ms": r.step_calls.samples_ms, "peak": r.peak, "losses": r.losses, "pinned": r.pinned,
+    let timelines: Vec<_> = r
+        .timelines
+        .iter()
+        .map(|t| {
+            json!({ "backward": t.backward, "sent": [t.sent.0, t.sent.1],
+                    "landed": [t.landed.0, t.landed.1], "stepped": t.stepped, "busy": t.busy,
+                    "returned": t.returned, "synced": t.synced })
+        })
+        .collect();
+    json!({ "ms": r.steps.samples_ms, "step_call_ms": r.step_calls.samples_ms,
+            "timelines": timelines, "peak": r.peak, "losses": r.losses, "pinned": r.pinned,
             "host_state": r.host_state })
 }
 
@@ -248,6 +320,22 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         ],
         &rows,
     );
+    if let Some(t) = off.as_ref().and_then(|r| Timeline::median(&r.timelines)) {
+        println!(
+            "one offloaded step on the host's clock, ms from the start of forward (medians): \
+             forward and backward queued by {}; gradients sent {}-{}; landed {}-{}; the CPU \
+             busy {} ms, its last step done at {}; step() returned at {}; the GPU done at {}",
+            significant(t.backward),
+            significant(t.sent.0),
+            significant(t.sent.1),
+            significant(t.landed.0),
+            significant(t.landed.1),
+            significant(t.busy),
+            significant(t.stepped),
+            significant(t.returned),
+            significant(t.synced),
+        );
+    }
     if let (Some(gpu), Some(off)) = (&gpu, &off) {
         let (a, b) = (
             gpu.steps.median().unwrap_or(f64::NAN),

@@ -24,6 +24,7 @@
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use ferry_memory::cuda::{PinnedBuffer, PinnedPool, Stream};
 use ferry_memory::{DType, Device, bf16, f16};
@@ -39,6 +40,7 @@ use crate::nn::check_state;
 /// AdamW with its state in host memory; see the module docs.
 pub struct OffloadAdamW {
     shared: Arc<Shared>,
+    last_timeline: Mutex<StepTimeline>,
     hooks: Vec<HookHandle<Tensor>>,
     worker: Option<JoinHandle<()>>,
     /// The worker's queue; dropping it ends the worker.
@@ -57,6 +59,28 @@ struct Shared {
     drained: Condvar,
     /// The first error of a hook or the worker, reported by the next `step`.
     error: Mutex<Option<String>>,
+    /// When this step's gradients went down, landed and were stepped.
+    timeline: Mutex<StepTimeline>,
+}
+
+/// When the parts of one optimizer step happened, on the host's clock: what overlaps what.
+/// [`OffloadAdamW::last_timeline`] gives the last step's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTimeline {
+    /// The first and the last gradient handed to the copy stream (by backward's hooks).
+    pub sent: Option<(Instant, Instant)>,
+    /// The first and the last gradient found landed in host memory by the step thread.
+    pub landed: Option<(Instant, Instant)>,
+    /// When the step thread finished its last parameter (its upload queued).
+    pub stepped: Option<Instant>,
+    /// Time the step thread spent stepping (waiting for gradients excluded).
+    pub busy: Duration,
+    /// When `step()` returned.
+    pub returned: Option<Instant>,
+}
+
+fn widen(span: &mut Option<(Instant, Instant)>, at: Instant) {
+    *span = Some(span.map_or((at, at), |(first, _)| (first, at)));
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -159,6 +183,7 @@ impl OffloadAdamW {
             in_flight: Mutex::new(0),
             drained: Condvar::new(),
             error: Mutex::new(None),
+            timeline: Mutex::new(StepTimeline::default()),
         });
         let (queue, landed) = channel();
         // One core fewer than the machine has: the thread that runs backward must keep
@@ -189,6 +214,7 @@ impl OffloadAdamW {
         }
         Ok(Self {
             shared,
+            last_timeline: Mutex::new(StepTimeline::default()),
             hooks,
             worker: Some(worker),
             queue: Some(queue),
@@ -225,6 +251,12 @@ impl OffloadAdamW {
             .sum()
     }
 
+    /// When the last step's gradients went down, landed and were stepped, and when `step()`
+    /// returned.
+    pub fn last_timeline(&self) -> StepTimeline {
+        *self.last_timeline.lock()
+    }
+
     /// Host bytes of the optimizer state (master weights and both moments).
     pub fn state_bytes(&self) -> usize {
         12 * self.shared.params.iter().map(Tensor::numel).sum::<usize>()
@@ -258,6 +290,7 @@ impl Shared {
             let offset = grad.layout().offset() * grad.dtype().size();
             from.copy_to_pinned_async_at(offset, &mut slot.landing, &self.down)?;
         }
+        widen(&mut self.timeline.lock().sent, Instant::now());
         // Its device memory goes back now (the free waits for the copy on the device).
         param.set_grad(None);
         *self.in_flight.lock() += 1;
@@ -302,6 +335,8 @@ impl Shared {
             stepped,
         } = &mut *slot;
         let bytes = landing.as_bytes()?;
+        let began = Instant::now();
+        widen(&mut self.timeline.lock().landed, began);
         let grad = match param.dtype() {
             DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
             DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
@@ -330,6 +365,10 @@ impl Shared {
             unreachable!("parameters were checked to be on a GPU");
         };
         to.copy_from_pinned_async_at(offset, upload, &self.up)?;
+        let mut timeline = self.timeline.lock();
+        let done = Instant::now();
+        timeline.stepped = Some(done);
+        timeline.busy += done - began;
         Ok(())
     }
 
@@ -366,6 +405,9 @@ impl Optimizer for OffloadAdamW {
             }
         }
         shared.hyper.lock().steps += 1;
+        let mut timeline = std::mem::take(&mut *shared.timeline.lock());
+        timeline.returned = Some(Instant::now());
+        *self.last_timeline.lock() = timeline;
         match shared.error.lock().take() {
             Some(message) => Err(invalid("OffloadAdamW::step", message)),
             None => Ok(()),

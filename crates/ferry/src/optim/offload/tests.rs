@@ -62,6 +62,14 @@ fn offloaded_steps_follow_adamw_on_the_gpu() {
         }
     }
     assert_eq!(offload.steps(), 5);
+    // The last step's timeline: sent before landed, stepped before step() returned.
+    let t = offload.last_timeline();
+    let ((sent, _), (landed, _)) = (t.sent.unwrap(), t.landed.unwrap());
+    assert!(
+        sent <= landed && t.stepped.unwrap() <= t.returned.unwrap(),
+        "{t:?}"
+    );
+    assert!(t.busy > std::time::Duration::ZERO);
     assert!(
         offload.pinned_bytes()
             >= 2 * offloaded
