@@ -75,6 +75,7 @@ struct Timeline {
     landed: (f64, f64),
     stepped: f64,
     busy: f64,
+    queuing: f64,
     returned: f64,
     /// The GPU done (after a synchronize).
     synced: f64,
@@ -91,6 +92,7 @@ impl Timeline {
             landed: span(t.landed),
             stepped: t.stepped.map_or(f64::NAN, ms),
             busy: t.busy.as_secs_f64() * 1e3,
+            queuing: t.queuing.as_secs_f64() * 1e3,
             returned: t.returned.map_or(f64::NAN, ms),
             synced,
         }
@@ -108,6 +110,7 @@ impl Timeline {
             landed: (m(|t| t.landed.0), m(|t| t.landed.1)),
             stepped: m(|t| t.stepped),
             busy: m(|t| t.busy),
+            queuing: m(|t| t.queuing),
             returned: m(|t| t.returned),
             synced: m(|t| t.synced),
         })
@@ -239,7 +242,7 @@ fn to_json(r: &Run) -> serde_json::Value {
         .iter()
         .map(|t| {
             json!({ "backward": t.backward, "sent": [t.sent.0, t.sent.1],
-                    "landed": [t.landed.0, t.landed.1], "stepped": t.stepped, "busy": t.busy,
+                    "landed": [t.landed.0, t.landed.1], "stepped": t.stepped, "busy": t.busy, "queuing": t.queuing,
                     "returned": t.returned, "synced": t.synced })
         })
         .collect();
@@ -324,13 +327,15 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         println!(
             "one offloaded step on the host's clock, ms from the start of forward (medians): \
              forward and backward queued by {}; gradients sent {}-{}; landed {}-{}; the CPU \
-             busy {} ms, its last step done at {}; step() returned at {}; the GPU done at {}",
+             busy {} ms ({} of it queuing uploads), its last step done at {}; step() returned \
+             at {}; the GPU done at {}",
             significant(t.backward),
             significant(t.sent.0),
             significant(t.sent.1),
             significant(t.landed.0),
             significant(t.landed.1),
             significant(t.busy),
+            significant(t.queuing),
             significant(t.stepped),
             significant(t.returned),
             significant(t.synced),

@@ -73,8 +73,11 @@ pub struct StepTimeline {
     pub landed: Option<(Instant, Instant)>,
     /// When the step thread finished its last parameter (its upload queued).
     pub stepped: Option<Instant>,
-    /// Time the step thread spent stepping (waiting for gradients excluded).
+    /// Time the step thread spent stepping (waiting for gradients excluded): the AdamW passes,
+    /// and `queuing`.
     pub busy: Duration,
+    /// Of `busy`, the time taken by writing each parameter's storage and queuing its upload.
+    pub queuing: Duration,
     /// When `step()` returned.
     pub returned: Option<Instant>,
 }
@@ -359,6 +362,7 @@ impl Shared {
             }],
         )?;
         *stepped = t;
+        let queuing = Instant::now();
         let offset = param.layout().offset() * param.dtype().size();
         let mut guard = param.storage().write();
         let Buffer::Cuda(to) = &mut *guard else {
@@ -369,6 +373,7 @@ impl Shared {
         let done = Instant::now();
         timeline.stepped = Some(done);
         timeline.busy += done - began;
+        timeline.queuing += done - queuing;
         Ok(())
     }
 
