@@ -327,7 +327,7 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         println!(
             "one offloaded step on the host's clock, ms from the start of forward (medians): \
              forward and backward queued by {}; gradients sent {}-{}; landed {}-{}; the CPU \
-             busy {} ms ({} of it queuing uploads), its last step done at {}; step() returned \
+             passes {} ms, the upload thread's {} ms, the last upload queued at {}; step() returned \
              at {}; the GPU done at {}",
             significant(t.backward),
             significant(t.sent.0),

@@ -6,7 +6,8 @@
 //! it (a post-accumulate hook), and its device memory is freed then, so the GPU holds at most
 //! the gradients still in flight. A worker thread steps each parameter as its gradient lands,
 //! writes the updated weights in the parameter's dtype into a pinned upload buffer in the same
-//! pass, and queues the upload on a second copy stream, so the link carries gradients down and
+//! pass, and an upload thread queues the upload on a second copy stream (the driver calls wait
+//! while the training thread's launches fill its queue; the passes go on meanwhile), so the link carries gradients down and
 //! weights up at once. Nothing waits on the host for an upload: the next kernel that reads a
 //! parameter waits for its copy on the device (ferry-memory orders every use of a buffer after
 //! the copies in flight into it).
@@ -43,7 +44,10 @@ pub struct OffloadAdamW {
     last_timeline: Mutex<StepTimeline>,
     hooks: Vec<HookHandle<Tensor>>,
     worker: Option<JoinHandle<()>>,
-    /// The worker's queue; dropping it ends the worker.
+    /// Queues the uploads the worker hands it, so the worker's next pass need not wait for
+    /// the driver (whose queue the training thread's launches keep full).
+    uploader: Option<JoinHandle<()>>,
+    /// The worker's queue; dropping it ends the worker, and then the uploader.
     queue: Option<Sender<usize>>,
 }
 
@@ -71,12 +75,11 @@ pub struct StepTimeline {
     pub sent: Option<(Instant, Instant)>,
     /// The first and the last gradient found landed in host memory by the step thread.
     pub landed: Option<(Instant, Instant)>,
-    /// When the step thread finished its last parameter (its upload queued).
+    /// When the last parameter's upload was queued.
     pub stepped: Option<Instant>,
-    /// Time the step thread spent stepping (waiting for gradients excluded): the AdamW passes,
-    /// and `queuing`.
+    /// Time the step thread spent in AdamW passes (waiting for gradients excluded).
     pub busy: Duration,
-    /// Of `busy`, the time taken by writing each parameter's storage and queuing its upload.
+    /// Time the upload thread spent taking parameters' storage and queuing their uploads.
     pub queuing: Duration,
     /// When `step()` returned.
     pub returned: Option<Instant>,
@@ -197,11 +200,19 @@ impl OffloadAdamW {
             .thread_name(|i| format!("ferry-offload-{i}"))
             .build()
             .map_err(|e| invalid(OP, format!("could not start the step threads: {e}")))?;
+        let (stepped, to_upload) = channel();
+        let uploader = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("ferry-offload-upload".into())
+                .spawn(move || upload_each(&shared, &to_upload))
+                .map_err(|e| invalid(OP, format!("could not start the upload thread: {e}")))?
+        };
         let worker = {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
                 .name("ferry-offload".into())
-                .spawn(move || work(&shared, &landed, &pool))
+                .spawn(move || work(&shared, &landed, &stepped, &pool))
                 .map_err(|e| invalid(OP, format!("could not start the step thread: {e}")))?
         };
         let mut hooks = Vec::with_capacity(shared.params.len());
@@ -220,6 +231,7 @@ impl OffloadAdamW {
             last_timeline: Mutex::new(StepTimeline::default()),
             hooks,
             worker: Some(worker),
+            uploader: Some(uploader),
             queue: Some(queue),
         })
     }
@@ -312,7 +324,7 @@ impl Shared {
         }
     }
 
-    /// Steps parameter `i` from its landed gradient and queues its upload.
+    /// Steps parameter `i` from its landed gradient into its upload buffer.
     fn step_one(&self, i: usize) -> Result<()> {
         let hyper = *self.hyper.lock();
         let t = hyper.steps + 1;
@@ -362,17 +374,24 @@ impl Shared {
             }],
         )?;
         *stepped = t;
+        self.timeline.lock().busy += began.elapsed();
+        Ok(())
+    }
+
+    /// Queues parameter `i`'s upload from its upload buffer, stepped just before.
+    fn upload_one(&self, i: usize) -> Result<()> {
         let queuing = Instant::now();
+        let param = &self.params[i];
+        let mut slot = self.slots[i].lock();
         let offset = param.layout().offset() * param.dtype().size();
         let mut guard = param.storage().write();
         let Buffer::Cuda(to) = &mut *guard else {
             unreachable!("parameters were checked to be on a GPU");
         };
-        to.copy_from_pinned_async_at(offset, upload, &self.up)?;
+        to.copy_from_pinned_async_at(offset, &mut slot.upload, &self.up)?;
         let mut timeline = self.timeline.lock();
         let done = Instant::now();
         timeline.stepped = Some(done);
-        timeline.busy += done - began;
         timeline.queuing += done - queuing;
         Ok(())
     }
@@ -383,10 +402,30 @@ impl Shared {
 }
 
 /// The worker: steps each parameter whose gradient was sent, in the order they were sent, on
-/// the cores of `pool`.
-fn work(shared: &Shared, landed: &Receiver<usize>, pool: &rayon::ThreadPool) {
+/// the cores of `pool`, and hands it to the uploader.
+fn work(
+    shared: &Shared,
+    landed: &Receiver<usize>,
+    stepped: &Sender<usize>,
+    pool: &rayon::ThreadPool,
+) {
     while let Ok(i) = landed.recv() {
-        if let Err(err) = pool.install(|| shared.step_one(i)) {
+        let outcome = pool.install(|| shared.step_one(i)).and_then(|()| {
+            stepped
+                .send(i)
+                .map_err(|_| invalid("OffloadAdamW", "the upload thread has ended".into()))
+        });
+        if let Err(err) = outcome {
+            shared.note(err);
+            shared.finish_one();
+        }
+    }
+}
+
+/// The uploader: queues each stepped parameter's upload; the parameter's step is then done.
+fn upload_each(shared: &Shared, stepped: &Receiver<usize>) {
+    while let Ok(i) = stepped.recv() {
+        if let Err(err) = shared.upload_one(i) {
             shared.note(err);
         }
         shared.finish_one();
@@ -508,9 +547,13 @@ impl Drop for OffloadAdamW {
             let _ = hook.remove();
         }
         drop(self.queue.take());
-        if let Some(worker) = self.worker.take() {
-            // A worker that panicked has nothing left to report: its error was noted.
-            let _ = worker.join();
+        // The worker ends with its queue, and the uploader with the worker's.
+        for thread in [self.worker.take(), self.uploader.take()]
+            .into_iter()
+            .flatten()
+        {
+            // A thread that panicked has nothing left to report: its error was noted.
+            let _ = thread.join();
         }
     }
 }
