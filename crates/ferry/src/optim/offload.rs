@@ -4,13 +4,13 @@
 //! The GPU keeps the parameters (f32, bf16 or f16) and no optimizer state. Each parameter's
 //! gradient leaves for pinned host memory on a copy stream the moment backward has accumulated
 //! it (a post-accumulate hook), and its device memory is freed then, so the GPU holds at most
-//! the gradients still in flight. A worker thread steps each parameter as its gradient lands,
+//! the gradients still in flight. A step thread steps each parameter as its gradient lands and
 //! writes the updated weights in the parameter's dtype into a pinned upload buffer in the same
-//! pass, and an upload thread queues the upload on a second copy stream (the driver calls wait
-//! while the training thread's launches fill its queue; the passes go on meanwhile), so the link carries gradients down and
-//! weights up at once. Nothing waits on the host for an upload: the next kernel that reads a
-//! parameter waits for its copy on the device (ferry-memory orders every use of a buffer after
-//! the copies in flight into it).
+//! pass; an upload thread queues the uploads on a second copy stream (its driver calls wait
+//! while the training thread's launches fill the driver's queue, and the passes go on), so the
+//! link carries gradients down and weights up at once. Nothing waits on the host for an upload:
+//! the next kernel that reads a parameter waits for its copy on the device (ferry-memory orders
+//! every use of a buffer after the copies in flight into it).
 //!
 //! The key decision: the state lives in pageable memory and only what the link touches is
 //! pinned (a gradient landing buffer and an upload buffer per parameter: 4 to 8 bytes per
