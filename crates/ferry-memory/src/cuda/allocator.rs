@@ -129,17 +129,7 @@ pub const DEVICE_BUDGET_VARIABLE: &str = "FERRY_DEVICE_BUDGET";
 /// The budget `FERRY_DEVICE_BUDGET` sets, `usize::MAX` when unset; an error naming the variable
 /// when it is not a size.
 pub(crate) fn budget_from_env() -> Result<usize, MemoryError> {
-    match std::env::var(DEVICE_BUDGET_VARIABLE) {
-        Err(std::env::VarError::NotPresent) => Ok(usize::MAX),
-        Ok(value) => crate::size::parse_bytes(&value).ok_or(MemoryError::BadBudget {
-            variable: DEVICE_BUDGET_VARIABLE,
-            value,
-        }),
-        Err(std::env::VarError::NotUnicode(value)) => Err(MemoryError::BadBudget {
-            variable: DEVICE_BUDGET_VARIABLE,
-            value: value.to_string_lossy().into_owned(),
-        }),
-    }
+    Ok(crate::host::budget::size_from_env(DEVICE_BUDGET_VARIABLE)?.unwrap_or(usize::MAX))
 }
 
 impl DeviceAllocator {

@@ -55,15 +55,31 @@ fn budget_from(
     value: Result<String, std::env::VarError>,
     divisor: usize,
 ) -> Result<usize, MemoryError> {
+    Ok(size_from(variable, value)?
+        .unwrap_or_else(|| physical_memory().unwrap_or(UNKNOWN_MEMORY) / divisor))
+}
+
+/// The size environment variable `variable` holds, `None` when it is unset. A value that is
+/// not a size is an error naming the variable.
+pub(crate) fn size_from_env(variable: &'static str) -> Result<Option<usize>, MemoryError> {
+    size_from(variable, std::env::var(variable))
+}
+
+/// [`size_from_env`] for a value already read.
+fn size_from(
+    variable: &'static str,
+    value: Result<String, std::env::VarError>,
+) -> Result<Option<usize>, MemoryError> {
     match value {
-        Ok(value) => parse_bytes(&value).ok_or(MemoryError::BadBudget { variable, value }),
+        Ok(value) => match parse_bytes(&value) {
+            Some(bytes) => Ok(Some(bytes)),
+            None => Err(MemoryError::BadBudget { variable, value }),
+        },
         Err(std::env::VarError::NotUnicode(value)) => Err(MemoryError::BadBudget {
             variable,
             value: value.to_string_lossy().into_owned(),
         }),
-        Err(std::env::VarError::NotPresent) => {
-            Ok(physical_memory().unwrap_or(UNKNOWN_MEMORY) / divisor)
-        }
+        Err(std::env::VarError::NotPresent) => Ok(None),
     }
 }
 
