@@ -163,12 +163,10 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
     } else {
         (Some(AdamW::new(model.parameters(), args.lr)?), None)
     };
-    let weights: usize = model.parameters().iter().map(Tensor::nbytes).sum();
-    let (pinned, host_state) = if offload {
-        (2 * weights, 12 * params)
-    } else {
-        (0, 0)
-    };
+    // What the optimizer itself holds: its pinned blocks as the pool counts them, its state.
+    let (pinned, host_state) = offload_opt
+        .as_ref()
+        .map_or((0, 0), |o| (o.pinned_bytes(), o.state_bytes()));
     dev.synchronize()?;
     dev.reset_peak();
     let mut steps = Measured::new();
