@@ -314,6 +314,7 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         &[
             "run",
             "step",
+            "step() call",
             "tokens/s",
             "device peak",
             "pinned",

@@ -133,6 +133,10 @@ impl Target {
 
 /// Prints rows under a header, columns aligned (the first to the left, the rest to the right).
 pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
+    debug_assert!(
+        rows.iter().all(|row| row.len() == header.len()),
+        "every row has a cell per column: {header:?}"
+    );
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
