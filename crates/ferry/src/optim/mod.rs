@@ -41,7 +41,7 @@ pub use adam::{Adam, AdamW};
 pub use clip::{ClipOptions, clip_grad_norm, clip_grad_norm_with, clip_grad_value, grad_norm};
 pub use ema::Ema;
 pub use ferry_tensor::ops::optim::AdamStep;
-pub use offload::{OffloadAdamW, StepTimeline};
+pub use offload::{AdamHyper, OffloadAdamW, StepTimeline};
 pub use schedule::{Constant, Cosine, LrSchedule, Scheduled, StepDecay, Warmup};
 pub use sgd::Sgd;
 

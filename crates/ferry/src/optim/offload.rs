@@ -18,18 +18,25 @@
 //! without pinning it.
 //!
 //! What a step means: the CPU steps a parameter during backward with the learning rate set
-//! before that backward, and [`Optimizer::step`] waits for the worker to finish the steps of
-//! the gradients backward produced, steps parameters whose `.grad` was set without a backward,
-//! and counts the step. Gradients are consumed: after the step every `.grad` is `None`.
+//! before that backward, and [`Optimizer::step`] waits for the step thread and the upload
+//! thread to finish with the gradients backward produced, steps parameters whose `.grad` was
+//! set without a backward, and counts the step. Gradients are consumed: after the step every
+//! `.grad` is `None`.
+//!
+//! Another runtime's parameters (torch's, through ferry-py) use the same machinery without
+//! ferry's hooks: [`OffloadAdamW::fed`] takes device tensors over their memory, the caller
+//! copies each gradient into [`OffloadAdamW::landing`] on [`OffloadAdamW::gradient_stream`]
+//! and says so with [`OffloadAdamW::gradient_queued`], and orders its next reads of the
+//! parameters after [`OffloadAdamW::upload_stream`].
 
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ferry_memory::cuda::{PinnedBuffer, PinnedPool, Stream};
+use ferry_memory::cuda::{Event, PinnedBuffer, PinnedPool, Stream};
 use ferry_memory::{DType, Device, bf16, f16};
-use ferry_tensor::{Buffer, HookHandle, Result, Tensor, TensorError};
+use ferry_tensor::{Buffer, HookHandle, Layout, Result, Storage, Tensor, TensorError};
 use ferry_transfer::StateDict;
 use parking_lot::{Condvar, Mutex};
 
@@ -48,7 +55,18 @@ pub struct OffloadAdamW {
     /// the driver (whose queue the training thread's launches keep full).
     uploader: Option<JoinHandle<()>>,
     /// The worker's queue; dropping it ends the worker, and then the uploader.
-    queue: Option<Sender<usize>>,
+    queue: Option<Sender<Sent>>,
+}
+
+/// A gradient handed to the step thread.
+struct Sent {
+    /// The parameter's index.
+    index: usize,
+    /// The hyperparameters to step it with.
+    adam: AdamHyper,
+    /// Recorded after a copy into its landing buffer that ferry did not queue (see
+    /// [`OffloadAdamW::gradient_queued`]); ferry's own copies are waited for by the buffer.
+    landed: Option<Event>,
 }
 
 /// What the hooks, the worker and the optimizer share.
@@ -89,12 +107,22 @@ fn widen(span: &mut Option<(Instant, Instant)>, at: Instant) {
     *span = Some(span.map_or((at, at), |(first, _)| (first, at)));
 }
 
+/// The hyperparameters a parameter is stepped with (torch.optim.AdamW's, `amsgrad=False`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHyper {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay rates of the first and second moment estimates.
+    pub betas: (f64, f64),
+    /// Term added to the denominator for stability.
+    pub eps: f64,
+    /// Decoupled weight decay factor.
+    pub weight_decay: f64,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Hyper {
-    lr: f64,
-    betas: (f64, f64),
-    eps: f64,
-    weight_decay: f64,
+    adam: AdamHyper,
     /// Steps counted so far; the steps in progress are number `steps + 1`.
     steps: u64,
 }
@@ -104,8 +132,8 @@ struct Slot {
     master: Vec<f32>,
     exp_avg: Vec<f32>,
     exp_avg_sq: Vec<f32>,
-    /// Where its gradient lands (the gradient's dtype, which is the parameter's).
-    landing: PinnedBuffer,
+    /// Where its gradient lands: a pinned host tensor of the parameter's shape and dtype.
+    landing: Tensor,
     /// Where the updated weights wait for their upload (the parameter's dtype).
     upload: PinnedBuffer,
     /// The step its state has taken, so a gradient seen twice in one step is not applied twice.
@@ -118,8 +146,35 @@ impl OffloadAdamW {
     /// (torch.optim.AdamW's defaults). Copies the parameters to host master weights and pins
     /// a landing and an upload buffer for each.
     pub fn new(params: impl IntoIterator<Item = Tensor>, lr: f64) -> Result<Self> {
+        let params = super::leaf_parameters("OffloadAdamW::new", params)?;
+        let mut this = Self::fed(params, lr)?;
+        let shared = &this.shared;
+        let queue = this.queue.as_ref().expect("present until drop");
+        for (i, p) in shared.params.iter().enumerate() {
+            let weak: Weak<Shared> = Arc::downgrade(shared);
+            let queue = queue.clone();
+            let hook = p.register_post_accumulate_grad_hook(move |grad| {
+                let Some(shared) = weak.upgrade() else {
+                    return Ok(());
+                };
+                shared.send_down(i, grad, &queue)
+            })?;
+            this.hooks.push(hook);
+        }
+        Ok(this)
+    }
+
+    /// The same optimizer over device tensors that another runtime computes gradients for
+    /// (they need not require grad; ferry registers no hooks). For each gradient the caller
+    /// queues its copy into [`landing`](Self::landing) on [`gradient_stream`](Self::gradient_stream),
+    /// after the gradient's producers, then calls [`gradient_queued`](Self::gradient_queued); its
+    /// next reads of the parameters wait on the device for [`upload_stream`](Self::upload_stream)
+    /// after [`Optimizer::step`]. The parameters' memory is written by the uploads, during the
+    /// caller's backward, once the parameter's gradient has landed (so after every read queued
+    /// before its gradient was).
+    pub fn fed(params: impl IntoIterator<Item = Tensor>, lr: f64) -> Result<Self> {
         const OP: &str = "OffloadAdamW::new";
-        let params = super::leaf_parameters(OP, params)?;
+        let params: Vec<Tensor> = params.into_iter().collect();
         let Some(first) = params.first() else {
             return Err(invalid(OP, "no parameters to optimize".into()));
         };
@@ -164,11 +219,16 @@ impl OffloadAdamW {
             let master = ferry_tensor::with_no_grad(|| p.to_dtype(DType::F32)?.to_vec::<f32>())?;
             let n = p.numel();
             let pool = PinnedPool::global()?;
+            let landing = Storage::new(
+                Buffer::Pinned(pool.alloc(p.nbytes())?),
+                p.dtype(),
+                Device::Cpu,
+            );
             slots.push(Mutex::new(Slot {
                 master,
                 exp_avg: vec![0.0; n],
                 exp_avg_sq: vec![0.0; n],
-                landing: pool.alloc(p.nbytes())?,
+                landing: Tensor::from_storage(Arc::new(landing), Layout::contiguous(p.shape()))?,
                 upload: pool.alloc(p.nbytes())?,
                 stepped: 0,
             }));
@@ -180,10 +240,12 @@ impl OffloadAdamW {
             up: device.new_stream()?,
             slots,
             hyper: Mutex::new(Hyper {
-                lr,
-                betas: (0.9, 0.999),
-                eps: 1e-8,
-                weight_decay: 0.01,
+                adam: AdamHyper {
+                    lr,
+                    betas: (0.9, 0.999),
+                    eps: 1e-8,
+                    weight_decay: 0.01,
+                },
                 steps: 0,
             }),
             in_flight: Mutex::new(0),
@@ -215,21 +277,10 @@ impl OffloadAdamW {
                 .spawn(move || work(&shared, &landed, &stepped, &pool))
                 .map_err(|e| invalid(OP, format!("could not start the step thread: {e}")))?
         };
-        let mut hooks = Vec::with_capacity(shared.params.len());
-        for (i, p) in shared.params.iter().enumerate() {
-            let weak: Weak<Shared> = Arc::downgrade(&shared);
-            let queue = queue.clone();
-            hooks.push(p.register_post_accumulate_grad_hook(move |grad| {
-                let Some(shared) = weak.upgrade() else {
-                    return Ok(());
-                };
-                shared.send_down(i, grad, &queue)
-            })?);
-        }
         Ok(Self {
             shared,
             last_timeline: Mutex::new(StepTimeline::default()),
-            hooks,
+            hooks: Vec::new(),
             worker: Some(worker),
             uploader: Some(uploader),
             queue: Some(queue),
@@ -238,20 +289,60 @@ impl OffloadAdamW {
 
     /// Decay rates of the first and second moment estimates.
     pub fn betas(self, beta1: f64, beta2: f64) -> Self {
-        self.shared.hyper.lock().betas = (beta1, beta2);
+        self.shared.hyper.lock().adam.betas = (beta1, beta2);
         self
     }
 
     /// Term added to the denominator for stability.
     pub fn eps(self, eps: f64) -> Self {
-        self.shared.hyper.lock().eps = eps;
+        self.shared.hyper.lock().adam.eps = eps;
         self
     }
 
     /// Decoupled weight decay factor.
     pub fn weight_decay(self, weight_decay: f64) -> Self {
-        self.shared.hyper.lock().weight_decay = weight_decay;
+        self.shared.hyper.lock().adam.weight_decay = weight_decay;
         self
+    }
+
+    /// The hyperparameters the hooks step with (those set by the builder methods and
+    /// [`Optimizer::set_learning_rate`]).
+    pub fn hyper(&self) -> AdamHyper {
+        self.shared.hyper.lock().adam
+    }
+
+    /// Where parameter `i`'s gradient lands: a pinned host tensor of its shape and dtype (see
+    /// [`OffloadAdamW::fed`]). `None` past the last parameter.
+    pub fn landing(&self, i: usize) -> Option<Tensor> {
+        self.shared.slots.get(i).map(|s| s.lock().landing.clone())
+    }
+
+    /// The copy stream the gradients go down on.
+    pub fn gradient_stream(&self) -> &Stream {
+        &self.shared.down
+    }
+
+    /// The copy stream the updated parameters go up on.
+    pub fn upload_stream(&self) -> &Stream {
+        &self.shared.up
+    }
+
+    /// Parameter `i`'s gradient copy into its [`landing`](Self::landing) tensor is queued on
+    /// [`gradient_stream`](Self::gradient_stream): the step thread steps it with `adam` once
+    /// the copy has landed (an event recorded there now says when).
+    pub fn gradient_queued(&self, i: usize, adam: AdamHyper) -> Result<()> {
+        if i >= self.shared.params.len() {
+            return Err(invalid(
+                "OffloadAdamW::gradient_queued",
+                format!(
+                    "parameter {i} does not exist: the optimizer has {}",
+                    self.shared.params.len()
+                ),
+            ));
+        }
+        let landed = self.shared.down.record()?;
+        let queue = self.queue.as_ref().expect("present until drop");
+        self.shared.hand_over(i, adam, Some(landed), queue)
     }
 
     /// Pinned bytes this optimizer holds (landing and upload buffers).
@@ -261,7 +352,11 @@ impl OffloadAdamW {
             .iter()
             .map(|s| {
                 let s = s.lock();
-                s.landing.block_size() + s.upload.block_size()
+                let landing = match &*s.landing.storage().read() {
+                    Buffer::Pinned(b) => b.block_size(),
+                    _ => 0,
+                };
+                landing + s.upload.block_size()
             })
             .sum()
     }
@@ -285,7 +380,7 @@ fn invalid(op: &'static str, message: String) -> TensorError {
 impl Shared {
     /// From the hook: queues parameter `i`'s gradient to its landing buffer, frees it on the
     /// device, and hands `i` to the worker.
-    fn send_down(&self, i: usize, grad: &Tensor, queue: &Sender<usize>) -> Result<()> {
+    fn send_down(&self, i: usize, grad: &Tensor, queue: &Sender<Sent>) -> Result<()> {
         let param = &self.params[i];
         if grad.dtype() != param.dtype() || !grad.is_contiguous() {
             // Gradients of a parameter come in its dtype and layout; anything else is the
@@ -294,7 +389,7 @@ impl Shared {
             return self.send_down(i, &grad, queue);
         }
         {
-            let mut slot = self.slots[i].lock();
+            let slot = self.slots[i].lock();
             let guard = grad.storage().read();
             let Buffer::Cuda(from) = &*guard else {
                 return Err(invalid(
@@ -303,13 +398,34 @@ impl Shared {
                 ));
             };
             let offset = grad.layout().offset() * grad.dtype().size();
-            from.copy_to_pinned_async_at(offset, &mut slot.landing, &self.down)?;
+            let mut landing = slot.landing.storage().write();
+            let Buffer::Pinned(landing) = &mut *landing else {
+                unreachable!("landing tensors are pinned");
+            };
+            from.copy_to_pinned_async_at(offset, landing, &self.down)?;
         }
-        widen(&mut self.timeline.lock().sent, Instant::now());
         // Its device memory goes back now (the free waits for the copy on the device).
         param.set_grad(None);
+        let adam = self.hyper.lock().adam;
+        self.hand_over(i, adam, None, queue)
+    }
+
+    /// Hands parameter `i`, whose gradient copy is queued, to the step thread.
+    fn hand_over(
+        &self,
+        index: usize,
+        adam: AdamHyper,
+        landed: Option<Event>,
+        queue: &Sender<Sent>,
+    ) -> Result<()> {
+        widen(&mut self.timeline.lock().sent, Instant::now());
         *self.in_flight.lock() += 1;
-        if queue.send(i).is_err() {
+        let sent = Sent {
+            index,
+            adam,
+            landed,
+        };
+        if queue.send(sent).is_err() {
             self.finish_one();
             return Err(invalid("OffloadAdamW", "the step thread has ended".into()));
         }
@@ -324,11 +440,20 @@ impl Shared {
         }
     }
 
-    /// Steps parameter `i` from its landed gradient into its upload buffer.
-    fn step_one(&self, i: usize) -> Result<()> {
-        let hyper = *self.hyper.lock();
-        let t = hyper.steps + 1;
-        let step = host::adamw_step(t, hyper.lr, hyper.betas, hyper.eps, hyper.weight_decay);
+    /// Steps a parameter from its landed gradient into its upload buffer.
+    fn step_one(&self, sent: &Sent) -> Result<()> {
+        let i = sent.index;
+        if let Some(landed) = &sent.landed {
+            landed.synchronize()?;
+        }
+        let t = self.hyper.lock().steps + 1;
+        let AdamHyper {
+            lr,
+            betas,
+            eps,
+            weight_decay,
+        } = sent.adam;
+        let step = host::adamw_step(t, lr, betas, eps, weight_decay);
         let param = &self.params[i];
         let mut slot = self.slots[i].lock();
         if slot.stepped == t {
@@ -349,6 +474,10 @@ impl Shared {
             upload,
             stepped,
         } = &mut *slot;
+        let landing = landing.storage().read();
+        let Buffer::Pinned(landing) = &*landing else {
+            unreachable!("landing tensors are pinned");
+        };
         let bytes = landing.as_bytes()?;
         let began = Instant::now();
         widen(&mut self.timeline.lock().landed, began);
@@ -405,14 +534,14 @@ impl Shared {
 /// the cores of `pool`, and hands it to the uploader.
 fn work(
     shared: &Shared,
-    landed: &Receiver<usize>,
+    landed: &Receiver<Sent>,
     stepped: &Sender<usize>,
     pool: &rayon::ThreadPool,
 ) {
-    while let Ok(i) = landed.recv() {
-        let outcome = pool.install(|| shared.step_one(i)).and_then(|()| {
+    while let Ok(sent) = landed.recv() {
+        let outcome = pool.install(|| shared.step_one(&sent)).and_then(|()| {
             stepped
-                .send(i)
+                .send(sent.index)
                 .map_err(|_| invalid("OffloadAdamW", "the upload thread has ended".into()))
         });
         if let Err(err) = outcome {
@@ -463,11 +592,11 @@ impl Optimizer for OffloadAdamW {
     }
 
     fn learning_rate(&self) -> f64 {
-        self.shared.hyper.lock().lr
+        self.shared.hyper.lock().adam.lr
     }
 
     fn set_learning_rate(&mut self, lr: f64) {
-        self.shared.hyper.lock().lr = lr;
+        self.shared.hyper.lock().adam.lr = lr;
     }
 
     fn steps(&self) -> u64 {
@@ -480,7 +609,7 @@ impl Optimizer for OffloadAdamW {
         let hyper = *self.shared.hyper.lock();
         let mut out = vec![
             ("step".to_string(), Tensor::scalar(hyper.steps as i64)),
-            ("lr".to_string(), Tensor::scalar(hyper.lr)),
+            ("lr".to_string(), Tensor::scalar(hyper.adam.lr)),
         ];
         for (i, (slot, p)) in self
             .shared
@@ -535,7 +664,7 @@ impl Optimizer for OffloadAdamW {
         }
         let mut hyper = self.shared.hyper.lock();
         hyper.steps = find("step").item()? as u64;
-        hyper.lr = find("lr").item()?;
+        hyper.adam.lr = find("lr").item()?;
         Ok(())
     }
 }
@@ -555,6 +684,9 @@ impl Drop for OffloadAdamW {
             // A thread that panicked has nothing left to report: its error was noted.
             let _ = thread.join();
         }
+        // A caller's copies into the landing tensors (see `fed`) may still be running; the
+        // landing memory is returned only after them. An error here has nowhere to go.
+        let _ = self.shared.down.synchronize();
     }
 }
 

@@ -170,3 +170,68 @@ fn parameters_on_the_cpu_are_refused_naming_the_fix() {
         .to_string();
     assert!(err.contains("no parameters"), "{err}");
 }
+
+/// The path another runtime's parameters take (ferry-py's, for torch): no hooks, the caller
+/// copies each gradient into its landing tensor on the gradient stream and hands over the
+/// hyperparameters with it; the steps equal AdamW's on the GPU with those hyperparameters.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_fed_optimizer_steps_the_gradients_copied_into_its_landing_tensors() {
+    let gpu = Device::Cuda(0);
+    let reference = mlp(gpu, DType::F32).unwrap();
+    let mut adamw = AdamW::new(reference.parameters(), 1e-2)
+        .unwrap()
+        .weight_decay(0.1);
+    // Device tensors over other memory, as DLPack imports are: no grad, no hooks.
+    let params: Vec<Tensor> = reference
+        .parameters()
+        .iter()
+        .map(|p| p.detach().copy().unwrap())
+        .collect();
+    let mut fed = OffloadAdamW::fed(params.clone(), 1.0).unwrap();
+    let adam = AdamHyper {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..fed.hyper()
+    };
+    for step in 0..3 {
+        let x = batch(gpu, 200 + step).unwrap();
+        adamw.zero_grad();
+        loss(&reference, &x).unwrap().backward().unwrap();
+        for (i, p) in reference.parameters().iter().enumerate() {
+            let grad = p.grad().unwrap();
+            let landing = fed.landing(i).unwrap();
+            let guard = grad.storage().read();
+            let Buffer::Cuda(from) = &*guard else {
+                panic!("a GPU gradient")
+            };
+            {
+                let mut to = landing.storage().write();
+                let Buffer::Pinned(to) = &mut *to else {
+                    panic!("a pinned landing tensor")
+                };
+                from.copy_to_pinned_async_at(0, to, fed.gradient_stream())
+                    .unwrap();
+            }
+            fed.gradient_queued(i, adam).unwrap();
+        }
+        adamw.step().unwrap();
+        fed.step().unwrap();
+        // The caller's next reads wait for the uploads on the device.
+        ferry_memory::cuda::CudaDevice::get(0)
+            .unwrap()
+            .default_stream()
+            .wait_event(&fed.upload_stream().record().unwrap())
+            .unwrap();
+    }
+    for (p, q) in reference.parameters().iter().zip(&params) {
+        let (p, q) = (p.to_vec::<f32>().unwrap(), q.to_vec::<f32>().unwrap());
+        for (a, b) in p.iter().zip(&q) {
+            assert!((a - b).abs() <= 1e-5 * (a.abs() + 1e-2), "{a} against {b}");
+        }
+    }
+    assert_eq!(fed.steps(), 3);
+    assert!(fed.landing(params.len()).is_none());
+    let err = fed.gradient_queued(params.len(), adam).unwrap_err();
+    assert!(err.to_string().contains("does not exist"), "{err}");
+}
