@@ -4,8 +4,9 @@
 //! It owns the exchange with Python: DLPack both ways (`dlpack`), the Python handles of a ferry
 //! tensor, a pending move and a transfer report (`tensor`), the moves themselves (`moves`) and
 //! streaming (`streaming`), run with the GIL released, their order with torch's current stream
-//! (`order`), and the pools' budgets and statistics (`memory`). Every entry point runs in
-//! `errors::guarded`, so no Rust panic reaches Python as one. It does not own autograd across the boundary: that is a
+//! (`order`), optimizer offload for torch parameters (`optim`), and the pools' budgets and
+//! statistics (`memory`). Every entry point runs in `errors::guarded`, so no Rust panic
+//! reaches Python as one. It does not own autograd across the boundary: that is a
 //! `torch.autograd.Function` in the Python package, so torch's own graph records the move.
 //!
 //! Key decision: every tensor crosses by DLPack, never by copy. A torch tensor handed to ferry
@@ -17,6 +18,7 @@ mod dlpack;
 mod errors;
 mod memory;
 mod moves;
+mod optim;
 mod order;
 mod state_dict;
 mod streaming;
@@ -32,6 +34,7 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::PyPending>()?;
     m.add_class::<tensor::PyReport>()?;
     m.add_class::<streaming::PyChunkStream>()?;
+    m.add_class::<optim::PyOffloadAdamW>()?;
     m.add_function(wrap_pyfunction!(moves::from_dlpack, m)?)?;
     m.add_function(wrap_pyfunction!(moves::to, m)?)?;
     m.add_function(wrap_pyfunction!(moves::to_chunked, m)?)?;

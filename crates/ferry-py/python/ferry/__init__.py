@@ -454,3 +454,12 @@ def stream_to(t, chunks=None, max_staging_bytes=None) -> ChunkStream:
 
 
 from .offload import offload_saved  # noqa: E402  (uses the moves above)
+
+
+def __getattr__(name):
+    # ferry.optim subclasses torch.optim.Optimizer, so it imports torch: only on first use.
+    if name == "optim":
+        import importlib
+
+        return importlib.import_module(".optim", __name__)
+    raise AttributeError(f"module 'ferry' has no attribute {name!r}")

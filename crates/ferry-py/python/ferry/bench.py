@@ -7,7 +7,10 @@ speedup. A second table times a training step of an MLP whose saved activations 
 ``--offload-gb`` GB three ways: as is, under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
 and under ``ferry.offload_saved()``, with the peak GPU memory of each (``--offload-gb 0`` skips
 it). ``--json FILE`` writes every sample. ``--models`` runs the real-model benchmark instead
-(``bench_models.py``: activation offload and state dicts of GPT-2, Llama and ViT).
+(``bench_models.py``: activation offload and state dicts of GPT-2, Llama and ViT), and
+``--optimizer-offload`` the optimizer-offload one (``bench_optim.py``: a 1B Llama's step with
+AdamW on the GPU, ``ferry.optim.OffloadAdamW``, torchao's CPUOffloadOptimizer and the simple
+offload).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 
 import ferry
 
-from . import bench_models
+from . import bench_models, bench_optim
 
 MB = 1 << 20
 
@@ -186,12 +189,20 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="?", const=",".join(bench_models.MODELS), metavar="LIST",
                         help="only the real-model rows, of these models (default: "
                              f"{','.join(bench_models.MODELS)})")
+    parser.add_argument("--optimizer-offload", action="store_true",
+                        help="only the optimizer-offload rows (bench_optim.py): a 1B Llama's step "
+                             "with AdamW on the GPU, ferry.optim.OffloadAdamW, torchao and the "
+                             "simple offload")
+    parser.add_argument("--optimizer-batch", type=int, default=16,
+                        help="the Llama's batch for --optimizer-offload (x 1024 tokens; default 16)")
     parser.add_argument("--profile", metavar="MODEL",
                         help="profile one ferry offload step of MODEL (with or without --models)")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and ferry.cuda_available()):
         print("no CUDA device: the benchmark moves CUDA tensors; nothing to measure here")
         return 0
+    if args.optimizer_offload:
+        return bench_optim.run(args)
     if args.models is not None or args.profile:
         return bench_models.run(args)
     args.samples = 9 if args.samples is None else args.samples

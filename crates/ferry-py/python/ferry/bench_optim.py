@@ -1,0 +1,145 @@
+"""``python -m ferry.bench --optimizer-offload``: a training step of a transformers Llama of
+about 1B parameters (bf16 autocast, fp32 weights) with AdamW on the GPU, and with its state in
+host memory four ways: ``ferry.optim.OffloadAdamW``, torchao's ``CPUOffloadOptimizer`` (fused
+CPU AdamW; also with ``offload_gradients=True``) where torchao is installed, and the simple way
+(gradients to pinned memory, torch's fused CPU AdamW, weights back; nothing overlapped). Each row:
+the median step (forward, backward, step, synchronized), its throughput against AdamW on the GPU,
+and the peak GPU memory allocated.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+import ferry
+
+from . import bench_models
+
+GIB = 1 << 30
+GOAL = 0.85  # of AdamW on the GPU's throughput
+
+
+class SimpleOffload:
+    """The simple optimizer offload: after backward, every gradient to pinned host memory, torch's
+    fused CPU AdamW on fp32 host copies of the weights, the weights back; nothing overlaps."""
+
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self.host = [p.detach().to("cpu", torch.float32).pin_memory() for p in self.params]
+        self.grads = [torch.empty_like(h).pin_memory() for h in self.host]
+        self.opt = torch.optim.AdamW(self.host, lr=lr, fused=True)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        for p, g in zip(self.params, self.grads):
+            g.copy_(p.grad, non_blocking=True)
+        torch.cuda.synchronize()
+        for h, g in zip(self.host, self.grads):
+            h.grad = g
+        self.opt.step()
+        for p, h in zip(self.params, self.host):
+            p.detach().copy_(h, non_blocking=True)
+
+
+def _optimizers(lr):
+    """(row name, maker of the optimizer over a model's parameters), in the order they run."""
+    rows = [
+        ("AdamW on the GPU (fused)", lambda ps: torch.optim.AdamW(ps, lr=lr, fused=True)),
+        ("ferry OffloadAdamW", lambda ps: ferry.optim.OffloadAdamW(ps, lr=lr)),
+    ]
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        CPUOffloadOptimizer = None
+    if CPUOffloadOptimizer is not None:
+        rows.append(("torchao CPUOffloadOptimizer", lambda ps: CPUOffloadOptimizer(
+            ps, torch.optim.AdamW, lr=lr, fused=True)))
+        rows.append(("torchao, offload_gradients=True", lambda ps: CPUOffloadOptimizer(
+            ps, torch.optim.AdamW, offload_gradients=True, lr=lr, fused=True)))
+    rows.append(("simple offload", lambda ps: SimpleOffload(ps, lr)))
+    return rows, CPUOffloadOptimizer is not None
+
+
+def _steps(work, opt, warmup, samples):
+    """Per-step times (ms) and the peak GPU memory allocated over the timed steps (bytes)."""
+    times = []
+    for i in range(warmup + samples):
+        if i == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        opt.zero_grad()
+        work.loss().backward()
+        opt.step()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return times, torch.cuda.max_memory_allocated()
+
+
+def run(args) -> int:
+    batch = args.optimizer_batch
+
+    def fresh():
+        # A model per row: torchao's optimizer leaves its gradient hooks on the parameters.
+        torch.manual_seed(0)
+        return bench_models._llama("llama", batch, "cuda", tiny=False)
+
+    work = fresh()
+    params = work.parameters
+    samples = 5 if args.samples is None else args.samples
+    warmup = 2 if args.warmup is None else args.warmup
+    rows, have_torchao = _optimizers(lr=1e-4)
+    print(f"optimizer offload: {work.what}; {params / 1e9:.2f} B parameters; {work.batch} at "
+          f"batch {batch}; medians of {samples} steps after {warmup}")
+    if not have_torchao:
+        print("torchao is not installed: its rows are left out (pip install torchao)")
+    record = {"model": work.what, "parameters": params, "batch": batch, "rows": {}}
+    results = []
+    for name, make in rows:
+        if work is None:
+            work = fresh()
+        opt = make(work.model.parameters())
+        try:
+            times, peak = _steps(work, opt, warmup, samples)
+        except torch.OutOfMemoryError as err:
+            print(f"{name}: out of GPU memory ({err})")
+            times, peak = [], None
+        extra = {}
+        if isinstance(opt, ferry.optim.OffloadAdamW):
+            extra = {"pinned_gib": opt.pinned_bytes() / GIB, "host_state_gib": opt.state_bytes() / GIB}
+        del opt
+        work = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        record["rows"][name] = {"ms": times, "peak_allocated_gib": None if peak is None else peak / GIB,
+                                **extra}
+        if times:
+            results.append((name, statistics.median(times), min(times), max(times), peak))
+    if not results:
+        return 1
+    base = results[0][1]
+    print("| optimizer | ms/step | fastest - slowest | throughput vs AdamW on the GPU | "
+          "peak allocated GiB |")
+    print("|---|---|---|---|---|")
+    for name, ms, low, high, peak in results:
+        print(f"| {name} | {ms:.0f} | {low:.0f} - {high:.0f} | {base / ms:.1%} | {peak / GIB:.2f} |")
+    ours = next((r for r in results if r[0] == "ferry OffloadAdamW"), None)
+    if ours is not None:
+        share = base / ours[1]
+        print(f"ferry OffloadAdamW keeps {share:.1%} of the GPU AdamW step's throughput (goal >= "
+              f"{GOAL:.0%}: {'met' if share >= GOAL else 'not met'}), {(results[0][4] - ours[4]) / GIB:.2f} "
+              "GiB less GPU memory at its peak")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as out:
+            json.dump(record, out, indent=1)
+    return 0

@@ -1,0 +1,236 @@
+"""``ferry.optim.OffloadAdamW``: torch's AdamW with its state in host memory, stepped on the CPU
+by ferry while backward still runs on the GPU.
+
+A ``torch.optim.Optimizer`` for models larger than the GPU would hold with their optimizer
+state: the fp32 master weights and Adam's two moments (12 bytes per parameter) live in host
+memory, and the GPU keeps only the parameters (fp32, bf16 or f16). How a step runs:
+
+- Each parameter's gradient leaves for a pinned landing buffer the moment backward has
+  accumulated it (``register_post_accumulate_grad_hook``), on ferry's gradient stream, after the
+  work queued on torch's current stream; ``p.grad`` is then ``None`` and torch's allocator reuses
+  its memory once the copy has read it (``record_stream``).
+- ferry's threads step it on all cores but one (AVX-512 or AVX2, torch.optim.AdamW's update with
+  ``amsgrad=False``, within a few ulp of it) as soon as it lands, and write the new weights in
+  the parameter's dtype; another thread queues their upload on a second copy stream, so the link
+  carries gradients down and weights up at once, while backward computes. Nothing here holds the
+  GIL while it waits or computes.
+- ``step()`` waits for the CPU steps of the gradients backward produced, steps parameters whose
+  ``.grad`` was set some other way, and makes torch's current stream wait on the device for the
+  uploads: the next forward reads the new weights, and the host never waits for the copies.
+
+What differs from ``torch.optim.AdamW``: gradients are consumed by backward (read them, to clip
+or log, in a hook registered before this optimizer's, or compute the norm inside the loss), so
+``GradScaler`` and ``clip_grad_norm_`` after ``backward()`` see no gradients (bf16 autocast needs
+no scaler); accumulating gradients over several backward passes before one step is not supported
+(the second gradient in a step raises at ``step()``); the learning rate and other hyperparameters
+of a group are read when its gradients arrive, so a scheduler's change applies from the next
+backward, as it does for torch's AdamW. ``state_dict()`` has torch AdamW's layout plus
+``master`` (the fp32 weights) in each parameter's state; ``load_state_dict`` takes that or a
+torch AdamW state dict (the master weights then come from the parameters).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+
+from . import _ferry, _source, _torch, to_torch
+
+__all__ = ["OffloadAdamW"]
+
+
+def _optimizer_base():
+    return _torch().optim.Optimizer
+
+
+class OffloadAdamW(_optimizer_base()):
+    """AdamW over ``params`` (CUDA tensors on one GPU, contiguous, float32, bfloat16 or float16)
+    with its state in host memory; arguments as ``torch.optim.AdamW``'s (``amsgrad`` and
+    ``maximize`` are not supported). See the module docs for what a step does."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ):
+        torch = _torch()
+        if amsgrad or maximize:
+            raise ValueError(
+                "OffloadAdamW steps torch.optim.AdamW's update with amsgrad=False and "
+                "maximize=False; use torch.optim.AdamW for the others"
+            )
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if not float(value) >= 0.0:
+                raise ValueError(f"OffloadAdamW: invalid {name} {value}: it must be >= 0")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= float(beta) < 1.0:
+                raise ValueError(f"OffloadAdamW: invalid beta {i} {beta}: it must be in [0, 1)")
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            amsgrad=False, maximize=False,
+        )
+        super().__init__(params, defaults)
+        self._params = [p for group in self.param_groups for p in group["params"]]
+        self._group = [group for group in self.param_groups for _ in group["params"]]
+        if len({id(p) for p in self._params}) != len(self._params):
+            raise ValueError("OffloadAdamW: a parameter appears twice")
+        first = self._params[0]
+        for i, p in enumerate(self._params):
+            problem = None
+            if not p.is_cuda:
+                problem = (
+                    f"is on {p.device}; optimizer offload keeps the state of GPU parameters on "
+                    "the host: move the model to the GPU first, or use torch.optim.AdamW"
+                )
+            elif p.device != first.device:
+                problem = f"is on {p.device} and parameter 0 on {first.device}: one GPU per optimizer"
+            elif p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                problem = f"is {p.dtype}; offload steps float32, bfloat16 or float16 parameters"
+            elif not p.is_contiguous():
+                problem = "is not contiguous; offload copies whole parameters"
+            elif not p.requires_grad:
+                problem = "does not require grad, so it would never get a gradient"
+            if problem:
+                raise ValueError(f"OffloadAdamW: parameter {i} {problem}")
+        self._device = first.device
+        group = self.param_groups[0]
+        self._engine = _ferry.OffloadAdamW(
+            [_source(p)[0] for p in self._params],
+            float(group["lr"]),
+            tuple(float(b) for b in group["betas"]),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            stream=torch.cuda.current_stream(self._device).cuda_stream,
+        )
+        self._landing = [to_torch(self._engine.landing(i)) for i in range(len(self._params))]
+        self._down = torch.cuda.ExternalStream(self._engine.gradient_stream(), device=self._device)
+        # The hooks hold the optimizer weakly: parameters outlive it, and it ends with its
+        # last reference (its engine waits for its copies and threads then).
+        this = weakref.ref(self)
+
+        def send(p, i):
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._send(p, i)
+
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(send, i=i))
+            for i, p in enumerate(self._params)
+        ]
+
+    def __del__(self):
+        for hook in getattr(self, "_hooks", ()):
+            hook.remove()
+
+    def _send(self, p, i):
+        """Sends parameter ``i``'s gradient down and hands it to ferry's step thread."""
+        torch = _torch()
+        grad = p.grad
+        if grad is None:
+            return
+        self._down.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._down):
+            self._landing[i].copy_(grad, non_blocking=True)
+        grad.record_stream(self._down)
+        p.grad = None
+        group = self._group[i]
+        self._engine.gradient_queued(
+            i,
+            float(group["lr"]),
+            tuple(float(b) for b in group["betas"]),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+        )
+
+    def step(self, closure=None):
+        """Waits for the CPU steps of this step's gradients; the next forward reads the new
+        weights (torch's current stream waits for their uploads on the device)."""
+        torch = _torch()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Gradients that came without a backward (set by hand) go down now.
+        for i, p in enumerate(self._params):
+            if p.grad is not None:
+                self._send(p, i)
+        self._engine.step(torch.cuda.current_stream(self._device).cuda_stream)
+        return loss
+
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes held: a landing and an upload buffer per parameter."""
+        return self._engine.pinned_bytes()
+
+    def state_bytes(self) -> int:
+        """Host bytes of the optimizer state: master weights and both moments."""
+        return self._engine.state_bytes()
+
+    def state_dict(self):
+        """torch.optim.AdamW's layout (``state`` by parameter index, ``param_groups``), every
+        state tensor an fp32 host copy, plus ``master`` in each parameter's state."""
+        torch = _torch()
+        named = dict(self._engine.state())
+        steps = float(self._engine.steps())
+        state = {}
+        for i in range(len(self._params)):
+            entry = {"step": torch.tensor(steps)}
+            for name in ("exp_avg", "exp_avg_sq", "master"):
+                if f"{i}.{name}" in named:
+                    entry[name] = to_torch(named[f"{i}.{name}"])
+            state[i] = entry
+        groups, start = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Takes what :meth:`state_dict` gives, or torch.optim.AdamW's state dict of the same
+        parameters (master weights then come from the parameters)."""
+        torch = _torch()
+        groups = state_dict["param_groups"]
+        sizes = [len(g["params"]) for g in groups]
+        ours = [len(g["params"]) for g in self.param_groups]
+        if sizes != ours:
+            raise ValueError(
+                f"OffloadAdamW.load_state_dict: the state dict's parameter groups hold {sizes} "
+                f"parameters and this optimizer's {ours}"
+            )
+        saved_ids = [pid for g in groups for pid in g["params"]]
+        entries, steps = [], 0
+        for i, (pid, p) in enumerate(zip(saved_ids, self._params)):
+            entry = state_dict["state"].get(pid, {})
+
+            def host(t, name, i=i, p=p):
+                t = t.detach().to("cpu", torch.float32).contiguous()
+                if t.shape != p.shape:
+                    raise ValueError(
+                        f"OffloadAdamW.load_state_dict: parameter {i}'s {name} has shape "
+                        f"{tuple(t.shape)}, the parameter {tuple(p.shape)}"
+                    )
+                return t
+
+            master = entry.get("master")
+            entries.append((f"{i}.master", host(p if master is None else master, "master")))
+            if "exp_avg" in entry:
+                entries.append((f"{i}.exp_avg", host(entry["exp_avg"], "exp_avg")))
+                entries.append((f"{i}.exp_avg_sq", host(entry["exp_avg_sq"], "exp_avg_sq")))
+            if "step" in entry:
+                steps = max(steps, int(float(entry["step"])))
+        for group, saved in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        lr = float(self.param_groups[0]["lr"])
+        if not math.isfinite(lr):
+            raise ValueError(f"OffloadAdamW.load_state_dict: lr {lr} is not finite")
+        entries.append(("step", torch.tensor(steps, dtype=torch.int64)))
+        entries.append(("lr", torch.tensor(lr, dtype=torch.float64)))
+        self._engine.load_state(entries)
