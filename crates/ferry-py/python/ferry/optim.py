@@ -24,7 +24,9 @@ or log, in a hook registered before this optimizer's, or compute the norm inside
 no scaler); accumulating gradients over several backward passes before one step is not supported
 (the second gradient in a step raises at ``step()``); the learning rate and other hyperparameters
 of a group are read when its gradients arrive, so a scheduler's change applies from the next
-backward, as it does for torch's AdamW. ``state_dict()`` has torch AdamW's layout plus
+backward, as it does for torch's AdamW; bias correction counts the optimizer's steps (torch
+counts each parameter's: they differ for a parameter left without a gradient in some step).
+``state_dict()`` has torch AdamW's layout plus
 ``master`` (the fp32 weights) in each parameter's state; ``load_state_dict`` takes that or a
 torch AdamW state dict (the master weights then come from the parameters).
 """
