@@ -369,6 +369,51 @@ fn a_changed_header_is_caught_too() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `verify` reads a file without loading it: a sound one is counted, each kind of damage is
+/// the error `load` gives, naming the tensor; a plain safetensors file is checked for structure.
+#[test]
+fn verify_checks_every_checksum_without_loading_and_names_the_damage() {
+    let dir = scratch("verify");
+    let path = dir.join("m.safetensors");
+    let state = mlp(DType::F32, Device::Cpu).unwrap().state_dict();
+    checkpoint::save(&path, &state).unwrap();
+    let verified = checkpoint::verify(&path).unwrap();
+    let bytes: usize = state.iter().map(|(_, t)| t.nbytes()).sum();
+    assert_eq!(
+        verified,
+        checkpoint::Verified {
+            tensors: state.len(),
+            bytes,
+            checksummed: true
+        }
+    );
+    let original = std::fs::read(&path).unwrap();
+    let range = tensor_bytes(&path, "2.weight");
+    damage(&path, |b| b[range.start] ^= 0x01);
+    match checkpoint::verify(&path) {
+        Err(CheckpointError::ChecksumMismatch { key, .. }) => assert_eq!(key, "2.weight"),
+        other => panic!("expected a checksum mismatch, got {other:?}"),
+    }
+    std::fs::write(&path, &original).unwrap();
+    let cut = tensor_bytes(&path, "2.bias").start + 1;
+    damage(&path, |b| b.truncate(cut));
+    let err = checkpoint::verify(&path).unwrap_err().to_string();
+    assert!(err.contains("2.bias"), "{err}");
+    // A file without ferry's record (another writer's safetensors file): structure only.
+    let plain = dir.join("plain.safetensors");
+    let mut json = br#"{"x":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}"#.to_vec();
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let mut file = (json.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&json);
+    for v in [1.0f32, 2.0, 3.0] {
+        file.extend_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(&plain, file).unwrap();
+    let verified = checkpoint::verify(&plain).unwrap();
+    assert_eq!((verified.tensors, verified.checksummed), (1, false));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Names of the files in `dir`.
 fn listing(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)

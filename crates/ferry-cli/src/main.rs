@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod checkpoint;
 mod doctor;
 mod graph;
 mod methods;
@@ -35,6 +36,8 @@ enum Command {
     Train(train::TrainArgs),
     /// Benchmarks, side by side with PyTorch in one run: `transfer` (device moves).
     Bench(ferry_bench::BenchArgs),
+    /// Checkpoint files: `verify PATH...` checks headers and checksums, naming the damage.
+    Checkpoint(checkpoint::CheckpointArgs),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
         Command::Graph(args) => graph::run(args),
         Command::Train(args) => train::run(args),
         Command::Bench(args) => ferry_bench::run(args),
+        Command::Checkpoint(args) => checkpoint::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -57,6 +57,7 @@ mod write;
 pub use error::{CheckpointError, Mismatch};
 pub use format::CHECKSUM_KEY;
 pub use plan::{DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions};
+pub use read::Verified;
 pub use stage::CheckpointReport;
 
 /// Writes `tensors` to `path` as safetensors, streaming device tensors through the default
@@ -90,6 +91,14 @@ pub fn save_with(
     options: SaveOptions,
 ) -> Result<CheckpointReport, CheckpointError> {
     Checkpoint::from_tensors(tensors.to_vec()).save_with(path, options)
+}
+
+/// Checks the safetensors file at `path` without loading it (one 4 MiB buffer, whatever the
+/// file's size): its header against the file's length, and, when it carries ferry's checksum
+/// record, the header and every tensor's bytes against it. The error names the first damage
+/// found: the tensor whose bytes changed or are missing, or what is wrong with the header.
+pub fn verify(path: impl AsRef<Path>) -> Result<Verified, CheckpointError> {
+    read::verify_file(path.as_ref())
 }
 
 /// Reads every tensor of a safetensors file onto the host, in file order.

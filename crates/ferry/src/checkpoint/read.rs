@@ -180,6 +180,49 @@ pub(super) fn read_file(
     Ok((tensors, opened.metadata))
 }
 
+/// What [`super::verify`] found in a sound file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    /// Tensors in the file.
+    pub tensors: usize,
+    /// Bytes of tensor data.
+    pub bytes: usize,
+    /// Whether the file carries ferry's checksum record, so every tensor's bytes and the
+    /// header were checked against it (a plain safetensors file has its structure checked
+    /// alone).
+    pub checksummed: bool,
+}
+
+/// Reads the file at `path` through one chunk-sized buffer, checking its header and every
+/// tensor's checksum; the first damage found is the error, naming the tensor.
+pub(super) fn verify_file(path: &Path) -> Result<Verified, CheckpointError> {
+    let io = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut opened = open(path)?;
+    let infos = std::mem::take(&mut opened.infos);
+    let mut chunk = vec![0u8; CHUNK];
+    let mut bytes = 0;
+    for (key, info) in &infos {
+        let (start, end) = info.data_offsets;
+        let mut hasher = crc32fast::Hasher::new();
+        let mut left = end - start;
+        while left > 0 {
+            let n = left.min(CHUNK);
+            read_hashed(&mut opened.file, &mut chunk[..n], &mut hasher).map_err(io)?;
+            left -= n;
+        }
+        opened.verify(key, hasher)?;
+        bytes += end - start;
+    }
+    Ok(Verified {
+        tensors: infos.len(),
+        bytes,
+        checksummed: opened.checksums.is_some(),
+    })
+}
+
 /// Every tensor of the file at `path`, in file order, on CUDA device `ordinal`, streamed through
 /// pinned slots of `slots`; and the metadata. Returned only once every tensor is verified.
 pub(super) fn read_to_device(
