@@ -44,7 +44,8 @@ impl PyOffloadAdamW {
     /// order), its state on the host; `stream` is torch's current stream there, which the
     /// initial copy of the weights to the host is ordered after.
     #[new]
-    #[pyo3(signature = (params, lr, betas, eps, weight_decay, stream=None))]
+    #[pyo3(signature = (params, lr, betas, eps, weight_decay, delayed_update=false, stream=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         params: Vec<Bound<'_, PyAny>>,
@@ -52,6 +53,7 @@ impl PyOffloadAdamW {
         betas: (f64, f64),
         eps: f64,
         weight_decay: f64,
+        delayed_update: bool,
         stream: Option<u64>,
     ) -> PyResult<Self> {
         guarded(|| {
@@ -83,7 +85,8 @@ impl PyOffloadAdamW {
                         OffloadAdamW::fed(tensors, lr)?
                             .betas(betas.0, betas.1)
                             .eps(eps)
-                            .weight_decay(weight_decay),
+                            .weight_decay(weight_decay)
+                            .delayed_update(delayed_update),
                     )
                 })
                 .map_err(to_py)?;
@@ -153,6 +156,23 @@ impl PyOffloadAdamW {
                 inner.step()?;
                 let uploaded = inner.upload_stream().record()?;
                 torch.wait_event(&uploaded)?;
+                Ok::<_, ferry::TensorError>(())
+            })
+            .map_err(to_py)
+        })
+    }
+
+    /// Waits for every CPU step and uploads the weights the delayed update holds back, after
+    /// the work queued on torch's stream `stream` so far; that stream then waits for them.
+    #[pyo3(signature = (stream=None))]
+    fn flush(&mut self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+        guarded(|| {
+            let torch = torch_or_default(self.ordinal, stream)?;
+            let inner = &mut self.inner;
+            py.detach(|| {
+                let after = torch.record()?;
+                inner.flush(Some(&after))?;
+                torch.wait_event(&inner.upload_stream().record()?)?;
                 Ok::<_, ferry::TensorError>(())
             })
             .map_err(to_py)

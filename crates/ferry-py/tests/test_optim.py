@@ -177,3 +177,30 @@ def test_unsupported_arguments_are_refused():
         OffloadAdamW(params, lr=-1.0)
     with pytest.raises(ValueError, match="invalid beta 1"):
         OffloadAdamW(params, betas=(0.9, 1.0))
+
+
+@cuda
+def test_the_delayed_update_computes_with_weights_one_step_behind():
+    # Reference: torch's AdamW applying the gradients the delayed run computes, at its weights.
+    torch.manual_seed(0)
+    model = _model()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, delayed_update=True)
+    history = [[p.detach().clone() for p in reference.parameters()]]
+    for step in range(4):
+        behind = history[max(step - 1, 0)]
+        for p, q in zip(behind, model.parameters()):
+            assert torch.allclose(p, q.detach(), rtol=1e-5, atol=1e-7), step
+        scratch = copy.deepcopy(model)
+        _loss(scratch, step).backward()
+        for p, q in zip(reference.parameters(), scratch.parameters()):
+            p.grad = q.grad
+        ref_opt.step()
+        history.append([p.detach().clone() for p in reference.parameters()])
+        _loss(model, step).backward()
+        opt.step()
+    opt.flush()
+    for p, q in zip(history[-1], model.parameters()):
+        assert torch.allclose(p, q.detach(), rtol=1e-5, atol=1e-7)
+    assert float(opt.state_dict()["state"][0]["step"]) == 4.0

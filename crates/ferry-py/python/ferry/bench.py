@@ -195,6 +195,9 @@ def main(argv=None) -> int:
                              "simple offload")
     parser.add_argument("--optimizer-batch", type=int, default=16,
                         help="the Llama's batch for --optimizer-offload (x 1024 tokens; default 16)")
+    parser.add_argument("--optimizer-rows", metavar="LIST",
+                        help="only the --optimizer-offload rows whose names contain one of these "
+                             "comma-separated words (besides AdamW on the GPU)")
     parser.add_argument("--profile", metavar="MODEL",
                         help="profile one ferry offload step of MODEL (with or without --models)")
     args = parser.parse_args(argv)

@@ -49,7 +49,11 @@ def _optimizer_base():
 class OffloadAdamW(_optimizer_base()):
     """AdamW over ``params`` (CUDA tensors on one GPU, contiguous, float32, bfloat16 or float16)
     with its state in host memory; arguments as ``torch.optim.AdamW``'s (``amsgrad`` and
-    ``maximize`` are not supported). See the module docs for what a step does."""
+    ``maximize`` are not supported). See the module docs for what a step does.
+
+    ``delayed_update=True``: ``step()`` returns without waiting for the CPU, whose steps run
+    beside the next forward and backward; those compute with the weights of one step earlier
+    (ZeRO-Offload's delayed parameter update). ``flush()`` brings the weights up to date."""
 
     def __init__(
         self,
@@ -61,6 +65,7 @@ class OffloadAdamW(_optimizer_base()):
         *,
         amsgrad: bool = False,
         maximize: bool = False,
+        delayed_update: bool = False,
     ):
         torch = _torch()
         if amsgrad or maximize:
@@ -109,6 +114,7 @@ class OffloadAdamW(_optimizer_base()):
             tuple(float(b) for b in group["betas"]),
             float(group["eps"]),
             float(group["weight_decay"]),
+            delayed_update=bool(delayed_update),
             stream=torch.cuda.current_stream(self._device).cuda_stream,
         )
         self._landing = [to_torch(self._engine.landing(i)) for i in range(len(self._params))]
@@ -165,6 +171,13 @@ class OffloadAdamW(_optimizer_base()):
                 self._send(p, i)
         self._engine.step(torch.cuda.current_stream(self._device).cuda_stream)
         return loss
+
+    def flush(self):
+        """Waits for the CPU's steps and uploads the weights the delayed update holds back (after
+        the work queued on torch's current stream, which then waits for them): call it before
+        evaluating or saving the model. Nothing to do without the delayed update."""
+        torch = _torch()
+        self._engine.flush(torch.cuda.current_stream(self._device).cuda_stream)
 
     def pinned_bytes(self) -> int:
         """Pinned host bytes held: a landing and an upload buffer per parameter."""

@@ -23,27 +23,33 @@
 //! set without a backward, and counts the step. Gradients are consumed: after the step every
 //! `.grad` is `None`.
 //!
+//! With [`OffloadAdamW::delayed_update`], `step()` does not wait for the CPU: step i's passes
+//! run beside step i+1's forward and backward, and each parameter's new weights are uploaded
+//! when its next gradient arrives (backward has let go of it then), so step i+1 computes with
+//! the weights of step i-1, as ZeRO-Offload's delayed parameter update does. The host's memory
+//! bus then has a whole step's time for the passes, not backward's alone.
+//!
 //! Another runtime's parameters (torch's, through ferry-py) use the same machinery without
 //! ferry's hooks: [`OffloadAdamW::fed`] takes device tensors over their memory, the caller
 //! copies each gradient into [`OffloadAdamW::landing`] on [`OffloadAdamW::gradient_stream`]
 //! and says so with [`OffloadAdamW::gradient_queued`], and orders its next reads of the
 //! parameters after [`OffloadAdamW::upload_stream`].
 
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ferry_memory::cuda::{Event, PinnedBuffer, PinnedPool, Stream};
-use ferry_memory::{DType, Device, bf16, f16};
+use ferry_memory::{DType, Device};
 use ferry_tensor::{Buffer, HookHandle, Layout, Result, Storage, Tensor, TensorError};
 use ferry_transfer::StateDict;
 use parking_lot::{Condvar, Mutex};
 
 use super::Optimizer;
-use super::host::{self, AdamTensor, GradSlice, ParamSlice};
 use crate::checkpoint::CheckpointError;
 use crate::nn::check_state;
+use pipeline::{step_threads, upload_each, work};
 
 /// AdamW with its state in host memory; see the module docs.
 pub struct OffloadAdamW {
@@ -62,6 +68,8 @@ pub struct OffloadAdamW {
 struct Sent {
     /// The parameter's index.
     index: usize,
+    /// The step it belongs to (1 for the first).
+    t: u64,
     /// The hyperparameters to step it with.
     adam: AdamHyper,
     /// Recorded after a copy into its landing buffer that ferry did not queue (see
@@ -76,9 +84,11 @@ struct Shared {
     up: Stream,
     slots: Vec<Mutex<Slot>>,
     hyper: Mutex<Hyper>,
-    /// Gradients sent to the worker and not yet stepped; `step` waits for zero.
-    in_flight: Mutex<usize>,
+    /// What is still to happen; `step` waits for parts of it to be none.
+    flight: Mutex<Flight>,
     drained: Condvar,
+    /// Per parameter, what the delayed update tracks.
+    pending: Vec<Mutex<Pending>>,
     /// The first error of a hook or the worker, reported by the next `step`.
     error: Mutex<Option<String>>,
     /// When this step's gradients went down, landed and were stepped.
@@ -107,6 +117,30 @@ fn widen(span: &mut Option<(Instant, Instant)>, at: Instant) {
     *span = Some(span.map_or((at, at), |(first, _)| (first, at)));
 }
 
+/// Work handed out and not done.
+#[derive(Debug, Default)]
+struct Flight {
+    /// Gradients sent to the step thread and not yet stepped (and, without the delayed update,
+    /// not yet uploaded).
+    stepping: usize,
+    /// Delayed update: parameters let go of by backward whose previous step is still running,
+    /// so their upload is owed; `step` waits for these (the next forward reads them).
+    owed: usize,
+}
+
+/// One parameter's place in the delayed update.
+#[derive(Default)]
+struct Pending {
+    /// The last step handed to the step thread, and the last it finished.
+    sent: u64,
+    done: u64,
+    /// Its last step's weights wait in the upload buffer.
+    ready: bool,
+    /// Backward let go of it while its last step ran: upload when done, after this event (the
+    /// caller's; `None` when ferry orders the upload itself).
+    released: Option<Option<Event>>,
+}
+
 /// The hyperparameters a parameter is stepped with (torch.optim.AdamW's, `amsgrad=False`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamHyper {
@@ -123,6 +157,8 @@ pub struct AdamHyper {
 #[derive(Debug, Clone, Copy)]
 struct Hyper {
     adam: AdamHyper,
+    /// [`OffloadAdamW::delayed_update`].
+    delayed: bool,
     /// Steps counted so far; the steps in progress are number `steps + 1`.
     steps: u64,
 }
@@ -234,6 +270,7 @@ impl OffloadAdamW {
             }));
         }
         let device = ferry_memory::cuda::CudaDevice::get(ordinal)?;
+        let pending = (0..params.len()).map(|_| Mutex::default()).collect();
         let shared = Arc::new(Shared {
             params,
             down: device.new_stream()?,
@@ -246,19 +283,18 @@ impl OffloadAdamW {
                     eps: 1e-8,
                     weight_decay: 0.01,
                 },
+                delayed: false,
                 steps: 0,
             }),
-            in_flight: Mutex::new(0),
+            flight: Mutex::new(Flight::default()),
             drained: Condvar::new(),
+            pending,
             error: Mutex::new(None),
             timeline: Mutex::new(StepTimeline::default()),
         });
         let (queue, landed) = channel();
-        // One core fewer than the machine has: the thread that runs backward must keep
-        // launching kernels while the steps stream memory on the rest.
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(cores.saturating_sub(1).max(1))
+            .num_threads(step_threads()?)
             .thread_name(|i| format!("ferry-offload-{i}"))
             .build()
             .map_err(|e| invalid(OP, format!("could not start the step threads: {e}")))?;
@@ -305,6 +341,34 @@ impl OffloadAdamW {
         self
     }
 
+    /// With `on`, the delayed parameter update (see the module docs): `step()` returns without
+    /// waiting for the CPU's passes, and the forward and backward that follow compute with the
+    /// weights from one step earlier. [`OffloadAdamW::flush`] brings the parameters up to date
+    /// (before evaluating or saving the model).
+    pub fn delayed_update(self, on: bool) -> Self {
+        self.shared.hyper.lock().delayed = on;
+        self
+    }
+
+    /// Waits for every step handed to the CPU and uploads the weights still held back by the
+    /// delayed update (nothing to do without it). `after`, when given, is what the uploads wait
+    /// for on the device besides what ferry orders itself (the caller's own reads of the
+    /// parameters: see [`OffloadAdamW::fed`]).
+    pub fn flush(&mut self, after: Option<&Event>) -> Result<()> {
+        let shared = &self.shared;
+        shared.wait(|f| f.stepping == 0 && f.owed == 0);
+        for i in 0..shared.params.len() {
+            let ready = std::mem::take(&mut shared.pending[i].lock().ready);
+            if ready {
+                if let Some(after) = after {
+                    shared.up.wait_event(after)?;
+                }
+                shared.upload_one(i)?;
+            }
+        }
+        shared.take_error("OffloadAdamW::flush")
+    }
+
     /// The hyperparameters the hooks step with (those set by the builder methods and
     /// [`Optimizer::set_learning_rate`]).
     pub fn hyper(&self) -> AdamHyper {
@@ -341,6 +405,8 @@ impl OffloadAdamW {
             ));
         }
         let landed = self.shared.down.record()?;
+        // The caller ordered its copy after its reads of the parameter: so is this event.
+        self.shared.release(i, Some(self.shared.down.record()?))?;
         let queue = self.queue.as_ref().expect("present until drop");
         self.shared.hand_over(i, adam, Some(landed), queue)
     }
@@ -377,190 +443,6 @@ fn invalid(op: &'static str, message: String) -> TensorError {
     TensorError::InvalidArgument { op, message }
 }
 
-impl Shared {
-    /// From the hook: queues parameter `i`'s gradient to its landing buffer, frees it on the
-    /// device, and hands `i` to the worker.
-    fn send_down(&self, i: usize, grad: &Tensor, queue: &Sender<Sent>) -> Result<()> {
-        let param = &self.params[i];
-        if grad.dtype() != param.dtype() || !grad.is_contiguous() {
-            // Gradients of a parameter come in its dtype and layout; anything else is the
-            // caller's doing, and is converted here rather than stepped wrong.
-            let grad = ferry_tensor::with_no_grad(|| grad.to_dtype(param.dtype())?.contiguous())?;
-            return self.send_down(i, &grad, queue);
-        }
-        {
-            let slot = self.slots[i].lock();
-            let guard = grad.storage().read();
-            let Buffer::Cuda(from) = &*guard else {
-                return Err(invalid(
-                    "OffloadAdamW",
-                    format!("the gradient of parameter {i} is on {}", grad.device()),
-                ));
-            };
-            let offset = grad.layout().offset() * grad.dtype().size();
-            let mut landing = slot.landing.storage().write();
-            let Buffer::Pinned(landing) = &mut *landing else {
-                unreachable!("landing tensors are pinned");
-            };
-            from.copy_to_pinned_async_at(offset, landing, &self.down)?;
-        }
-        // Its device memory goes back now (the free waits for the copy on the device).
-        param.set_grad(None);
-        let adam = self.hyper.lock().adam;
-        self.hand_over(i, adam, None, queue)
-    }
-
-    /// Hands parameter `i`, whose gradient copy is queued, to the step thread.
-    fn hand_over(
-        &self,
-        index: usize,
-        adam: AdamHyper,
-        landed: Option<Event>,
-        queue: &Sender<Sent>,
-    ) -> Result<()> {
-        widen(&mut self.timeline.lock().sent, Instant::now());
-        *self.in_flight.lock() += 1;
-        let sent = Sent {
-            index,
-            adam,
-            landed,
-        };
-        if queue.send(sent).is_err() {
-            self.finish_one();
-            return Err(invalid("OffloadAdamW", "the step thread has ended".into()));
-        }
-        Ok(())
-    }
-
-    fn finish_one(&self) {
-        let mut in_flight = self.in_flight.lock();
-        *in_flight -= 1;
-        if *in_flight == 0 {
-            self.drained.notify_all();
-        }
-    }
-
-    /// Steps a parameter from its landed gradient into its upload buffer.
-    fn step_one(&self, sent: &Sent) -> Result<()> {
-        let i = sent.index;
-        if let Some(landed) = &sent.landed {
-            landed.synchronize()?;
-        }
-        let t = self.hyper.lock().steps + 1;
-        let AdamHyper {
-            lr,
-            betas,
-            eps,
-            weight_decay,
-        } = sent.adam;
-        let step = host::adamw_step(t, lr, betas, eps, weight_decay);
-        let param = &self.params[i];
-        let mut slot = self.slots[i].lock();
-        if slot.stepped == t {
-            return Err(invalid(
-                "OffloadAdamW",
-                format!(
-                    "parameter {i} got a second gradient in step {t}: call `step()` after each \
-                     backward (accumulating gradients over several backward passes is not \
-                     supported with offload yet)"
-                ),
-            ));
-        }
-        let Slot {
-            master,
-            exp_avg,
-            exp_avg_sq,
-            landing,
-            upload,
-            stepped,
-        } = &mut *slot;
-        let landing = landing.storage().read();
-        let Buffer::Pinned(landing) = &*landing else {
-            unreachable!("landing tensors are pinned");
-        };
-        let bytes = landing.as_bytes()?;
-        let began = Instant::now();
-        widen(&mut self.timeline.lock().landed, began);
-        let grad = match param.dtype() {
-            DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
-            DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
-            _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
-        };
-        let out_bytes = upload.as_bytes_mut()?;
-        let out = match param.dtype() {
-            DType::BF16 => ParamSlice::Bf16(bytemuck::cast_slice_mut::<u8, bf16>(out_bytes)),
-            DType::F16 => ParamSlice::F16(bytemuck::cast_slice_mut::<u8, f16>(out_bytes)),
-            _ => ParamSlice::F32(bytemuck::cast_slice_mut::<u8, f32>(out_bytes)),
-        };
-        host::adamw(
-            &step,
-            [AdamTensor {
-                master,
-                exp_avg,
-                exp_avg_sq,
-                grad,
-                out: Some(out),
-            }],
-        )?;
-        *stepped = t;
-        self.timeline.lock().busy += began.elapsed();
-        Ok(())
-    }
-
-    /// Queues parameter `i`'s upload from its upload buffer, stepped just before.
-    fn upload_one(&self, i: usize) -> Result<()> {
-        let queuing = Instant::now();
-        let param = &self.params[i];
-        let mut slot = self.slots[i].lock();
-        let offset = param.layout().offset() * param.dtype().size();
-        let mut guard = param.storage().write();
-        let Buffer::Cuda(to) = &mut *guard else {
-            unreachable!("parameters were checked to be on a GPU");
-        };
-        to.copy_from_pinned_async_at(offset, &mut slot.upload, &self.up)?;
-        let mut timeline = self.timeline.lock();
-        let done = Instant::now();
-        timeline.stepped = Some(done);
-        timeline.queuing += done - queuing;
-        Ok(())
-    }
-
-    fn note(&self, err: TensorError) {
-        self.error.lock().get_or_insert_with(|| err.to_string());
-    }
-}
-
-/// The worker: steps each parameter whose gradient was sent, in the order they were sent, on
-/// the cores of `pool`, and hands it to the uploader.
-fn work(
-    shared: &Shared,
-    landed: &Receiver<Sent>,
-    stepped: &Sender<usize>,
-    pool: &rayon::ThreadPool,
-) {
-    while let Ok(sent) = landed.recv() {
-        let outcome = pool.install(|| shared.step_one(&sent)).and_then(|()| {
-            stepped
-                .send(sent.index)
-                .map_err(|_| invalid("OffloadAdamW", "the upload thread has ended".into()))
-        });
-        if let Err(err) = outcome {
-            shared.note(err);
-            shared.finish_one();
-        }
-    }
-}
-
-/// The uploader: queues each stepped parameter's upload; the parameter's step is then done.
-fn upload_each(shared: &Shared, stepped: &Receiver<usize>) {
-    while let Ok(i) = stepped.recv() {
-        if let Err(err) = shared.upload_one(i) {
-            shared.note(err);
-        }
-        shared.finish_one();
-    }
-}
-
 impl Optimizer for OffloadAdamW {
     fn step(&mut self) -> Result<()> {
         let shared = &self.shared;
@@ -571,20 +453,17 @@ impl Optimizer for OffloadAdamW {
                 shared.send_down(i, &grad, queue)?;
             }
         }
-        {
-            let mut in_flight = shared.in_flight.lock();
-            while *in_flight > 0 {
-                shared.drained.wait(&mut in_flight);
-            }
+        if shared.hyper.lock().delayed {
+            // The CPU's passes go on beside the next forward; the weights it reads are uploaded.
+            shared.wait(|f| f.owed == 0);
+        } else {
+            shared.wait(|f| f.stepping == 0);
         }
         shared.hyper.lock().steps += 1;
         let mut timeline = std::mem::take(&mut *shared.timeline.lock());
         timeline.returned = Some(Instant::now());
         *self.last_timeline.lock() = timeline;
-        match shared.error.lock().take() {
-            Some(message) => Err(invalid("OffloadAdamW::step", message)),
-            None => Ok(()),
-        }
+        shared.take_error("OffloadAdamW::step")
     }
 
     fn parameters(&self) -> &[Tensor] {
@@ -606,6 +485,8 @@ impl Optimizer for OffloadAdamW {
     /// AdamW's names (`step`, `lr`, `{i}.exp_avg`, `{i}.exp_avg_sq`) plus `{i}.master`, the
     /// fp32 master weights, as host tensors (copies: the state keeps changing).
     fn state_dict(&self) -> StateDict {
+        // The steps counted so far, whole (the delayed update's may still be running).
+        self.shared.wait(|f| f.stepping == 0);
         let hyper = *self.shared.hyper.lock();
         let mut out = vec![
             ("step".to_string(), Tensor::scalar(hyper.steps as i64)),
@@ -631,6 +512,7 @@ impl Optimizer for OffloadAdamW {
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<(), CheckpointError> {
+        self.shared.wait(|f| f.stepping == 0 && f.owed == 0);
         let f32_like = |p: &Tensor| Tensor::zeros(p.shape(), DType::F32, Device::Cpu);
         let mut expected = vec![
             ("step".to_string(), Tensor::scalar(0i64)),
@@ -661,6 +543,8 @@ impl Optimizer for OffloadAdamW {
                 slot.exp_avg_sq.fill(0.0);
             }
             slot.stepped = 0;
+            // Weights held back by the delayed update belong to the replaced state.
+            *self.shared.pending[i].lock() = Pending::default();
         }
         let mut hyper = self.shared.hyper.lock();
         hyper.steps = find("step").item()? as u64;
@@ -690,5 +574,6 @@ impl Drop for OffloadAdamW {
     }
 }
 
+mod pipeline;
 #[cfg(test)]
 mod tests;

@@ -1,3 +1,4 @@
+use ferry_memory::bf16;
 use ferry_tensor::{DType, Device, Tensor, manual_seed};
 
 use super::*;
@@ -234,4 +235,73 @@ fn a_fed_optimizer_steps_the_gradients_copied_into_its_landing_tensors() {
     assert!(fed.landing(params.len()).is_none());
     let err = fed.gradient_queued(params.len(), adam).unwrap_err();
     assert!(err.to_string().contains("does not exist"), "{err}");
+}
+
+fn weights(model: &Sequential) -> Vec<Vec<f32>> {
+    model
+        .parameters()
+        .iter()
+        .map(|p| p.to_vec::<f32>().unwrap())
+        .collect()
+}
+
+fn assert_near(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+    for (p, q) in a.iter().zip(b) {
+        for (x, y) in p.iter().zip(q) {
+            assert!(
+                (x - y).abs() <= 1e-5 * (x.abs() + 1e-2),
+                "{what}: {x} against {y}"
+            );
+        }
+    }
+}
+
+/// The delayed update: step k's forward and backward see the weights of step k - 1 (the
+/// first two see the initial ones), each gradient is applied as AdamW would apply it, and
+/// `flush` brings the parameters up to date.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_delayed_update_steps_gradients_of_weights_one_step_behind() {
+    let gpu = Device::Cuda(0);
+    let (reference, offloaded) = (mlp(gpu, DType::F32).unwrap(), mlp(gpu, DType::F32).unwrap());
+    let mut scratch = mlp(gpu, DType::F32).unwrap();
+    let mut adamw = AdamW::new(reference.parameters(), 1e-2).unwrap();
+    let mut offload = OffloadAdamW::new(offloaded.parameters(), 1e-2)
+        .unwrap()
+        .delayed_update(true);
+    // history[k]: the weights after k steps.
+    let mut history = vec![weights(&reference)];
+    for step in 0..5u64 {
+        let behind = &history[step.saturating_sub(1) as usize];
+        assert_near(
+            behind,
+            &weights(&offloaded),
+            &format!("step {step}'s weights"),
+        );
+        let x = batch(gpu, 300 + step).unwrap();
+        // The gradient the offloaded run computes, at its stale weights, applied by AdamW.
+        scratch.load_state_dict(&offloaded.state_dict()).unwrap();
+        for p in scratch.parameters() {
+            p.set_grad(None);
+        }
+        loss(&scratch, &x).unwrap().backward().unwrap();
+        for (p, q) in reference.parameters().iter().zip(scratch.parameters()) {
+            p.set_grad(q.grad());
+        }
+        adamw.step().unwrap();
+        history.push(weights(&reference));
+        loss(&offloaded, &x).unwrap().backward().unwrap();
+        offload.step().unwrap();
+    }
+    offload.flush(None).unwrap();
+    assert_near(&history[5], &weights(&offloaded), "after flush");
+    assert_eq!(offload.steps(), 5);
+    // The state is whole once the passes are done: five steps' masters.
+    let state = offload.state_dict();
+    let master = &state.iter().find(|(k, _)| k == "0.master").unwrap().1;
+    assert_near(
+        &history[5][..1],
+        &[master.to_vec::<f32>().unwrap()],
+        "master weights",
+    );
 }

@@ -1,0 +1,307 @@
+//! The pipeline behind [`super::OffloadAdamW`]: what the hooks hand over, the step thread's
+//! passes, the uploads, and the bookkeeping `step` waits on.
+
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::Instant;
+
+use ferry_memory::cuda::Event;
+use ferry_memory::{DType, bf16, f16};
+use ferry_tensor::{Buffer, Result, Tensor, TensorError};
+
+use super::{AdamHyper, Flight, Sent, Shared, Slot, invalid, widen};
+use crate::optim::host::{self, AdamTensor, GradSlice, ParamSlice};
+
+/// The step threads: `FERRY_OFFLOAD_THREADS` when set, else one core fewer than the machine
+/// has (the thread that runs backward must keep launching kernels while the steps stream
+/// memory on the rest).
+pub(super) fn step_threads() -> Result<usize> {
+    const VARIABLE: &str = "FERRY_OFFLOAD_THREADS";
+    match std::env::var(VARIABLE) {
+        Ok(text) => text
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                invalid(
+                    "OffloadAdamW::new",
+                    format!("{VARIABLE}={text:?} is not a number of threads (a whole number >= 1)"),
+                )
+            }),
+        Err(_) => {
+            let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+            Ok(cores.saturating_sub(1).max(1))
+        }
+    }
+}
+
+impl Shared {
+    /// From the hook: queues parameter `i`'s gradient to its landing buffer, frees it on the
+    /// device, and hands `i` to the worker.
+    pub(super) fn send_down(&self, i: usize, grad: &Tensor, queue: &Sender<Sent>) -> Result<()> {
+        let param = &self.params[i];
+        if grad.dtype() != param.dtype() || !grad.is_contiguous() {
+            // Gradients of a parameter come in its dtype and layout; anything else is the
+            // caller's doing, and is converted here rather than stepped wrong.
+            let grad = ferry_tensor::with_no_grad(|| grad.to_dtype(param.dtype())?.contiguous())?;
+            return self.send_down(i, &grad, queue);
+        }
+        {
+            let slot = self.slots[i].lock();
+            let guard = grad.storage().read();
+            let Buffer::Cuda(from) = &*guard else {
+                return Err(invalid(
+                    "OffloadAdamW",
+                    format!("the gradient of parameter {i} is on {}", grad.device()),
+                ));
+            };
+            let offset = grad.layout().offset() * grad.dtype().size();
+            let mut landing = slot.landing.storage().write();
+            let Buffer::Pinned(landing) = &mut *landing else {
+                unreachable!("landing tensors are pinned");
+            };
+            from.copy_to_pinned_async_at(offset, landing, &self.down)?;
+        }
+        // Its device memory goes back now (the free waits for the copy on the device).
+        param.set_grad(None);
+        // The parameter's upload orders itself after the kernels queued so far.
+        self.release(i, None)?;
+        let adam = self.hyper.lock().adam;
+        self.hand_over(i, adam, None, queue)
+    }
+
+    /// Hands parameter `i`, whose gradient copy is queued, to the step thread.
+    pub(super) fn hand_over(
+        &self,
+        index: usize,
+        adam: AdamHyper,
+        landed: Option<Event>,
+        queue: &Sender<Sent>,
+    ) -> Result<()> {
+        widen(&mut self.timeline.lock().sent, Instant::now());
+        self.flight.lock().stepping += 1;
+        let t = self.hyper.lock().steps + 1;
+        self.pending[index].lock().sent = t;
+        let sent = Sent {
+            index,
+            t,
+            adam,
+            landed,
+        };
+        if queue.send(sent).is_err() {
+            self.finish_one();
+            return Err(invalid("OffloadAdamW", "the step thread has ended".into()));
+        }
+        Ok(())
+    }
+
+    pub(super) fn finish_one(&self) {
+        self.settle(|f| f.stepping -= 1);
+    }
+
+    /// Changes the flight under its lock and wakes whoever waits for it.
+    pub(super) fn settle(&self, change: impl FnOnce(&mut Flight)) {
+        change(&mut self.flight.lock());
+        self.drained.notify_all();
+    }
+
+    /// Blocks until `done` holds of the flight.
+    pub(super) fn wait(&self, done: impl Fn(&Flight) -> bool) {
+        let mut flight = self.flight.lock();
+        while !done(&flight) {
+            self.drained.wait(&mut flight);
+        }
+    }
+
+    /// The first error a hook or a thread noted, as `op`'s.
+    pub(super) fn take_error(&self, op: &'static str) -> Result<()> {
+        match self.error.lock().take() {
+            Some(message) => Err(invalid(op, message)),
+            None => Ok(()),
+        }
+    }
+
+    /// Delayed update: backward has let go of parameter `i` (its next gradient arrived), so
+    /// its last step's weights may be uploaded now, after `after` on the device when given; if
+    /// that step is still running, the step thread uploads them when it is done.
+    pub(super) fn release(&self, i: usize, after: Option<Event>) -> Result<()> {
+        if !self.hyper.lock().delayed {
+            return Ok(());
+        }
+        let mut pending = self.pending[i].lock();
+        if pending.ready {
+            pending.ready = false;
+            drop(pending);
+            if let Some(after) = &after {
+                self.up.wait_event(after)?;
+            }
+            return self.upload_one(i);
+        }
+        if pending.sent > pending.done {
+            pending.released = Some(after);
+            self.flight.lock().owed += 1;
+        }
+        Ok(())
+    }
+
+    /// A step that failed (its error is noted): nothing of it is uploaded or waited for.
+    pub(super) fn abandon(&self, i: usize, t: u64) {
+        let mut pending = self.pending[i].lock();
+        pending.done = t;
+        let owed = pending.released.take().is_some();
+        drop(pending);
+        self.settle(|f| {
+            f.stepping -= 1;
+            f.owed -= usize::from(owed);
+        });
+    }
+
+    /// Delayed update, from the step thread: parameter `i`'s step is done; its weights go up
+    /// now if backward already let go of it, else they wait for that.
+    pub(super) fn stepped_delayed(&self, i: usize, t: u64) -> Result<()> {
+        let mut pending = self.pending[i].lock();
+        pending.done = t;
+        let Some(after) = pending.released.take() else {
+            pending.ready = true;
+            return Ok(());
+        };
+        drop(pending);
+        let uploaded = after
+            .as_ref()
+            .map_or(Ok(()), |after| self.up.wait_event(after))
+            .map_err(TensorError::from)
+            .and_then(|()| self.upload_one(i));
+        self.settle(|f| f.owed -= 1);
+        uploaded
+    }
+
+    /// Steps a parameter from its landed gradient into its upload buffer.
+    pub(super) fn step_one(&self, sent: &Sent) -> Result<()> {
+        let i = sent.index;
+        if let Some(landed) = &sent.landed {
+            landed.synchronize()?;
+        }
+        let t = sent.t;
+        let AdamHyper {
+            lr,
+            betas,
+            eps,
+            weight_decay,
+        } = sent.adam;
+        let step = host::adamw_step(t, lr, betas, eps, weight_decay);
+        let param = &self.params[i];
+        let mut slot = self.slots[i].lock();
+        if slot.stepped == t {
+            return Err(invalid(
+                "OffloadAdamW",
+                format!(
+                    "parameter {i} got a second gradient in step {t}: call `step()` after each \
+                     backward (accumulating gradients over several backward passes is not \
+                     supported with offload yet)"
+                ),
+            ));
+        }
+        let Slot {
+            master,
+            exp_avg,
+            exp_avg_sq,
+            landing,
+            upload,
+            stepped,
+        } = &mut *slot;
+        let landing = landing.storage().read();
+        let Buffer::Pinned(landing) = &*landing else {
+            unreachable!("landing tensors are pinned");
+        };
+        let bytes = landing.as_bytes()?;
+        let began = Instant::now();
+        widen(&mut self.timeline.lock().landed, began);
+        let grad = match param.dtype() {
+            DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
+            DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
+            _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
+        };
+        let out_bytes = upload.as_bytes_mut()?;
+        let out = match param.dtype() {
+            DType::BF16 => ParamSlice::Bf16(bytemuck::cast_slice_mut::<u8, bf16>(out_bytes)),
+            DType::F16 => ParamSlice::F16(bytemuck::cast_slice_mut::<u8, f16>(out_bytes)),
+            _ => ParamSlice::F32(bytemuck::cast_slice_mut::<u8, f32>(out_bytes)),
+        };
+        host::adamw(
+            &step,
+            [AdamTensor {
+                master,
+                exp_avg,
+                exp_avg_sq,
+                grad,
+                out: Some(out),
+            }],
+        )?;
+        *stepped = t;
+        self.timeline.lock().busy += began.elapsed();
+        Ok(())
+    }
+
+    /// Queues parameter `i`'s upload from its upload buffer, stepped just before.
+    pub(super) fn upload_one(&self, i: usize) -> Result<()> {
+        let queuing = Instant::now();
+        let param = &self.params[i];
+        let mut slot = self.slots[i].lock();
+        let offset = param.layout().offset() * param.dtype().size();
+        let mut guard = param.storage().write();
+        let Buffer::Cuda(to) = &mut *guard else {
+            unreachable!("parameters were checked to be on a GPU");
+        };
+        to.copy_from_pinned_async_at(offset, &mut slot.upload, &self.up)?;
+        let mut timeline = self.timeline.lock();
+        let done = Instant::now();
+        timeline.stepped = Some(done);
+        timeline.queuing += done - queuing;
+        Ok(())
+    }
+
+    pub(super) fn note(&self, err: TensorError) {
+        self.error.lock().get_or_insert_with(|| err.to_string());
+    }
+}
+
+/// The worker: steps each parameter whose gradient was sent, in the order they were sent, on
+/// the cores of `pool`, and hands it to the uploader.
+pub(super) fn work(
+    shared: &Shared,
+    landed: &Receiver<Sent>,
+    stepped: &Sender<usize>,
+    pool: &rayon::ThreadPool,
+) {
+    while let Ok(sent) = landed.recv() {
+        let delayed = shared.hyper.lock().delayed;
+        let outcome = match pool.install(|| shared.step_one(&sent)) {
+            Err(err) => {
+                shared.abandon(sent.index, sent.t);
+                Err(err)
+            }
+            Ok(()) if delayed => {
+                let uploaded = shared.stepped_delayed(sent.index, sent.t);
+                shared.finish_one();
+                uploaded
+            }
+            Ok(()) => stepped.send(sent.index).map_err(|_| {
+                shared.finish_one();
+                invalid("OffloadAdamW", "the upload thread has ended".into())
+            }),
+        };
+        if let Err(err) = outcome {
+            shared.note(err);
+        }
+    }
+}
+
+/// The uploader: queues each stepped parameter's upload; the parameter's step is then done.
+pub(super) fn upload_each(shared: &Shared, stepped: &Receiver<usize>) {
+    while let Ok(i) = stepped.recv() {
+        if let Err(err) = shared.upload_one(i) {
+            shared.note(err);
+        }
+        shared.finish_one();
+    }
+}
