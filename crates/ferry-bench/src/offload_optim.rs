@@ -54,6 +54,10 @@ pub struct OffloadOptimArgs {
     /// model that does not fit otherwise would; the all-GPU run stays fp32.
     #[arg(long)]
     offload_bf16: bool,
+    /// The offloaded run uses the delayed parameter update (OffloadAdamW::delayed_update): the
+    /// CPU's passes of a step run beside the next step's forward and backward.
+    #[arg(long)]
+    delayed_update: bool,
     /// Cap ferry's device allocator at this many GiB (as FERRY_DEVICE_BUDGET does): a model
     /// whose training state passes it fails on the GPU with the out-of-memory error and trains
     /// with offload.
@@ -159,7 +163,9 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
     }
     let params: usize = model.parameters().iter().map(Tensor::numel).sum();
     let (mut gpu_opt, mut offload_opt) = if offload {
-        (None, Some(OffloadAdamW::new(model.parameters(), args.lr)?))
+        let opt =
+            OffloadAdamW::new(model.parameters(), args.lr)?.delayed_update(args.delayed_update);
+        (None, Some(opt))
     } else {
         (Some(AdamW::new(model.parameters(), args.lr)?), None)
     };
@@ -306,7 +312,12 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
             gib_text(r.host_state),
         ]
     };
-    let rows: Vec<Vec<String>> = [("AdamW on the GPU", &gpu), ("OffloadAdamW", &off)]
+    let offloaded = if args.delayed_update {
+        "OffloadAdamW, delayed update"
+    } else {
+        "OffloadAdamW"
+    };
+    let rows: Vec<Vec<String>> = [("AdamW on the GPU", &gpu), (offloaded, &off)]
         .into_iter()
         .filter_map(|(name, r)| r.as_ref().map(|r| row(name, r)))
         .collect();
