@@ -139,6 +139,8 @@ struct Pending {
     /// Backward let go of it while its last step ran: upload when done, after this event (the
     /// caller's; `None` when ferry orders the upload itself).
     released: Option<Option<Event>>,
+    /// Its held-back weights are with the upload thread, not yet queued.
+    uploading: bool,
 }
 
 /// The hyperparameters a parameter is stepped with (torch.optim.AdamW's, `amsgrad=False`).

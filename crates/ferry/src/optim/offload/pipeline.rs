@@ -2,7 +2,7 @@
 //! passes, the uploads, and the bookkeeping `step` waits on.
 
 use std::sync::mpsc::{Receiver, Sender};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ferry_memory::cuda::Event;
 use ferry_memory::{DType, bf16, f16};
@@ -158,19 +158,37 @@ impl Shared {
 
     /// Delayed update, from the step thread: parameter `i`'s step is done; its weights go up
     /// now if backward already let go of it, else they wait for that.
-    pub(super) fn stepped_delayed(&self, i: usize, t: u64) -> Result<()> {
+    pub(super) fn stepped_delayed(&self, i: usize, t: u64, uploads: &Sender<Upload>) -> Result<()> {
         let mut pending = self.pending[i].lock();
         pending.done = t;
         let Some(after) = pending.released.take() else {
             pending.ready = true;
             return Ok(());
         };
+        // The upload thread queues it (driver calls wait while backward's launches fill the
+        // driver's queue); this parameter's next pass waits until it has.
+        pending.uploading = true;
         drop(pending);
+        if uploads.send(Upload::Released(i, after)).is_err() {
+            self.pending[i].lock().uploading = false;
+            self.settle(|f| f.owed -= 1);
+            return Err(invalid(
+                "OffloadAdamW",
+                "the upload thread has ended".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Delayed update, from the upload thread: queues parameter `i`'s held-back weights after
+    /// `after`; the owed upload is then paid.
+    fn upload_released(&self, i: usize, after: Option<Event>) -> Result<()> {
         let uploaded = after
             .as_ref()
             .map_or(Ok(()), |after| self.up.wait_event(after))
             .map_err(TensorError::from)
             .and_then(|()| self.upload_one(i));
+        self.pending[i].lock().uploading = false;
         self.settle(|f| f.owed -= 1);
         uploaded
     }
@@ -180,6 +198,12 @@ impl Shared {
         let i = sent.index;
         if let Some(landed) = &sent.landed {
             landed.synchronize()?;
+        }
+        // Delayed update: the last step's weights must be queued for upload before this pass
+        // rewrites them (their buffer then waits for the copy itself). Rarely waits: a step
+        // comes a whole training step after the last.
+        while self.pending[i].lock().uploading {
+            std::thread::sleep(Duration::from_micros(50));
         }
         let t = sent.t;
         let AdamHyper {
@@ -270,7 +294,7 @@ impl Shared {
 pub(super) fn work(
     shared: &Shared,
     landed: &Receiver<Sent>,
-    stepped: &Sender<usize>,
+    stepped: &Sender<Upload>,
     pool: &rayon::ThreadPool,
 ) {
     while let Ok(sent) = landed.recv() {
@@ -281,11 +305,11 @@ pub(super) fn work(
                 Err(err)
             }
             Ok(()) if delayed => {
-                let uploaded = shared.stepped_delayed(sent.index, sent.t);
+                let uploaded = shared.stepped_delayed(sent.index, sent.t, stepped);
                 shared.finish_one();
                 uploaded
             }
-            Ok(()) => stepped.send(sent.index).map_err(|_| {
+            Ok(()) => stepped.send(Upload::Stepped(sent.index)).map_err(|_| {
                 shared.finish_one();
                 invalid("OffloadAdamW", "the upload thread has ended".into())
             }),
@@ -296,12 +320,28 @@ pub(super) fn work(
     }
 }
 
-/// The uploader: queues each stepped parameter's upload; the parameter's step is then done.
-pub(super) fn upload_each(shared: &Shared, stepped: &Receiver<usize>) {
-    while let Ok(i) = stepped.recv() {
-        if let Err(err) = shared.upload_one(i) {
+/// What the upload thread is handed.
+pub(super) enum Upload {
+    /// A parameter just stepped (without the delayed update): its step is done once queued.
+    Stepped(usize),
+    /// Delayed update: a parameter's held-back weights, released by backward, to go up after
+    /// the event when there is one.
+    Released(usize, Option<Event>),
+}
+
+/// The uploader: queues each upload it is handed.
+pub(super) fn upload_each(shared: &Shared, uploads: &Receiver<Upload>) {
+    while let Ok(upload) = uploads.recv() {
+        let outcome = match upload {
+            Upload::Stepped(i) => {
+                let uploaded = shared.upload_one(i);
+                shared.finish_one();
+                uploaded
+            }
+            Upload::Released(i, after) => shared.upload_released(i, after),
+        };
+        if let Err(err) = outcome {
             shared.note(err);
         }
-        shared.finish_one();
     }
 }
