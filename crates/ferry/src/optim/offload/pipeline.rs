@@ -123,7 +123,7 @@ impl Shared {
 
     /// Delayed update: backward has let go of parameter `i` (its next gradient arrived), so
     /// its last step's weights may be uploaded now, after `after` on the device when given; if
-    /// that step is still running, the step thread uploads them when it is done.
+    /// that step is still running, the step thread hands them to the upload thread when done.
     pub(super) fn release(&self, i: usize, after: Option<Event>) -> Result<()> {
         if !self.hyper.lock().delayed {
             return Ok(());
