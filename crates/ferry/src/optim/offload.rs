@@ -15,8 +15,7 @@
 //! The key decision: the state lives in pageable memory and only what the link touches is
 //! pinned (a gradient landing buffer and an upload buffer per parameter: 4 to 8 bytes per
 //! parameter against the state's 12), so a model's state can take most of the host's memory
-//! without pinning it. An fp32 parameter's upload buffer is its master weights: the pass
-//! writes the weights once and the upload reads them in place.
+//! without pinning it.
 //!
 //! What a step means: the CPU steps a parameter during backward with the learning rate set
 //! before that backward, and [`Optimizer::step`] waits for the step thread and the upload
@@ -166,36 +165,9 @@ struct Hyper {
     steps: u64,
 }
 
-impl Slot {
-    /// The fp32 master weights.
-    fn master(&self) -> Result<&[f32]> {
-        Ok(match &self.master {
-            Master::Pageable(master) => master,
-            Master::InUpload => bytemuck::cast_slice(self.upload.as_bytes()?),
-        })
-    }
-
-    /// The fp32 master weights, to write (waits for an upload still reading them).
-    fn master_mut(&mut self) -> Result<&mut [f32]> {
-        Ok(match &mut self.master {
-            Master::Pageable(master) => master,
-            Master::InUpload => bytemuck::cast_slice_mut(self.upload.as_bytes_mut()?),
-        })
-    }
-}
-
-/// Where a parameter's fp32 master weights live.
-enum Master {
-    /// Beside the upload buffer: a bf16 or f16 parameter's pass writes both.
-    Pageable(Vec<f32>),
-    /// In the upload buffer: an fp32 parameter is uploaded from its master weights in place, so
-    /// its pass writes one copy of the weights, not two.
-    InUpload,
-}
-
 /// One parameter's host side.
 struct Slot {
-    master: Master,
+    master: Vec<f32>,
     exp_avg: Vec<f32>,
     exp_avg_sq: Vec<f32>,
     /// Where its gradient lands: a pinned host tensor of the parameter's shape and dtype.
@@ -290,21 +262,12 @@ impl OffloadAdamW {
                 p.dtype(),
                 Device::Cpu,
             );
-            let mut upload = pool.alloc(p.nbytes())?;
-            let master = if p.dtype() == DType::F32 {
-                upload
-                    .as_bytes_mut()?
-                    .copy_from_slice(bytemuck::cast_slice(&master));
-                Master::InUpload
-            } else {
-                Master::Pageable(master)
-            };
             slots.push(Mutex::new(Slot {
                 master,
                 exp_avg: vec![0.0; n],
                 exp_avg_sq: vec![0.0; n],
                 landing: Tensor::from_storage(Arc::new(landing), Layout::contiguous(p.shape()))?,
-                upload,
+                upload: pool.alloc(p.nbytes())?,
                 stepped: 0,
             }));
         }
@@ -545,12 +508,7 @@ impl Optimizer for OffloadAdamW {
                 out.push((format!("{i}.exp_avg"), tensor(&slot.exp_avg)));
                 out.push((format!("{i}.exp_avg_sq"), tensor(&slot.exp_avg_sq)));
             }
-            match slot.master() {
-                Ok(master) => out.push((format!("{i}.master"), tensor(master))),
-                // Only a failed copy out of it makes its memory unreadable; the next `step` says
-                // so, and a load of this state dict names the missing entry.
-                Err(err) => self.shared.note(err),
-            }
+            out.push((format!("{i}.master"), tensor(&slot.master)));
         }
         out
     }
@@ -577,8 +535,7 @@ impl Optimizer for OffloadAdamW {
         let find = |key: &str| &state.iter().find(|(k, _)| k == key).expect("checked").1;
         for (i, slot) in self.shared.slots.iter().enumerate() {
             let mut slot = slot.lock();
-            let master = find(&format!("{i}.master")).to_vec::<f32>()?;
-            slot.master_mut()?.copy_from_slice(&master);
+            slot.master = find(&format!("{i}.master")).to_vec::<f32>()?;
             let key = format!("{i}.exp_avg");
             if state.iter().any(|(k, _)| *k == key) {
                 slot.exp_avg = find(&key).to_vec::<f32>()?;

@@ -8,7 +8,7 @@ use ferry_memory::cuda::Event;
 use ferry_memory::{DType, bf16, f16};
 use ferry_tensor::{Buffer, Result, Tensor, TensorError};
 
-use super::{AdamHyper, Flight, Master, Sent, Shared, Slot, invalid, widen};
+use super::{AdamHyper, Flight, Sent, Shared, Slot, invalid, widen};
 use crate::optim::host::{self, AdamTensor, GradSlice, ParamSlice};
 
 /// The step threads: `FERRY_OFFLOAD_THREADS` when set, else one core fewer than the machine
@@ -245,21 +245,11 @@ impl Shared {
             DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
             _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
         };
-        // Waits for the upload that last read it.
         let out_bytes = upload.as_bytes_mut()?;
-        let (master, out) = match master {
-            Master::Pageable(master) => {
-                let out = match param.dtype() {
-                    DType::BF16 => {
-                        ParamSlice::Bf16(bytemuck::cast_slice_mut::<u8, bf16>(out_bytes))
-                    }
-                    DType::F16 => ParamSlice::F16(bytemuck::cast_slice_mut::<u8, f16>(out_bytes)),
-                    _ => ParamSlice::F32(bytemuck::cast_slice_mut::<u8, f32>(out_bytes)),
-                };
-                (master.as_mut_slice(), Some(out))
-            }
-            // The master weights are what goes up.
-            Master::InUpload => (bytemuck::cast_slice_mut::<u8, f32>(out_bytes), None),
+        let out = match param.dtype() {
+            DType::BF16 => ParamSlice::Bf16(bytemuck::cast_slice_mut::<u8, bf16>(out_bytes)),
+            DType::F16 => ParamSlice::F16(bytemuck::cast_slice_mut::<u8, f16>(out_bytes)),
+            _ => ParamSlice::F32(bytemuck::cast_slice_mut::<u8, f32>(out_bytes)),
         };
         host::adamw(
             &step,
@@ -268,7 +258,7 @@ impl Shared {
                 exp_avg,
                 exp_avg_sq,
                 grad,
-                out,
+                out: Some(out),
             }],
         )?;
         *stepped = t;
