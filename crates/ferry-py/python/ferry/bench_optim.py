@@ -11,6 +11,7 @@ and the peak GPU memory allocated.
 from __future__ import annotations
 
 import gc
+import json
 import statistics
 import time
 
@@ -145,8 +146,6 @@ def run(args) -> int:
                   f"{GOAL:.0%}: {'met' if share >= GOAL else 'not met'}), "
                   f"{(results[0][4] - peak) / GIB:.2f} GiB less GPU memory at its peak")
     if args.json:
-        import json
-
         with open(args.json, "w") as out:
             json.dump(record, out, indent=1)
     return 0
