@@ -508,6 +508,93 @@ fn saves_follow_the_umask() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Run in a child process by `a_save_killed_at_any_moment_leaves_only_checkpoints_that_verify`:
+/// saves checkpoints of 16 MiB, one after another over three names, until it is killed.
+#[test]
+#[ignore = "run by the kill test in a child process, which it kills"]
+fn kill_child() {
+    let Some(dir) = std::env::var_os("FERRY_KILL_CHILD_DIR") else {
+        return;
+    };
+    println!("FERRY_SAVING");
+    for n in 0u32.. {
+        // Every tensor of save n holds n: a file mixing two saves would show it.
+        let state: Vec<(String, Tensor)> = (0..4)
+            .map(|k| {
+                let values = vec![n as f32; 1 << 20];
+                (
+                    format!("t{k}"),
+                    Tensor::from_slice(&values, &[1 << 20]).unwrap(),
+                )
+            })
+            .collect();
+        let path = Path::new(&dir).join(format!("ckpt-{}.safetensors", n % 3));
+        checkpoint::save(&path, &state).unwrap();
+    }
+}
+
+/// SIGKILL at many moments of a run of saves: every file with a checkpoint's name verifies
+/// (header and every checksum) and holds one save whole; anything else is a temporary.
+#[test]
+#[cfg(unix)]
+fn a_save_killed_at_any_moment_leaves_only_checkpoints_that_verify() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let dir = scratch("kill");
+    let (mut kills, mut checked) = (0, 0);
+    // Each one left by a save a kill cut short.
+    let mut temporaries = std::collections::BTreeSet::new();
+    for k in 0..24u64 {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "checkpoint::kill_child",
+                "--nocapture",
+            ])
+            .args(["--test-threads", "1"])
+            .env("FERRY_KILL_CHILD_DIR", &dir)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Once it is saving, kill it 0 to 230 ms later: before, inside and between saves.
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        assert!(lines.any(|l| l.is_ok_and(|l| l.contains("FERRY_SAVING"))));
+        std::thread::sleep(std::time::Duration::from_millis(k * 10));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        kills += 1;
+        for name in listing(&dir) {
+            let path = dir.join(&name);
+            if !name.ends_with(".safetensors") {
+                assert!(name.starts_with('.') && name.ends_with(".tmp"), "{name}");
+                temporaries.insert(name);
+                continue;
+            }
+            let verified = checkpoint::verify(&path)
+                .unwrap_or_else(|e| panic!("after kill {k}: {name} does not verify: {e}"));
+            assert_eq!((verified.tensors, verified.checksummed), (4, true));
+            let state = checkpoint::load(&path).unwrap();
+            let first = state[0].1.to_vec::<f32>().unwrap()[0];
+            for (key, t) in &state {
+                let values = t.to_vec::<f32>().unwrap();
+                assert!(
+                    values.iter().all(|&v| v == first),
+                    "{name}: {key} mixes two saves"
+                );
+            }
+            checked += 1;
+        }
+    }
+    println!(
+        "{kills} kills ({} inside a save, which left its temporary), {checked} checkpoint files \
+         checked: all verified and whole",
+        temporaries.len()
+    );
+    assert!(checked > 0);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn repeated_and_reserved_names_are_errors_and_write_nothing() {
     let dir = scratch("names");
