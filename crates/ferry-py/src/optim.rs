@@ -9,14 +9,13 @@
 //! current stream wait, on the device, for the uploads.
 
 use ferry::Tensor;
-use ferry::memory::cuda::{CudaDevice, Stream};
 use ferry::optim::{AdamHyper, OffloadAdamW, Optimizer};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::dlpack::{self, Misaligned};
 use crate::errors::{guarded, to_py};
-use crate::order::{self, TorchStream};
+use crate::order::{self, TorchStream, torch_or_default};
 use crate::tensor::PyTensor;
 
 /// The engine behind `ferry.optim.OffloadAdamW` (see the module docs).
@@ -24,18 +23,6 @@ use crate::tensor::PyTensor;
 pub struct PyOffloadAdamW {
     inner: OffloadAdamW,
     ordinal: usize,
-}
-
-/// torch's stream `handle` on GPU `ordinal`; the legacy default stream (ferry's default
-/// stream) for handles 0 and 1.
-fn torch_or_default(ordinal: usize, handle: Option<u64>) -> PyResult<Stream> {
-    match TorchStream::new(ordinal, handle)? {
-        Some(torch) => Ok(torch.stream().clone()),
-        None => Ok(CudaDevice::get(ordinal)
-            .map_err(|e| to_py(e.into()))?
-            .default_stream()
-            .clone()),
-    }
 }
 
 #[pymethods]

@@ -43,11 +43,6 @@ impl TorchStream {
         Ok(Some(Self { device, stream }))
     }
 
-    /// The borrowed stream.
-    pub fn stream(&self) -> &Stream {
-        &self.stream
-    }
-
     /// ferry's default stream waits for the work queued on torch's stream so far.
     pub fn before(&self) -> ferry::Result<()> {
         let event = self.stream.record()?;
@@ -58,6 +53,19 @@ impl TorchStream {
     pub fn after(&self) -> ferry::Result<()> {
         let event = self.device.default_stream().record()?;
         Ok(self.stream.wait_event(&event)?)
+    }
+}
+
+/// torch's stream `handle` on GPU `ordinal` as a ferry stream, the legacy default stream
+/// (ferry's default stream) for handles 0 and 1: for making torch's current stream wait on an
+/// event, which the legacy default stream must do too.
+pub fn torch_or_default(ordinal: usize, handle: Option<u64>) -> PyResult<Stream> {
+    match TorchStream::new(ordinal, handle)? {
+        Some(torch) => Ok(torch.stream),
+        None => Ok(CudaDevice::get(ordinal)
+            .map_err(|e| to_py(e.into()))?
+            .default_stream()
+            .clone()),
     }
 }
 

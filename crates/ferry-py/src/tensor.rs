@@ -1,7 +1,6 @@
 //! The Python-side handles: `ferry.Tensor` (a ferry tensor torch can take through DLPack), a
 //! pending move, and a transfer report.
 
-use ferry::memory::cuda::CudaDevice;
 use ferry::memory::{DType, Device};
 use ferry::tensor::Buffer;
 use ferry::{PendingTensor, Tensor, TransferPath, TransferReport};
@@ -10,7 +9,7 @@ use pyo3::prelude::*;
 
 use crate::dlpack;
 use crate::errors::{guarded, to_py};
-use crate::order::TorchStream;
+use crate::order::torch_or_default;
 
 /// torch's name of a ferry dtype (`float32`, `bfloat16`, ...).
 pub fn torch_name(dtype: DType) -> &'static str {
@@ -192,12 +191,8 @@ impl PyPending {
             let Some(InFlight::Queued(pending, _)) = &self.in_flight else {
                 return Ok(());
             };
-            let Some(torch) = TorchStream::new(ordinal, Some(stream))? else {
-                // The legacy default stream: torch's default stream and ferry's.
-                let device = CudaDevice::get(ordinal).map_err(|e| to_py(e.into()))?;
-                return pending.order_stream(device.default_stream()).map_err(to_py);
-            };
-            pending.order_stream(torch.stream()).map_err(to_py)
+            let torch = torch_or_default(ordinal, Some(stream))?;
+            pending.order_stream(&torch).map_err(to_py)
         })
     }
 
