@@ -205,18 +205,15 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
         let step_ms = stepping.elapsed().as_secs_f64() * 1e3;
         dev.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
-        if let Some(offload) = &offload_opt
-            && step >= args.warmup
-            && step < args.warmup + args.samples
-        {
-            timelines.push(Timeline::of(start, stepping, &offload.last_timeline(), ms));
-        }
         if step < args.loss_steps {
             losses.push(loss.item()?);
         }
-        if step >= args.warmup && step < args.warmup + args.samples {
+        if (args.warmup..args.warmup + args.samples).contains(&step) {
             steps.push(ms);
             step_calls.push(step_ms);
+            if let Some(offload) = &offload_opt {
+                timelines.push(Timeline::of(start, stepping, &offload.last_timeline(), ms));
+            }
         }
     }
     let peak = dev.memory_stats().peak_allocated_bytes;

@@ -42,6 +42,12 @@ from . import _ferry, _source, _torch, to_torch
 __all__ = ["OffloadAdamW"]
 
 
+def _hyper(group):
+    """A parameter group's ``(lr, betas, eps, weight_decay)``, as the engine takes them."""
+    betas = tuple(float(b) for b in group["betas"])
+    return float(group["lr"]), betas, float(group["eps"]), float(group["weight_decay"])
+
+
 def _optimizer_base():
     return _torch().optim.Optimizer
 
@@ -107,13 +113,9 @@ class OffloadAdamW(_optimizer_base()):
             if problem:
                 raise ValueError(f"OffloadAdamW: parameter {i} {problem}")
         self._device = first.device
-        group = self.param_groups[0]
         self._engine = _ferry.OffloadAdamW(
             [_source(p)[0] for p in self._params],
-            float(group["lr"]),
-            tuple(float(b) for b in group["betas"]),
-            float(group["eps"]),
-            float(group["weight_decay"]),
+            *_hyper(self.param_groups[0]),
             delayed_update=bool(delayed_update),
             stream=torch.cuda.current_stream(self._device).cuda_stream,
         )
@@ -148,14 +150,7 @@ class OffloadAdamW(_optimizer_base()):
             self._landing[i].copy_(grad, non_blocking=True)
         grad.record_stream(self._down)
         p.grad = None
-        group = self._group[i]
-        self._engine.gradient_queued(
-            i,
-            float(group["lr"]),
-            tuple(float(b) for b in group["betas"]),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-        )
+        self._engine.gradient_queued(i, *_hyper(self._group[i]))
 
     def step(self, closure=None):
         """Waits for the CPU steps of this step's gradients; the next forward reads the new
