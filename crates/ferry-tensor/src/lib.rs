@@ -55,5 +55,5 @@ pub use ferry_memory::{DType, Device};
 pub use layout::{Layout, Shape, broadcast_shapes};
 pub use ops::conv::Conv2dOptions;
 pub use ops::create::manual_seed;
-pub use storage::{Buffer, Storage};
+pub use storage::{Buffer, ReadHold, Storage};
 pub use tensor::Tensor;

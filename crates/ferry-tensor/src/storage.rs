@@ -1,11 +1,13 @@
 //! Storage: the bytes behind one or more tensors, on one device, of one dtype.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ferry_memory::cuda::{DeviceBuffer, PinnedBuffer};
 use ferry_memory::{DType, Device, Element, HostBuffer, MemoryError};
 use parking_lot::{
-    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+    ArcRwLockReadGuard, MappedRwLockReadGuard, MappedRwLockWriteGuard, RawRwLock, RwLock,
+    RwLockReadGuard, RwLockWriteGuard,
 };
 
 use crate::{Result, TensorError};
@@ -85,6 +87,32 @@ impl Buffer {
     }
 }
 
+/// A shared read of a storage that outlives any scope (see [`Storage::hold_read`]).
+pub struct ReadHold {
+    storage: Arc<Storage>,
+    guard: ArcRwLockReadGuard<RawRwLock, Buffer>,
+}
+
+impl ReadHold {
+    /// The storage held.
+    pub fn storage(&self) -> &Arc<Storage> {
+        &self.storage
+    }
+
+    /// The buffer, readable for as long as the hold lives.
+    pub fn buffer(&self) -> &Buffer {
+        &self.guard
+    }
+}
+
+impl std::fmt::Debug for ReadHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadHold")
+            .field("storage", &self.storage)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Bytes shared by a tensor and its views. The lock lets optimizers update parameters in place
 /// while views and saved copies keep reading consistent data.
 ///
@@ -109,7 +137,8 @@ impl Buffer {
 ///   the tensor written is copied first.
 #[derive(Debug)]
 pub struct Storage {
-    buffer: RwLock<Buffer>,
+    /// In an `Arc` of its own so that a read can be held by a value ([`Storage::hold_read`]).
+    buffer: Arc<RwLock<Buffer>>,
     device: Device,
     dtype: DType,
     len: usize,
@@ -121,7 +150,7 @@ impl Storage {
     pub fn new(buffer: Buffer, dtype: DType, device: Device) -> Self {
         Self {
             len: buffer.len(),
-            buffer: RwLock::new(buffer),
+            buffer: Arc::new(RwLock::new(buffer)),
             device,
             dtype,
             version: AtomicU64::new(0),
@@ -171,6 +200,18 @@ impl Storage {
     pub fn write(&self) -> RwLockWriteGuard<'_, Buffer> {
         self.version.fetch_add(1, Ordering::AcqRel);
         self.buffer.write()
+    }
+
+    /// A shared read held by a value, not a scope: it may be sent to another thread and is
+    /// released when dropped. Writers ([`Storage::write`], the optimizer steps, `assign`)
+    /// wait until then; readers do not (the read is recursive). An asynchronous save holds its
+    /// tensors this way from the call until each one's bytes are copied, so the first in-place
+    /// write to a tensor not yet copied waits for that tensor's copy only.
+    pub fn hold_read(self: &Arc<Self>) -> ReadHold {
+        ReadHold {
+            storage: Arc::clone(self),
+            guard: self.buffer.read_arc_recursive(),
+        }
     }
 
     /// The host elements as `T`. A storage whose bytes are still arriving in pinned memory
@@ -372,6 +413,29 @@ mod tests {
         assert_eq!((locks.writes.len(), locks.reads.len()), (1, 2));
         drop(locks);
         assert_eq!((a.version(), b.version()), (0, 1));
+    }
+
+    #[test]
+    fn a_held_read_holds_writers_until_it_is_dropped_on_any_thread() {
+        let s = Arc::new(host(4));
+        let hold = s.hold_read();
+        // Readers pass (the hold is a recursive read), on this thread and another.
+        assert!(hold.buffer().host_bytes().is_some());
+        drop(s.read());
+        let writer = {
+            let s = Arc::clone(&s);
+            std::thread::spawn(move || {
+                let mut w = s.write();
+                w.host_bytes_mut().unwrap()[0] = 7;
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!writer.is_finished(), "the writer waits for the hold");
+        assert_eq!(hold.buffer().host_bytes().unwrap()[0], 0);
+        // Released by another thread than the one that took it.
+        std::thread::spawn(move || drop(hold)).join().unwrap();
+        writer.join().unwrap();
+        assert_eq!(s.read().host_bytes().unwrap()[0], 7);
     }
 
     #[test]
