@@ -56,6 +56,7 @@ mod optim;
 mod host_optim;
 // safetensors checkpoints: round trips, and bad files refused with the key named.
 mod checkpoint;
+mod checkpoint_async;
 // Checkpoints read by Python's safetensors (numpy here, PyTorch on the GPU machine) and back.
 mod checkpoint_interop;
 // 100,000 damaged or made-up checkpoint and .npy files (FERRY_FUZZ_CASES): errors, no panics.

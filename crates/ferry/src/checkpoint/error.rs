@@ -127,6 +127,27 @@ pub enum CheckpointError {
         /// The smallest bound that works.
         minimum: usize,
     },
+    /// An asynchronous save whose `PendingSave` was dropped without `wait()` failed; this
+    /// call started nothing.
+    #[error(
+        "an earlier asynchronous save of {} failed and nobody waited for it: {message}; nothing was started by this call (call `wait()` on each PendingSave to handle its error where it happens)",
+        path.display()
+    )]
+    EarlierSaveFailed {
+        /// The earlier save's file.
+        path: PathBuf,
+        /// Its error.
+        message: String,
+    },
+    /// The save was abandoned (`PendingSave::abandon`): its file was removed, not renamed over
+    /// the target, which holds what it held before.
+    #[error("the save of {} was abandoned and its file removed: {reason}", path.display())]
+    Abandoned {
+        /// The target, unchanged.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// A tensor operation (a device move, a copy) failed.
     #[error(transparent)]
     Tensor(#[from] TensorError),

@@ -49,14 +49,18 @@ use ferry_transfer::{StateDict, TransferReport};
 
 mod error;
 mod format;
+mod pending;
 mod plan;
+mod progress;
 mod read;
+mod snapshot;
 mod stage;
 mod write;
 
 pub use error::{CheckpointError, Mismatch};
 pub use format::CHECKSUM_KEY;
-pub use plan::{DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions};
+pub use pending::{AsyncSaveReport, PendingSave, save_async};
+pub use plan::{AsyncSaveOptions, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions, SnapshotMemory};
 pub use read::Verified;
 pub use stage::CheckpointReport;
 

@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use ferry_memory::cuda::{CudaDevice, PinnedPool};
+use ferry_memory::cuda::{CudaDevice, PinnedPool, Stream};
 
 use super::CheckpointError;
 
@@ -51,6 +51,47 @@ impl Default for LoadOptions {
     fn default() -> Self {
         Self {
             staging_bytes: DEFAULT_STAGING_BYTES,
+        }
+    }
+}
+
+/// Where an asynchronous save's snapshot lands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SnapshotMemory {
+    /// Pageable host memory, at the link's speed (the pinned ring drained by all cores), so
+    /// writes to the tensors are held only for the snapshot's fraction of a second. Extra
+    /// host memory up to the state's size, falling as the file is written (each piece is
+    /// freed once its bytes are in the file).
+    #[default]
+    Pageable,
+    /// At most this many bytes of snapshot in host memory at once (the pinned ring aside):
+    /// the disk sets the pace, and writes to tensors not yet copied wait until the file has
+    /// caught up with them.
+    Bounded(usize),
+    /// Straight into pinned memory, one buffer per piece, where the pinned budget has room
+    /// (pieces that do not fit go through the ring into pageable memory): no drain, the
+    /// link's full speed, but pinned memory up to the state's size.
+    Pinned,
+}
+
+/// Options of [`save_async`](super::save_async).
+#[derive(Debug, Clone)]
+pub struct AsyncSaveOptions {
+    /// The pinned ring device pieces cross through (256 MiB by default, in four slots).
+    pub staging_bytes: usize,
+    /// Where the snapshot lands.
+    pub memory: SnapshotMemory,
+    /// Streams whose work queued before the call the copies also come after (each device's
+    /// default stream always counts): another runtime's current stream, say.
+    pub after: Vec<Stream>,
+}
+
+impl Default for AsyncSaveOptions {
+    fn default() -> Self {
+        Self {
+            staging_bytes: DEFAULT_STAGING_BYTES,
+            memory: SnapshotMemory::Pageable,
+            after: Vec::new(),
         }
     }
 }

@@ -183,6 +183,11 @@ impl Ring {
         Ok(Self { slots, held })
     }
 
+    /// Bytes the slots hold, as the pools size them.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
     /// Whether the slots are pageable.
     pub fn pageable(&self) -> bool {
         matches!(self.slots.first(), Some(Slot::Pageable(_)))

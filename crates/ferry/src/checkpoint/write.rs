@@ -26,7 +26,7 @@ use crate::durable::TempFile;
 const CHUNK: usize = 4 << 20;
 
 /// Hashes and writes `bytes`, a cache-sized chunk at a time.
-fn hash_and_write(
+pub(super) fn hash_and_write(
     out: &mut impl Write,
     hasher: &mut crc32fast::Hasher,
     bytes: &[u8],
@@ -39,23 +39,127 @@ fn hash_and_write(
     Ok(())
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+pub(super) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
     }
 }
 
-/// A tensor as the file takes it: its name, the tensor (detached) and its pieces.
-struct Entry<'a> {
-    key: &'a str,
+/// A tensor as the file takes it: the tensor (detached) and its pieces.
+struct Entry {
     t: Tensor,
     pieces: Vec<Piece>,
 }
 
-impl Entry<'_> {
+impl Entry {
     fn on_device(&self) -> bool {
         self.t.device().is_cuda()
+    }
+}
+
+/// Where each tensor goes in a file: safetensors' order (widest dtype first, then by name, so
+/// every tensor is aligned to its element size in the file; the header's length is a multiple
+/// of 8) and the header's record of each.
+pub(super) struct FileLayout {
+    /// Indices into the tensors given, in file order.
+    pub order: Vec<usize>,
+    /// Each tensor's name and place, in file order.
+    pub infos: Vec<(String, TensorInfo)>,
+    /// Bytes of tensor data.
+    pub bytes: usize,
+}
+
+impl FileLayout {
+    pub fn new(tensors: &[(String, Tensor)]) -> Self {
+        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        order.sort_by(|&a, &b| {
+            let ((ka, ta), (kb, tb)) = (&tensors[a], &tensors[b]);
+            let (da, db) = (safetensors_dtype(ta.dtype()), safetensors_dtype(tb.dtype()));
+            db.cmp(&da).then(ka.cmp(kb))
+        });
+        let mut infos = Vec::with_capacity(order.len());
+        let mut offset = 0usize;
+        for &i in &order {
+            let (key, t) = &tensors[i];
+            let end = offset + t.nbytes();
+            let info = TensorInfo {
+                dtype: safetensors_dtype(t.dtype()),
+                shape: t.shape().to_vec(),
+                data_offsets: (offset, end),
+            };
+            infos.push((key.clone(), info));
+            offset = end;
+        }
+        Self {
+            order,
+            infos,
+            bytes: offset,
+        }
+    }
+}
+
+/// A file being written: the temporary file with its header's placeholder written, and the
+/// checksums to fill in.
+pub(super) struct OpenFile {
+    pub temp: TempFile,
+    sums: Checksums,
+    placeholder_len: usize,
+}
+
+impl OpenFile {
+    /// Creates the temporary file beside `path` and writes the header with zero checksums
+    /// (they have a fixed width: the final header is as long); the data follows at
+    /// [`OpenFile::data_start`].
+    pub fn create(
+        path: &Path,
+        layout: &FileLayout,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<Self, CheckpointError> {
+        let sums = Checksums {
+            header: header_checksum(&layout.infos, metadata),
+            tensors: layout.infos.iter().map(|(k, _)| (k.clone(), 0)).collect(),
+        };
+        let placeholder = header_bytes(path, &layout.infos, metadata, &sums)?;
+        let temp = TempFile::create(path)?;
+        let mut file = &temp.file;
+        file.write_all(&(placeholder.len() as u64).to_le_bytes())
+            .and_then(|()| file.write_all(&placeholder))
+            .map_err(io(&temp.path))?;
+        Ok(Self {
+            temp,
+            sums,
+            placeholder_len: placeholder.len(),
+        })
+    }
+
+    /// Fills in the checksums (one per tensor, in file order), fsyncs the file and renames it
+    /// over `path` (then fsyncs the directory). Everything written through `&self.temp.file`
+    /// must be flushed first.
+    pub fn persist(
+        mut self,
+        path: &Path,
+        layout: &FileLayout,
+        metadata: &BTreeMap<String, String>,
+        crcs: Vec<u32>,
+    ) -> Result<(), CheckpointError> {
+        for ((key, _), crc) in layout.infos.iter().zip(crcs) {
+            self.sums.tensors.insert(key.clone(), crc);
+        }
+        let header = header_bytes(path, &layout.infos, metadata, &self.sums)?;
+        if header.len() != self.placeholder_len {
+            return Err(CheckpointError::Format {
+                path: path.to_path_buf(),
+                reason: "internal error: the header changed length once its checksums were filled in; please report it".into(),
+            });
+        }
+        let mut file = &self.temp.file;
+        file.seek(SeekFrom::Start(8))
+            .and_then(|_| file.write_all(&header))
+            .and_then(|()| file.sync_all())
+            .map_err(io(&self.temp.path))?;
+        self.temp.persist(path)?;
+        Ok(())
     }
 }
 
@@ -68,65 +172,27 @@ pub(super) fn write_file(
     slots: Slots,
 ) -> Result<CheckpointReport, CheckpointError> {
     let started = Instant::now();
-    // safetensors' order: widest dtype first, then by name, so every tensor is aligned to its
-    // element size in the file (the header's length is a multiple of 8).
-    let mut order: Vec<&(String, Tensor)> = tensors.iter().collect();
-    order.sort_by(|(a, x), (b, y)| {
-        let (dx, dy) = (safetensors_dtype(x.dtype()), safetensors_dtype(y.dtype()));
-        dy.cmp(&dx).then(a.cmp(b))
-    });
-    let mut infos = Vec::with_capacity(order.len());
-    let mut entries = Vec::with_capacity(order.len());
-    let mut offset = 0usize;
-    for (key, t) in &order {
-        let end = offset + t.nbytes();
-        let info = TensorInfo {
-            dtype: safetensors_dtype(t.dtype()),
-            shape: t.shape().to_vec(),
-            data_offsets: (offset, end),
-        };
-        infos.push((key.clone(), info));
-        offset = end;
-        let t = t.detach();
-        let pieces = pieces(t.shape(), t.dtype().size(), t.is_contiguous(), slots);
-        entries.push(Entry { key, t, pieces });
-    }
-    let mut sums = Checksums {
-        header: header_checksum(&infos, metadata),
-        tensors: infos.iter().map(|(k, _)| (k.clone(), 0)).collect(),
-    };
-    // Checksums have a fixed width: the header with zeros is as long as the final one.
-    let placeholder = header_bytes(path, &infos, metadata, &sums)?;
-
-    let temp = TempFile::create(path)?;
-    let mut out = BufWriter::with_capacity(1 << 20, &temp.file);
-    out.write_all(&(placeholder.len() as u64).to_le_bytes())
-        .and_then(|()| out.write_all(&placeholder))
-        .map_err(io(&temp.path))?;
+    let layout = FileLayout::new(tensors);
+    let entries: Vec<Entry> = layout
+        .order
+        .iter()
+        .map(|&i| {
+            let t = tensors[i].1.detach();
+            let pieces = pieces(t.shape(), t.dtype().size(), t.is_contiguous(), slots);
+            Entry { t, pieces }
+        })
+        .collect();
+    let file = OpenFile::create(path, &layout, metadata)?;
     let mut report = CheckpointReport {
         tensors: entries.len(),
-        bytes: offset,
+        bytes: layout.bytes,
         ..CheckpointReport::default()
     };
-    let crcs = write_pieces(&mut out, &entries, slots, &temp.path, &mut report)?;
-    for (entry, crc) in entries.iter().zip(crcs) {
-        sums.tensors.insert(entry.key.to_string(), crc);
-    }
-    out.flush().map_err(io(&temp.path))?;
+    let mut out = BufWriter::with_capacity(1 << 20, &file.temp.file);
+    let crcs = write_pieces(&mut out, &entries, slots, &file.temp.path, &mut report)?;
+    out.flush().map_err(io(&file.temp.path))?;
     drop(out);
-    let header = header_bytes(path, &infos, metadata, &sums)?;
-    if header.len() != placeholder.len() {
-        return Err(CheckpointError::Format {
-            path: path.to_path_buf(),
-            reason: "internal error: the header changed length once its checksums were filled in; please report it".into(),
-        });
-    }
-    let mut file = &temp.file;
-    file.seek(SeekFrom::Start(8))
-        .and_then(|_| file.write_all(&header))
-        .and_then(|()| file.sync_all())
-        .map_err(io(&temp.path))?;
-    temp.persist(path)?;
+    file.persist(path, &layout, metadata, crcs)?;
     report.elapsed = started.elapsed();
     Ok(report)
 }
@@ -153,7 +219,7 @@ struct Group {
 /// Every piece of every entry, in file order, hashed and written; returns each entry's CRC32.
 fn write_pieces(
     out: &mut impl Write,
-    entries: &[Entry<'_>],
+    entries: &[Entry],
     slots: Slots,
     temp: &Path,
     report: &mut CheckpointReport,
@@ -249,8 +315,8 @@ fn write_pieces(
 }
 
 /// The device pieces still to queue, in file order.
-struct Queue<'a, 'e> {
-    entries: &'a [Entry<'e>],
+struct Queue<'a> {
+    entries: &'a [Entry],
     items: &'a [(usize, usize)],
     device_items: &'a [usize],
     /// Bytes of each device piece.
@@ -261,7 +327,7 @@ struct Queue<'a, 'e> {
     ordered: HashSet<usize>,
 }
 
-impl Queue<'_, '_> {
+impl Queue<'_> {
     /// Queues the next device pieces that fit `limit` bytes of `slot` (at least one), all of one
     /// device, with their scratch (as the allocator sizes it) within `limit` too.
     fn group(
@@ -363,7 +429,7 @@ impl Queue<'_, '_> {
 }
 
 /// The device buffer behind `t`'s storage.
-fn cuda_buffer<'a>(
+pub(super) fn cuda_buffer<'a>(
     guard: &'a Buffer,
     t: &Tensor,
 ) -> Result<&'a ferry_memory::cuda::DeviceBuffer, CheckpointError> {
@@ -378,7 +444,10 @@ fn cuda_buffer<'a>(
 }
 
 /// The view of `t` a block is (contiguous or not).
-fn block_view(t: &Tensor, ranges: &[std::ops::Range<usize>]) -> Result<Tensor, CheckpointError> {
+pub(super) fn block_view(
+    t: &Tensor,
+    ranges: &[std::ops::Range<usize>],
+) -> Result<Tensor, CheckpointError> {
     let mut b = t.clone();
     for (axis, r) in ranges.iter().enumerate() {
         b = b.narrow(axis as isize, r.start, r.len())?;
@@ -391,7 +460,7 @@ fn block_view(t: &Tensor, ranges: &[std::ops::Range<usize>]) -> Result<Tensor, C
 /// contiguous in scratch memory first.
 fn write_host_piece(
     out: &mut impl Write,
-    entry: &Entry<'_>,
+    entry: &Entry,
     piece: &Piece,
     hasher: &mut crc32fast::Hasher,
     host: &mut Meter,

@@ -1,0 +1,406 @@
+//! The snapshot of an asynchronous save: every tensor's bytes copied, in file order, into
+//! host memory the save owns, while training goes on.
+//!
+//! Each tensor's storage is held for reading from the call (see `ReadHold`) until its bytes
+//! are copied: training reads it freely, and the first in-place write to it waits for that
+//! tensor's copy alone. Device pieces go through a ring of pinned slots on a copy stream that
+//! waits for the work queued before the call; each slot, once its DMA is done, is drained
+//! into pageable memory by all cores (or the piece is DMAed straight into a pinned buffer of
+//! its own, [`SnapshotMemory::Pinned`]). Host tensors are copied by all cores. Pieces go to
+//! the writer thread in file order.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::mpsc::Sender;
+
+use ferry_memory::cuda::{CudaDevice, Event, PinnedBuffer, PinnedPool};
+use ferry_memory::{HostBuffer, MemoryError};
+use ferry_tensor::{ReadHold, Tensor, TensorError};
+use rayon::prelude::*;
+
+use super::CheckpointError;
+use super::plan::{Piece, SLOTS, Slots, SnapshotMemory};
+use super::progress::Shared;
+use super::stage::{Meter, Ring, Slot, copy_stream};
+use super::write::{block_view, cuda_buffer};
+
+/// Bytes a core copies at a time when a piece is copied by all cores.
+const COPY_CHUNK: usize = 4 << 20;
+
+/// Why a snapshot stopped early.
+pub(super) enum Stop {
+    Failed(CheckpointError),
+    /// The writer stopped first: its error is the save's.
+    WriterGone,
+}
+
+impl<E: Into<CheckpointError>> From<E> for Stop {
+    fn from(e: E) -> Self {
+        Stop::Failed(e.into())
+    }
+}
+
+/// A tensor to snapshot, in file order.
+pub(super) struct Entry {
+    pub t: Tensor,
+    pub pieces: Vec<Piece>,
+    /// Index of the hold on its storage.
+    pub hold: usize,
+}
+
+/// A hold on one storage, released once every tensor over it is copied.
+pub(super) struct Held {
+    pub hold: Option<ReadHold>,
+    pub tensors_left: usize,
+}
+
+/// One piece's bytes, owned by the save until the writer has written them.
+pub(super) enum Bytes {
+    Host(HostBuffer),
+    Pinned(PinnedBuffer),
+}
+
+impl Bytes {
+    pub fn as_slice(&self) -> Result<&[u8], MemoryError> {
+        match self {
+            Bytes::Host(b) => Ok(b.as_bytes()),
+            Bytes::Pinned(b) => b.as_bytes(),
+        }
+    }
+}
+
+/// A piece on its way to the file.
+pub(super) struct Chunk {
+    pub bytes: Bytes,
+    /// Extra host memory it holds (pinned included), as the pools size it.
+    pub held: usize,
+    pub pinned: bool,
+}
+
+/// Where a device piece's DMA lands.
+enum Dest {
+    Slot(usize),
+    Own(PinnedBuffer),
+}
+
+/// A device piece whose DMA is queued.
+struct Flight {
+    entry: usize,
+    last: bool,
+    len: usize,
+    dest: Dest,
+    /// A contiguous copy the piece is read from (a non-contiguous tensor's block), kept until
+    /// its DMA is done.
+    _scratch: Option<Tensor>,
+}
+
+/// The snapshot's work: entries in file order, their holds, and what the copies come after.
+pub(super) struct Job {
+    pub entries: Vec<Entry>,
+    pub holds: Vec<Held>,
+    /// Per device: events recorded at the call on the streams whose work the copies follow.
+    pub after: Vec<(usize, Event)>,
+    pub memory: SnapshotMemory,
+    pub slots: Slots,
+}
+
+/// Runs `job`, sending each piece to `tx` in file order; returns the bytes that crossed from
+/// a device. Holds are released as tensors are copied, and all of them on any error.
+pub(super) fn run(mut job: Job, shared: &Shared, tx: Sender<Chunk>) -> Result<usize, Stop> {
+    let mut snap = Snapshot {
+        ring: None,
+        ring_meter: Meter::default(),
+        free: Vec::new(),
+        flight: VecDeque::new(),
+        ordered: HashSet::new(),
+        device_bytes: 0,
+    };
+    let result = snap.all(&mut job, shared, &tx);
+    // Whatever happened, no tensor stays held.
+    job.holds.iter_mut().for_each(|h| h.hold = None);
+    if let Some(ring) = snap.ring.take() {
+        shared.release_pinned(ring.held());
+        ring.release(&mut snap.ring_meter);
+    }
+    result.map(|()| snap.device_bytes)
+}
+
+struct Snapshot {
+    ring: Option<Ring>,
+    ring_meter: Meter,
+    free: Vec<usize>,
+    flight: VecDeque<Flight>,
+    /// Devices whose copy stream waits for the call's events already.
+    ordered: HashSet<usize>,
+    device_bytes: usize,
+}
+
+impl Snapshot {
+    fn all(&mut self, job: &mut Job, shared: &Shared, tx: &Sender<Chunk>) -> Result<(), Stop> {
+        for e in 0..job.entries.len() {
+            if job.entries[e].t.device().is_cuda() {
+                let count = job.entries[e].pieces.len();
+                for p in 0..count {
+                    self.queue_device_piece(job, e, p, p + 1 == count, shared, tx)?;
+                }
+                if count == 0 {
+                    release(job, e);
+                }
+            } else {
+                // File order: the device pieces before this one are sent first.
+                while !self.flight.is_empty() {
+                    self.retire(job, shared, tx)?;
+                }
+                for p in 0..job.entries[e].pieces.len() {
+                    let chunk = host_piece(&job.entries[e], p, shared)?;
+                    send(tx, chunk)?;
+                }
+                release(job, e);
+            }
+        }
+        while !self.flight.is_empty() {
+            self.retire(job, shared, tx)?;
+        }
+        Ok(())
+    }
+
+    /// Queues the DMA of piece `p` of device entry `e`, into a pinned buffer of its own
+    /// ([`SnapshotMemory::Pinned`], within the pinned budget) or a ring slot.
+    fn queue_device_piece(
+        &mut self,
+        job: &mut Job,
+        e: usize,
+        p: usize,
+        last: bool,
+        shared: &Shared,
+        tx: &Sender<Chunk>,
+    ) -> Result<(), Stop> {
+        let entry = &job.entries[e];
+        let (t, elem) = (&entry.t, entry.t.dtype().size());
+        let len = entry.pieces[p].len(t.shape(), elem);
+        let ferry_tensor::Device::Cuda(ordinal) = t.device() else {
+            unreachable!("device entries are on a GPU")
+        };
+        let dev = CudaDevice::get(ordinal).map_err(TensorError::from)?;
+        let stream = copy_stream(&dev)?;
+        // What the piece is read from: a byte range of the held storage, or a block of it
+        // (made contiguous on the device first when it is not).
+        let (source, start, scratch) = match &entry.pieces[p] {
+            Piece::Bytes(r) => (t.clone(), t.layout().offset() * elem + r.start, None),
+            Piece::Block(ranges) => {
+                let b = block_view(t, ranges)?;
+                if b.is_contiguous() {
+                    let start = b.layout().offset() * elem;
+                    (b, start, None)
+                } else {
+                    let c = b.copy()?;
+                    // The copy was queued on the default stream: the DMA comes after it.
+                    stream
+                        .wait_event(&dev.default_stream().record().map_err(TensorError::from)?)
+                        .map_err(TensorError::from)?;
+                    let start = c.layout().offset() * elem;
+                    (c.clone(), start, Some(c))
+                }
+            }
+        };
+        if self.ordered.insert(ordinal) {
+            for (_, event) in job.after.iter().filter(|(o, _)| *o == ordinal) {
+                stream.wait_event(event).map_err(TensorError::from)?;
+            }
+        }
+        if job.memory == SnapshotMemory::Pinned {
+            match PinnedPool::global()
+                .map_err(TensorError::from)?
+                .alloc_exact(len)
+            {
+                Ok(mut own) => {
+                    shared.hold_pinned(own.block_size());
+                    let mut batch = own.batch(&stream).map_err(TensorError::from)?;
+                    let guard = source.storage().read();
+                    batch
+                        .download(cuda_buffer(&guard, &source)?, start, 0, len)
+                        .map_err(TensorError::from)?;
+                    batch.finish().map_err(TensorError::from)?;
+                    drop(guard);
+                    self.flight.push_back(Flight {
+                        entry: e,
+                        last,
+                        len,
+                        dest: Dest::Own(own),
+                        _scratch: scratch,
+                    });
+                    if self.flight.len() > SLOTS {
+                        self.retire(job, shared, tx)?;
+                    }
+                    return Ok(());
+                }
+                // No room left in the pinned budget: this piece goes through the ring.
+                Err(MemoryError::PinnedBudgetExceeded { .. }) => {}
+                Err(other) => return Err(TensorError::from(other).into()),
+            }
+        }
+        if self.ring.is_none() {
+            let ring = Ring::new(slot_len(job), device_pieces(job), &mut self.ring_meter)?;
+            shared.hold_pinned(ring.held());
+            self.free = (0..ring.slots.len()).rev().collect();
+            self.ring = Some(ring);
+        }
+        while self.free.is_empty() {
+            self.retire(job, shared, tx)?;
+        }
+        let slot = self.free.pop().expect("a slot is free");
+        let ring = self.ring.as_mut().expect("the ring was made");
+        let guard = source.storage().read();
+        let from = cuda_buffer(&guard, &source)?;
+        match &mut ring.slots[slot] {
+            Slot::Pinned(staging) => {
+                let mut batch = staging.batch(&stream).map_err(TensorError::from)?;
+                batch
+                    .download(from, start, 0, len)
+                    .map_err(TensorError::from)?;
+                batch.finish().map_err(TensorError::from)?;
+            }
+            Slot::Pageable(bytes) => {
+                // The driver's synchronous path: the bytes are there when this returns.
+                from.copy_to_host_at(start, &mut bytes[..len], &stream)
+                    .map_err(TensorError::from)?;
+            }
+        }
+        drop(guard);
+        self.flight.push_back(Flight {
+            entry: e,
+            last,
+            len,
+            dest: Dest::Slot(slot),
+            _scratch: scratch,
+        });
+        Ok(())
+    }
+
+    /// Waits for the oldest DMA in flight, releases its tensor when that was its last piece,
+    /// and sends its bytes on (drained into pageable memory when they sit in a ring slot).
+    fn retire(&mut self, job: &mut Job, shared: &Shared, tx: &Sender<Chunk>) -> Result<(), Stop> {
+        let flight = self.flight.pop_front().expect("a DMA is in flight");
+        self.device_bytes += flight.len;
+        let chunk = match flight.dest {
+            Dest::Own(own) => {
+                own.wait().map_err(TensorError::from)?;
+                if flight.last {
+                    release(job, flight.entry);
+                }
+                let held = own.block_size();
+                Chunk {
+                    bytes: Bytes::Pinned(own),
+                    held,
+                    pinned: true,
+                }
+            }
+            Dest::Slot(slot) => {
+                let ring = self.ring.as_ref().expect("a slot's ring exists");
+                let staged = match &ring.slots[slot] {
+                    Slot::Pinned(b) => b.as_bytes().map_err(TensorError::from)?,
+                    Slot::Pageable(v) => v.as_slice(),
+                };
+                // The bytes are in the save's own memory: the tensor may be written now.
+                if flight.last {
+                    release(job, flight.entry);
+                }
+                let chunk = drained(&staged[..flight.len], shared)?;
+                self.free.push(slot);
+                chunk
+            }
+        };
+        send(tx, chunk)
+    }
+}
+
+/// Device pieces of the whole snapshot.
+fn device_pieces(job: &Job) -> usize {
+    job.entries
+        .iter()
+        .filter(|e| e.t.device().is_cuda())
+        .map(|e| e.pieces.len())
+        .sum()
+}
+
+/// The ring's slots: no larger than a quarter of what crosses (a small state takes little
+/// pinned memory), but holding the longest piece.
+fn slot_len(job: &Job) -> usize {
+    let lens = job
+        .entries
+        .iter()
+        .filter(|e| e.t.device().is_cuda())
+        .flat_map(|e| {
+            let elem = e.t.dtype().size();
+            e.pieces.iter().map(move |p| p.len(e.t.shape(), elem))
+        });
+    let (longest, total) = lens.fold((0, 0), |(m, s), l| (m.max(l), s + l));
+    longest.max(total.div_ceil(SLOTS)).min(job.slots.slot)
+}
+
+/// Drops entry `e`'s share of its hold; the last tensor over a storage releases it.
+fn release(job: &mut Job, e: usize) {
+    let held = &mut job.holds[job.entries[e].hold];
+    held.tensors_left -= 1;
+    if held.tensors_left == 0 {
+        held.hold = None;
+    }
+}
+
+fn send(tx: &Sender<Chunk>, chunk: Chunk) -> Result<(), Stop> {
+    // The writer stopped (its error is the save's): nothing more to copy.
+    tx.send(chunk).map_err(|_| Stop::WriterGone)
+}
+
+/// `bytes` copied by all cores into a new pageable buffer, counted against the save's host
+/// memory (waiting for room in the bounded mode).
+fn drained(bytes: &[u8], shared: &Shared) -> Result<Chunk, CheckpointError> {
+    let held = shared.hold_host(bytes.len());
+    let mut buffer = match HostBuffer::prefaulted(bytes.len()) {
+        Ok(b) => b,
+        Err(e) => {
+            shared.release_host(held);
+            return Err(TensorError::from(e).into());
+        }
+    };
+    buffer
+        .as_bytes_mut()
+        .par_chunks_mut(COPY_CHUNK)
+        .zip(bytes.par_chunks(COPY_CHUNK))
+        .for_each(|(to, from)| to.copy_from_slice(from));
+    Ok(Chunk {
+        bytes: Bytes::Host(buffer),
+        held,
+        pinned: false,
+    })
+}
+
+/// Piece `p` of a host entry, copied by all cores.
+fn host_piece(entry: &Entry, p: usize, shared: &Shared) -> Result<Chunk, CheckpointError> {
+    let t = &entry.t;
+    let elem = t.dtype().size();
+    let (source, range) = match &entry.pieces[p] {
+        Piece::Bytes(r) => {
+            let start = t.layout().offset() * elem;
+            (t.clone(), start + r.start..start + r.end)
+        }
+        Piece::Block(ranges) => {
+            let b = block_view(t, ranges)?;
+            let b = if b.is_contiguous() { b } else { b.copy()? };
+            let start = b.layout().offset() * elem;
+            let end = start + b.nbytes();
+            (b, start..end)
+        }
+    };
+    let guard = source.storage().read();
+    let not_on_host = || TensorError::NotOnHost {
+        op: "checkpoint::save_async",
+        device: source.device(),
+    };
+    let bytes = guard
+        .try_host_bytes()
+        .map_err(TensorError::from)?
+        .ok_or_else(not_on_host)?
+        .get(range)
+        .ok_or_else(not_on_host)?;
+    drained(bytes, shared)
+}
