@@ -29,6 +29,7 @@ use crate::harness::pytorch::{PyTorch, PyTorchArgs};
 use crate::harness::{self, NO_CUDA_DEVICE};
 use output::{print_rows, to_json};
 
+mod asynchronous;
 mod output;
 
 #[derive(Args, Debug)]
@@ -53,6 +54,25 @@ pub struct CheckpointArgs {
     /// Where the files go (one of the dict's size at a time) [default: the temp dir].
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
+    /// Checkpoint a GPT training with AdamW on the GPU with `save_async`, once per snapshot
+    /// memory mode, instead: stall, steps during the save, snapshot and write rates.
+    #[arg(long = "async")]
+    asynchronous: bool,
+    /// --async: the GPT's layers.
+    #[arg(long, default_value_t = 16)]
+    layers: usize,
+    /// --async: the GPT's width (heads of 128).
+    #[arg(long, default_value_t = 2048)]
+    width: usize,
+    /// --async: sequences per batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// --async: tokens per sequence.
+    #[arg(long, default_value_t = 1024)]
+    seq: usize,
+    /// --async: the bounded mode's cap on snapshot memory, MiB.
+    #[arg(long, default_value_t = 2048)]
+    bound_mib: u64,
 }
 
 fn parse_gb(text: &str) -> Result<f64, String> {
@@ -339,6 +359,9 @@ pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
     }) else {
         return Ok(());
     };
+    if args.asynchronous {
+        return asynchronous::run(&args, &dev);
+    }
     let pool = PinnedPool::global()?;
     let staging = usize::try_from(args.staging_mib << 20)?;
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);

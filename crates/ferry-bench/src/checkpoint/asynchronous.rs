@@ -1,0 +1,337 @@
+//! `ferry bench checkpoint --async`: a GPT of about 1B parameters trains with AdamW on the
+//! GPU and is checkpointed (model and optimizer state in one file) by `save_async` while it
+//! trains, once per snapshot memory mode. Per save: the stall on the training thread (building
+//! the state dict and the call), the steps that overlap the save against steps without one,
+//! the snapshot's rate against the link's device-to-host rate and the write's against the
+//! disk's sequential write rate, both measured in the same run, and the extra memory.
+
+use std::error::Error;
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use ferry::amp::autocast;
+use ferry::checkpoint::{self, AsyncSaveOptions, AsyncSaveReport, Checkpoint, SnapshotMemory};
+use ferry::memory::cuda::{CudaDevice, PinnedPool};
+use ferry::models::{Gpt, GptConfig};
+use ferry::nn::{Module, cross_entropy};
+use ferry::optim::{AdamW, Optimizer};
+use ferry::{DType, Device, DeviceMove, Tensor};
+use serde_json::{Value, json};
+
+use super::CheckpointArgs;
+use crate::harness::measure::median;
+use crate::harness::report::print_table;
+
+const VOCAB: usize = 256;
+const LINK_BYTES: usize = 1 << 30;
+/// Steps timed without a save, and the most steps run while one is in flight.
+const BASELINE_STEPS: usize = 6;
+const MAX_OVERLAP_STEPS: usize = 200;
+
+/// One save, measured while training went on.
+struct Measured {
+    mode: String,
+    /// Building the state dict and `save_async`, on the training thread.
+    stall_ms: f64,
+    report: AsyncSaveReport,
+    /// Each step that began before the save finished.
+    overlapped: Vec<f64>,
+}
+
+struct Trainer {
+    model: Gpt,
+    opt: AdamW,
+    x: Tensor,
+    y: Tensor,
+    batch: usize,
+    seq: usize,
+}
+
+impl Trainer {
+    fn new(args: &CheckpointArgs, device: Device) -> ferry::Result<Self> {
+        ferry::manual_seed(0);
+        let config = GptConfig {
+            vocab: VOCAB,
+            context: args.seq,
+            width: args.width,
+            layers: args.layers,
+            heads: args.width / 128,
+        };
+        let model = Gpt::new(config, device)?;
+        let opt = AdamW::new(model.parameters(), 1e-4)?;
+        let n = args.batch * args.seq;
+        let ids: Vec<i64> = (0..n + 1)
+            .map(|i| ((i as u64 * 2_654_435_761) % VOCAB as u64) as i64)
+            .collect();
+        let x = Tensor::from_vec(ids[..n].to_vec(), &[args.batch, args.seq])?.to(device)?;
+        let y = Tensor::from_vec(ids[1..].to_vec(), &[args.batch, args.seq])?.to(device)?;
+        Ok(Self {
+            model,
+            opt,
+            x,
+            y,
+            batch: args.batch,
+            seq: args.seq,
+        })
+    }
+
+    /// One training step, waited for: milliseconds.
+    fn step(&mut self, dev: &CudaDevice) -> ferry::Result<f64> {
+        let start = Instant::now();
+        self.opt.zero_grad();
+        let (rows, model) = (self.batch * self.seq, &self.model);
+        let loss = autocast(DType::BF16, || {
+            let logits = model.forward(&self.x)?;
+            cross_entropy(&logits.reshape(&[rows, VOCAB])?, &self.y.reshape(&[rows])?)
+        })?;
+        loss.backward()?;
+        self.opt.step()?;
+        dev.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    }
+
+    /// The training state, as a run's checkpoint holds it: the model and its optimizer.
+    fn state(&self) -> Checkpoint {
+        let mut ck = Checkpoint::new();
+        ck.insert_section("model", self.model.state_dict());
+        ck.insert_section("optimizer", self.opt.state_dict());
+        ck
+    }
+}
+
+/// Device-to-pinned bytes per second over 1 GiB, the best of three after one untimed.
+fn link_d2h(dev: &CudaDevice) -> Result<f64, Box<dyn Error>> {
+    let pool = PinnedPool::global()?;
+    let stream = dev.new_stream()?;
+    let src = dev.alloc_zeroed(LINK_BYTES, dev.default_stream())?;
+    let mut landing = pool.alloc(LINK_BYTES)?;
+    let mut best = f64::INFINITY;
+    for round in 0..4 {
+        dev.synchronize()?;
+        let started = Instant::now();
+        src.copy_to_pinned_async(&mut landing, &stream)?;
+        landing.wait()?;
+        if round > 0 {
+            best = best.min(started.elapsed().as_secs_f64());
+        }
+    }
+    drop(landing);
+    pool.empty_cache()?;
+    Ok(LINK_BYTES as f64 / best)
+}
+
+/// The disk's sequential write rate as a save writes: `bytes` in 4 MiB writes from memory,
+/// then fsync; bytes per second (the file is removed).
+fn disk_write(dir: &Path, bytes: usize) -> Result<f64, Box<dyn Error>> {
+    let path = dir.join(format!("ferry-bench-disk-{}.bin", std::process::id()));
+    let block = vec![0x5au8; 4 << 20];
+    let started = Instant::now();
+    let result = (|| -> std::io::Result<()> {
+        let mut file = std::fs::File::create(&path)?;
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(block.len());
+            file.write_all(&block[..n])?;
+            left -= n;
+        }
+        file.sync_all()
+    })();
+    let secs = started.elapsed().as_secs_f64();
+    let _ = std::fs::remove_file(&path);
+    result?;
+    Ok(bytes as f64 / secs)
+}
+
+fn gb(bytes_per_sec: f64) -> f64 {
+    bytes_per_sec / 1e9
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / f64::from(1 << 30)
+}
+
+/// Saves once in `memory` while training: steps until the save has finished.
+fn save_while_training(
+    trainer: &mut Trainer,
+    dev: &CudaDevice,
+    path: &Path,
+    memory: SnapshotMemory,
+    staging: usize,
+) -> Result<Measured, Box<dyn Error>> {
+    dev.synchronize()?;
+    let started = Instant::now();
+    let options = AsyncSaveOptions {
+        staging_bytes: staging,
+        memory,
+        ..AsyncSaveOptions::default()
+    };
+    let pending = trainer.state().save_async(path, options)?;
+    let stall_ms = started.elapsed().as_secs_f64() * 1e3;
+    let mut overlapped = Vec::new();
+    while !pending.is_finished() && overlapped.len() < MAX_OVERLAP_STEPS {
+        overlapped.push(trainer.step(dev)?);
+    }
+    let report = pending.wait()?;
+    Ok(Measured {
+        mode: match memory {
+            SnapshotMemory::Pageable => "pageable".into(),
+            SnapshotMemory::Bounded(b) => format!("bounded {:.0} GiB", gib(b)),
+            SnapshotMemory::Pinned => "pinned".into(),
+        },
+        stall_ms,
+        report,
+        overlapped,
+    })
+}
+
+pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>> {
+    let device = dev.device();
+    let staging = usize::try_from(args.staging_mib << 20)?;
+    let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let path = dir.join(format!(
+        "ferry-bench-async-{}.safetensors",
+        std::process::id()
+    ));
+    let mut trainer = Trainer::new(args, device)?;
+    // Warm-up: the optimizer's state exists after the first step.
+    for _ in 0..3 {
+        trainer.step(dev)?;
+    }
+    let state = trainer.state();
+    let bytes: usize = state.tensors().iter().map(|(_, t)| t.nbytes()).sum();
+    let params: usize = trainer.model.parameters().iter().map(Tensor::numel).sum();
+    drop(state);
+    let link = link_d2h(dev)?;
+    let disk = disk_write(&dir, bytes.min(8 << 30))?;
+    println!(
+        "checkpoint while training: GPT {} layers x {} wide ({:.2} B parameters), batch {} x {}, \
+         bf16 autocast, AdamW on {} ({}); checkpoint {:.2} GiB (model + optimizer state) in {}",
+        args.layers,
+        args.width,
+        params as f64 / 1e9,
+        args.batch,
+        args.seq,
+        device,
+        dev.info().name,
+        gib(bytes),
+        dir.display()
+    );
+    println!(
+        "measured in this run: link device->host {:.1} GB/s (pinned, 1 GiB); disk sequential \
+         write {:.2} GB/s ({:.1} GiB, 4 MiB writes + fsync)",
+        gb(link),
+        gb(disk),
+        gib(bytes.min(8 << 30))
+    );
+    let mut baseline = Vec::new();
+    for _ in 0..BASELINE_STEPS {
+        baseline.push(trainer.step(dev)?);
+    }
+    let base = median(&baseline).unwrap_or(f64::NAN);
+    let mut runs = Vec::new();
+    let bound = usize::try_from(args.bound_mib << 20)?;
+    for memory in [
+        SnapshotMemory::Pageable,
+        SnapshotMemory::Bounded(bound),
+        SnapshotMemory::Pinned,
+    ] {
+        eprintln!("saving in {memory:?} memory while training ...");
+        let measured = save_while_training(&mut trainer, dev, &path, memory, staging)?;
+        if runs.is_empty() {
+            let verified = checkpoint::verify(&path)?;
+            println!(
+                "the first file verifies: {} tensors, {:.2} GiB, checksummed: {}",
+                verified.tensors,
+                gib(verified.bytes),
+                verified.checksummed
+            );
+        }
+        let _ = std::fs::remove_file(&path);
+        PinnedPool::global()?.empty_cache()?;
+        runs.push(measured);
+    }
+    let after: Vec<f64> = (0..BASELINE_STEPS)
+        .map(|_| trainer.step(dev))
+        .collect::<ferry::Result<_>>()?;
+    println!(
+        "step without a save: median {base:.1} ms before the saves, {:.1} ms after",
+        median(&after).unwrap_or(f64::NAN)
+    );
+    print_rows(&runs, base, link, disk);
+    if let Some(file) = &args.json {
+        let doc = json!({
+            "bench": "checkpoint --async",
+            "device": dev.info().name,
+            "params": params,
+            "bytes": bytes,
+            "link_d2h_bytes_per_sec": link,
+            "disk_write_bytes_per_sec": disk,
+            "baseline_step_ms": baseline,
+            "after_step_ms": after,
+            "saves": runs.iter().map(|m| to_json(m, base)).collect::<Vec<Value>>(),
+        });
+        crate::harness::write_json(file, &doc, "save")?;
+    }
+    Ok(())
+}
+
+/// Steps that overlapped the save over the median step without one.
+fn overlap_ratio(m: &Measured, base: f64) -> f64 {
+    let mean = m.overlapped.iter().sum::<f64>() / m.overlapped.len().max(1) as f64;
+    mean / base
+}
+
+fn print_rows(runs: &[Measured], base: f64, link: f64, disk: f64) {
+    let header = [
+        "snapshot memory",
+        "stall ms",
+        "steps during",
+        "their mean / no save",
+        "snapshot s",
+        "snapshot GB/s (of link)",
+        "write GB/s (of disk)",
+        "extra host GiB",
+        "pinned MiB",
+    ];
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|m| {
+            let r = &m.report;
+            let snap = r.bytes as f64 / r.snapshot.as_secs_f64().max(1e-9);
+            let write = r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9);
+            vec![
+                m.mode.clone(),
+                format!("{:.2} (call {:.2})", m.stall_ms, r.call.as_secs_f64() * 1e3),
+                m.overlapped.len().to_string(),
+                format!("{:.3}x", overlap_ratio(m, base)),
+                format!("{:.2}", r.snapshot.as_secs_f64()),
+                format!("{:.1} ({:.0}%)", gb(snap), 100.0 * snap / link),
+                format!("{:.2} ({:.0}%)", gb(write), 100.0 * write / disk),
+                format!("{:.2}", gib(r.peak_extra_host_bytes)),
+                format!("{:.0}", r.peak_pinned_bytes as f64 / f64::from(1 << 20)),
+            ]
+        })
+        .collect();
+    print_table(&header, &rows);
+    println!(
+        "goals: stall <= 10 ms; steps during the save <= 1.03x; pinned <= 256 MiB (pageable and \
+         bounded modes); snapshot >= 80% of the link; write >= 90% of the disk"
+    );
+}
+
+fn to_json(m: &Measured, base: f64) -> Value {
+    let r = &m.report;
+    json!({
+        "mode": m.mode,
+        "stall_ms": m.stall_ms,
+        "call_ms": r.call.as_secs_f64() * 1e3,
+        "overlapped_step_ms": m.overlapped,
+        "overlap_ratio": overlap_ratio(m, base),
+        "snapshot_s": r.snapshot.as_secs_f64(),
+        "elapsed_s": r.elapsed.as_secs_f64(),
+        "bytes": r.bytes,
+        "peak_extra_host_bytes": r.peak_extra_host_bytes,
+        "peak_pinned_bytes": r.peak_pinned_bytes,
+    })
+}
