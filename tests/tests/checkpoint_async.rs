@@ -293,3 +293,34 @@ fn names_and_bounds_are_checked_at_the_call() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn a_save_that_needs_confirming_is_renamed_only_once_confirmed() {
+    let dir = scratch("confirm");
+    let path = dir.join("c.safetensors");
+    let t = vec![(
+        "t".to_string(),
+        Tensor::full(&[1 << 16], 1.0, DType::F32, Device::Cpu).unwrap(),
+    )];
+    let options = AsyncSaveOptions {
+        confirm: true,
+        ..AsyncSaveOptions::default()
+    };
+    let pending = checkpoint::save_async(&path, &t, options.clone()).unwrap();
+    pending.wait_snapshot();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !path.exists() && !pending.is_finished(),
+        "held for a confirmation"
+    );
+    pending.confirm();
+    pending.wait().unwrap();
+    assert!(path.exists());
+
+    std::fs::remove_file(&path).unwrap();
+    let pending = checkpoint::save_async(&path, &t, options).unwrap();
+    pending.abandon("checked and refused");
+    assert!(pending.wait().is_err());
+    assert!(!path.exists());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -516,6 +516,12 @@ mod tests {
             samples: 1,
             warmup: 0,
             dir: None,
+            asynchronous: false,
+            layers: 2,
+            width: 256,
+            batch: 1,
+            seq: 64,
+            bound_mib: 64,
         };
         assert!(run(args).is_ok());
     }

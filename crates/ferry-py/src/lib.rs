@@ -14,6 +14,7 @@
 //! ferry tensor alive, so its pinned or device memory returns to ferry's pools when torch
 //! frees it.
 
+mod checkpoint;
 mod dlpack;
 mod errors;
 mod memory;
@@ -35,6 +36,8 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::PyReport>()?;
     m.add_class::<streaming::PyChunkStream>()?;
     m.add_class::<optim::PyOffloadAdamW>()?;
+    m.add_class::<checkpoint::PyPendingSave>()?;
+    m.add_function(wrap_pyfunction!(checkpoint::save_async, m)?)?;
     m.add_function(wrap_pyfunction!(moves::from_dlpack, m)?)?;
     m.add_function(wrap_pyfunction!(moves::to, m)?)?;
     m.add_function(wrap_pyfunction!(moves::to_chunked, m)?)?;

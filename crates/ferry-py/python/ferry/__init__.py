@@ -30,6 +30,7 @@ __all__ = [
     "ChunkStream",
     "FerryError",
     "PendingMove",
+    "PendingSave",
     "Tensor",
     "TransferReport",
     "cpu",
@@ -45,6 +46,7 @@ __all__ = [
     "pinned_stats",
     "record_stream",
     "reset_peak_memory_stats",
+    "save_async",
     "set_pinned_budget",
     "stream_to",
     "to",
@@ -454,6 +456,7 @@ def stream_to(t, chunks=None, max_staging_bytes=None) -> ChunkStream:
 
 
 from .offload import offload_saved  # noqa: E402  (uses the moves above)
+from .checkpoint import PendingSave, save_async  # noqa: E402
 
 
 def __getattr__(name):

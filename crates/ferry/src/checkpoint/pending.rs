@@ -140,8 +140,17 @@ impl PendingSave {
     /// over the target, and [`PendingSave::wait`] returns [`CheckpointError::Abandoned`] with
     /// `reason`. Too late once the file is in place (see [`PendingSave::is_finished`]).
     pub fn abandon(&self, reason: impl Into<String>) {
-        let mut state = self.shared.lock();
-        state.abandoned.get_or_insert_with(|| reason.into());
+        let reason = reason.into();
+        self.shared.update(|s| {
+            s.abandoned.get_or_insert(reason);
+        });
+    }
+
+    /// Lets the file be renamed over the target once written, for a save started with
+    /// [`AsyncSaveOptions::confirm`] (otherwise it is renamed anyway). [`PendingSave::wait`]
+    /// and dropping confirm too, unless the save was abandoned.
+    pub fn confirm(&self) {
+        self.shared.update(|s| s.confirmed = true);
     }
 
     /// Waits for the file to be synced and renamed; its report, or the save's error.
@@ -150,6 +159,7 @@ impl PendingSave {
     }
 
     fn join(&mut self) -> Result<AsyncSaveReport, CheckpointError> {
+        self.confirm();
         let writer = self.writer.take().expect("joined once");
         let result = writer.join().unwrap_or_else(|_| {
             Err(CheckpointError::Format {
@@ -238,7 +248,7 @@ fn start(
         SnapshotMemory::Bounded(bound) => Some(bound),
         _ => None,
     };
-    let shared = Arc::new(Shared::new(path.clone(), called, bound));
+    let shared = Arc::new(Shared::new(path.clone(), called, bound, options.confirm));
     // One save per path: wait for the one in flight, if any, then take its place.
     loop {
         let previous = {
@@ -448,7 +458,13 @@ fn write(
     }
     out.flush().map_err(io(&temp))?;
     drop(out);
-    if let Some(reason) = shared.lock().abandoned.clone() {
+    let mut state = shared.lock();
+    while shared.needs_confirm && !state.confirmed && state.abandoned.is_none() {
+        state = shared.wait(state);
+    }
+    let abandoned = state.abandoned.clone();
+    drop(state);
+    if let Some(reason) = abandoned {
         return Err(CheckpointError::Abandoned {
             path: shared.path.clone(),
             reason,

@@ -84,6 +84,15 @@ pub struct AsyncSaveOptions {
     /// Streams whose work queued before the call the copies also come after (each device's
     /// default stream always counts): another runtime's current stream, say.
     pub after: Vec<Stream>,
+    /// Rename the written file over the target only once [`PendingSave::confirm`] (or
+    /// [`PendingSave::wait`]) says so; [`PendingSave::abandon`] discards it instead. For
+    /// callers that check the snapshot before keeping it, as the Python package checks torch's
+    /// version counters.
+    ///
+    /// [`PendingSave::confirm`]: super::PendingSave::confirm
+    /// [`PendingSave::wait`]: super::PendingSave::wait
+    /// [`PendingSave::abandon`]: super::PendingSave::abandon
+    pub confirm: bool,
 }
 
 impl Default for AsyncSaveOptions {
@@ -92,6 +101,7 @@ impl Default for AsyncSaveOptions {
             staging_bytes: DEFAULT_STAGING_BYTES,
             memory: SnapshotMemory::Pageable,
             after: Vec::new(),
+            confirm: false,
         }
     }
 }

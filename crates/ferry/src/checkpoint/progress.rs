@@ -13,6 +13,8 @@ pub(super) struct Shared {
     changed: Condvar,
     /// The most snapshot bytes held at once in the bounded mode.
     bound: Option<usize>,
+    /// Whether the file waits for `confirmed` (or `abandoned`) before its rename.
+    pub needs_confirm: bool,
 }
 
 #[derive(Default)]
@@ -21,6 +23,7 @@ pub(super) struct State {
     pub snapshot: Option<Duration>,
     pub finished: bool,
     pub abandoned: Option<String>,
+    pub confirmed: bool,
     /// The error of a save nobody waited for.
     pub error: Option<String>,
     pub host: usize,
@@ -82,14 +85,16 @@ impl Shared {
 }
 
 impl Shared {
-    /// A save of `path` called at `called`; `bound` caps its pageable snapshot.
-    pub fn new(path: PathBuf, called: Instant, bound: Option<usize>) -> Self {
+    /// A save of `path` called at `called`; `bound` caps its pageable snapshot;
+    /// `needs_confirm` holds the rename for a confirmation.
+    pub fn new(path: PathBuf, called: Instant, bound: Option<usize>, needs_confirm: bool) -> Self {
         Self {
             path,
             called,
             state: Mutex::default(),
             changed: Condvar::new(),
             bound,
+            needs_confirm,
         }
     }
 }

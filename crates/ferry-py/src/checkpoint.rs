@@ -1,0 +1,180 @@
+//! Asynchronous checkpoints of torch tensors: `ferry.save_async` over ferry's
+//! [`save_async`](ferry::checkpoint::save_async), the tensors received through DLPack (no
+//! copy), the snapshot ordered after torch's current streams. torch's own writes do not go
+//! through ferry's storage locks: the Python package orders them (a barrier in every
+//! optimizer's step, and a version check before the file is kept).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use ferry::checkpoint::{
+    AsyncSaveOptions, AsyncSaveReport, Checkpoint, DEFAULT_STAGING_BYTES, PendingSave,
+    SnapshotMemory,
+};
+use parking_lot::Mutex;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::dlpack::{self, Misaligned};
+use crate::errors::{FerryError, guarded};
+use crate::order::torch_or_default;
+
+/// A save in flight (see `ferry.save_async`).
+#[pyclass(name = "PendingSave", module = "ferry._ferry")]
+pub struct PyPendingSave {
+    inner: Mutex<Option<PendingSave>>,
+    path: String,
+}
+
+fn gone() -> PyErr {
+    PyValueError::new_err("this save was already waited for: wait() returns its report once")
+}
+
+fn report_dict<'py>(py: Python<'py>, r: &AsyncSaveReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("tensors", r.tensors)?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("device_bytes", r.device_bytes)?;
+    d.set_item("call_s", r.call.as_secs_f64())?;
+    d.set_item("waited_for_previous_s", r.waited_for_previous.as_secs_f64())?;
+    d.set_item("snapshot_s", r.snapshot.as_secs_f64())?;
+    d.set_item("elapsed_s", r.elapsed.as_secs_f64())?;
+    d.set_item("peak_extra_host_bytes", r.peak_extra_host_bytes)?;
+    d.set_item("peak_pinned_bytes", r.peak_pinned_bytes)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl PyPendingSave {
+    /// The file being written.
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Whether every tensor has been copied.
+    fn snapshot_taken(&self) -> PyResult<bool> {
+        let guard = self.inner.lock();
+        Ok(guard.as_ref().ok_or_else(gone)?.is_snapshot_taken())
+    }
+
+    /// Whether the save has finished, well or not.
+    fn done(&self) -> PyResult<bool> {
+        let guard = self.inner.lock();
+        Ok(guard.as_ref().is_none_or(PendingSave::is_finished))
+    }
+
+    /// Blocks (without the GIL) until every tensor has been copied.
+    fn wait_snapshot(&self, py: Python<'_>) -> PyResult<()> {
+        let guard = self.inner.lock();
+        let pending = guard.as_ref().ok_or_else(gone)?;
+        py.detach(|| pending.wait_snapshot());
+        Ok(())
+    }
+
+    /// Lets the file be renamed over the target once written (the package calls it after
+    /// checking torch's version counters).
+    fn confirm(&self) -> PyResult<()> {
+        let guard = self.inner.lock();
+        guard.as_ref().ok_or_else(gone)?.confirm();
+        Ok(())
+    }
+
+    /// Keeps the target as it was: the file is removed once written, and wait() raises with
+    /// `reason`.
+    fn abandon(&self, reason: String) -> PyResult<()> {
+        let guard = self.inner.lock();
+        guard.as_ref().ok_or_else(gone)?.abandon(reason);
+        Ok(())
+    }
+
+    /// Waits (without the GIL) for the file to be synced and renamed; its report as a dict.
+    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let pending = self.inner.lock().take().ok_or_else(gone)?;
+        let report = py
+            .detach(|| pending.wait())
+            .map_err(|e| FerryError::new_err(e.to_string()))?;
+        report_dict(py, &report)
+    }
+}
+
+impl Drop for PyPendingSave {
+    fn drop(&mut self) {
+        // Waiting for the file here would hold the GIL for as long as the disk takes: a thread
+        // waits instead, and an error reaches the next save (ferry's rule for dropped saves).
+        if let Some(pending) = self.inner.lock().take() {
+            let _ = std::thread::Builder::new()
+                .name("ferry-save-drop".into())
+                .spawn(move || drop(pending));
+        }
+    }
+}
+
+/// Starts writing `tensors` (torch tensors or DLPack capsules, named by `names`) to `path`;
+/// the copies come after the work queued so far on each `(gpu, stream handle)` of `streams`
+/// (torch's current streams) and on ferry's default streams. `memory` is `"pageable"`,
+/// `"pinned"` or `"bounded"` (with `bound` bytes).
+#[pyfunction]
+#[pyo3(signature = (path, names, tensors, streams, memory="pageable", bound=None, staging_bytes=DEFAULT_STAGING_BYTES, metadata=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn save_async(
+    py: Python<'_>,
+    path: PathBuf,
+    names: Vec<String>,
+    tensors: Vec<Bound<'_, PyAny>>,
+    streams: Vec<(usize, u64)>,
+    memory: &str,
+    bound: Option<usize>,
+    staging_bytes: usize,
+    metadata: Option<BTreeMap<String, String>>,
+) -> PyResult<PyPendingSave> {
+    guarded(|| {
+        if names.len() != tensors.len() {
+            return Err(PyValueError::new_err(format!(
+                "save_async: {} names for {} tensors",
+                names.len(),
+                tensors.len()
+            )));
+        }
+        let memory = match (memory, bound) {
+            ("pageable", None) => SnapshotMemory::Pageable,
+            ("pinned", None) => SnapshotMemory::Pinned,
+            ("bounded", Some(bytes)) if bytes > 0 => SnapshotMemory::Bounded(bytes),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "save_async: memory={memory:?} (bound {bound:?}) is not one of \"pageable\", \
+                     \"pinned\", or a positive number of bytes for the bounded mode"
+                )));
+            }
+        };
+        let mut state = Vec::with_capacity(tensors.len());
+        for (name, t) in names.into_iter().zip(&tensors) {
+            // A misaligned host tensor is copied at the call: the copy is its snapshot.
+            state.push((name, dlpack::import(py, t, Misaligned::Copy)?.tensor));
+        }
+        let mut ck = Checkpoint::from_tensors(state);
+        for (key, value) in metadata.unwrap_or_default() {
+            ck.set_metadata(key, value);
+        }
+        let after = streams
+            .into_iter()
+            .map(|(ordinal, handle)| torch_or_default(ordinal, Some(handle)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let options = AsyncSaveOptions {
+            staging_bytes,
+            memory,
+            after,
+            // Renamed only once the package has checked torch's versions (`confirm`).
+            confirm: true,
+        };
+        let shown = path.display().to_string();
+        let pending = py
+            .detach(|| ck.save_async(&path, options))
+            .map_err(|e| FerryError::new_err(e.to_string()))?;
+        Ok(PyPendingSave {
+            inner: Mutex::new(Some(pending)),
+            path: shown,
+        })
+    })
+}

@@ -1,0 +1,134 @@
+"""ferry.save_async next to torch: the file equals what safetensors writes, an optimizer step
+right after the call leaves the file with the weights of the call, copies come after torch's
+queued work (on its default stream and inside ``torch.cuda.stream``), an in-place write that
+could reach a snapshot keeps the old file and says so, and bad arguments are refused. The CUDA
+cases skip without a GPU (they run on the GPU machine)."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import ferry  # noqa: E402
+
+cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and ferry.cuda_available()),
+    reason="needs a CUDA device",
+)
+
+
+def _state(device):
+    torch.manual_seed(5)
+    big = torch.randn(300, 250, device=device)
+    return {
+        "big": big,
+        "cols": big[:, 10:110],
+        "half": torch.randn(70, 90, device=device).half(),
+        "bf16": torch.randn(33, device=device).bfloat16(),
+        "steps": torch.arange(2500, device=device),
+        "scalar": torch.tensor(3.5, dtype=torch.float64, device=device),
+        "empty": torch.zeros(0, 7, device=device),
+    }
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k].cpu(), b[k].cpu()), k
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("memory", ["pageable", "pinned", 1 << 16])
+def test_the_file_holds_the_tensors(tmp_path, device, memory):
+    state = _state(device)
+    path = tmp_path / "s.safetensors"
+    pending = ferry.save_async(path, state, memory=memory, metadata={"step": "7"})
+    assert isinstance(pending, ferry.PendingSave)
+    report = pending.wait()
+    assert report["tensors"] == len(state)
+    assert report["bytes"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert report["call_s"] <= report["snapshot_s"] <= report["elapsed_s"]
+    _same(safetensors_torch.load_file(path), {k: v.contiguous() for k, v in state.items()})
+    with open(path, "rb") as f:
+        header = f.read(8 + int.from_bytes(f.read(8), "little"))
+    assert b'"step":"7"' in header and b"ferry.crc32" in header
+    with pytest.raises(ValueError, match="already waited"):
+        pending.wait()
+
+
+def _sgd_model(device):
+    torch.manual_seed(1)
+    model = torch.nn.Linear(512, 512).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    return model, opt
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_an_optimizer_step_after_the_call_waits_for_the_copies(tmp_path, device):
+    model, opt = _sgd_model(device)
+    model(torch.randn(64, 512, device=device)).square().sum().backward()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    path = tmp_path / "m.safetensors"
+    # The bounded mode through a small ring: the copies take a while on any machine.
+    pending = ferry.save_async(path, model.state_dict(), memory=1 << 16, staging_bytes=1 << 16)
+    opt.step()
+    assert pending.snapshot_taken(), "the step waited for the copies"
+    assert not torch.equal(model.weight.detach(), before["weight"]), "the step moved the weights"
+    pending.wait()
+    _same(safetensors_torch.load_file(path), before)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_a_write_that_could_reach_the_snapshot_keeps_the_old_file(tmp_path, device):
+    path = tmp_path / "w.safetensors"
+    w = torch.ones(1 << 20, device=device)
+    ferry.save_async(path, {"w": w}).wait()
+    pending = ferry.save_async(path, {"w": w * 2})
+    pending.wait()
+    t = torch.full((1 << 20,), 3.0, device=device)
+    pending = ferry.save_async(path, {"w": t}, memory=1 << 16, staging_bytes=1 << 16)
+    t.add_(1.0)  # no barrier: this write may land in the copy
+    with pytest.raises(ferry.FerryError, match="'w' was written in place"):
+        pending.wait()
+    assert torch.equal(safetensors_torch.load_file(path)["w"], torch.full((1 << 20,), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["w.safetensors"], "no temporary is left"
+    # After wait_snapshot() writes are safe.
+    t = torch.full((1 << 20,), 5.0, device=device)
+    pending = ferry.save_async(path, {"w": t})
+    pending.wait_snapshot()
+    t.add_(1.0)
+    pending.wait()
+    assert torch.equal(safetensors_torch.load_file(path)["w"], torch.full((1 << 20,), 5.0))
+
+
+def test_bad_arguments_are_refused_with_the_fix(tmp_path):
+    t = torch.zeros(4)
+    with pytest.raises(TypeError, match="not a torch.Tensor"):
+        ferry.save_async(tmp_path / "a.safetensors", {"a": [1, 2]})
+    with pytest.raises(TypeError, match="pageable"):
+        ferry.save_async(tmp_path / "a.safetensors", {"a": t}, memory=1.5)
+    with pytest.raises(ValueError, match="positive"):
+        ferry.save_async(tmp_path / "a.safetensors", {"a": t}, memory=0)
+    with pytest.raises(ferry.FerryError, match="no file|No such file"):
+        ferry.save_async(tmp_path / "missing" / "a.safetensors", {"a": t})
+    with pytest.raises(ferry.FerryError, match="more than once"):
+        ferry.save_async(tmp_path / "a.safetensors", [("a", t), ("a", t)])
+    assert os.listdir(tmp_path) == []
+
+
+@cuda
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_the_copies_come_after_torchs_queued_work(tmp_path, side_stream):
+    x = torch.zeros(1 << 26, device="cuda")  # 256 MiB
+    s = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time before the write
+        x.fill_(1.0)
+        pending = ferry.save_async(tmp_path / "x.safetensors", {"x": x})
+    pending.wait()
+    saved = safetensors_torch.load_file(tmp_path / "x.safetensors")["x"]
+    assert bool((saved == 1.0).all()), f"{int((saved != 1.0).sum())} elements read too early"
