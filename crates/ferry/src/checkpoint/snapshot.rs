@@ -13,7 +13,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::mpsc::Sender;
 
 use ferry_memory::cuda::{CudaDevice, Event, PinnedBuffer, PinnedPool};
-use ferry_memory::{HostBuffer, MemoryError};
+use ferry_memory::{HostBuffer, HostPool, MemoryError};
 use ferry_tensor::{ReadHold, Tensor, TensorError};
 use rayon::prelude::*;
 
@@ -355,7 +355,9 @@ fn send(tx: &Sender<Chunk>, chunk: Chunk) -> Result<(), Stop> {
 /// memory (waiting for room in the bounded mode).
 fn drained(bytes: &[u8], shared: &Shared) -> Result<Chunk, CheckpointError> {
     let held = shared.hold_host(bytes.len());
-    let mut buffer = match HostBuffer::prefaulted(bytes.len()) {
+    // From the host pool: a save after the first finds the last one's pages faulted in, so
+    // the drain runs at memory speed rather than at the rate pages can be faulted.
+    let mut buffer = match HostPool::global().alloc(bytes.len()) {
         Ok(b) => b,
         Err(e) => {
             shared.release_host(held);
