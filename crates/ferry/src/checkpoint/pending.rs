@@ -193,6 +193,9 @@ impl Drop for PendingSave {
     }
 }
 
+/// Bytes written between two fdatasyncs of the flusher thread.
+const FLUSH_EVERY: usize = 256 << 20;
+
 /// Saves whose `PendingSave` was dropped with an error nobody has seen yet.
 fn unreported() -> &'static Mutex<Vec<Arc<Shared>>> {
     static UNREPORTED: OnceLock<Mutex<Vec<Arc<Shared>>>> = OnceLock::new();
@@ -436,28 +439,57 @@ fn write(
     rx: mpsc::Receiver<Chunk>,
 ) -> Result<(), CheckpointError> {
     let temp = file.temp.path.clone();
-    let mut out = BufWriter::with_capacity(1 << 20, &file.temp.file);
-    let mut crcs = Vec::with_capacity(counts.len());
-    for &count in counts {
-        let mut hasher = crc32fast::Hasher::new();
-        for _ in 0..count {
-            // Only a snapshot that stopped (its error is the save's) closes the channel early.
-            let chunk = rx.recv().map_err(|_| CheckpointError::Format {
-                path: shared.path.clone(),
-                reason: "the snapshot stopped before every tensor was copied".into(),
-            })?;
-            let bytes = chunk.bytes.as_slice().map_err(TensorError::from)?;
-            hash_and_write(&mut out, &mut hasher, bytes, &temp)?;
-            if chunk.pinned {
-                shared.release_pinned(chunk.held);
-            } else {
-                shared.release_host(chunk.held);
+    let crcs = std::thread::scope(|scope| {
+        // The disk starts on the bytes while the rest is still being written: a thread
+        // fdatasyncs the file after every `FLUSH_EVERY` bytes, so the page cache's copy
+        // overlaps the disk's write instead of preceding it, and the final fsync finds little
+        // left. Its first error is kept: the kernel reports a writeback error to one sync only.
+        let (tick, ticks) = mpsc::channel::<()>();
+        let flushed = scope.spawn(|| {
+            let ticks = ticks;
+            while ticks.recv().is_ok() {
+                while ticks.try_recv().is_ok() {}
+                file.temp.file.sync_data()?;
             }
+            Ok::<(), std::io::Error>(())
+        });
+        let mut out = BufWriter::with_capacity(1 << 20, &file.temp.file);
+        let mut crcs = Vec::with_capacity(counts.len());
+        let mut unflushed = 0usize;
+        for &count in counts {
+            let mut hasher = crc32fast::Hasher::new();
+            for _ in 0..count {
+                // Only a snapshot that stopped (its error is the save's) closes the channel
+                // early.
+                let chunk = rx.recv().map_err(|_| CheckpointError::Format {
+                    path: shared.path.clone(),
+                    reason: "the snapshot stopped before every tensor was copied".into(),
+                })?;
+                let bytes = chunk.bytes.as_slice().map_err(TensorError::from)?;
+                hash_and_write(&mut out, &mut hasher, bytes, &temp)?;
+                unflushed += bytes.len();
+                if chunk.pinned {
+                    shared.release_pinned(chunk.held);
+                } else {
+                    shared.release_host(chunk.held);
+                }
+                if unflushed >= FLUSH_EVERY {
+                    out.flush().map_err(io(&temp))?;
+                    // A flusher that stopped on an error is joined below.
+                    let _ = tick.send(());
+                    unflushed = 0;
+                }
+            }
+            crcs.push(hasher.finalize());
         }
-        crcs.push(hasher.finalize());
-    }
-    out.flush().map_err(io(&temp))?;
-    drop(out);
+        out.flush().map_err(io(&temp))?;
+        drop(tick);
+        flushed
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("the flusher thread panicked")))
+            .map_err(io(&temp))?;
+        Ok::<_, CheckpointError>(crcs)
+    })?;
     let mut state = shared.lock();
     while shared.needs_confirm && !state.confirmed && state.abandoned.is_none() {
         state = shared.wait(state);
