@@ -164,6 +164,35 @@ fn disk_write(dir: &Path, bytes: usize) -> Result<f64, Box<dyn Error>> {
     Ok(bytes as f64 / secs)
 }
 
+/// The drain's rate alone: 1 GiB from pinned memory into host-pool buffers in 64 MiB pieces,
+/// each copied by all cores in 4 MiB chunks as the snapshot drains its ring; the second of
+/// two rounds (its buffers come back from the pool), bytes per second.
+fn drain_rate() -> Result<f64, Box<dyn Error>> {
+    use ferry::memory::HostPool;
+    use rayon::prelude::*;
+    const PIECE: usize = 64 << 20;
+    let pool = PinnedPool::global()?;
+    let mut staged = pool.alloc(PIECE)?;
+    staged.as_bytes_mut()?.fill(1);
+    let staged = staged.as_bytes()?;
+    let mut rate = 0.0;
+    for _ in 0..2 {
+        let started = Instant::now();
+        let mut pieces = Vec::new();
+        for _ in 0..LINK_BYTES / PIECE {
+            let mut to = HostPool::global().alloc(PIECE)?;
+            to.as_bytes_mut()
+                .par_chunks_mut(4 << 20)
+                .zip(staged.par_chunks(4 << 20))
+                .for_each(|(to, from)| to.copy_from_slice(from));
+            pieces.push(to);
+        }
+        rate = LINK_BYTES as f64 / started.elapsed().as_secs_f64();
+        drop(pieces);
+    }
+    Ok(rate)
+}
+
 fn gb(bytes_per_sec: f64) -> f64 {
     bytes_per_sec / 1e9
 }
@@ -226,6 +255,7 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
     drop(state);
     let link = link_d2h(dev)?;
     let disk = disk_write(&dir, bytes.min(8 << 30))?;
+    let drain = drain_rate()?;
     println!(
         "checkpoint while training: GPT {} layers x {} wide ({:.2} B parameters), batch {} x {}, \
          bf16 autocast, AdamW on {} ({}); checkpoint {:.2} GiB (model + optimizer state) in {}",
@@ -241,10 +271,12 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
     );
     println!(
         "measured in this run: link device->host {:.1} GB/s (pinned, 1 GiB); disk sequential \
-         write {:.2} GB/s ({:.1} GiB, 4 MiB writes, fdatasync every 256 MiB beside them, fsync)",
+         write {:.2} GB/s ({:.1} GiB, 4 MiB writes, fdatasync every 256 MiB beside them, fsync); \
+         drain pinned -> host pool by all cores {:.1} GB/s (1 GiB in 64 MiB pieces)",
         gb(link),
         gb(disk),
-        gib(bytes.min(8 << 30))
+        gib(bytes.min(8 << 30)),
+        gb(drain)
     );
     let mut baseline = Vec::new();
     for _ in 0..BASELINE_STEPS {
@@ -322,7 +354,7 @@ fn print_rows(runs: &[Measured], base: f64, link: f64, disk: f64) {
         "steps during",
         "their mean / no save",
         "first / no save",
-        "snapshot s",
+        "snapshot s (DMA wait, copy)",
         "snapshot GB/s (of link)",
         "write GB/s (of disk)",
         "extra host GiB",
@@ -343,7 +375,12 @@ fn print_rows(runs: &[Measured], base: f64, link: f64, disk: f64) {
                     "{:.2}x",
                     m.overlapped.first().map_or(f64::NAN, |f| f / base)
                 ),
-                format!("{:.2}", r.snapshot.as_secs_f64()),
+                format!(
+                    "{:.2} ({:.2}, {:.2})",
+                    r.snapshot.as_secs_f64(),
+                    r.snapshot_dma_wait.as_secs_f64(),
+                    r.snapshot_copy.as_secs_f64()
+                ),
                 format!("{:.1} ({:.0}%)", gb(snap), 100.0 * snap / link),
                 format!("{:.2} ({:.0}%)", gb(write), 100.0 * write / disk),
                 format!("{:.2}", gib(r.peak_extra_host_bytes)),
@@ -367,6 +404,8 @@ fn to_json(m: &Measured, base: f64) -> Value {
         "overlapped_step_ms": m.overlapped,
         "overlap_ratio": overlap_ratio(m, base),
         "snapshot_s": r.snapshot.as_secs_f64(),
+        "snapshot_dma_wait_s": r.snapshot_dma_wait.as_secs_f64(),
+        "snapshot_copy_s": r.snapshot_copy.as_secs_f64(),
         "elapsed_s": r.elapsed.as_secs_f64(),
         "bytes": r.bytes,
         "peak_extra_host_bytes": r.peak_extra_host_bytes,

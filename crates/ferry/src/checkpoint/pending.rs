@@ -50,6 +50,11 @@ pub struct AsyncSaveReport {
     pub waited_for_previous: Duration,
     /// From the call until every tensor was copied: how long in-place writes could be held.
     pub snapshot: Duration,
+    /// Of the snapshot thread's time, waiting for device-to-host DMAs to land.
+    pub snapshot_dma_wait: Duration,
+    /// Of the snapshot thread's time, copying landed bytes (and host tensors) into the save's
+    /// own memory by all cores.
+    pub snapshot_copy: Duration,
     /// From the call until the file was synced and renamed.
     pub elapsed: Duration,
     /// The most extra host memory held at once: the snapshot's pieces not yet written and the
@@ -331,8 +336,10 @@ fn start(
             // The snapshot's own error first: the writer only saw it stop.
             let result = match (snapshotter.join(), written) {
                 (Ok(Err(Stop::Failed(e))), _) | (_, Err(e)) => Err(e),
-                (Ok(Ok(device_bytes)), Ok(())) => {
-                    report.device_bytes = device_bytes;
+                (Ok(Ok(done)), Ok(())) => {
+                    report.device_bytes = done.device_bytes;
+                    report.snapshot_dma_wait = done.dma_wait;
+                    report.snapshot_copy = done.copy;
                     Ok(())
                 }
                 (Ok(Err(Stop::WriterGone)), Ok(())) => unreachable!("the writer finished"),

@@ -11,6 +11,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
 
 use ferry_memory::cuda::{CudaDevice, Event, PinnedBuffer, PinnedPool};
 use ferry_memory::{HostBuffer, HostPool, MemoryError};
@@ -105,14 +106,24 @@ pub(super) struct Job {
 
 /// Runs `job`, sending each piece to `tx` in file order; returns the bytes that crossed from
 /// a device. Holds are released as tensors are copied, and all of them on any error.
-pub(super) fn run(mut job: Job, shared: &Shared, tx: Sender<Chunk>) -> Result<usize, Stop> {
+/// What a snapshot did, and where its thread's time went.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Done {
+    pub device_bytes: usize,
+    /// Waiting for DMAs to land.
+    pub dma_wait: Duration,
+    /// Copying landed bytes into the save's own memory (device pieces' drains, host tensors).
+    pub copy: Duration,
+}
+
+pub(super) fn run(mut job: Job, shared: &Shared, tx: Sender<Chunk>) -> Result<Done, Stop> {
     let mut snap = Snapshot {
         ring: None,
         ring_meter: Meter::default(),
         free: Vec::new(),
         flight: VecDeque::new(),
         ordered: HashSet::new(),
-        device_bytes: 0,
+        done: Done::default(),
     };
     let result = snap.all(&mut job, shared, &tx);
     // Whatever happened, no tensor stays held.
@@ -121,7 +132,7 @@ pub(super) fn run(mut job: Job, shared: &Shared, tx: Sender<Chunk>) -> Result<us
         shared.release_pinned(ring.held());
         ring.release(&mut snap.ring_meter);
     }
-    result.map(|()| snap.device_bytes)
+    result.map(|()| snap.done)
 }
 
 struct Snapshot {
@@ -131,7 +142,7 @@ struct Snapshot {
     flight: VecDeque<Flight>,
     /// Devices whose copy stream waits for the call's events already.
     ordered: HashSet<usize>,
-    device_bytes: usize,
+    done: Done,
 }
 
 impl Snapshot {
@@ -151,7 +162,9 @@ impl Snapshot {
                     self.retire(job, shared, tx)?;
                 }
                 for p in 0..job.entries[e].pieces.len() {
+                    let started = Instant::now();
                     let chunk = host_piece(&job.entries[e], p, shared)?;
+                    self.done.copy += started.elapsed();
                     send(tx, chunk)?;
                 }
                 release(job, e);
@@ -280,10 +293,12 @@ impl Snapshot {
     /// and sends its bytes on (drained into pageable memory when they sit in a ring slot).
     fn retire(&mut self, job: &mut Job, shared: &Shared, tx: &Sender<Chunk>) -> Result<(), Stop> {
         let flight = self.flight.pop_front().expect("a DMA is in flight");
-        self.device_bytes += flight.len;
+        self.done.device_bytes += flight.len;
         let chunk = match flight.dest {
             Dest::Own(own) => {
+                let started = Instant::now();
                 own.wait().map_err(TensorError::from)?;
+                self.done.dma_wait += started.elapsed();
                 if flight.last {
                     release(job, flight.entry);
                 }
@@ -296,15 +311,19 @@ impl Snapshot {
             }
             Dest::Slot(slot) => {
                 let ring = self.ring.as_ref().expect("a slot's ring exists");
+                let started = Instant::now();
                 let staged = match &ring.slots[slot] {
                     Slot::Pinned(b) => b.as_bytes().map_err(TensorError::from)?,
                     Slot::Pageable(v) => v.as_slice(),
                 };
+                self.done.dma_wait += started.elapsed();
                 // The bytes are in the save's own memory: the tensor may be written now.
                 if flight.last {
                     release(job, flight.entry);
                 }
+                let started = Instant::now();
                 let chunk = drained(&staged[..flight.len], shared)?;
+                self.done.copy += started.elapsed();
                 self.free.push(slot);
                 chunk
             }
