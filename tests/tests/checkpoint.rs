@@ -509,7 +509,8 @@ fn saves_follow_the_umask() {
 }
 
 /// Run in a child process by `a_save_killed_at_any_moment_leaves_only_checkpoints_that_verify`:
-/// saves checkpoints of 16 MiB, one after another over three names, until it is killed.
+/// saves checkpoints of 16 MiB, one after another over three names, by `save` and `save_async`
+/// in turn, until it is killed.
 #[test]
 #[ignore = "run by the kill test in a child process, which it kills"]
 fn kill_child() {
@@ -529,7 +530,20 @@ fn kill_child() {
             })
             .collect();
         let path = Path::new(&dir).join(format!("ckpt-{}.safetensors", n % 3));
-        checkpoint::save(&path, &state).unwrap();
+        // Synchronous and asynchronous saves in turn: the kill finds both at every stage.
+        if n % 2 == 0 {
+            checkpoint::save(&path, &state).unwrap();
+        } else {
+            let options = checkpoint::AsyncSaveOptions {
+                memory: checkpoint::SnapshotMemory::Bounded(4 << 20),
+                staging_bytes: 1 << 20,
+                ..checkpoint::AsyncSaveOptions::default()
+            };
+            checkpoint::save_async(&path, &state, options)
+                .unwrap()
+                .wait()
+                .unwrap();
+        }
     }
 }
 
