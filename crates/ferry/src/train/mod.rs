@@ -250,6 +250,8 @@ impl Trainer {
         // Parameters and their leaves are in the baseline; every step must give back what it made.
         let params = model.parameters();
         let watch = GraphWatch::new(&params);
+        // The last epoch's files, written while the next epoch trains.
+        let mut writing = None;
         for epoch in done + 1..=self.epochs {
             if lead {
                 observer.epoch_started(epoch, self.epochs);
@@ -324,8 +326,10 @@ impl Trainer {
                     opt: &*opt,
                     ema: ema.as_deref(),
                 };
-                dir.save_epoch(epoch, state, &history)?;
-                dir.rotate(epoch, self.keep)?;
+                if let Some(previous) = writing.take() {
+                    dir.finish(previous, self.keep)?;
+                }
+                writing = Some(dir.save_epoch(epoch, state, &history)?);
             }
             observer
                 .epoch_ended(&EpochEnd {
@@ -336,6 +340,9 @@ impl Trainer {
                     dir: self.dir.as_deref(),
                 })
                 .map_err(TrainError::Observer)?;
+        }
+        if let (Some(dir), Some(last)) = (&run_dir, writing) {
+            dir.finish(last, self.keep)?;
         }
         let summary = TrainSummary {
             trained_now: history.len().saturating_sub(done),

@@ -41,7 +41,8 @@ pub struct Progress {
     pub accuracy: f64,
 }
 
-/// An epoch just ended: measured, checkpointed, rotated.
+/// An epoch just ended: measured; its checkpoint is being written in the background (in place,
+/// and older ones rotated, by the next epoch's end or when `fit` returns).
 #[derive(Debug, Clone, Copy)]
 pub struct EpochEnd<'a> {
     /// The epoch (from 1).

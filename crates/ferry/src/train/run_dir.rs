@@ -14,7 +14,7 @@ use ferry_transfer::StateDict;
 
 use super::error::{Skipped, TrainError, Unusable};
 use super::history::{self, EpochStats};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{AsyncSaveOptions, Checkpoint, PendingSave};
 use crate::nn::Module;
 use crate::optim::{Ema, Optimizer};
 
@@ -39,6 +39,13 @@ pub struct Resumed {
     pub history: Vec<EpochStats>,
     /// Newer epoch files that could not be used.
     pub skipped: Vec<Skipped>,
+}
+
+/// An epoch's files being written (see [`RunDir::save_epoch`]).
+#[must_use = "an epoch's files are only known to be in place once `RunDir::finish` returns"]
+pub(super) struct EpochSave {
+    epoch: usize,
+    files: [PendingSave; 2],
 }
 
 /// The checkpoint directory of a run.
@@ -135,15 +142,17 @@ impl RunDir {
         Ok(deleted)
     }
 
-    /// Writes the epoch file and the exported model: the model alone, PyTorch's key names,
-    /// with the averaged weights when there is an `ema` (the weights the score was measured
-    /// with).
+    /// Starts writing the epoch file and the exported model (the model alone, PyTorch's key
+    /// names, with the averaged weights when there is an `ema`: the weights the score was
+    /// measured with) in the background, with `save_async`: training goes on at once, and an
+    /// in-place write to a tensor not yet copied (the next step's update) waits for its copy.
+    /// [`RunDir::finish`] waits for them.
     pub fn save_epoch(
         &self,
         epoch: usize,
         state: RunState<'_>,
         history: &[EpochStats],
-    ) -> Result<(), TrainError> {
+    ) -> Result<EpochSave, TrainError> {
         let RunState { model, opt, ema } = state;
         let mut ck = Checkpoint::new();
         ck.insert_section("model", model.state_dict());
@@ -153,8 +162,22 @@ impl RunDir {
         }
         ck.set_metadata("epoch", epoch.to_string());
         ck.set_metadata("history", history::encode(history));
-        ck.save(self.epoch_file(epoch))?;
-        crate::checkpoint::save(self.dir.join(MODEL_FILE), &shipped_state(model, ema))?;
+        let epoch_file = ck.save_async(self.epoch_file(epoch), AsyncSaveOptions::default())?;
+        let model_file = Checkpoint::from_tensors(shipped_state(model, ema))
+            .save_async(self.dir.join(MODEL_FILE), AsyncSaveOptions::default())?;
+        Ok(EpochSave {
+            epoch,
+            files: [epoch_file, model_file],
+        })
+    }
+
+    /// Waits until an epoch's files are in place, then deletes older epoch files beyond the
+    /// newest `keep` (see [`RunDir::rotate`]).
+    pub fn finish(&self, save: EpochSave, keep: usize) -> Result<(), TrainError> {
+        let [epoch_file, model_file] = save.files;
+        epoch_file.wait()?;
+        model_file.wait()?;
+        self.rotate(save.epoch, keep)?;
         Ok(())
     }
 
