@@ -54,15 +54,18 @@ fn every_mode_writes_the_bytes_of_a_synchronous_save(device: Device) -> Result<(
     checkpoint::save(&reference, &dict).unwrap();
     let expected = std::fs::read(&reference).unwrap();
     let total: usize = dict.iter().map(|(_, t)| t.nbytes()).sum();
-    for memory in [
-        SnapshotMemory::Pageable,
-        SnapshotMemory::Bounded(SMALL),
-        SnapshotMemory::Pinned,
+    for (memory, device_copy) in [
+        (SnapshotMemory::Pageable, false),
+        (SnapshotMemory::Bounded(SMALL), false),
+        (SnapshotMemory::Pinned, false),
+        (SnapshotMemory::Pageable, true),
     ] {
-        let path = dir.join(format!("{memory:?}.safetensors").replace(['(', ')'], "-"));
+        let name = format!("{memory:?}-{device_copy}").replace(['(', ')'], "-");
+        let path = dir.join(format!("{name}.safetensors"));
         let options = AsyncSaveOptions {
             staging_bytes: SMALL,
             memory,
+            device_copy,
             ..AsyncSaveOptions::default()
         };
         let pending = checkpoint::save_async(&path, &dict, options).unwrap();
@@ -77,6 +80,15 @@ fn every_mode_writes_the_bytes_of_a_synchronous_save(device: Device) -> Result<(
             report.device_bytes,
             if device.is_cuda() { total } else { 0 },
             "{memory:?}"
+        );
+        assert_eq!(
+            report.device_copied,
+            if device.is_cuda() && device_copy {
+                total
+            } else {
+                0
+            },
+            "{name}"
         );
         assert!(report.call <= report.elapsed, "{report:?}");
         assert!(report.snapshot <= report.elapsed, "{report:?}");
@@ -108,7 +120,14 @@ device_test!(
 /// for the tensor's copy, so the file holds the values of the moment of the call, and the
 /// tensor the new ones.
 fn a_write_after_the_call_waits_for_the_copy(device: Device) -> Result<()> {
-    let dir = scratch(&format!("order-{device}"));
+    for device_copy in [false, true] {
+        a_write_after_the_call_waits_for_the_copy_with(device, device_copy)?;
+    }
+    Ok(())
+}
+
+fn a_write_after_the_call_waits_for_the_copy_with(device: Device, device_copy: bool) -> Result<()> {
+    let dir = scratch(&format!("order-{device}-{device_copy}"));
     let path = dir.join("w.safetensors");
     // 64 MiB: on a GPU, the copy takes milliseconds, far longer than queueing a write.
     let w = Tensor::zeros(&[16 << 20], DType::F32, device)?;
@@ -120,6 +139,7 @@ fn a_write_after_the_call_waits_for_the_copy(device: Device) -> Result<()> {
     let options = AsyncSaveOptions {
         staging_bytes: 1 << 20,
         memory: SnapshotMemory::Bounded(1 << 20),
+        device_copy,
         ..AsyncSaveOptions::default()
     };
     let pending = checkpoint::save_async(&path, &state, options).unwrap();

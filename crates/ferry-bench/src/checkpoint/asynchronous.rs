@@ -207,6 +207,7 @@ fn save_while_training(
     dev: &CudaDevice,
     path: &Path,
     memory: SnapshotMemory,
+    device_copy: bool,
     staging: usize,
     train: bool,
 ) -> Result<Measured, Box<dyn Error>> {
@@ -215,6 +216,7 @@ fn save_while_training(
     let options = AsyncSaveOptions {
         staging_bytes: staging,
         memory,
+        device_copy,
         ..AsyncSaveOptions::default()
     };
     let pending = trainer.state().save_async(path, options)?;
@@ -229,7 +231,7 @@ fn save_while_training(
             SnapshotMemory::Pageable => "pageable".into(),
             SnapshotMemory::Bounded(b) => format!("bounded {:.0} GiB", gib(b)),
             SnapshotMemory::Pinned => "pinned".into(),
-        },
+        } + if device_copy { " + device copy" } else { "" },
         stall_ms,
         report,
         overlapped,
@@ -287,19 +289,30 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
     let bound = usize::try_from(args.bound_mib << 20)?;
     // Each mode twice: the first save faults its host pages in (or pins them); the next finds
     // them in ferry's host (or pinned) pool, as every periodic checkpoint after the first does.
+    // The device copy: every GPU tensor copied on the GPU first, so writes wait for nothing.
     let modes = [
-        SnapshotMemory::Pageable,
-        SnapshotMemory::Bounded(bound),
-        SnapshotMemory::Pinned,
+        (SnapshotMemory::Pageable, false),
+        (SnapshotMemory::Bounded(bound), false),
+        (SnapshotMemory::Pinned, false),
+        (SnapshotMemory::Pageable, true),
+        (SnapshotMemory::Bounded(bound), true),
     ];
     // Then once more with the GPU idle: the snapshot's rate without training beside it.
-    for (memory, round) in modes
+    for ((memory, device_copy), round) in modes
         .into_iter()
         .flat_map(|m| [(m, "first"), (m, "again"), (m, "idle")])
     {
-        eprintln!("saving in {memory:?} memory ({round}) ...");
+        eprintln!("saving in {memory:?} memory, device copy {device_copy} ({round}) ...");
         let train = round != "idle";
-        let mut measured = save_while_training(&mut trainer, dev, &path, memory, staging, train)?;
+        let mut measured = save_while_training(
+            &mut trainer,
+            dev,
+            &path,
+            memory,
+            device_copy,
+            staging,
+            train,
+        )?;
         measured.mode = format!("{} ({round})", measured.mode);
         if runs.is_empty() {
             let verified = checkpoint::verify(&path)?;

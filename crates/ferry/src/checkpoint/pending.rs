@@ -57,6 +57,8 @@ pub struct AsyncSaveReport {
     pub snapshot_copy: Duration,
     /// From the call until the file was synced and renamed.
     pub elapsed: Duration,
+    /// Bytes copied on their GPU first ([`AsyncSaveOptions::device_copy`]).
+    pub device_copied: usize,
     /// The most extra host memory held at once: the snapshot's pieces not yet written and the
     /// pinned ring, as the pools size them.
     pub peak_extra_host_bytes: usize,
@@ -303,6 +305,7 @@ fn start(
         after,
         memory: options.memory,
         slots,
+        device_copy: options.device_copy,
     };
     let snap_shared = Arc::clone(&shared);
     let snapshotter = std::thread::Builder::new()
@@ -340,6 +343,7 @@ fn start(
                     report.device_bytes = done.device_bytes;
                     report.snapshot_dma_wait = done.dma_wait;
                     report.snapshot_copy = done.copy;
+                    report.device_copied = done.device_copied;
                     Ok(())
                 }
                 (Ok(Err(Stop::WriterGone)), Ok(())) => unreachable!("the writer finished"),
@@ -397,7 +401,12 @@ fn hold_in_file_order(
                 });
             holds[hold].tensors_left += 1;
             let pieces = pieces(t.shape(), t.dtype().size(), t.is_contiguous(), slots);
-            Entry { t, pieces, hold }
+            Entry {
+                t,
+                pieces,
+                hold,
+                released: false,
+            }
         })
         .collect();
     (entries, holds)

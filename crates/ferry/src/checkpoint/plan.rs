@@ -93,6 +93,12 @@ pub struct AsyncSaveOptions {
     /// [`PendingSave::wait`]: super::PendingSave::wait
     /// [`PendingSave::abandon`]: super::PendingSave::abandon
     pub confirm: bool,
+    /// Copy each GPU tensor on its GPU first (queued on its default stream, at the device's
+    /// memory speed) and take the host copy from there: in-place writes then wait only for
+    /// those copies to be queued, not for the link, at the price of extra device memory the
+    /// size of the device tensors until the snapshot is taken. Where device memory runs out,
+    /// the remaining tensors are read in place as without it.
+    pub device_copy: bool,
 }
 
 impl Default for AsyncSaveOptions {
@@ -102,6 +108,7 @@ impl Default for AsyncSaveOptions {
             memory: SnapshotMemory::Pageable,
             after: Vec::new(),
             confirm: false,
+            device_copy: false,
         }
     }
 }

@@ -46,6 +46,8 @@ pub(super) struct Entry {
     pub pieces: Vec<Piece>,
     /// Index of the hold on its storage.
     pub hold: usize,
+    /// Whether its share of the hold was given up.
+    pub released: bool,
 }
 
 /// A hold on one storage, released once every tensor over it is copied.
@@ -102,6 +104,8 @@ pub(super) struct Job {
     pub after: Vec<(usize, Event)>,
     pub memory: SnapshotMemory,
     pub slots: Slots,
+    /// Copy device tensors on their device first (see `AsyncSaveOptions::device_copy`).
+    pub device_copy: bool,
 }
 
 /// Runs `job`, sending each piece to `tx` in file order; returns the bytes that crossed from
@@ -114,6 +118,8 @@ pub(super) struct Done {
     pub dma_wait: Duration,
     /// Copying landed bytes into the save's own memory (device pieces' drains, host tensors).
     pub copy: Duration,
+    /// Bytes copied on their device first.
+    pub device_copied: usize,
 }
 
 pub(super) fn run(mut job: Job, shared: &Shared, tx: Sender<Chunk>) -> Result<Done, Stop> {
@@ -146,7 +152,43 @@ struct Snapshot {
 }
 
 impl Snapshot {
+    /// Copies every device tensor on its device, on its default stream (so before any write
+    /// queued later there), and lets go of it: writes wait only for the copies to be queued.
+    /// Stops copying at the first failure (device memory full, say): the tensors left are
+    /// read in place as usual.
+    fn copy_on_devices(&mut self, job: &mut Job) -> Result<(), Stop> {
+        let mut devices = Vec::new();
+        for e in 0..job.entries.len() {
+            let entry = &job.entries[e];
+            let ferry_tensor::Device::Cuda(ordinal) = entry.t.device() else {
+                continue;
+            };
+            let Ok(copy) = entry.t.copy() else {
+                break;
+            };
+            let elem = copy.dtype().size();
+            let pieces = super::plan::pieces(copy.shape(), elem, true, job.slots);
+            self.done.device_copied += copy.nbytes();
+            job.entries[e].t = copy;
+            job.entries[e].pieces = pieces;
+            release(job, e);
+            if !devices.contains(&ordinal) {
+                devices.push(ordinal);
+            }
+        }
+        // The DMAs come after the copies.
+        for ordinal in devices {
+            let dev = CudaDevice::get(ordinal).map_err(TensorError::from)?;
+            let event = dev.default_stream().record().map_err(TensorError::from)?;
+            job.after.push((ordinal, event));
+        }
+        Ok(())
+    }
+
     fn all(&mut self, job: &mut Job, shared: &Shared, tx: &Sender<Chunk>) -> Result<(), Stop> {
+        if job.device_copy {
+            self.copy_on_devices(job)?;
+        }
         for e in 0..job.entries.len() {
             if job.entries[e].t.device().is_cuda() {
                 let count = job.entries[e].pieces.len();
@@ -356,8 +398,11 @@ fn slot_len(job: &Job) -> usize {
     longest.max(total.div_ceil(SLOTS)).min(job.slots.slot)
 }
 
-/// Drops entry `e`'s share of its hold; the last tensor over a storage releases it.
+/// Drops entry `e`'s share of its hold (once); the last tensor over a storage releases it.
 fn release(job: &mut Job, e: usize) {
+    if std::mem::replace(&mut job.entries[e].released, true) {
+        return;
+    }
     let held = &mut job.holds[job.entries[e].hold];
     held.tensors_left -= 1;
     if held.tensors_left == 0 {
