@@ -167,6 +167,9 @@ pub fn save_async(
             after,
             // Renamed only once the package has checked torch's versions (`confirm`).
             confirm: true,
+            // torch's writes are ordered by the package's barrier, which waits for the whole
+            // snapshot: a copy on the GPU first would only cost memory.
+            device_copy: false,
         };
         let shown = path.display().to_string();
         let pending = py

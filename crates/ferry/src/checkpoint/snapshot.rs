@@ -157,6 +157,14 @@ impl Snapshot {
     /// Stops copying at the first failure (device memory full, say): the tensors left are
     /// read in place as usual.
     fn copy_on_devices(&mut self, job: &mut Job) -> Result<(), Stop> {
+        // The copies run on the default streams: they wait there for the other streams'
+        // work of before the call (`after`), as the DMAs would on the copy stream.
+        for (ordinal, event) in &job.after {
+            let dev = CudaDevice::get(*ordinal).map_err(TensorError::from)?;
+            dev.default_stream()
+                .wait_event(event)
+                .map_err(TensorError::from)?;
+        }
         let mut devices = Vec::new();
         for e in 0..job.entries.len() {
             let entry = &job.entries[e];
