@@ -174,11 +174,10 @@ impl Snapshot {
             let Ok(copy) = entry.t.copy() else {
                 break;
             };
-            let elem = copy.dtype().size();
-            let pieces = super::plan::pieces(copy.shape(), elem, true, job.slots);
+            // The pieces stay as they were cut (the writer counts them): on the contiguous
+            // copy, a non-contiguous tensor's blocks are contiguous ones.
             self.done.device_copied += copy.nbytes();
             job.entries[e].t = copy;
-            job.entries[e].pieces = pieces;
             release(job, e);
             if !devices.contains(&ordinal) {
                 devices.push(ordinal);
