@@ -383,11 +383,14 @@ fn print_rows(runs: &[Measured], base: f64, link: f64, disk: f64) {
                 m.mode.clone(),
                 format!("{:.2} (call {:.2})", m.stall_ms, r.call.as_secs_f64() * 1e3),
                 m.overlapped.len().to_string(),
-                format!("{:.3}x", overlap_ratio(m, base)),
-                format!(
-                    "{:.2}x",
-                    m.overlapped.first().map_or(f64::NAN, |f| f / base)
-                ),
+                if m.overlapped.is_empty() {
+                    "-".into()
+                } else {
+                    format!("{:.3}x", overlap_ratio(m, base))
+                },
+                m.overlapped
+                    .first()
+                    .map_or("-".into(), |f| format!("{:.2}x", f / base)),
                 format!(
                     "{:.2} ({:.2}, {:.2})",
                     r.snapshot.as_secs_f64(),
