@@ -6,7 +6,7 @@ use ferry::{CheckpointError, DeviceMove, TransferPath};
 use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::{device_test, values};
 
-fn scratch(name: &str) -> PathBuf {
+pub(crate) fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ferry-ckpt-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -773,7 +773,7 @@ fn load_takes_about_the_file_size() {
 /// contiguous tensor many slots long, a view into it at an offset, a transposed tensor whose
 /// rows are longer than a slot, a narrowed (non-contiguous) view, f16 and i64, an empty and a
 /// 0-d tensor.
-fn awkward_dict(device: Device) -> Result<Vec<(String, Tensor)>> {
+pub(crate) fn awkward_dict(device: Device) -> Result<Vec<(String, Tensor)>> {
     let big = Tensor::randn(&[300, 250], DType::F32, device)?; // 300,000 bytes
     Ok(vec![
         ("big".into(), big.clone()),

@@ -2,7 +2,6 @@
 //! snapshot's memory mode; in-place writes after the call never reach the file; errors reach
 //! `wait()` or the next save.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use ferry::CheckpointError;
@@ -10,39 +9,8 @@ use ferry::checkpoint::{self, AsyncSaveOptions, SnapshotMemory};
 use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::{device_test, values};
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ferry-async-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Every kind of entry a save cuts differently: a tensor many slots long, views at offsets,
-/// a transposed tensor, f16, i64, an empty and a 0-d tensor, and two views of one storage.
-fn awkward_dict(device: Device) -> Result<Vec<(String, Tensor)>> {
-    let big = Tensor::randn(&[300, 250], DType::F32, device)?;
-    Ok(vec![
-        ("big".into(), big.clone()),
-        ("rows".into(), big.narrow(0, 5, 50)?),
-        ("cols".into(), big.narrow(1, 10, 100)?),
-        (
-            "transposed".into(),
-            Tensor::randn(&[3000, 40], DType::F64, device)?.t()?,
-        ),
-        (
-            "half".into(),
-            Tensor::randn(&[70, 90], DType::F32, device)?.to_dtype(DType::F16)?,
-        ),
-        (
-            "steps".into(),
-            Tensor::randn(&[2500], DType::F32, device)?
-                .mul_scalar(1000.0)?
-                .to_dtype(DType::I64)?,
-        ),
-        ("empty".into(), Tensor::zeros(&[0, 7], DType::F32, device)?),
-        ("scalar".into(), Tensor::full(&[], 3.5, DType::F64, device)?),
-    ])
-}
+// The awkward dict of the synchronous tests: every kind of entry a save cuts differently.
+use crate::checkpoint::{awkward_dict, scratch};
 
 const SMALL: usize = 16 << 10;
 
