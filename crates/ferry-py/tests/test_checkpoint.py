@@ -160,3 +160,18 @@ def test_the_copies_come_after_torchs_queued_work(tmp_path, side_stream):
     pending.wait()
     saved = _load(tmp_path / "x.safetensors")["x"]
     assert bool((saved == 1.0).all()), f"{int((saved != 1.0).sum())} elements read too early"
+
+
+def test_a_training_loop_saving_to_one_file_never_waits_on_itself(tmp_path):
+    # Each save waits for the one before to the same file, which is renamed only once checked;
+    # the optimizer's barrier and the next call check it, so a loop that never waits goes on.
+    path = tmp_path / "latest.safetensors"
+    model, opt = _sgd_model("cpu")
+    for step in range(4):
+        model(torch.randn(8, 512)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        pending = ferry.save_async(path, model.state_dict())
+    pending.wait()
+    _same(_load(path), expected)

@@ -155,6 +155,13 @@ def save_async(path, tensors, *, memory="pageable", staging_bytes=None, metadata
     if bound is not None and bound <= 0:
         raise ValueError(f"save_async: memory={memory}: a bound must be a positive byte count")
     extra = {} if staging_bytes is None else {"staging_bytes": staging_bytes}
+    # A save waits for an earlier one to the same file, and an earlier one is renamed only once
+    # checked: check them all now (their copies are normally long done), or this call would
+    # wait on a check that only this thread can make.
+    with _LOCK:
+        flying = list(_IN_FLIGHT)
+    for earlier in flying:
+        earlier.wait_snapshot()
     versions = [t._version for t in detached]
     inner = _ferry.save_async(
         str(path), names, detached, streams, mode, bound, metadata=metadata, **extra

@@ -87,7 +87,8 @@ pub struct AsyncSaveOptions {
     /// Rename the written file over the target only once [`PendingSave::confirm`] (or
     /// [`PendingSave::wait`]) says so; [`PendingSave::abandon`] discards it instead. For
     /// callers that check the snapshot before keeping it, as the Python package checks torch's
-    /// version counters.
+    /// version counters. A later save to the same path waits until this one is confirmed (or
+    /// abandoned) and written.
     ///
     /// [`PendingSave::confirm`]: super::PendingSave::confirm
     /// [`PendingSave::wait`]: super::PendingSave::wait
