@@ -377,7 +377,7 @@ fn print_rows(runs: &[Measured], base: f64, link: f64, disk: f64) {
         .iter()
         .map(|m| {
             let r = &m.report;
-            let snap = r.bytes as f64 / r.snapshot.as_secs_f64().max(1e-9);
+            let snap = r.snapshot_bytes_per_sec();
             let write = r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9);
             vec![
                 m.mode.clone(),

@@ -484,7 +484,7 @@ fn write(
                 let bytes = chunk.bytes.as_slice().map_err(TensorError::from)?;
                 hash_and_write(&mut out, &mut hasher, bytes, &temp)?;
                 unflushed += bytes.len();
-                if chunk.pinned {
+                if chunk.is_pinned() {
                     shared.release_pinned(chunk.held);
                 } else {
                     shared.release_host(chunk.held);

@@ -47,19 +47,17 @@ impl Shared {
     }
 
     /// Counts `bytes` of pageable snapshot, first waiting (in the bounded mode) until they fit
-    /// beside what the writer has not written yet; returns what to release.
-    pub fn hold_host(&self, bytes: usize) -> usize {
-        let held = bytes;
+    /// beside what the writer has not written yet.
+    pub fn hold_host(&self, bytes: usize) {
         let mut state = self.lock();
         if let Some(bound) = self.bound {
             // One piece always fits: pieces are a fraction of the bound.
-            while state.host - state.pinned > 0 && state.host - state.pinned + held > bound {
+            while state.host - state.pinned > 0 && state.host - state.pinned + bytes > bound {
                 state = self.wait(state);
             }
         }
-        state.host += held;
+        state.host += bytes;
         state.host_peak = state.host_peak.max(state.host);
-        held
     }
 
     pub fn release_host(&self, bytes: usize) {

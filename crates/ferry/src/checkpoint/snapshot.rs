@@ -22,7 +22,7 @@ use super::CheckpointError;
 use super::plan::{Piece, SLOTS, Slots, SnapshotMemory};
 use super::progress::Shared;
 use super::stage::{Meter, Ring, Slot, copy_stream};
-use super::write::{block_view, cuda_buffer};
+use super::write::{block_view, cuda_buffer, host_source, with_host_bytes};
 
 /// Bytes a core copies at a time when a piece is copied by all cores.
 const COPY_CHUNK: usize = 4 << 20;
@@ -76,7 +76,13 @@ pub(super) struct Chunk {
     pub bytes: Bytes,
     /// Extra host memory it holds (pinned included), as the pools size it.
     pub held: usize,
-    pub pinned: bool,
+}
+
+impl Chunk {
+    /// Whether its bytes are pinned memory (counted as such).
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.bytes, Bytes::Pinned(_))
+    }
 }
 
 /// Where a device piece's DMA lands.
@@ -108,8 +114,6 @@ pub(super) struct Job {
     pub device_copy: bool,
 }
 
-/// Runs `job`, sending each piece to `tx` in file order; returns the bytes that crossed from
-/// a device. Holds are released as tensors are copied, and all of them on any error.
 /// What a snapshot did, and where its thread's time went.
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct Done {
@@ -122,6 +126,8 @@ pub(super) struct Done {
     pub device_copied: usize,
 }
 
+/// Runs `job`, sending each piece to `tx` in file order; returns what it did. Holds are
+/// released as tensors are copied, and all of them on any error.
 pub(super) fn run(mut job: Job, shared: &Shared, tx: Sender<Chunk>) -> Result<Done, Stop> {
     let mut snap = Snapshot {
         ring: None,
@@ -355,7 +361,6 @@ impl Snapshot {
                 Chunk {
                     bytes: Bytes::Pinned(own),
                     held,
-                    pinned: true,
                 }
             }
             Dest::Slot(slot) => {
@@ -425,7 +430,8 @@ fn send(tx: &Sender<Chunk>, chunk: Chunk) -> Result<(), Stop> {
 /// `bytes` copied by all cores into a new pageable buffer, counted against the save's host
 /// memory (waiting for room in the bounded mode).
 fn drained(bytes: &[u8], shared: &Shared) -> Result<Chunk, CheckpointError> {
-    let held = shared.hold_host(bytes.len());
+    let held = bytes.len();
+    shared.hold_host(held);
     // From the host pool: a save after the first finds the last one's pages faulted in, so
     // the drain runs at memory speed rather than at the rate pages can be faulted.
     let mut buffer = match HostPool::global().alloc(bytes.len()) {
@@ -443,37 +449,13 @@ fn drained(bytes: &[u8], shared: &Shared) -> Result<Chunk, CheckpointError> {
     Ok(Chunk {
         bytes: Bytes::Host(buffer),
         held,
-        pinned: false,
     })
 }
 
 /// Piece `p` of a host entry, copied by all cores.
 fn host_piece(entry: &Entry, p: usize, shared: &Shared) -> Result<Chunk, CheckpointError> {
-    let t = &entry.t;
-    let elem = t.dtype().size();
-    let (source, range) = match &entry.pieces[p] {
-        Piece::Bytes(r) => {
-            let start = t.layout().offset() * elem;
-            (t.clone(), start + r.start..start + r.end)
-        }
-        Piece::Block(ranges) => {
-            let b = block_view(t, ranges)?;
-            let b = if b.is_contiguous() { b } else { b.copy()? };
-            let start = b.layout().offset() * elem;
-            let end = start + b.nbytes();
-            (b, start..end)
-        }
-    };
-    let guard = source.storage().read();
-    let not_on_host = || TensorError::NotOnHost {
-        op: "checkpoint::save_async",
-        device: source.device(),
-    };
-    let bytes = guard
-        .try_host_bytes()
-        .map_err(TensorError::from)?
-        .ok_or_else(not_on_host)?
-        .get(range)
-        .ok_or_else(not_on_host)?;
-    drained(bytes, shared)
+    let (source, range) = host_source(&entry.t, &entry.pieces[p])?;
+    with_host_bytes("checkpoint::save_async", &source, range, |bytes| {
+        drained(bytes, shared)
+    })
 }

@@ -455,6 +455,49 @@ pub(super) fn block_view(
     Ok(b)
 }
 
+/// What a piece of host tensor `t` is read from: `t` itself and a byte range of its storage,
+/// or, for a block that is not contiguous, a contiguous copy of it made in scratch memory.
+pub(super) fn host_source(
+    t: &Tensor,
+    piece: &Piece,
+) -> Result<(Tensor, std::ops::Range<usize>), CheckpointError> {
+    let source = match piece {
+        Piece::Bytes(r) => {
+            let start = t.layout().offset() * t.dtype().size();
+            return Ok((t.clone(), start + r.start..start + r.end));
+        }
+        Piece::Block(ranges) => {
+            let b = block_view(t, ranges)?;
+            if b.is_contiguous() { b } else { b.copy()? }
+        }
+    };
+    let start = source.layout().offset() * source.dtype().size();
+    let range = start..start + source.nbytes();
+    Ok((source, range))
+}
+
+/// Runs `f` on bytes `range` of host tensor `source`'s storage, under its read lock (so the
+/// bytes `f` sees are not written meanwhile).
+pub(super) fn with_host_bytes<R>(
+    op: &'static str,
+    source: &Tensor,
+    range: std::ops::Range<usize>,
+    f: impl FnOnce(&[u8]) -> Result<R, CheckpointError>,
+) -> Result<R, CheckpointError> {
+    let guard = source.storage().read();
+    let not_on_host = || TensorError::NotOnHost {
+        op,
+        device: source.device(),
+    };
+    let bytes = guard
+        .try_host_bytes()
+        .map_err(TensorError::from)?
+        .ok_or_else(not_on_host)?
+        .get(range)
+        .ok_or_else(not_on_host)?;
+    f(bytes)
+}
+
 /// Writes one piece of a host tensor: a range of its storage, read under its lock so the bytes
 /// hashed are the bytes written (an in-place write waits for the file instead), or a block made
 /// contiguous in scratch memory first.
@@ -466,37 +509,16 @@ fn write_host_piece(
     host: &mut Meter,
     temp: &Path,
 ) -> Result<(), CheckpointError> {
-    let (source, range, held) = match piece {
-        Piece::Bytes(r) => {
-            let start = entry.t.layout().offset() * entry.t.dtype().size();
-            (entry.t.clone(), start + r.start..start + r.end, 0)
-        }
-        Piece::Block(ranges) => {
-            let b = block_view(&entry.t, ranges)?;
-            let b = if b.is_contiguous() { b } else { b.copy()? };
-            let held = if b.shares_storage(&entry.t) {
-                0
-            } else {
-                b.nbytes()
-            };
-            let start = b.layout().offset() * b.dtype().size();
-            (b.clone(), start..start + b.nbytes(), held)
-        }
+    let (source, range) = host_source(&entry.t, piece)?;
+    let held = if source.shares_storage(&entry.t) {
+        0
+    } else {
+        source.nbytes()
     };
     host.hold(held);
-    let guard = source.storage().read();
-    let not_on_host = || TensorError::NotOnHost {
-        op: "checkpoint::save",
-        device: source.device(),
-    };
-    let bytes = guard
-        .try_host_bytes()
-        .map_err(TensorError::from)?
-        .ok_or_else(not_on_host)?
-        .get(range)
-        .ok_or_else(not_on_host)?;
-    hash_and_write(out, hasher, bytes, temp)?;
-    drop(guard);
+    with_host_bytes("checkpoint::save", &source, range, |bytes| {
+        hash_and_write(out, hasher, bytes, temp)
+    })?;
     host.release(held);
     Ok(())
 }
