@@ -35,11 +35,16 @@ _IN_FLIGHT: "weakref.WeakSet[PendingSave]" = weakref.WeakSet()
 _HOOK = None
 
 
-def _before_optimizer_step(optimizer, args, kwargs):
+def _check_in_flight() -> None:
+    """Waits for the copies of every save in flight, and checks them."""
     with _LOCK:
         flying = list(_IN_FLIGHT)
     for pending in flying:
         pending.wait_snapshot()
+
+
+def _before_optimizer_step(optimizer, args, kwargs):
+    _check_in_flight()
 
 
 def _track(pending: "PendingSave") -> None:
@@ -109,9 +114,7 @@ class PendingSave:
     def wait(self) -> dict:
         """Waits for the file to be synced and renamed; returns the report."""
         try:
-            if not self._checked:
-                self._inner.wait_snapshot()
-                self._check()
+            self.wait_snapshot()
             return self._inner.wait()
         finally:
             _untrack(self)
@@ -133,8 +136,8 @@ def save_async(path, tensors, *, memory="pageable", staging_bytes=None, metadata
     """Starts writing ``tensors`` (a dict of name to torch tensor, a state dict say, or a list of
     pairs) to ``path`` and returns a :class:`PendingSave` at once.
 
-    ``memory``: ``"pageable"`` (default: the snapshot in pageable host memory at the link's
-    rate, freed as the file is written), ``"pinned"`` (straight into pinned memory within
+    ``memory``: ``"pageable"`` (default: the snapshot in pageable host memory, freed as the
+    file is written), ``"pinned"`` (straight into pinned memory within
     ferry's pinned budget), or a number of bytes (at most that much snapshot in host memory at
     once; the disk sets the pace and writes wait longer). ``staging_bytes``: the pinned ring
     GPU tensors cross through (256 MiB). ``metadata``: strings for the file's header."""
@@ -158,10 +161,7 @@ def save_async(path, tensors, *, memory="pageable", staging_bytes=None, metadata
     # A save waits for an earlier one to the same file, and an earlier one is renamed only once
     # checked: check them all now (their copies are normally long done), or this call would
     # wait on a check that only this thread can make.
-    with _LOCK:
-        flying = list(_IN_FLIGHT)
-    for earlier in flying:
-        earlier.wait_snapshot()
+    _check_in_flight()
     versions = [t._version for t in detached]
     inner = _ferry.save_async(
         str(path), names, detached, streams, mode, bound, metadata=metadata, **extra
