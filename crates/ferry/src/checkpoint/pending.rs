@@ -20,12 +20,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ferry_memory::cuda::{CudaDevice, Event, Stream};
 use ferry_tensor::{Device, Storage, Tensor, TensorError};
+use parking_lot::Mutex;
 
 use super::format::check_names;
 use super::plan::{AsyncSaveOptions, Slots, SnapshotMemory, pieces};
@@ -168,21 +169,13 @@ impl PendingSave {
     fn join(&mut self) -> Result<AsyncSaveReport, CheckpointError> {
         self.confirm();
         let writer = self.writer.take().expect("joined once");
-        let result = writer.join().unwrap_or_else(|_| {
+        writer.join().unwrap_or_else(|_| {
             Err(CheckpointError::Format {
                 path: self.shared.path.clone(),
                 reason: "internal error: the save's writer thread panicked; please report it"
                     .into(),
             })
-        });
-        if result.is_err() {
-            // Seen here: the next save need not report it.
-            unreported()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retain(|s| !Arc::ptr_eq(s, &self.shared));
-        }
-        result
+        })
     }
 }
 
@@ -192,10 +185,7 @@ impl Drop for PendingSave {
             && let Err(e) = self.join()
         {
             self.shared.lock().error = Some(e.to_string());
-            unreported()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(Arc::clone(&self.shared));
+            unreported().lock().push(Arc::clone(&self.shared));
         }
     }
 }
@@ -234,7 +224,7 @@ fn start(
 ) -> Result<PendingSave, CheckpointError> {
     let called = Instant::now();
     if let Some(earlier) = {
-        let mut list = unreported().lock().unwrap_or_else(|p| p.into_inner());
+        let mut list = unreported().lock();
         (!list.is_empty()).then(|| list.remove(0))
     } {
         let message = earlier.lock().error.clone().unwrap_or_default();
@@ -262,7 +252,7 @@ fn start(
     // One save per path: wait for the one in flight, if any, then take its place.
     loop {
         let previous = {
-            let mut flying = in_flight().lock().unwrap_or_else(|p| p.into_inner());
+            let mut flying = in_flight().lock();
             match flying.get(&path) {
                 Some(previous) => Arc::clone(previous),
                 None => {
@@ -278,10 +268,7 @@ fn start(
     }
     let waited_for_previous = called.elapsed();
     let leave = |shared: &Arc<Shared>| {
-        in_flight()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&shared.path);
+        in_flight().lock().remove(&shared.path);
         shared.update(|s| s.finished = true);
     };
 
