@@ -89,16 +89,10 @@ impl Buffer {
 
 /// A shared read of a storage that outlives any scope (see [`Storage::hold_read`]).
 pub struct ReadHold {
-    storage: Arc<Storage>,
     guard: ArcRwLockReadGuard<RawRwLock, Buffer>,
 }
 
 impl ReadHold {
-    /// The storage held.
-    pub fn storage(&self) -> &Arc<Storage> {
-        &self.storage
-    }
-
     /// The buffer, readable for as long as the hold lives.
     pub fn buffer(&self) -> &Buffer {
         &self.guard
@@ -107,9 +101,7 @@ impl ReadHold {
 
 impl std::fmt::Debug for ReadHold {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReadHold")
-            .field("storage", &self.storage)
-            .finish_non_exhaustive()
+        f.debug_struct("ReadHold").finish_non_exhaustive()
     }
 }
 
@@ -207,9 +199,8 @@ impl Storage {
     /// wait until then; readers do not (the read is recursive). An asynchronous save holds its
     /// tensors this way from the call until each one's bytes are copied, so the first in-place
     /// write to a tensor not yet copied waits for that tensor's copy only.
-    pub fn hold_read(self: &Arc<Self>) -> ReadHold {
+    pub fn hold_read(&self) -> ReadHold {
         ReadHold {
-            storage: Arc::clone(self),
             guard: self.buffer.read_arc_recursive(),
         }
     }
