@@ -54,6 +54,6 @@ pub use ferry_graph::{
 pub use ferry_memory::{DType, Device};
 pub use layout::{Layout, Shape, broadcast_shapes};
 pub use ops::conv::Conv2dOptions;
-pub use ops::create::manual_seed;
+pub use ops::create::{RngState, manual_seed, rng_state, set_rng_state};
 pub use storage::{Buffer, ReadHold, Storage};
 pub use tensor::Tensor;
