@@ -5,12 +5,15 @@
 //! Each epoch writes `epoch-NNN.safetensors` (model under `model.`, optimizer under
 //! `optimizer.`, with `--ema` the moving average under `ema.`, the history so far in the
 //! metadata) and `model.safetensors` (the model alone, PyTorch's key names; with `--ema`, the
-//! averaged weights), deletes epoch files beyond the newest `--keep` (3 by default), then
-//! redraws `curves.png` and `curves.svg`. A fresh run refuses an `--out` that holds another
-//! run's checkpoints (`--overwrite` deletes them first). `--resume` loads the newest epoch file that
-//! is whole (a truncated or damaged one is skipped, with a warning naming it and why) and
-//! continues up to `--epochs` in total. Shuffling and dropout are seeded per epoch from
-//! `--seed`, so a resumed run repeats exactly what an uninterrupted one would have done.
+//! averaged weights), in the background while the next epoch trains; with
+//! `--checkpoint-every N`, also `epoch-NNN-step-KKKKK.safetensors` every N steps inside epochs.
+//! Checkpoints beyond the newest `--keep` (3 by default) are deleted; the curves
+//! (`curves.png`, `curves.svg`) are redrawn each epoch. A fresh run refuses an `--out` that
+//! holds another run's checkpoints (`--overwrite` deletes them first). `--resume` loads the
+//! newest checkpoint that is whole (a truncated or damaged one is skipped, with a warning
+//! naming it and why) and continues up to `--epochs` in total. Shuffling and dropout are
+//! seeded per epoch from `--seed`, and a checkpoint inside an epoch holds the generator's
+//! state, so a resumed run repeats exactly what an uninterrupted one would have done.
 //!
 //! Batches are assembled on the host and reach the device through a [`DeviceLoader`], which
 //! keeps `--prefetch` batches in flight on a copy stream while a step computes (on the CPU it
@@ -132,10 +135,22 @@ pub struct TrainArgs {
     /// gpt: training steps per epoch (each epoch ends with validation and a checkpoint).
     #[arg(long, default_value_t = 100)]
     pub steps_per_epoch: usize,
-    /// Epoch checkpoints to keep: after each epoch's file is written, older ones beyond the
-    /// newest N are deleted (0 keeps them all). `model.safetensors` is always the latest.
+    /// Checkpoints to keep: after each one is written, older ones beyond the newest N are
+    /// deleted (0 keeps them all), those inside epochs counted with the epoch files.
+    /// `model.safetensors` is always the latest epoch's.
     #[arg(long, default_value_t = 3)]
     pub keep: usize,
+    /// Also checkpoint inside epochs, every N optimizer steps of the run
+    /// (`epoch-NNN-step-KKKKK.safetensors`, written in the background while training goes
+    /// on); --resume continues from the newest, inside an epoch too, exactly as the run would
+    /// have gone on. 0: at epoch ends only. Not with --devices yet.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        conflicts_with = "devices"
+    )]
+    pub checkpoint_every: usize,
     /// gpt: keep AdamW's master weights and moments in host memory and step them on the CPU
     /// while backward runs (ferry::optim::OffloadAdamW); needs a GPU --device. Gradients are
     /// consumed as backward produces them, so it does not combine with --clip-grad-norm yet.
@@ -303,6 +318,7 @@ fn trainer(args: &TrainArgs, device: Device) -> Trainer {
         .seed(args.seed)
         .prefetch(args.prefetch)
         .checkpoints(args.out_dir(), args.keep)
+        .checkpoint_every(args.checkpoint_every)
         .start(args.start());
     match args.clip_grad_norm {
         Some(max_norm) => trainer.clip_grad_norm(max_norm),

@@ -38,13 +38,13 @@ impl Observer for Report<'_> {
         match start.resumed {
             Some(resumed) => {
                 warn_skipped(&resumed.skipped);
+                let place = match &resumed.within {
+                    Some(at) => format!("epoch {}, after step {}", at.epoch, at.steps),
+                    None => format!("epoch {}", resumed.history.len()),
+                };
                 super::say(
                     self.args,
-                    &format!(
-                        "resuming from {} (epoch {})",
-                        resumed.path.display(),
-                        resumed.history.len()
-                    ),
+                    &format!("resuming from {} ({place})", resumed.path.display()),
                 );
             }
             None if start.resume_asked => {
@@ -52,7 +52,8 @@ impl Observer for Report<'_> {
             }
             None => {}
         }
-        let steps = start.epochs.saturating_sub(start.done) * start.steps_per_epoch;
+        let steps = (start.epochs.saturating_sub(start.done) * start.steps_per_epoch)
+            .saturating_sub(start.steps_done);
         self.bar = progress_bar(self.args, steps as u64);
     }
 
@@ -100,14 +101,14 @@ fn progress_bar(args: &TrainArgs, len: u64) -> ProgressBar {
     bar
 }
 
-/// Warns of each epoch file `--resume` passed over: said even with `--quiet`, since a
+/// Warns of each checkpoint `--resume` passed over: said even with `--quiet`, since a
 /// checkpoint passed over is news the user needs.
 fn warn_skipped(skipped: &[Skipped]) {
     for s in skipped {
         eprintln!(
-            "warning: --resume skipped {} (epoch {}): {}",
+            "warning: --resume skipped {} ({}): {}",
             s.path.display(),
-            s.epoch,
+            s.mark,
             reason(&s.reason)
         );
     }

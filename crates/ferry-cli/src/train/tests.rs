@@ -8,6 +8,8 @@ use rand::seq::SliceRandom;
 
 use super::*;
 
+mod within_epoch;
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ferry-train-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -35,6 +37,7 @@ fn args(out: &Path, epochs: usize) -> TrainArgs {
         prefetch: ferry::DEFAULT_IN_FLIGHT,
         devices: Vec::new(),
         keep: 0,
+        checkpoint_every: 0,
         context: 64,
         width: 128,
         layers: 4,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use ferry_tensor::TensorError;
 
+use super::mark::Mark;
 use crate::checkpoint::CheckpointError;
 
 /// Why a [`Trainer`](super::Trainer) run stopped.
@@ -26,7 +27,7 @@ pub enum TrainError {
         /// Its newest checkpoint (an epoch file, or the exported model).
         newest: PathBuf,
     },
-    /// A resume found epoch files, and none of them could be used.
+    /// A resume found checkpoints, and none of them could be used.
     #[error(
         "no usable checkpoint in {} to resume from; tried, newest first:{}\nremove or repair these files, or start afresh (`Start::Overwrite`)",
         dir.display(),
@@ -35,7 +36,7 @@ pub enum TrainError {
     NoUsableCheckpoint {
         /// The directory.
         dir: PathBuf,
-        /// Every epoch file tried, newest first, and why it failed.
+        /// Every checkpoint tried, newest first, and why it failed.
         skipped: Vec<Skipped>,
     },
     /// A file or directory of the run could not be created, listed or deleted.
@@ -55,30 +56,34 @@ pub enum TrainError {
     /// A step, an evaluation or a collective failed.
     #[error(transparent)]
     Tensor(#[from] TensorError),
+    /// Settings that do not go together; the message names them.
+    #[error("{0}")]
+    Settings(String),
     /// The [`Observer`](super::Observer) stopped the run (drawing curves, say, failed).
     #[error("{0}")]
     Observer(Box<dyn std::error::Error + Send + Sync>),
 }
 
-/// An epoch file a resume passed over, and why.
+/// A checkpoint a resume passed over, and why.
 #[derive(Debug, Clone)]
 pub struct Skipped {
     /// The file.
     pub path: PathBuf,
-    /// Its epoch.
-    pub epoch: usize,
+    /// Its place in the run.
+    pub mark: Mark,
     /// Why it could not be used.
     pub reason: Unusable,
 }
 
-/// Why an epoch file could not be resumed from. Nothing was changed by trying it.
+/// Why a checkpoint could not be resumed from. Nothing was changed by trying it.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum Unusable {
     /// The file did not load (truncated, damaged, unreadable): the loader's message, without
     /// the file's name.
     Damaged(String),
-    /// Its history metadata is missing, unreadable, or disagrees with its name.
+    /// Its history (or, inside an epoch, its place there) is missing, unreadable, or
+    /// disagrees with its name.
     History(String),
     /// The run keeps a moving average of the weights, and the file has none.
     AverageMissing,

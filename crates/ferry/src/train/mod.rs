@@ -10,9 +10,10 @@
 //! - **clipping** of the gradients' global norm, and a **moving average** of the weights
 //!   ([`Ema`]) that the score is measured with;
 //! - **checkpoints**: each epoch `epoch-NNN.safetensors` and `model.safetensors` in the run's
-//!   directory, older epoch files rotated beyond [`Trainer::checkpoints`]' `keep`, and a
-//!   **resume** from the newest one that loads ([`Start`]); a fresh run refuses a directory
-//!   holding another run;
+//!   directory (with [`Trainer::checkpoint_every`], also `epoch-NNN-step-KKKKK.safetensors`
+//!   inside epochs), written in the background while training goes on, older ones rotated
+//!   beyond [`Trainer::checkpoints`]' `keep`, and a **resume** from the newest one that loads
+//!   ([`Start`]), inside an epoch too; a fresh run refuses a directory holding another run;
 //! - **the leak watch**: after each epoch the graph must be back to its size before the first
 //!   step (a [`GraphWatch`]);
 //! - **data parallelism** over a [`ProcessGroup`]: each replica trains its share of every
@@ -66,6 +67,7 @@
 
 mod error;
 mod history;
+mod mark;
 mod observe;
 mod run_dir;
 mod summary;
@@ -73,6 +75,7 @@ mod task;
 
 pub use error::{Skipped, TrainError, Unusable};
 pub use history::EpochStats;
+pub use mark::{Mark, MidEpoch};
 pub use observe::{EpochEnd, Observer, ObserverError, Progress, Started};
 pub use run_dir::{MODEL_FILE, Resumed};
 pub use summary::TrainSummary;
@@ -83,7 +86,7 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ferry_tensor::{Device, Tensor};
+use ferry_tensor::{Device, Tensor, rng_state, set_rng_state};
 use ferry_transfer::{DEFAULT_IN_FLIGHT, DeviceLoader, DeviceMove};
 
 use crate::debug::GraphWatch;
@@ -123,6 +126,7 @@ pub struct Trainer {
     prefetch: usize,
     dir: Option<PathBuf>,
     keep: usize,
+    every: usize,
     start: Start,
     schedule: Option<(Box<dyn LrSchedule>, Every)>,
     clip: Option<f64>,
@@ -141,6 +145,7 @@ impl Trainer {
             prefetch: DEFAULT_IN_FLIGHT,
             dir: None,
             keep: 0,
+            every: 0,
             start: Start::Fresh,
             schedule: None,
             clip: None,
@@ -166,6 +171,18 @@ impl Trainer {
     pub fn checkpoints(mut self, dir: impl Into<PathBuf>, keep: usize) -> Self {
         self.dir = Some(dir.into());
         self.keep = keep;
+        self
+    }
+
+    /// Also checkpoints inside epochs, after every `steps` optimizer steps of the run (counted
+    /// from its first step; 0, the default: at epoch ends only), rotated with the epoch files.
+    /// Such a checkpoint also holds the epoch's running figures and the tensor generator's
+    /// state, and a resume from it skips the epoch's batches already taken: the run goes on
+    /// exactly as an uninterrupted one does. Each is written in the background while training
+    /// goes on; the next one waits for it. Needs [`Trainer::checkpoints`]; not with
+    /// [`Trainer::data_parallel`] yet.
+    pub fn checkpoint_every(mut self, steps: usize) -> Self {
+        self.every = steps;
         self
     }
 
@@ -212,6 +229,11 @@ impl Trainer {
             .as_ref()
             .map_or((0, 1), |g| (g.rank(), g.world_size()));
         let lead = rank == 0;
+        if self.every > 0 && world > 1 {
+            return Err(TrainError::Settings(
+                "checkpoints inside epochs (checkpoint_every) do not combine with data parallelism yet: each replica's dropout stream would have to be saved too; checkpoint at epoch ends, or train on one device".into(),
+            ));
+        }
         let run_dir = self.dir.as_deref().map(RunDir::create).transpose()?;
         let mut resumed = None;
         match (&run_dir, self.start) {
@@ -222,10 +244,10 @@ impl Trainer {
             // Every replica reads the same checkpoint: models and optimizers start equal.
             (Some(dir), Start::Resume) => resumed = dir.resume(model, opt, ema.as_deref_mut())?,
         }
-        let (mut history, skipped) = resumed
+        let (mut history, skipped, mut within) = resumed
             .as_ref()
-            .map_or((Vec::new(), Vec::new()), |r: &Resumed| {
-                (r.history.clone(), r.skipped.clone())
+            .map_or((Vec::new(), Vec::new(), None), |r: &Resumed| {
+                (r.history.clone(), r.skipped.clone(), r.within.clone())
             });
         let ddp = match self.group.take() {
             Some(group) => Some(DataParallel::new(
@@ -242,6 +264,7 @@ impl Trainer {
                 resumed: resumed.as_ref(),
                 resume_asked: self.start == Start::Resume,
                 done,
+                steps_done: within.as_ref().map_or(0, |w| w.steps),
                 epochs: self.epochs,
                 steps_per_epoch: steps,
             });
@@ -250,7 +273,7 @@ impl Trainer {
         // Parameters and their leaves are in the baseline; every step must give back what it made.
         let params = model.parameters();
         let watch = GraphWatch::new(&params);
-        // The last epoch's files, written while the next epoch trains.
+        // The last checkpoint's files, written while training goes on.
         let mut writing = None;
         for epoch in done + 1..=self.epochs {
             if lead {
@@ -261,26 +284,35 @@ impl Trainer {
             }
             let seed = epoch_seed(self.seed, epoch);
             ferry_tensor::manual_seed(seed ^ rank as u64);
+            // Resumed inside this epoch: its first steps were taken, and their figures and
+            // the generator's state after them were saved.
+            let resume_here = within.take_if(|w| w.epoch == epoch);
+            let skip = resume_here.as_ref().map_or(0, |w| w.steps);
+            let [mut loss_sum, mut correct, mut seen] = [0.0; 3];
+            if let Some(at) = &resume_here {
+                set_rng_state(&at.rng);
+                [loss_sum, correct, seen] = at.sums;
+            }
             // Whole batch sizes, in order: a replica's loss is weighted by its share of each.
             let wholes = RefCell::new(VecDeque::new());
-            let host = task
-                .batches(epoch, seed)
-                .map(|batch| -> ferry_tensor::Result<_> {
-                    let (x, y) = batch?;
-                    let rows = x.shape()[0];
-                    wholes.borrow_mut().push_back(rows);
-                    if world == 1 {
-                        return Ok((x, y));
-                    }
-                    let r = share(rows, rank, world);
-                    Ok((
-                        x.narrow(0, r.start, r.len())?,
-                        y.narrow(0, r.start, r.len())?,
-                    ))
-                });
+            let host =
+                task.batches(epoch, seed)
+                    .skip(skip)
+                    .map(|batch| -> ferry_tensor::Result<_> {
+                        let (x, y) = batch?;
+                        let rows = x.shape()[0];
+                        wholes.borrow_mut().push_back(rows);
+                        if world == 1 {
+                            return Ok((x, y));
+                        }
+                        let r = share(rows, rank, world);
+                        Ok((
+                            x.narrow(0, r.start, r.len())?,
+                            y.narrow(0, r.start, r.len())?,
+                        ))
+                    });
             let mut loader = DeviceLoader::from_results(host, self.device).in_flight(self.prefetch);
-            let (mut loss_sum, mut correct, mut seen) = (0.0, 0.0, 0.0);
-            for (k, batch) in loader.by_ref().enumerate() {
+            for (k, batch) in (skip..).zip(loader.by_ref()) {
                 let (x, y) = batch?;
                 let whole = wholes.borrow_mut().pop_front().expect("one size per batch");
                 if let Some((schedule, Every::Step)) = &self.schedule {
@@ -301,6 +333,26 @@ impl Trainer {
                         loss: loss_sum / seen,
                         accuracy: correct / seen,
                     });
+                }
+                let taken = (epoch - 1) * steps + k + 1;
+                // The epoch's last step is followed by the epoch's own checkpoint.
+                let due = self.every > 0 && taken.is_multiple_of(self.every) && k + 1 < steps;
+                if let (Some(dir), true) = (&run_dir, due) {
+                    let at = MidEpoch {
+                        epoch,
+                        steps: k + 1,
+                        sums: [loss_sum, correct, seen],
+                        rng: rng_state(),
+                    };
+                    let state = RunState {
+                        model: &*model,
+                        opt: &*opt,
+                        ema: ema.as_deref(),
+                    };
+                    if let Some(previous) = writing.take() {
+                        dir.finish(previous, self.keep)?;
+                    }
+                    writing = Some(dir.save_within(&at, state, &history)?);
                 }
             }
             if let Some(ddp) = &ddp {

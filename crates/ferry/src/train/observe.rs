@@ -22,6 +22,8 @@ pub struct Started<'a> {
     pub resume_asked: bool,
     /// Epochs done before this run (0 unless resumed).
     pub done: usize,
+    /// Steps of epoch `done + 1` taken before this run (a resume from inside it).
+    pub steps_done: usize,
     /// Epochs in all.
     pub epochs: usize,
     /// Steps per epoch.

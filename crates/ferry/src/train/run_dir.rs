@@ -1,11 +1,13 @@
 //! A run's directory: one `epoch-NNN.safetensors` per epoch (model under `model.`, optimizer
 //! under `optimizer.`, the moving average, if any, under `ema.`, the history in the metadata),
-//! `model.safetensors` (the model alone, with the averaged weights when there is an average),
-//! rotation of old epoch files, and resuming from the newest one that loads.
+//! with `checkpoint_every` also `epoch-NNN-step-KKKKK.safetensors` inside epochs (the same, and
+//! the epoch's place: [`MidEpoch`]), `model.safetensors` (the model alone, with the averaged
+//! weights when there is an average, each epoch), rotation of old checkpoints, and resuming
+//! from the newest one that loads.
 //!
 //! A directory holds one run. A fresh run refuses a directory with another run's checkpoints
 //! (or deletes them first, when asked), so rotation only ever sees the run's own files; and
-//! rotation never deletes the file just written, nor counts files of later epochs against it.
+//! rotation never deletes the file just written, nor counts later checkpoints against it.
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +16,7 @@ use ferry_transfer::StateDict;
 
 use super::error::{Skipped, TrainError, Unusable};
 use super::history::{self, EpochStats};
+use super::mark::{Mark, MidEpoch};
 use crate::checkpoint::{AsyncSaveOptions, Checkpoint, PendingSave};
 use crate::nn::Module;
 use crate::optim::{Ema, Optimizer};
@@ -33,19 +36,21 @@ pub(super) struct RunState<'a> {
 /// Where a resumed run starts.
 #[derive(Debug, Clone)]
 pub struct Resumed {
-    /// The epoch file loaded.
+    /// The checkpoint loaded.
     pub path: PathBuf,
-    /// Every epoch so far, from its metadata.
+    /// Every epoch finished so far, from its metadata.
     pub history: Vec<EpochStats>,
-    /// Newer epoch files that could not be used.
+    /// Where inside an epoch, when the checkpoint was taken inside one.
+    pub within: Option<MidEpoch>,
+    /// Newer checkpoints that could not be used.
     pub skipped: Vec<Skipped>,
 }
 
-/// An epoch's files being written (see [`RunDir::save_epoch`]).
-#[must_use = "an epoch's files are only known to be in place once `RunDir::finish` returns"]
-pub(super) struct EpochSave {
-    epoch: usize,
-    files: [PendingSave; 2],
+/// A checkpoint's files being written (see [`RunDir::save_epoch`]).
+#[must_use = "a checkpoint's files are only known to be in place once `RunDir::finish` returns"]
+pub(super) struct RunSave {
+    mark: Mark,
+    files: Vec<PendingSave>,
 }
 
 /// The checkpoint directory of a run.
@@ -71,34 +76,27 @@ impl RunDir {
         })
     }
 
-    pub fn epoch_file(&self, epoch: usize) -> PathBuf {
-        self.dir.join(format!("epoch-{epoch:03}.safetensors"))
+    pub fn file(&self, mark: Mark) -> PathBuf {
+        self.dir.join(mark.file_name())
     }
 
-    /// The `epoch-NNN.safetensors` files, newest first.
-    pub fn epoch_files(&self) -> Result<Vec<(usize, PathBuf)>, TrainError> {
+    /// The run's checkpoints, at epoch ends and inside epochs, newest first.
+    pub fn checkpoints(&self) -> Result<Vec<(Mark, PathBuf)>, TrainError> {
         let list = io("list", &self.dir);
         let mut found = Vec::new();
         for entry in std::fs::read_dir(&self.dir).map_err(list)? {
             let entry = entry.map_err(io("list", &self.dir))?;
-            let name = entry.file_name();
-            let epoch = name.to_str().and_then(|n| {
-                n.strip_prefix("epoch-")?
-                    .strip_suffix(".safetensors")?
-                    .parse::<usize>()
-                    .ok()
-            });
-            if let Some(epoch) = epoch {
-                found.push((epoch, entry.path()));
+            if let Some(mark) = entry.file_name().to_str().and_then(Mark::parse) {
+                found.push((mark, entry.path()));
             }
         }
-        found.sort_by(|a, b| b.cmp(a));
+        found.sort_by_key(|(mark, _)| std::cmp::Reverse(*mark));
         Ok(found)
     }
 
-    /// Refuses a directory holding another run (an epoch file or the exported model).
+    /// Refuses a directory holding another run (a checkpoint or the exported model).
     pub fn check_empty(&self) -> Result<(), TrainError> {
-        let newest = match self.epoch_files()?.into_iter().next() {
+        let newest = match self.checkpoints()?.into_iter().next() {
             Some((_, path)) => Some(path),
             None => Some(self.dir.join(MODEL_FILE)).filter(|p| p.exists()),
         };
@@ -111,31 +109,31 @@ impl RunDir {
         }
     }
 
-    /// Deletes another run's checkpoints: every epoch file and the exported model.
+    /// Deletes another run's checkpoints and its exported model.
     pub fn clear(&self) -> Result<(), TrainError> {
         let model = self.dir.join(MODEL_FILE);
-        let files = self.epoch_files()?.into_iter().map(|(_, p)| p);
+        let files = self.checkpoints()?.into_iter().map(|(_, p)| p);
         for path in files.chain(model.exists().then_some(model.clone())) {
             std::fs::remove_file(&path).map_err(io("delete", &path))?;
         }
         Ok(())
     }
 
-    /// After epoch `written` was saved: deletes epoch files older than it beyond the newest
-    /// `keep` up to it (none when `keep` is 0: every epoch is kept). Files of later epochs (a
-    /// resume passed over them as damaged; the run writes them anew as it gets there) are left
-    /// and do not count. Returns the files deleted.
-    pub fn rotate(&self, written: usize, keep: usize) -> Result<Vec<PathBuf>, TrainError> {
+    /// After the checkpoint at `written` was saved: deletes older checkpoints (at epoch ends
+    /// and inside epochs alike) beyond the newest `keep` up to it (none when `keep` is 0:
+    /// every one is kept). Later checkpoints (a resume passed over them as damaged; the run
+    /// writes them anew as it gets there) are left and do not count. Returns the files deleted.
+    pub fn rotate(&self, written: Mark, keep: usize) -> Result<Vec<PathBuf>, TrainError> {
         if keep == 0 {
             return Ok(Vec::new());
         }
         let mut deleted = Vec::new();
         let older = self
-            .epoch_files()?
+            .checkpoints()?
             .into_iter()
-            .filter(|&(e, _)| e <= written);
-        for (epoch, path) in older.skip(keep) {
-            debug_assert!(epoch < written, "the file just written is the newest kept");
+            .filter(|&(m, _)| m <= written);
+        for (mark, path) in older.skip(keep) {
+            debug_assert!(mark < written, "the file just written is the newest kept");
             std::fs::remove_file(&path).map_err(io("delete", &path))?;
             deleted.push(path);
         }
@@ -152,38 +150,48 @@ impl RunDir {
         epoch: usize,
         state: RunState<'_>,
         history: &[EpochStats],
-    ) -> Result<EpochSave, TrainError> {
-        let RunState { model, opt, ema } = state;
-        let mut ck = Checkpoint::new();
-        ck.insert_section("model", model.state_dict());
-        ck.insert_section("optimizer", opt.state_dict());
-        if let Some(ema) = ema {
-            ck.insert_section("ema", ema.state_dict());
-        }
-        ck.set_metadata("epoch", epoch.to_string());
-        ck.set_metadata("history", history::encode(history));
-        let epoch_file = ck.save_async(self.epoch_file(epoch), AsyncSaveOptions::default())?;
-        let model_file = Checkpoint::from_tensors(shipped_state(model, ema))
+    ) -> Result<RunSave, TrainError> {
+        let mark = Mark::end_of(epoch);
+        let epoch_file = run_checkpoint(mark, state, history)
+            .save_async(self.file(mark), AsyncSaveOptions::default())?;
+        let model_file = Checkpoint::from_tensors(shipped_state(state.model, state.ema))
             .save_async(self.dir.join(MODEL_FILE), AsyncSaveOptions::default())?;
-        Ok(EpochSave {
-            epoch,
-            files: [epoch_file, model_file],
+        Ok(RunSave {
+            mark,
+            files: vec![epoch_file, model_file],
         })
     }
 
-    /// Waits until an epoch's files are in place, then deletes older epoch files beyond the
-    /// newest `keep` (see [`RunDir::rotate`]).
-    pub fn finish(&self, save: EpochSave, keep: usize) -> Result<(), TrainError> {
-        let [epoch_file, model_file] = save.files;
-        epoch_file.wait()?;
-        model_file.wait()?;
-        self.rotate(save.epoch, keep)?;
+    /// Starts writing a checkpoint inside an epoch, `at` its place, in the background as
+    /// [`RunDir::save_epoch`] does (the model is exported at epoch ends only).
+    pub fn save_within(
+        &self,
+        at: &MidEpoch,
+        state: RunState<'_>,
+        history: &[EpochStats],
+    ) -> Result<RunSave, TrainError> {
+        let mut ck = run_checkpoint(at.mark(), state, history);
+        at.record(&mut ck);
+        let file = ck.save_async(self.file(at.mark()), AsyncSaveOptions::default())?;
+        Ok(RunSave {
+            mark: at.mark(),
+            files: vec![file],
+        })
+    }
+
+    /// Waits until a checkpoint's files are in place, then deletes older checkpoints beyond
+    /// the newest `keep` (see [`RunDir::rotate`]).
+    pub fn finish(&self, save: RunSave, keep: usize) -> Result<(), TrainError> {
+        for file in save.files {
+            file.wait()?;
+        }
+        self.rotate(save.mark, keep)?;
         Ok(())
     }
 
-    /// Loads the newest epoch file that is whole and fits `model`, `opt` and `ema`; `None`
-    /// when there is no epoch file. A file that fails leaves all three as they were, and the
-    /// next older one is tried.
+    /// Loads the newest checkpoint that is whole and fits `model`, `opt` and `ema`; `None`
+    /// when there is none. A file that fails leaves all three as they were, and the next
+    /// older one is tried.
     pub fn resume(
         &self,
         model: &mut dyn Module,
@@ -191,20 +199,17 @@ impl RunDir {
         mut ema: Option<&mut Ema>,
     ) -> Result<Option<Resumed>, TrainError> {
         let mut skipped = Vec::new();
-        for (epoch, path) in self.epoch_files()? {
-            match restore(&path, epoch, model, opt, ema.as_deref_mut()) {
-                Ok(history) => {
+        for (mark, path) in self.checkpoints()? {
+            match restore(&path, mark, model, opt, ema.as_deref_mut()) {
+                Ok((history, within)) => {
                     return Ok(Some(Resumed {
                         path,
                         history,
+                        within,
                         skipped,
                     }));
                 }
-                Err(reason) => skipped.push(Skipped {
-                    path,
-                    epoch,
-                    reason,
-                }),
+                Err(reason) => skipped.push(Skipped { path, mark, reason }),
             }
         }
         if skipped.is_empty() {
@@ -215,6 +220,21 @@ impl RunDir {
             skipped,
         })
     }
+}
+
+/// What every checkpoint of a run holds: the model, the optimizer and the average in their
+/// sections, its epoch and the finished epochs' history in the metadata.
+fn run_checkpoint(mark: Mark, state: RunState<'_>, history: &[EpochStats]) -> Checkpoint {
+    let RunState { model, opt, ema } = state;
+    let mut ck = Checkpoint::new();
+    ck.insert_section("model", model.state_dict());
+    ck.insert_section("optimizer", opt.state_dict());
+    if let Some(ema) = ema {
+        ck.insert_section("ema", ema.state_dict());
+    }
+    ck.set_metadata("epoch", mark.epoch.to_string());
+    ck.set_metadata("history", history::encode(history));
+    ck
 }
 
 /// The model's state dict, with each parameter's average in its place when there is an `ema`
@@ -231,15 +251,16 @@ fn shipped_state(model: &dyn Module, ema: Option<&Ema>) -> StateDict {
     state
 }
 
-/// Loads model, optimizer and average from an epoch file: the file is verified and all three
-/// are checked before any changes.
+/// Loads model, optimizer and average from the checkpoint at `mark`: the file is verified and
+/// all three are checked before any changes. Returns the history, and the place inside an
+/// epoch for a checkpoint taken inside one.
 fn restore(
     path: &Path,
-    epoch: usize,
+    mark: Mark,
     model: &mut dyn Module,
     opt: &mut dyn Optimizer,
     ema: Option<&mut Ema>,
-) -> Result<Vec<EpochStats>, Unusable> {
+) -> Result<(Vec<EpochStats>, Option<MidEpoch>), Unusable> {
     let ck = Checkpoint::load(path).map_err(|e| {
         let text = e.to_string();
         let named = format!("{}: ", path.display());
@@ -251,12 +272,17 @@ fn restore(
     let state = |e: &dyn std::fmt::Display| Unusable::State(e.to_string());
     let history = history::decode(ck.metadata("history").unwrap_or(""))
         .ok_or_else(|| Unusable::History("the history metadata is damaged".into()))?;
-    if history.len() != epoch {
+    if history.len() != mark.epochs_done() {
         return Err(Unusable::History(format!(
-            "its history has {} epochs, its name says {epoch}",
-            history.len()
+            "its history has {} epochs, its name says {} were done",
+            history.len(),
+            mark.epochs_done()
         )));
     }
+    let within = match mark.step {
+        Some(_) => Some(MidEpoch::read(&ck, mark).map_err(Unusable::History)?),
+        None => None,
+    };
     let ema_state = ck.section("ema");
     match (&ema, ema_state.is_empty()) {
         (Some(_), true) => return Err(Unusable::AverageMissing),
@@ -294,7 +320,7 @@ fn restore(
     if let Some(ema) = ema {
         ema.load_state_dict(&ema_state).map_err(|e| state(&e))?;
     }
-    Ok(history)
+    Ok((history, within))
 }
 
 #[cfg(test)]
@@ -305,21 +331,22 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let run = RunDir::create(tmp.path()).unwrap();
         for epoch in epochs {
-            std::fs::write(run.epoch_file(epoch), b"x").unwrap();
+            std::fs::write(run.file(Mark::end_of(epoch)), b"x").unwrap();
         }
         (tmp, run)
     }
 
     fn left(run: &RunDir) -> Vec<usize> {
-        run.epoch_files().unwrap().iter().map(|(e, _)| *e).collect()
+        let ends = run.checkpoints().unwrap().into_iter();
+        ends.map(|(m, _)| m.epoch).collect()
     }
 
     #[test]
     fn rotation_keeps_the_newest_files_and_zero_keeps_all() {
         let (tmp, run) = dir_with_epochs(1..=5);
         std::fs::write(tmp.path().join(MODEL_FILE), b"x").unwrap();
-        assert!(run.rotate(5, 0).unwrap().is_empty());
-        assert_eq!(run.rotate(5, 2).unwrap().len(), 3);
+        assert!(run.rotate(Mark::end_of(5), 0).unwrap().is_empty());
+        assert_eq!(run.rotate(Mark::end_of(5), 2).unwrap().len(), 3);
         assert_eq!(left(&run), [5, 4]);
         assert!(tmp.path().join(MODEL_FILE).exists());
     }
@@ -328,9 +355,35 @@ mod tests {
     fn rotation_never_deletes_the_file_just_written() {
         // Epochs 6..10 are later files (passed over by a resume): epoch 3 was just written.
         let (_tmp, run) = dir_with_epochs([1, 2, 3, 6, 7, 8, 9, 10]);
-        let deleted = run.rotate(3, 2).unwrap();
-        assert_eq!(deleted, [run.epoch_file(1)]);
+        let deleted = run.rotate(Mark::end_of(3), 2).unwrap();
+        assert_eq!(deleted, [run.file(Mark::end_of(1))]);
         assert_eq!(left(&run), [10, 9, 8, 7, 6, 3, 2]);
+    }
+
+    #[test]
+    fn rotation_counts_checkpoints_inside_epochs_in_their_place() {
+        let (tmp, run) = dir_with_epochs([1, 2]);
+        let within = |epoch, step| Mark {
+            epoch,
+            step: Some(step),
+        };
+        for mark in [within(2, 10), within(3, 10), within(3, 20)] {
+            std::fs::write(run.file(mark), b"x").unwrap();
+        }
+        std::fs::write(tmp.path().join("epoch-003-step-x.safetensors"), b"x").unwrap();
+        let deleted = run.rotate(within(3, 10), 2).unwrap();
+        let names: Vec<_> = deleted.iter().map(|p| p.file_name().unwrap()).collect();
+        assert_eq!(
+            names,
+            ["epoch-002-step-00010.safetensors", "epoch-001.safetensors"]
+        );
+        let left: Vec<Mark> = run
+            .checkpoints()
+            .unwrap()
+            .into_iter()
+            .map(|(m, _)| m)
+            .collect();
+        assert_eq!(left, [within(3, 20), within(3, 10), Mark::end_of(2)]);
     }
 
     #[test]
@@ -344,12 +397,12 @@ mod tests {
             run.check_empty(),
             Err(TrainError::RunExists { newest, .. }) if newest.ends_with(MODEL_FILE)
         ));
-        std::fs::write(run.epoch_file(4), b"x").unwrap();
-        std::fs::write(run.epoch_file(12), b"x").unwrap();
+        std::fs::write(run.file(Mark::end_of(4)), b"x").unwrap();
+        std::fs::write(run.file(Mark::end_of(12)), b"x").unwrap();
         let Err(TrainError::RunExists { newest, .. }) = run.check_empty() else {
             panic!("a directory with epoch files was taken as empty");
         };
-        assert_eq!(newest, run.epoch_file(12));
+        assert_eq!(newest, run.file(Mark::end_of(12)));
         run.clear().unwrap();
         run.check_empty().unwrap();
         assert!(tmp.path().join("notes.txt").exists(), "only checkpoints go");

@@ -1,0 +1,204 @@
+//! Checkpoints inside epochs (`--checkpoint-every`): a resume from one repeats the run that
+//! never stopped, and a run killed at any moment leaves only checkpoints that verify and ends,
+//! resumed after each kill, where the uninterrupted run ends.
+
+use std::path::Path;
+
+use ferry::checkpoint;
+
+use super::{TrainArgs, args, scratch, train};
+
+/// The digits run of these tests: 3 epochs of 47 steps, a checkpoint every 10 steps.
+fn every_ten(out: &Path) -> TrainArgs {
+    TrainArgs {
+        checkpoint_every: 10,
+        ..args(out, 3)
+    }
+}
+
+/// The tensors of a checkpoint file, by name, as f32 values.
+fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let state = checkpoint::load(path).unwrap();
+    let mut out: Vec<_> = state
+        .into_iter()
+        .map(|(k, t)| {
+            (
+                k,
+                t.to_dtype(ferry::DType::F32)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn names(out: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("epoch-"))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn checkpoints_inside_epochs_are_written_and_rotated_with_the_epoch_files() {
+    let out = scratch("every-keep");
+    train(&TrainArgs {
+        keep: 3,
+        ..every_ten(&out)
+    })
+    .unwrap();
+    // Steps 130 and 140 of the run are steps 36 and 46 of epoch 3; then its end.
+    assert_eq!(
+        names(&out),
+        [
+            "epoch-003-step-00036.safetensors",
+            "epoch-003-step-00046.safetensors",
+            "epoch-003.safetensors"
+        ]
+    );
+    let verified = checkpoint::verify(out.join("epoch-003-step-00046.safetensors")).unwrap();
+    assert!(verified.checksummed);
+    std::fs::remove_dir_all(&out).ok();
+}
+
+#[test]
+fn a_resume_inside_an_epoch_repeats_the_run_that_never_stopped() {
+    let out = scratch("every-resume");
+    let straight = train(&every_ten(&out)).unwrap();
+    let finished = weights(&out.join("epoch-003.safetensors"));
+    // Stopped after step 60 of the run, step 13 of epoch 2: nothing later was written.
+    let newer = names(&out)
+        .into_iter()
+        .filter(|n| n.as_str() > "epoch-002-step-00013.safetensors");
+    for name in newer {
+        std::fs::remove_file(out.join(name)).unwrap();
+    }
+    let resumed = train(&TrainArgs {
+        resume: true,
+        ..every_ten(&out)
+    })
+    .unwrap();
+    assert_eq!(resumed.trained_now, 2, "the rest of epoch 2, and epoch 3");
+    // Epoch 2's figures join the steps before the stop (from the checkpoint) with those after.
+    assert_eq!(resumed.history, straight.history);
+    assert_eq!(resumed.test_accuracy, straight.test_accuracy);
+    // Same batches, dropout masks, weights and moments: the same model and optimizer state.
+    assert_eq!(weights(&out.join("epoch-003.safetensors")), finished);
+    std::fs::remove_dir_all(&out).ok();
+}
+
+#[test]
+fn checkpoints_inside_epochs_and_data_parallel_are_refused_together() {
+    let out = scratch("every-ddp");
+    let err = train(&TrainArgs {
+        devices: vec![ferry::Device::Cpu, ferry::Device::Cpu],
+        ..every_ten(&out)
+    })
+    .expect_err("mid-epoch checkpoints with replicas");
+    assert!(err.to_string().contains("data parallelism"), "{err}");
+    std::fs::remove_dir_all(&out).ok();
+}
+
+/// The run the kill test kills: 8 epochs of 47 steps, a checkpoint every 5, the newest 4 kept,
+/// resumed if there is anything to resume.
+fn killed_run(out: &Path) -> TrainArgs {
+    TrainArgs {
+        resume: true,
+        checkpoint_every: 5,
+        keep: 4,
+        ..args(out, 8)
+    }
+}
+
+/// Run in a child process by `a_run_killed_at_any_moment_resumes_to_the_uninterrupted_end`:
+/// resumes the run in FERRY_TRAIN_KILL_DIR (or starts it) and trains it to its end, unless
+/// killed first.
+#[test]
+#[ignore = "run by the kill test in a child process, which it kills"]
+fn train_kill_child() {
+    let Some(dir) = std::env::var_os("FERRY_TRAIN_KILL_DIR") else {
+        return;
+    };
+    println!("FERRY_TRAINING");
+    train(&killed_run(Path::new(&dir))).unwrap();
+    println!("FERRY_TRAINED");
+}
+
+/// SIGKILL at many moments of `ferry train digits --checkpoint-every 5`, resumed after each
+/// kill: every checkpoint left verifies, and the run ends with the weights, history and test
+/// accuracy of the run that was never killed.
+#[test]
+#[cfg(unix)]
+fn a_run_killed_at_any_moment_resumes_to_the_uninterrupted_end() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let straight_dir = scratch("kill-straight");
+    let straight = train(&killed_run(&straight_dir)).unwrap();
+    let dir = scratch("kill-resume");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (mut kills, mut checked) = (0, 0);
+    // Each one left by a save a kill cut short.
+    let mut temporaries = std::collections::BTreeSet::new();
+    let mut finished = false;
+    for k in 0..400u64 {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "--nocapture"])
+            .arg("train::tests::within_epoch::train_kill_child")
+            .args(["--test-threads", "1"])
+            .env("FERRY_TRAIN_KILL_DIR", &dir)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        assert!(lines.any(|l| l.is_ok_and(|l| l.contains("FERRY_TRAINING"))));
+        // 0 to 40 ms after it starts: while it resumes, steps, or saves.
+        std::thread::sleep(std::time::Duration::from_millis(k * 7 % 41));
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            kills += 1;
+        }
+        let status = child.wait().unwrap();
+        for name in std::fs::read_dir(&dir).unwrap() {
+            let name = name.unwrap().file_name().to_string_lossy().into_owned();
+            if name.ends_with(".tmp") {
+                temporaries.insert(name.clone());
+            }
+            if !name.ends_with(".safetensors") {
+                continue; // a temporary, or the curves
+            }
+            checkpoint::verify(dir.join(&name))
+                .unwrap_or_else(|e| panic!("after kill {k}: {name} does not verify: {e}"));
+            checked += 1;
+        }
+        if status.success() {
+            finished = true;
+            break;
+        }
+    }
+    assert!(finished, "the run never got to its end in 400 starts");
+    let resumed = train(&killed_run(&dir)).unwrap();
+    assert_eq!(resumed.trained_now, 0);
+    assert_eq!(resumed.history, straight.history);
+    assert_eq!(resumed.test_accuracy, straight.test_accuracy);
+    for file in ["epoch-008.safetensors", "model.safetensors"] {
+        assert_eq!(
+            weights(&dir.join(file)),
+            weights(&straight_dir.join(file)),
+            "{file}"
+        );
+    }
+    println!(
+        "{kills} kills, {checked} checkpoint files checked after them (all verified), {} \
+         temporaries left by saves cut short; the resumed run ends as the uninterrupted one",
+        temporaries.len()
+    );
+    assert!(kills >= 10, "{kills} kills");
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(&straight_dir).ok();
+}
