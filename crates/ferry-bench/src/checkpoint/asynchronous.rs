@@ -3,7 +3,11 @@
 //! trains, once per snapshot memory mode. Per save: the stall on the training thread (building
 //! the state dict and the call), the steps that overlap the save against steps without one,
 //! the snapshot's rate against the link's device-to-host rate and the write's against the
-//! disk's sequential write rate, both measured in the same run, and the extra memory.
+//! disk's sequential write rate, both measured in the same run, and the extra memory. With
+//! --compare-pytorch, python/checkpoint_async.py trains the same GPT in PyTorch afterwards and
+//! checkpoints it the two ways PyTorch programs do (torch.save from the GPU; a pinned snapshot,
+//! then torch.save on a thread), measured the same way: rows below ferry's, against the same
+//! link and disk.
 
 use std::error::Error;
 use std::io::Write;
@@ -21,6 +25,7 @@ use serde_json::{Value, json};
 
 use super::CheckpointArgs;
 use crate::harness::measure::median;
+use crate::harness::pytorch;
 use crate::harness::report::print_table;
 
 const VOCAB: usize = 256;
@@ -336,7 +341,35 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
         "step without a save: median {base:.1} ms before the saves, {:.1} ms after",
         median(&after).unwrap_or(f64::NAN)
     );
-    print_rows(&runs, base, link, disk);
+    let mut rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|m| ferry_row(m, base, link, disk))
+        .collect();
+    let torch = match args.pytorch.compare_pytorch {
+        true => Some(pytorch_saves(args, &dir)),
+        false => None,
+    };
+    match &torch {
+        Some(Ok(doc)) => {
+            let torch_base = doc["baseline_median_ms"].as_f64().unwrap_or(f64::NAN);
+            println!(
+                "PyTorch {} (same GPT, AdamW fused, bf16 autocast): checkpoint {:.2} GiB, step \
+                 without a save: median {torch_base:.1} ms",
+                doc["torch"].as_str().unwrap_or("?"),
+                doc["bytes"].as_f64().unwrap_or(f64::NAN) / f64::from(1 << 30),
+            );
+            let saves = doc["saves"].as_array().map_or(&[][..], Vec::as_slice);
+            let bytes = doc["bytes"].as_f64().unwrap_or(f64::NAN);
+            rows.extend(
+                saves
+                    .iter()
+                    .map(|save| pytorch_row(save, bytes, torch_base, link, disk)),
+            );
+        }
+        Some(Err(err)) => println!("no PyTorch rows: {err}"),
+        None => {}
+    }
+    print_rows(&rows);
     if let Some(file) = &args.json {
         let doc = json!({
             "bench": "checkpoint --async",
@@ -348,19 +381,115 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
             "baseline_step_ms": baseline,
             "after_step_ms": after,
             "saves": runs.iter().map(|m| to_json(m, base)).collect::<Vec<Value>>(),
+            "pytorch": match &torch {
+                Some(Ok(doc)) => doc.clone(),
+                Some(Err(err)) => json!({ "error": err }),
+                None => Value::Null,
+            },
         });
         crate::harness::write_json(file, &doc, "save")?;
     }
     Ok(())
 }
 
-/// Steps that overlapped the save over the median step without one.
-fn overlap_ratio(m: &Measured, base: f64) -> f64 {
-    let mean = m.overlapped.iter().sum::<f64>() / m.overlapped.len().max(1) as f64;
-    mean / base
+/// PyTorch's saves of the same GPT (python/checkpoint_async.py): its JSON document.
+fn pytorch_saves(args: &CheckpointArgs, dir: &Path) -> Result<Value, String> {
+    eprintln!("running {}/checkpoint_async.py ...", pytorch::SCRIPT_DIR);
+    let script = pytorch::locate_script(
+        args.pytorch.pytorch_script.as_deref(),
+        "checkpoint_async.py",
+    )?;
+    let flags = [
+        ("--layers", args.layers.to_string()),
+        ("--width", args.width.to_string()),
+        ("--batch", args.batch.to_string()),
+        ("--seq", args.seq.to_string()),
+        ("--dir", dir.display().to_string()),
+    ];
+    let argv: Vec<String> = flags
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_string(), value])
+        .collect();
+    pytorch::run_once(&args.pytorch.python, &script, &argv, &[])
 }
 
-fn print_rows(runs: &[Measured], base: f64, link: f64, disk: f64) {
+/// Steps that overlapped the save over the median step without one.
+fn overlap_ratio(m: &Measured, base: f64) -> f64 {
+    mean_ratio(&m.overlapped, base)
+}
+
+fn mean_ratio(steps: &[f64], base: f64) -> f64 {
+    steps.iter().sum::<f64>() / steps.len().max(1) as f64 / base
+}
+
+/// The columns both sides share after the stall: the steps during the save and the rates.
+fn overlap_cells(steps: &[f64], base: f64) -> [String; 3] {
+    [
+        steps.len().to_string(),
+        match steps.is_empty() {
+            true => "-".into(),
+            false => format!("{:.3}x", mean_ratio(steps, base)),
+        },
+        steps
+            .first()
+            .map_or("-".into(), |f| format!("{:.2}x", f / base)),
+    ]
+}
+
+fn rate_cell(bytes_per_sec: f64, of: f64) -> String {
+    format!(
+        "{:.2} ({:.0}%)",
+        gb(bytes_per_sec),
+        100.0 * bytes_per_sec / of
+    )
+}
+
+/// A PyTorch save's row: its steps against PyTorch's own step without a save.
+fn pytorch_row(save: &Value, bytes: f64, base: f64, link: f64, disk: f64) -> Vec<String> {
+    let num = |k: &str| save[k].as_f64().unwrap_or(f64::NAN);
+    let steps: Vec<f64> = save["overlapped_step_ms"]
+        .as_array()
+        .map_or(Vec::new(), |a| a.iter().filter_map(Value::as_f64).collect());
+    let [during, mean, first] = overlap_cells(&steps, base);
+    vec![
+        save["mode"].as_str().unwrap_or("PyTorch").to_string(),
+        format!("{:.2}", num("stall_ms")),
+        during,
+        mean,
+        first,
+        format!("{:.2}", num("snapshot_s")),
+        rate_cell(bytes / num("snapshot_s"), link),
+        rate_cell(bytes / num("elapsed_s"), disk),
+        "-".into(),
+        format!("{:.0}", num("peak_pinned_bytes") / f64::from(1 << 20)),
+    ]
+}
+
+fn ferry_row(m: &Measured, base: f64, link: f64, disk: f64) -> Vec<String> {
+    let r = &m.report;
+    let snap = r.snapshot_bytes_per_sec();
+    let write = r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9);
+    let [during, mean, first] = overlap_cells(&m.overlapped, base);
+    vec![
+        m.mode.clone(),
+        format!("{:.2} (call {:.2})", m.stall_ms, r.call.as_secs_f64() * 1e3),
+        during,
+        mean,
+        first,
+        format!(
+            "{:.2} ({:.2}, {:.2})",
+            r.snapshot.as_secs_f64(),
+            r.snapshot_dma_wait.as_secs_f64(),
+            r.snapshot_copy.as_secs_f64()
+        ),
+        format!("{:.1} ({:.0}%)", gb(snap), 100.0 * snap / link),
+        rate_cell(write, disk),
+        format!("{:.2}", gib(r.peak_extra_host_bytes)),
+        format!("{:.0}", r.peak_pinned_bytes as f64 / f64::from(1 << 20)),
+    ]
+}
+
+fn print_rows(rows: &[Vec<String>]) {
     let header = [
         "snapshot memory",
         "stall ms",
@@ -373,38 +502,7 @@ fn print_rows(runs: &[Measured], base: f64, link: f64, disk: f64) {
         "extra host GiB",
         "pinned MiB",
     ];
-    let rows: Vec<Vec<String>> = runs
-        .iter()
-        .map(|m| {
-            let r = &m.report;
-            let snap = r.snapshot_bytes_per_sec();
-            let write = r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9);
-            vec![
-                m.mode.clone(),
-                format!("{:.2} (call {:.2})", m.stall_ms, r.call.as_secs_f64() * 1e3),
-                m.overlapped.len().to_string(),
-                if m.overlapped.is_empty() {
-                    "-".into()
-                } else {
-                    format!("{:.3}x", overlap_ratio(m, base))
-                },
-                m.overlapped
-                    .first()
-                    .map_or("-".into(), |f| format!("{:.2}x", f / base)),
-                format!(
-                    "{:.2} ({:.2}, {:.2})",
-                    r.snapshot.as_secs_f64(),
-                    r.snapshot_dma_wait.as_secs_f64(),
-                    r.snapshot_copy.as_secs_f64()
-                ),
-                format!("{:.1} ({:.0}%)", gb(snap), 100.0 * snap / link),
-                format!("{:.2} ({:.0}%)", gb(write), 100.0 * write / disk),
-                format!("{:.2}", gib(r.peak_extra_host_bytes)),
-                format!("{:.0}", r.peak_pinned_bytes as f64 / f64::from(1 << 20)),
-            ]
-        })
-        .collect();
-    print_table(&header, &rows);
+    print_table(&header, rows);
     println!(
         "goals: stall <= 10 ms; steps during the save <= 1.03x; pinned <= 256 MiB (pageable and \
          bounded modes); snapshot >= 80% of the link; write >= 90% of the disk"

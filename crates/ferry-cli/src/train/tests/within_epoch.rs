@@ -6,13 +6,31 @@ use std::path::Path;
 
 use ferry::checkpoint;
 
-use super::{TrainArgs, args, scratch, train};
+use super::{Device, Task, TrainArgs, args, scratch, train};
 
 /// The digits run of these tests: 3 epochs of 47 steps, a checkpoint every 10 steps.
 fn every_ten(out: &Path) -> TrainArgs {
     TrainArgs {
         checkpoint_every: 10,
         ..args(out, 3)
+    }
+}
+
+/// A tiny GPT's run on `device` (a GPU): 2 epochs of 12 steps, a checkpoint every 5 (after
+/// steps 5 and 10 of epoch 1, 3 and 8 of epoch 2), the optimizer offloaded to the host (its
+/// state saved from there).
+fn gpt_every_five(out: &Path, device: Device) -> TrainArgs {
+    TrainArgs {
+        task: Task::Gpt,
+        device,
+        context: 16,
+        width: 32,
+        layers: 1,
+        heads: 4,
+        steps_per_epoch: 12,
+        offload_optimizer: true,
+        checkpoint_every: 5,
+        ..args(out, 2)
     }
 }
 
@@ -67,30 +85,63 @@ fn checkpoints_inside_epochs_are_written_and_rotated_with_the_epoch_files() {
     std::fs::remove_dir_all(&out).ok();
 }
 
-#[test]
-fn a_resume_inside_an_epoch_repeats_the_run_that_never_stopped() {
-    let out = scratch("every-resume");
-    let straight = train(&every_ten(&out)).unwrap();
-    let finished = weights(&out.join("epoch-003.safetensors"));
-    // Stopped after step 60 of the run, step 13 of epoch 2: nothing later was written.
-    let newer = names(&out)
-        .into_iter()
-        .filter(|n| n.as_str() > "epoch-002-step-00013.safetensors");
-    for name in newer {
+/// Trains `run` straight, deletes every checkpoint after `stop` (as if the run had been
+/// stopped there), resumes, and checks the resumed run ends as the straight one did.
+fn a_resume_from(run: TrainArgs, stop: &str, last: &str, trained_now: usize) {
+    let out = run.out_dir();
+    let straight = train(&run).unwrap();
+    let finished = weights(&out.join(last));
+    for name in names(&out).into_iter().filter(|n| n.as_str() > stop) {
         std::fs::remove_file(out.join(name)).unwrap();
     }
     let resumed = train(&TrainArgs {
         resume: true,
-        ..every_ten(&out)
+        ..run
     })
     .unwrap();
-    assert_eq!(resumed.trained_now, 2, "the rest of epoch 2, and epoch 3");
-    // Epoch 2's figures join the steps before the stop (from the checkpoint) with those after.
+    assert_eq!(resumed.trained_now, trained_now);
+    // The stopped epoch's figures join the steps before the stop (from the checkpoint) with
+    // those after.
     assert_eq!(resumed.history, straight.history);
     assert_eq!(resumed.test_accuracy, straight.test_accuracy);
     // Same batches, dropout masks, weights and moments: the same model and optimizer state.
-    assert_eq!(weights(&out.join("epoch-003.safetensors")), finished);
+    assert_eq!(weights(&out.join(last)), finished);
     std::fs::remove_dir_all(&out).ok();
+}
+
+#[test]
+fn a_resume_inside_an_epoch_repeats_the_run_that_never_stopped() {
+    // Stopped after step 60 of the run, step 13 of epoch 2: the rest of it, and epoch 3.
+    let run = every_ten(&scratch("every-resume"));
+    a_resume_from(
+        run,
+        "epoch-002-step-00013.safetensors",
+        "epoch-003.safetensors",
+        2,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_resume_inside_an_epoch_repeats_the_run_that_never_stopped_on_cuda() {
+    let run = TrainArgs {
+        device: Device::Cuda(0),
+        ..every_ten(&scratch("every-resume-cuda"))
+    };
+    a_resume_from(
+        run,
+        "epoch-002-step-00013.safetensors",
+        "epoch-003.safetensors",
+        2,
+    );
+    // A GPT whose optimizer lives on the host: stopped after step 3 of epoch 2.
+    let run = gpt_every_five(&scratch("every-resume-gpt"), Device::Cuda(0));
+    a_resume_from(
+        run,
+        "epoch-002-step-00003.safetensors",
+        "epoch-002.safetensors",
+        1,
+    );
 }
 
 #[test]
