@@ -127,6 +127,46 @@ device_test!(
     a_write_after_the_call_waits_for_the_copy
 );
 
+/// Training's work queued after the call, which only reads the state, does not hold the
+/// snapshot back: the copies are ordered after the work of before the call alone. About half a
+/// second of matrix products is queued on the default stream right after the call; the
+/// snapshot of 8 MiB is taken while they still run.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_snapshot_does_not_wait_for_work_queued_after_the_call() -> Result<()> {
+    use ferry::memory::cuda::CudaDevice;
+    let device = Device::Cuda(0);
+    let dev = CudaDevice::get(0).unwrap();
+    let dir = scratch("not-after");
+    let w = Tensor::full(&[2 << 20], 1.0, DType::F32, device)?;
+    let a = Tensor::randn(&[4096, 4096], DType::F32, device)?;
+    for device_copy in [false, true] {
+        dev.synchronize().unwrap();
+        let options = AsyncSaveOptions {
+            device_copy,
+            ..AsyncSaveOptions::default()
+        };
+        let state = vec![("w".to_string(), w.clone())];
+        let pending = checkpoint::save_async(dir.join("w.safetensors"), &state, options).unwrap();
+        // Reads of `w` and other work, as the next steps' forward and backward queue them.
+        let mut sum = w.sum()?;
+        for _ in 0..150 {
+            sum = sum.add(&a.matmul(&a)?.sum()?)?;
+        }
+        let queued = dev.default_stream().record().unwrap();
+        pending.wait_snapshot();
+        let busy = !queued.is_complete();
+        pending.wait().unwrap();
+        assert!(
+            busy,
+            "device copy {device_copy}: the snapshot waited for the work queued after the call"
+        );
+        drop(sum);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}
+
 /// An optimizer step right after the call (the training loop's case) leaves the file with
 /// the weights of the call.
 fn an_optimizer_step_after_the_call_leaves_the_file_whole(device: Device) -> Result<()> {

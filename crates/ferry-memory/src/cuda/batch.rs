@@ -6,7 +6,7 @@ use cudarc::driver::result;
 
 use super::buffer::DeviceBuffer;
 use super::pinned::PinnedBuffer;
-use super::stream::{Stream, driver};
+use super::stream::{Event, Stream, driver};
 use crate::MemoryError;
 
 /// Copies queued on one stream against one pinned buffer. The buffer is mutably borrowed for
@@ -48,7 +48,8 @@ impl PinnedBatch<'_> {
         Ok(())
     }
 
-    /// Queues `src[src_offset..src_offset + len]` into pinned bytes from `pinned_offset`.
+    /// Queues `src[src_offset..src_offset + len]` into pinned bytes from `pinned_offset`,
+    /// after everything queued so far on `src`'s own stream.
     pub fn download(
         &mut self,
         src: &DeviceBuffer,
@@ -56,7 +57,36 @@ impl PinnedBatch<'_> {
         pinned_offset: usize,
         len: usize,
     ) -> Result<(), MemoryError> {
-        let ptr = src.range("download", src_offset, len, self.stream)?;
+        self.download_from(src, src_offset, pinned_offset, len, None)
+    }
+
+    /// [`PinnedBatch::download`], ordered on the device after `ready` alone: an event
+    /// recorded on `src`'s own stream ([`DeviceBuffer::stream`]) after the work that wrote
+    /// its bytes, not after everything queued there since. Kernels queued there since, which
+    /// read `src`, run alongside the copy instead of ahead of it (a checkpoint's snapshot,
+    /// taken while training queues its next steps, copies the state as of its call). Work
+    /// queued since that *writes* `src` races with the copy: the caller holds writers off
+    /// until the copy is queued. The device memory's reuse waits for the copy either way.
+    pub fn download_after(
+        &mut self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        pinned_offset: usize,
+        len: usize,
+        ready: &Event,
+    ) -> Result<(), MemoryError> {
+        self.download_from(src, src_offset, pinned_offset, len, Some(ready))
+    }
+
+    fn download_from(
+        &mut self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        pinned_offset: usize,
+        len: usize,
+        ready: Option<&Event>,
+    ) -> Result<(), MemoryError> {
+        let ptr = src.range_after("download", src_offset, len, self.stream, ready)?;
         self.pinned_range("download", pinned_offset, len)?;
         if len == 0 {
             return Ok(());

@@ -275,8 +275,8 @@ fn start(
     let layout = FileLayout::new(tensors);
     let (entries, holds) = hold_in_file_order(tensors, &layout, slots);
     let opened = order_after(&entries, &options.after)
-        .and_then(|after| Ok((after, OpenFile::create(&path, &layout, metadata)?)));
-    let (after, file) = match opened {
+        .and_then(|order| Ok((order, OpenFile::create(&path, &layout, metadata)?)));
+    let ((ready, after), file) = match opened {
         Ok(opened) => opened,
         Err(e) => {
             leave(&shared);
@@ -286,14 +286,24 @@ fn start(
     let counts: Vec<usize> = entries.iter().map(|e| e.pieces.len()).collect();
 
     let (tx, rx) = mpsc::channel::<Chunk>();
-    let job = Job {
+    let mut job = Job {
         entries,
         holds,
+        ready,
         after,
         memory: options.memory,
         slots,
-        device_copy: options.device_copy,
+        device_copied: 0,
     };
+    if options.device_copy {
+        match snapshot::copy_on_devices(&mut job) {
+            Ok(copied) => job.device_copied = copied,
+            Err(e) => {
+                leave(&shared);
+                return Err(e.into());
+            }
+        }
+    }
     let snap_shared = Arc::clone(&shared);
     let snapshotter = std::thread::Builder::new()
         .name("ferry-snapshot".into())
@@ -401,10 +411,7 @@ fn hold_in_file_order(
 
 /// Per device with tensors to copy: an event at the end of its default stream and of each of
 /// `streams` on it.
-fn order_after(
-    entries: &[Entry],
-    streams: &[Stream],
-) -> Result<Vec<(usize, Event)>, CheckpointError> {
+fn order_after(entries: &[Entry], streams: &[Stream]) -> Result<Ordering, CheckpointError> {
     let mut devices: Vec<usize> = entries
         .iter()
         .filter_map(|e| match e.t.device() {
@@ -414,10 +421,10 @@ fn order_after(
         .collect();
     devices.sort_unstable();
     devices.dedup();
-    let mut events = Vec::new();
+    let (mut ready, mut after) = (Vec::new(), Vec::new());
     for ordinal in devices {
         let dev = CudaDevice::get(ordinal).map_err(TensorError::from)?;
-        events.push((
+        ready.push((
             ordinal,
             dev.default_stream().record().map_err(TensorError::from)?,
         ));
@@ -425,11 +432,15 @@ fn order_after(
             .iter()
             .filter(|s| s.device() == Device::Cuda(ordinal))
         {
-            events.push((ordinal, s.record().map_err(TensorError::from)?));
+            after.push((ordinal, s.record().map_err(TensorError::from)?));
         }
     }
-    Ok(events)
+    Ok((ready, after))
 }
+
+/// Per device, the event recorded at the call on its default stream, and those recorded on
+/// the other streams the copies follow ([`AsyncSaveOptions::after`]).
+type Ordering = (Vec<(usize, Event)>, Vec<(usize, Event)>);
 
 /// Writes every piece the snapshot sends, in file order, hashing on the way; then the
 /// checksums, fsync and rename, unless the save was abandoned.

@@ -94,11 +94,12 @@ pub struct AsyncSaveOptions {
     /// [`PendingSave::wait`]: super::PendingSave::wait
     /// [`PendingSave::abandon`]: super::PendingSave::abandon
     pub confirm: bool,
-    /// Copy each GPU tensor on its GPU first (queued on its default stream, at the device's
-    /// memory speed) and take the host copy from there: in-place writes then wait only for
-    /// those copies to be queued, not for the link, at the price of extra device memory the
-    /// size of the device tensors until the snapshot is taken. Where device memory runs out,
-    /// the remaining tensors are read in place as without it.
+    /// Copy each GPU tensor on its GPU first, at the call (queued on its default stream right
+    /// after the work before the call, at the device's memory speed), and take the host copy
+    /// from there: in-place writes then never wait, at the price of extra device memory the
+    /// size of the device tensors until the snapshot is taken, and of queueing the copies in
+    /// the call. Where device memory runs out, the remaining tensors are read in place as
+    /// without it.
     pub device_copy: bool,
 }
 

@@ -13,7 +13,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use ferry_memory::cuda::{CudaDevice, Event, PinnedBuffer, PinnedPool};
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Event, PinnedBatch, PinnedBuffer, PinnedPool};
 use ferry_memory::{HostBuffer, HostPool, MemoryError};
 use ferry_tensor::{ReadHold, Tensor, TensorError};
 use rayon::prelude::*;
@@ -106,12 +106,17 @@ struct Flight {
 pub(super) struct Job {
     pub entries: Vec<Entry>,
     pub holds: Vec<Held>,
-    /// Per device: events recorded at the call on the streams whose work the copies follow.
+    /// Per device: the event after which its tensors' bytes are the state to save, on its
+    /// default stream (recorded at the call; after the device copies, with `device_copy`).
+    /// The DMAs of tensors made there wait for it alone, not for the training work queued
+    /// there since, which only reads them: writers are held off until their copy.
+    pub ready: Vec<(usize, Event)>,
+    /// Per device: events recorded at the call on the other streams the copies follow.
     pub after: Vec<(usize, Event)>,
     pub memory: SnapshotMemory,
     pub slots: Slots,
-    /// Copy device tensors on their device first (see `AsyncSaveOptions::device_copy`).
-    pub device_copy: bool,
+    /// Bytes copied on their device at the call ([`copy_on_devices`]).
+    pub device_copied: usize,
 }
 
 /// What a snapshot did, and where its thread's time went.
@@ -135,7 +140,10 @@ pub(super) fn run(mut job: Job, shared: &Shared, tx: Sender<Chunk>) -> Result<Do
         free: Vec::new(),
         flight: VecDeque::new(),
         ordered: HashSet::new(),
-        done: Done::default(),
+        done: Done {
+            device_copied: job.device_copied,
+            ..Done::default()
+        },
     };
     let result = snap.all(&mut job, shared, &tx);
     // Whatever happened, no tensor stays held.
@@ -158,50 +166,7 @@ struct Snapshot {
 }
 
 impl Snapshot {
-    /// Copies every device tensor on its device, on its default stream (so before any write
-    /// queued later there), and lets go of it: writes wait only for the copies to be queued.
-    /// Stops copying at the first failure (device memory full, say): the tensors left are
-    /// read in place as usual.
-    fn copy_on_devices(&mut self, job: &mut Job) -> Result<(), Stop> {
-        // The copies run on the default streams: they wait there for the other streams'
-        // work of before the call (`after`), as the DMAs would on the copy stream.
-        for (ordinal, event) in &job.after {
-            let dev = CudaDevice::get(*ordinal).map_err(TensorError::from)?;
-            dev.default_stream()
-                .wait_event(event)
-                .map_err(TensorError::from)?;
-        }
-        let mut devices = Vec::new();
-        for e in 0..job.entries.len() {
-            let entry = &job.entries[e];
-            let ferry_tensor::Device::Cuda(ordinal) = entry.t.device() else {
-                continue;
-            };
-            let Ok(copy) = entry.t.copy() else {
-                break;
-            };
-            // The pieces stay as they were cut (the writer counts them): on the contiguous
-            // copy, a non-contiguous tensor's blocks are contiguous ones.
-            self.done.device_copied += copy.nbytes();
-            job.entries[e].t = copy;
-            release(job, e);
-            if !devices.contains(&ordinal) {
-                devices.push(ordinal);
-            }
-        }
-        // The DMAs come after the copies.
-        for ordinal in devices {
-            let dev = CudaDevice::get(ordinal).map_err(TensorError::from)?;
-            let event = dev.default_stream().record().map_err(TensorError::from)?;
-            job.after.push((ordinal, event));
-        }
-        Ok(())
-    }
-
     fn all(&mut self, job: &mut Job, shared: &Shared, tx: &Sender<Chunk>) -> Result<(), Stop> {
-        if job.device_copy {
-            self.copy_on_devices(job)?;
-        }
         for e in 0..job.entries.len() {
             if job.entries[e].t.device().is_cuda() {
                 let count = job.entries[e].pieces.len();
@@ -275,6 +240,11 @@ impl Snapshot {
                 stream.wait_event(event).map_err(TensorError::from)?;
             }
         }
+        // A contiguous copy made just now waits for its own making (above) instead.
+        let ready = match scratch {
+            None => job.ready.iter().position(|(o, _)| *o == ordinal),
+            Some(_) => None,
+        };
         if job.memory == SnapshotMemory::Pinned {
             match PinnedPool::global()
                 .map_err(TensorError::from)?
@@ -284,9 +254,15 @@ impl Snapshot {
                     shared.hold_pinned(own.block_size());
                     let mut batch = own.batch(&stream).map_err(TensorError::from)?;
                     let guard = source.storage().read();
-                    batch
-                        .download(cuda_buffer(&guard, &source)?, start, 0, len)
-                        .map_err(TensorError::from)?;
+                    let ready = ready.map(|i| &job.ready[i].1);
+                    download(
+                        &mut batch,
+                        cuda_buffer(&guard, &source)?,
+                        start,
+                        len,
+                        ready,
+                        &dev,
+                    )?;
                     batch.finish().map_err(TensorError::from)?;
                     drop(guard);
                     self.flight.push_back(Flight {
@@ -322,9 +298,8 @@ impl Snapshot {
         match &mut ring.slots[slot] {
             Slot::Pinned(staging) => {
                 let mut batch = staging.batch(&stream).map_err(TensorError::from)?;
-                batch
-                    .download(from, start, 0, len)
-                    .map_err(TensorError::from)?;
+                let ready = ready.map(|i| &job.ready[i].1);
+                download(&mut batch, from, start, len, ready, &dev)?;
                 batch.finish().map_err(TensorError::from)?;
             }
             Slot::Pageable(bytes) => {
@@ -384,6 +359,67 @@ impl Snapshot {
         };
         send(tx, chunk)
     }
+}
+
+/// Copies every device tensor on its device, on its default stream, and lets go of it: called
+/// at the call ([`AsyncSaveOptions::device_copy`](super::AsyncSaveOptions::device_copy)), so
+/// the copies come right after the work queued before the call, and in-place writes never
+/// wait. Makes each device's `ready` event the one after its copies. Stops copying at the first
+/// failure (device memory full, say): the tensors left are read in place as usual, their
+/// writes held off until their DMA. Returns the bytes copied.
+pub(super) fn copy_on_devices(job: &mut Job) -> Result<usize, TensorError> {
+    // The copies wait on the default streams for the other streams' work of before the call
+    // (`after`), as the DMAs would on the copy stream.
+    for (ordinal, event) in &job.after {
+        let dev = CudaDevice::get(*ordinal)?;
+        dev.default_stream().wait_event(event)?;
+    }
+    let (mut copied, mut devices) = (0, Vec::new());
+    for e in 0..job.entries.len() {
+        let entry = &job.entries[e];
+        let ferry_tensor::Device::Cuda(ordinal) = entry.t.device() else {
+            continue;
+        };
+        let Ok(copy) = entry.t.copy() else {
+            break;
+        };
+        // The pieces stay as they were cut (the writer counts them): on the contiguous
+        // copy, a non-contiguous tensor's blocks are contiguous ones.
+        copied += copy.nbytes();
+        job.entries[e].t = copy;
+        release(job, e);
+        if !devices.contains(&ordinal) {
+            devices.push(ordinal);
+        }
+    }
+    // The DMAs come after the copies.
+    for ordinal in devices {
+        let event = CudaDevice::get(ordinal)?.default_stream().record()?;
+        job.ready.retain(|(o, _)| *o != ordinal);
+        job.ready.push((ordinal, event));
+    }
+    Ok(copied)
+}
+
+/// Queues `len` bytes of `from` from `start` into the batch's pinned buffer from 0: after
+/// `ready` alone when the buffer lives on the device's default stream, where `ready` was
+/// recorded (training's later work there only reads it); else after everything queued on its
+/// own stream so far.
+fn download(
+    batch: &mut PinnedBatch<'_>,
+    from: &DeviceBuffer,
+    start: usize,
+    len: usize,
+    ready: Option<&Event>,
+    dev: &CudaDevice,
+) -> Result<(), Stop> {
+    let queued = match ready {
+        Some(ready) if from.stream() == dev.default_stream() => {
+            batch.download_after(from, start, 0, len, ready)
+        }
+        _ => batch.download(from, start, 0, len),
+    };
+    queued.map_err(|e| TensorError::from(e).into())
 }
 
 /// Device pieces of the whole snapshot.

@@ -318,7 +318,7 @@ impl DeviceBuffer {
 
     /// [`DeviceBuffer::range`], the use ordered after `producers` when given (see
     /// [`DeviceBuffer::order_use_after`]).
-    fn range_after(
+    pub(crate) fn range_after(
         &self,
         op: &'static str,
         offset: usize,
