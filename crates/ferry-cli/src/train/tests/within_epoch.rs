@@ -85,9 +85,19 @@ fn checkpoints_inside_epochs_are_written_and_rotated_with_the_epoch_files() {
     std::fs::remove_dir_all(&out).ok();
 }
 
+/// How closely a resumed run must follow the straight one.
+#[derive(Clone, Copy, PartialEq)]
+enum Follows {
+    /// Bit for bit.
+    Exactly,
+    /// To rounding: the run is not bit-reproducible itself (the GPT's embedding gradients are
+    /// summed with atomics on the GPU, in whatever order the threads come).
+    ToRounding,
+}
+
 /// Trains `run` straight, deletes every checkpoint after `stop` (as if the run had been
 /// stopped there), resumes, and checks the resumed run ends as the straight one did.
-fn a_resume_from(run: TrainArgs, stop: &str, last: &str, trained_now: usize) {
+fn a_resume_from(run: TrainArgs, stop: &str, last: &str, trained_now: usize, follows: Follows) {
     let out = run.out_dir();
     let straight = train(&run).unwrap();
     let finished = weights(&out.join(last));
@@ -100,25 +110,41 @@ fn a_resume_from(run: TrainArgs, stop: &str, last: &str, trained_now: usize) {
     })
     .unwrap();
     assert_eq!(resumed.trained_now, trained_now);
-    // The stopped epoch's figures join the steps before the stop (from the checkpoint) with
-    // those after.
-    assert_eq!(resumed.history, straight.history);
-    assert_eq!(resumed.test_accuracy, straight.test_accuracy);
-    // Same batches, dropout masks, weights and moments: the same model and optimizer state.
-    assert_eq!(weights(&out.join(last)), finished);
+    let resumed_weights = weights(&out.join(last));
     std::fs::remove_dir_all(&out).ok();
+    if follows == Follows::Exactly {
+        // The stopped epoch's figures join the steps before the stop (from the checkpoint)
+        // with those after.
+        assert_eq!(resumed.history, straight.history);
+        assert_eq!(resumed.test_accuracy, straight.test_accuracy);
+        // Same batches, dropout masks, weights and moments: the same model and optimizer.
+        assert_eq!(resumed_weights, finished);
+        return;
+    }
+    for (a, b) in resumed.history.iter().zip(&straight.history) {
+        assert!((a.loss - b.loss).abs() < 1e-4, "{a:?} vs {b:?}");
+        assert!(
+            (a.test_accuracy - b.test_accuracy).abs() < 0.02,
+            "{a:?} vs {b:?}"
+        );
+    }
+    for ((name, a), (other, b)) in resumed_weights.iter().zip(&finished) {
+        assert_eq!(name, other);
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        assert!(worst < 1e-4, "{name}: {worst}");
+    }
 }
 
 #[test]
 fn a_resume_inside_an_epoch_repeats_the_run_that_never_stopped() {
     // Stopped after step 60 of the run, step 13 of epoch 2: the rest of it, and epoch 3.
     let run = every_ten(&scratch("every-resume"));
-    a_resume_from(
-        run,
-        "epoch-002-step-00013.safetensors",
-        "epoch-003.safetensors",
-        2,
-    );
+    let (stop, last) = ("epoch-002-step-00013.safetensors", "epoch-003.safetensors");
+    a_resume_from(run, stop, last, 2, Follows::Exactly);
 }
 
 #[test]
@@ -128,20 +154,12 @@ fn a_resume_inside_an_epoch_repeats_the_run_that_never_stopped_on_cuda() {
         device: Device::Cuda(0),
         ..every_ten(&scratch("every-resume-cuda"))
     };
-    a_resume_from(
-        run,
-        "epoch-002-step-00013.safetensors",
-        "epoch-003.safetensors",
-        2,
-    );
+    let (stop, last) = ("epoch-002-step-00013.safetensors", "epoch-003.safetensors");
+    a_resume_from(run, stop, last, 2, Follows::Exactly);
     // A GPT whose optimizer lives on the host: stopped after step 3 of epoch 2.
     let run = gpt_every_five(&scratch("every-resume-gpt"), Device::Cuda(0));
-    a_resume_from(
-        run,
-        "epoch-002-step-00003.safetensors",
-        "epoch-002.safetensors",
-        1,
-    );
+    let (stop, last) = ("epoch-002-step-00003.safetensors", "epoch-002.safetensors");
+    a_resume_from(run, stop, last, 1, Follows::ToRounding);
 }
 
 #[test]
