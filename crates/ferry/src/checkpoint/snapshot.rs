@@ -91,16 +91,31 @@ enum Dest {
     Own(PinnedBuffer),
 }
 
-/// A device piece whose DMA is queued.
+/// DMAs queued into one destination: a piece into a pinned buffer of its own, or pieces
+/// packed one after another into a ring slot (small tensors share a slot's trip).
 struct Flight {
-    entry: usize,
-    last: bool,
-    len: usize,
     dest: Dest,
+    /// In file order.
+    parts: Vec<Part>,
+    /// Bytes of the destination taken so far.
+    used: usize,
+}
+
+/// A device piece in a flight.
+struct Part {
+    entry: usize,
+    /// Whether it is its entry's last piece.
+    last: bool,
+    /// Where in the destination.
+    at: usize,
+    len: usize,
     /// A contiguous copy the piece is read from (a non-contiguous tensor's block), kept until
     /// its DMA is done.
     _scratch: Option<Tensor>,
 }
+
+/// Pieces packed into a slot start on this boundary.
+const PACK_ALIGN: usize = 256;
 
 /// The snapshot's work: entries in file order, their holds, and what the copies come after.
 pub(super) struct Job {
@@ -259,22 +274,27 @@ impl Snapshot {
                         &mut batch,
                         cuda_buffer(&guard, &source)?,
                         start,
+                        0,
                         len,
                         ready,
                         &dev,
                     )?;
                     batch.finish().map_err(TensorError::from)?;
                     drop(guard);
-                    self.flight.push_back(Flight {
+                    let part = Part {
                         entry: e,
                         last,
+                        at: 0,
                         len,
-                        dest: Dest::Own(own),
                         _scratch: scratch,
+                    };
+                    // Every piece's DMA is queued before the oldest is waited for (the
+                    // pinned budget bounds them): the copy engine never waits for this thread.
+                    self.flight.push_back(Flight {
+                        dest: Dest::Own(own),
+                        parts: vec![part],
+                        used: len,
                     });
-                    if self.flight.len() > SLOTS {
-                        self.retire(job, shared, tx)?;
-                    }
                     return Ok(());
                 }
                 // No room left in the pinned budget: this piece goes through the ring.
@@ -288,10 +308,31 @@ impl Snapshot {
             self.free = (0..ring.slots.len()).rev().collect();
             self.ring = Some(ring);
         }
-        while self.free.is_empty() {
-            self.retire(job, shared, tx)?;
+        let slot_len = self.ring.as_ref().map_or(0, Ring::slot_len);
+        // Into the slot filling last, after its pieces, when it has room; else a free slot.
+        let packed = match self.flight.back() {
+            Some(f) if matches!(f.dest, Dest::Slot(_)) => {
+                let at = f.used.next_multiple_of(PACK_ALIGN);
+                (at + len <= slot_len).then_some(at)
+            }
+            _ => None,
+        };
+        if packed.is_none() {
+            while self.free.is_empty() {
+                self.retire(job, shared, tx)?;
+            }
+            let slot = self.free.pop().expect("a slot is free");
+            self.flight.push_back(Flight {
+                dest: Dest::Slot(slot),
+                parts: Vec::new(),
+                used: 0,
+            });
         }
-        let slot = self.free.pop().expect("a slot is free");
+        let at = packed.unwrap_or(0);
+        let flight = self.flight.back_mut().expect("a flight was opened");
+        let Dest::Slot(slot) = flight.dest else {
+            unreachable!("pieces are packed into slots only")
+        };
         let ring = self.ring.as_mut().expect("the ring was made");
         let guard = source.storage().read();
         let from = cuda_buffer(&guard, &source)?;
@@ -299,44 +340,50 @@ impl Snapshot {
             Slot::Pinned(staging) => {
                 let mut batch = staging.batch(&stream).map_err(TensorError::from)?;
                 let ready = ready.map(|i| &job.ready[i].1);
-                download(&mut batch, from, start, len, ready, &dev)?;
+                download(&mut batch, from, start, at, len, ready, &dev)?;
                 batch.finish().map_err(TensorError::from)?;
             }
             Slot::Pageable(bytes) => {
                 // The driver's synchronous path: the bytes are there when this returns.
-                from.copy_to_host_at(start, &mut bytes[..len], &stream)
+                from.copy_to_host_at(start, &mut bytes[at..at + len], &stream)
                     .map_err(TensorError::from)?;
             }
         }
         drop(guard);
-        self.flight.push_back(Flight {
+        flight.used = at + len;
+        flight.parts.push(Part {
             entry: e,
             last,
+            at,
             len,
-            dest: Dest::Slot(slot),
             _scratch: scratch,
         });
         Ok(())
     }
 
-    /// Waits for the oldest DMA in flight, releases its tensor when that was its last piece,
-    /// and sends its bytes on (drained into pageable memory when they sit in a ring slot).
+    /// Waits for the oldest flight's DMAs, releases each tensor whose last piece it carried,
+    /// and sends its pieces on (drained into pageable memory when they sit in a ring slot).
     fn retire(&mut self, job: &mut Job, shared: &Shared, tx: &Sender<Chunk>) -> Result<(), Stop> {
         let flight = self.flight.pop_front().expect("a DMA is in flight");
-        self.done.device_bytes += flight.len;
-        let chunk = match flight.dest {
+        self.done.device_bytes += flight.parts.iter().map(|p| p.len).sum::<usize>();
+        match flight.dest {
             Dest::Own(own) => {
                 let started = Instant::now();
                 own.wait().map_err(TensorError::from)?;
                 self.done.dma_wait += started.elapsed();
-                if flight.last {
-                    release(job, flight.entry);
+                for part in &flight.parts {
+                    if part.last {
+                        release(job, part.entry);
+                    }
                 }
                 let held = own.block_size();
-                Chunk {
-                    bytes: Bytes::Pinned(own),
-                    held,
-                }
+                send(
+                    tx,
+                    Chunk {
+                        bytes: Bytes::Pinned(own),
+                        held,
+                    },
+                )
             }
             Dest::Slot(slot) => {
                 let ring = self.ring.as_ref().expect("a slot's ring exists");
@@ -346,18 +393,20 @@ impl Snapshot {
                     Slot::Pageable(v) => v.as_slice(),
                 };
                 self.done.dma_wait += started.elapsed();
-                // The bytes are in the save's own memory: the tensor may be written now.
-                if flight.last {
-                    release(job, flight.entry);
+                for part in &flight.parts {
+                    // The bytes are in the save's own memory: the tensor may be written now.
+                    if part.last {
+                        release(job, part.entry);
+                    }
+                    let started = Instant::now();
+                    let chunk = drained(&staged[part.at..part.at + part.len], shared)?;
+                    self.done.copy += started.elapsed();
+                    send(tx, chunk)?;
                 }
-                let started = Instant::now();
-                let chunk = drained(&staged[..flight.len], shared)?;
-                self.done.copy += started.elapsed();
                 self.free.push(slot);
-                chunk
+                Ok(())
             }
-        };
-        send(tx, chunk)
+        }
     }
 }
 
@@ -401,7 +450,7 @@ pub(super) fn copy_on_devices(job: &mut Job) -> Result<usize, TensorError> {
     Ok(copied)
 }
 
-/// Queues `len` bytes of `from` from `start` into the batch's pinned buffer from 0: after
+/// Queues `len` bytes of `from` from `start` into the batch's pinned buffer from `at`: after
 /// `ready` alone when the buffer lives on the device's default stream, where `ready` was
 /// recorded (training's later work there only reads it); else after everything queued on its
 /// own stream so far.
@@ -409,15 +458,16 @@ fn download(
     batch: &mut PinnedBatch<'_>,
     from: &DeviceBuffer,
     start: usize,
+    at: usize,
     len: usize,
     ready: Option<&Event>,
     dev: &CudaDevice,
 ) -> Result<(), Stop> {
     let queued = match ready {
         Some(ready) if from.stream() == dev.default_stream() => {
-            batch.download_after(from, start, 0, len, ready)
+            batch.download_after(from, start, at, len, ready)
         }
-        _ => batch.download(from, start, 0, len),
+        _ => batch.download(from, start, at, len),
     };
     queued.map_err(|e| TensorError::from(e).into())
 }

@@ -148,6 +148,7 @@ pub(super) enum Slot {
 /// pinned, or one pageable slot when the pinned budget has no room.
 pub(super) struct Ring {
     pub slots: Vec<Slot>,
+    slot_len: usize,
     held: usize,
 }
 
@@ -166,6 +167,7 @@ impl Ring {
                     meter.hold(slot_len);
                     return Ok(Self {
                         slots: vec![Slot::Pageable(vec![0; slot_len])],
+                        slot_len,
                         held: slot_len,
                     });
                 }
@@ -180,7 +182,16 @@ impl Ring {
             })
             .sum();
         meter.hold(held);
-        Ok(Self { slots, held })
+        Ok(Self {
+            slots,
+            slot_len,
+            held,
+        })
+    }
+
+    /// Bytes of each slot.
+    pub fn slot_len(&self) -> usize {
+        self.slot_len
     }
 
     /// Bytes the slots hold, as the pools size them.
