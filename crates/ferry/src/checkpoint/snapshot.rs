@@ -240,7 +240,7 @@ impl Snapshot {
                     let start = b.layout().offset() * elem;
                     (b, start, None)
                 } else {
-                    let c = b.copy()?;
+                    let c = ferry_tensor::with_no_grad(|| b.copy())?;
                     // The copy was queued on the default stream: the DMA comes after it.
                     stream
                         .wait_event(&dev.default_stream().record().map_err(TensorError::from)?)
@@ -429,7 +429,8 @@ pub(super) fn copy_on_devices(job: &mut Job) -> Result<usize, TensorError> {
         let ferry_tensor::Device::Cuda(ordinal) = entry.t.device() else {
             continue;
         };
-        let Ok(copy) = entry.t.copy() else {
+        // A plain copy: the snapshot is no part of any graph.
+        let Ok(copy) = ferry_tensor::with_no_grad(|| entry.t.copy()) else {
             break;
         };
         // The pieces stay as they were cut (the writer counts them): on the contiguous
