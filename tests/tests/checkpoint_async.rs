@@ -14,8 +14,16 @@ use crate::checkpoint::{awkward_dict, scratch};
 
 const SMALL: usize = 16 << 10;
 
+/// Each test's turn at saving: an error of a dropped save reaches the next `save_async` of the
+/// process, whichever test makes it, so the tests here save one at a time.
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Each memory mode, through a 16 KiB ring, writes the bytes a synchronous save writes.
 fn every_mode_writes_the_bytes_of_a_synchronous_save(device: Device) -> Result<()> {
+    let _turn = turn();
     let dir = scratch(&format!("modes-{device}"));
     let dict = awkward_dict(device)?;
     let reference = dir.join("reference.safetensors");
@@ -88,6 +96,7 @@ device_test!(
 /// for the tensor's copy, so the file holds the values of the moment of the call, and the
 /// tensor the new ones.
 fn a_write_after_the_call_waits_for_the_copy(device: Device) -> Result<()> {
+    let _turn = turn();
     for device_copy in [false, true] {
         a_write_after_the_call_waits_for_the_copy_with(device, device_copy)?;
     }
@@ -127,49 +136,10 @@ device_test!(
     a_write_after_the_call_waits_for_the_copy
 );
 
-/// Training's work queued after the call, which only reads the state, does not hold the
-/// snapshot back: the copies are ordered after the work of before the call alone. About half a
-/// second of matrix products is queued on the default stream right after the call; the
-/// snapshot of 8 MiB is taken while they still run.
-#[test]
-#[ignore = "needs a CUDA device"]
-fn the_snapshot_does_not_wait_for_work_queued_after_the_call() -> Result<()> {
-    use ferry::memory::cuda::CudaDevice;
-    let device = Device::Cuda(0);
-    let dev = CudaDevice::get(0).unwrap();
-    let dir = scratch("not-after");
-    let w = Tensor::full(&[2 << 20], 1.0, DType::F32, device)?;
-    let a = Tensor::randn(&[4096, 4096], DType::F32, device)?;
-    for device_copy in [false, true] {
-        dev.synchronize().unwrap();
-        let options = AsyncSaveOptions {
-            device_copy,
-            ..AsyncSaveOptions::default()
-        };
-        let state = vec![("w".to_string(), w.clone())];
-        let pending = checkpoint::save_async(dir.join("w.safetensors"), &state, options).unwrap();
-        // Reads of `w` and other work, as the next steps' forward and backward queue them.
-        let mut sum = w.sum()?;
-        for _ in 0..150 {
-            sum = sum.add(&a.matmul(&a)?.sum()?)?;
-        }
-        let queued = dev.default_stream().record().unwrap();
-        pending.wait_snapshot();
-        let busy = !queued.is_complete();
-        pending.wait().unwrap();
-        assert!(
-            busy,
-            "device copy {device_copy}: the snapshot waited for the work queued after the call"
-        );
-        drop(sum);
-    }
-    std::fs::remove_dir_all(&dir).ok();
-    Ok(())
-}
-
 /// An optimizer step right after the call (the training loop's case) leaves the file with
 /// the weights of the call.
 fn an_optimizer_step_after_the_call_leaves_the_file_whole(device: Device) -> Result<()> {
+    let _turn = turn();
     use ferry::optim::{AdamW, Optimizer};
     let dir = scratch(&format!("step-{device}"));
     let path = dir.join("step.safetensors");
@@ -199,6 +169,7 @@ device_test!(
 
 #[test]
 fn a_second_save_to_one_path_waits_for_the_first_and_lands_after_it() {
+    let _turn = turn();
     let dir = scratch("twice");
     let path = dir.join("t.safetensors");
     let big = |v: f32| {
@@ -225,6 +196,7 @@ fn a_second_save_to_one_path_waits_for_the_first_and_lands_after_it() {
 
 #[test]
 fn an_abandoned_save_leaves_the_target_and_its_dropped_error_reaches_the_next_save() {
+    let _turn = turn();
     let dir = scratch("abandon");
     let path = dir.join("a.safetensors");
     let t = |v: f64| {
@@ -276,6 +248,7 @@ fn an_abandoned_save_leaves_the_target_and_its_dropped_error_reaches_the_next_sa
 
 #[test]
 fn names_and_bounds_are_checked_at_the_call() {
+    let _turn = turn();
     let dir = scratch("checks");
     let t = Tensor::zeros(&[4], DType::F32, Device::Cpu).unwrap();
     let twice = vec![("t".to_string(), t.clone()), ("t".to_string(), t.clone())];
@@ -320,6 +293,7 @@ fn names_and_bounds_are_checked_at_the_call() {
 
 #[test]
 fn a_save_that_needs_confirming_is_renamed_only_once_confirmed() {
+    let _turn = turn();
     let dir = scratch("confirm");
     let path = dir.join("c.safetensors");
     let t = vec![(

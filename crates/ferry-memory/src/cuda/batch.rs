@@ -145,3 +145,64 @@ impl Drop for PinnedBatch<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::cuda::test_hooks::{SERIAL, hold};
+    use crate::cuda::{CudaDevice, Event, PinnedPool};
+
+    /// Whether `event` completes within `wait`.
+    fn completes(event: &Event, wait: Duration) -> bool {
+        let deadline = Instant::now() + wait;
+        while !event.is_complete() {
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// A download ordered after its producers' event runs while work queued on the source's
+    /// stream since (held there by a host function) has not: a checkpoint's snapshot beside
+    /// training's next steps. A plain download waits for that work.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn a_download_after_its_producers_runs_beside_later_work_on_their_stream() {
+        let _host_statistics = crate::host::tests::stats_turn();
+        let _serial = SERIAL.lock();
+        let dev = CudaDevice::get(0).unwrap();
+        // The buffer's own stream, held below: nothing else of the process queues there.
+        let home = dev.new_stream().unwrap();
+        let copies = dev.new_stream().unwrap();
+        let len = 1 << 20;
+        let src = dev.alloc_zeroed(len, &home).unwrap();
+        let ready = home.record().unwrap();
+        let held = hold(&home);
+        let pool = PinnedPool::global().unwrap();
+        let (mut after, mut plain) = (pool.alloc(len).unwrap(), pool.alloc(len).unwrap());
+        let mut batch = after.batch(&copies).unwrap();
+        batch.download_after(&src, 0, 0, len, &ready).unwrap();
+        batch.finish().unwrap();
+        let after_done = copies.record().unwrap();
+        let ran_beside = completes(&after_done, Duration::from_secs(10));
+        let mut batch = plain.batch(&copies).unwrap();
+        batch.download(&src, 0, 0, len).unwrap();
+        batch.finish().unwrap();
+        let plain_done = copies.record().unwrap();
+        let plain_waited = !completes(&plain_done, Duration::from_millis(200));
+        held.release();
+        assert!(
+            ran_beside,
+            "the download waited for work queued after its event"
+        );
+        assert!(
+            plain_waited,
+            "a plain download did not wait for the held stream"
+        );
+        assert!(plain.as_bytes().unwrap().iter().all(|&b| b == 0));
+        assert!(after.as_bytes().unwrap().iter().all(|&b| b == 0));
+    }
+}
