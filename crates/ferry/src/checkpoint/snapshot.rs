@@ -413,9 +413,12 @@ impl Snapshot {
 /// Copies every device tensor on its device, on its default stream, and lets go of it: called
 /// at the call ([`AsyncSaveOptions::device_copy`](super::AsyncSaveOptions::device_copy)), so
 /// the copies come right after the work queued before the call, and in-place writes never
-/// wait. Makes each device's `ready` event the one after its copies. Stops copying at the first
+/// wait. The contiguous tensors of one device and dtype are copied together into one buffer
+/// (`Tensor::cat`, a few launches for hundreds of tensors), each then read through a view of
+/// it; the others, or all where that buffer cannot be had, one by one, stopping at the first
 /// failure (device memory full, say): the tensors left are read in place as usual, their
-/// writes held off until their DMA. Returns the bytes copied.
+/// writes held off until their DMA. Makes each device's `ready` event the one after its
+/// copies. Returns the bytes copied.
 pub(super) fn copy_on_devices(job: &mut Job) -> Result<usize, TensorError> {
     // The copies wait on the default streams for the other streams' work of before the call
     // (`after`), as the DMAs would on the copy stream.
@@ -423,30 +426,73 @@ pub(super) fn copy_on_devices(job: &mut Job) -> Result<usize, TensorError> {
         let dev = CudaDevice::get(*ordinal)?;
         dev.default_stream().wait_event(event)?;
     }
-    let (mut copied, mut devices) = (0, Vec::new());
-    for e in 0..job.entries.len() {
-        let entry = &job.entries[e];
-        let ferry_tensor::Device::Cuda(ordinal) = entry.t.device() else {
-            continue;
-        };
-        // A plain copy: the snapshot is no part of any graph.
-        let Ok(copy) = ferry_tensor::with_no_grad(|| entry.t.copy()) else {
-            break;
-        };
-        // The pieces stay as they were cut (the writer counts them): on the contiguous
-        // copy, a non-contiguous tensor's blocks are contiguous ones.
-        copied += copy.nbytes();
-        job.entries[e].t = copy;
-        release(job, e);
-        if !devices.contains(&ordinal) {
-            devices.push(ordinal);
-        }
-    }
+    // A plain copy: the snapshot is no part of any graph.
+    let copied = ferry_tensor::with_no_grad(|| copy_grouped(job))?;
+    let mut devices: Vec<usize> = job
+        .entries
+        .iter()
+        .filter_map(|e| match e.t.device() {
+            ferry_tensor::Device::Cuda(ordinal) => Some(ordinal),
+            ferry_tensor::Device::Cpu => None,
+        })
+        .collect();
+    devices.sort_unstable();
+    devices.dedup();
     // The DMAs come after the copies.
     for ordinal in devices {
         let event = CudaDevice::get(ordinal)?.default_stream().record()?;
         job.ready.retain(|(o, _)| *o != ordinal);
         job.ready.push((ordinal, event));
+    }
+    Ok(copied)
+}
+
+/// [`copy_on_devices`]' copies: by group where it can, then one by one.
+fn copy_grouped(job: &mut Job) -> Result<usize, TensorError> {
+    let mut groups: Vec<((ferry_tensor::Device, ferry_tensor::DType), Vec<usize>)> = Vec::new();
+    for (e, entry) in job.entries.iter().enumerate() {
+        let t = &entry.t;
+        if !t.device().is_cuda() || !t.is_contiguous() || t.numel() == 0 {
+            continue;
+        }
+        let key = (t.device(), t.dtype());
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, members)) => members.push(e),
+            None => groups.push((key, vec![e])),
+        }
+    }
+    let mut copied = 0;
+    for (_, members) in groups.iter().filter(|(_, m)| m.len() > 1) {
+        let flat = members
+            .iter()
+            .map(|&e| job.entries[e].t.reshape(&[job.entries[e].t.numel()]))
+            .collect::<ferry_tensor::Result<Vec<_>>>()?;
+        let Ok(together) = Tensor::cat(&flat.iter().collect::<Vec<_>>(), 0) else {
+            continue; // no room for one buffer: one by one below
+        };
+        let mut start = 0;
+        for &e in members {
+            let t = &job.entries[e].t;
+            let view = together.narrow(0, start, t.numel())?.reshape(t.shape())?;
+            start += t.numel();
+            copied += view.nbytes();
+            // The pieces stay as they were cut: the view is laid out as the tensor was.
+            job.entries[e].t = view;
+            release(job, e);
+        }
+    }
+    for e in 0..job.entries.len() {
+        let entry = &job.entries[e];
+        if !entry.t.device().is_cuda() || entry.released {
+            continue;
+        }
+        let Ok(copy) = entry.t.copy() else {
+            break;
+        };
+        // On the contiguous copy, a non-contiguous tensor's blocks are contiguous ones.
+        copied += copy.nbytes();
+        job.entries[e].t = copy;
+        release(job, e);
     }
     Ok(copied)
 }
