@@ -244,6 +244,14 @@ impl Trainer {
             // Every replica reads the same checkpoint: models and optimizers start equal.
             (Some(dir), Start::Resume) => resumed = dir.resume(model, opt, ema.as_deref_mut())?,
         }
+        // Resumed from an epoch's end: its export may be an earlier epoch's (a kill between
+        // the epoch's two files), and nothing else rewrites it if no epoch is left to train.
+        if let (Some(dir), Some(r), true) = (&run_dir, &resumed, lead)
+            && r.within.is_none()
+            && !r.history.is_empty()
+        {
+            dir.export(&*model, ema.as_deref(), r.history.len())?;
+        }
         let (mut history, skipped, mut within) = resumed
             .as_ref()
             .map_or((Vec::new(), Vec::new(), None), |r: &Resumed| {

@@ -154,7 +154,7 @@ impl RunDir {
         let mark = Mark::end_of(epoch);
         let epoch_file = run_checkpoint(mark, state, history)
             .save_async(self.file(mark), AsyncSaveOptions::default())?;
-        let model_file = Checkpoint::from_tensors(shipped_state(state.model, state.ema))
+        let model_file = exported(state.model, state.ema, epoch)
             .save_async(self.dir.join(MODEL_FILE), AsyncSaveOptions::default())?;
         Ok(RunSave {
             mark,
@@ -177,6 +177,19 @@ impl RunDir {
             mark: at.mark(),
             files: vec![file],
         })
+    }
+
+    /// Writes the exported model anew (and waits for it), from `model` and `ema` as a resume
+    /// from the end of `epoch` restored them: the two files of an epoch land one after the
+    /// other, so a run killed between them left the export of an earlier epoch.
+    pub fn export(
+        &self,
+        model: &dyn Module,
+        ema: Option<&Ema>,
+        epoch: usize,
+    ) -> Result<(), TrainError> {
+        exported(model, ema, epoch).save(self.dir.join(MODEL_FILE))?;
+        Ok(())
     }
 
     /// Waits until a checkpoint's files are in place, then deletes older checkpoints beyond
@@ -234,6 +247,13 @@ fn run_checkpoint(mark: Mark, state: RunState<'_>, history: &[EpochStats]) -> Ch
     }
     ck.set_metadata("epoch", mark.epoch.to_string());
     ck.set_metadata("history", history::encode(history));
+    ck
+}
+
+/// The exported model of the end of `epoch` (its number in the metadata).
+fn exported(model: &dyn Module, ema: Option<&Ema>, epoch: usize) -> Checkpoint {
+    let mut ck = Checkpoint::from_tensors(shipped_state(model, ema));
+    ck.set_metadata("epoch", epoch.to_string());
     ck
 }
 

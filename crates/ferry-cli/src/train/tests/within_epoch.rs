@@ -162,6 +162,31 @@ fn a_resume_inside_an_epoch_repeats_the_run_that_never_stopped_on_cuda() {
     a_resume_from(run, stop, last, 1, Follows::ToRounding);
 }
 
+/// A kill between an epoch's file and its export leaves the export of the epoch before: a
+/// resume from that epoch's end writes it anew, even with nothing left to train.
+#[test]
+fn a_resume_rewrites_the_export_a_kill_left_behind() {
+    let (out, earlier) = (scratch("export-behind"), scratch("export-behind-1"));
+    train(&args(&out, 2)).unwrap();
+    let exported = weights(&out.join("model.safetensors"));
+    train(&args(&earlier, 1)).unwrap();
+    std::fs::copy(
+        earlier.join("model.safetensors"),
+        out.join("model.safetensors"),
+    )
+    .unwrap();
+    assert_ne!(weights(&out.join("model.safetensors")), exported);
+    let resumed = train(&TrainArgs {
+        resume: true,
+        ..args(&out, 2)
+    })
+    .unwrap();
+    assert_eq!(resumed.trained_now, 0);
+    assert_eq!(weights(&out.join("model.safetensors")), exported);
+    std::fs::remove_dir_all(&out).ok();
+    std::fs::remove_dir_all(&earlier).ok();
+}
+
 #[test]
 fn checkpoints_inside_epochs_and_data_parallel_are_refused_together() {
     let out = scratch("every-ddp");
