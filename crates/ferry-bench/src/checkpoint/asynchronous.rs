@@ -526,3 +526,44 @@ fn to_json(m: &Measured, base: f64) -> Value {
         "peak_pinned_bytes": r.peak_pinned_bytes,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pytorch_save_reads_as_a_row_against_its_own_step_and_this_runs_link_and_disk() {
+        let save = json!({
+            "mode": "PyTorch pinned snapshot + thread (again)",
+            "stall_ms": 178.7,
+            "snapshot_s": 0.18,
+            "elapsed_s": 10.0,
+            "overlapped_step_ms": [120.0, 90.0],
+            "peak_pinned_bytes": 9257.0 * 1048576.0,
+        });
+        let row = pytorch_row(&save, 9.0e9, 100.0, 50.0e9, 1.8e9);
+        assert_eq!(row[0], "PyTorch pinned snapshot + thread (again)");
+        assert_eq!(row[1], "178.70");
+        // Two steps beside the save, against PyTorch's own step of 100 ms.
+        assert_eq!((row[2].as_str(), row[3].as_str()), ("2", "1.050x"));
+        assert_eq!(row[4], "1.20x");
+        // 9 GB in 0.18 s against a 50 GB/s link; in 10 s against a 1.8 GB/s disk.
+        assert_eq!(row[6], "50.00 (100%)");
+        assert_eq!(row[7], "0.90 (50%)");
+        assert_eq!(row[9], "9257");
+        // torch.save from the GPU stops training for the whole save: no steps beside it.
+        let blocking = json!({
+            "mode": "PyTorch torch.save from GPU (first)",
+            "stall_ms": 1000.0,
+            "snapshot_s": 1.0,
+            "elapsed_s": 1.0,
+            "overlapped_step_ms": [],
+            "peak_pinned_bytes": 0,
+        });
+        let row = pytorch_row(&blocking, 9.0e9, 100.0, 50.0e9, 1.8e9);
+        assert_eq!(
+            (row[2].as_str(), row[3].as_str(), row[4].as_str()),
+            ("0", "-", "-")
+        );
+    }
+}
