@@ -357,10 +357,9 @@ impl Trainer {
                         opt: &*opt,
                         ema: ema.as_deref(),
                     };
-                    if let Some(previous) = writing.take() {
-                        dir.finish(previous, self.keep)?;
-                    }
-                    writing = Some(dir.save_within(&at, state, &history)?);
+                    dir.next(&mut writing, self.keep, |d| {
+                        d.save_within(&at, state, &history)
+                    })?;
                 }
             }
             if let Some(ddp) = &ddp {
@@ -386,10 +385,9 @@ impl Trainer {
                     opt: &*opt,
                     ema: ema.as_deref(),
                 };
-                if let Some(previous) = writing.take() {
-                    dir.finish(previous, self.keep)?;
-                }
-                writing = Some(dir.save_epoch(epoch, state, &history)?);
+                dir.next(&mut writing, self.keep, |d| {
+                    d.save_epoch(epoch, state, &history)
+                })?;
             }
             observer
                 .epoch_ended(&EpochEnd {

@@ -192,6 +192,21 @@ impl RunDir {
         Ok(())
     }
 
+    /// Waits for the checkpoint being written, if any (see [`RunDir::finish`]), then starts
+    /// the next one with `save`: one checkpoint of the run is written at a time.
+    pub fn next(
+        &self,
+        writing: &mut Option<RunSave>,
+        keep: usize,
+        save: impl FnOnce(&Self) -> Result<RunSave, TrainError>,
+    ) -> Result<(), TrainError> {
+        if let Some(previous) = writing.take() {
+            self.finish(previous, keep)?;
+        }
+        *writing = Some(save(self)?);
+        Ok(())
+    }
+
     /// Waits until a checkpoint's files are in place, then deletes older checkpoints beyond
     /// the newest `keep` (see [`RunDir::rotate`]).
     pub fn finish(&self, save: RunSave, keep: usize) -> Result<(), TrainError> {

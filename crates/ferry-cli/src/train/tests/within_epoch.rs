@@ -6,7 +6,7 @@ use std::path::Path;
 
 use ferry::checkpoint;
 
-use super::{Device, Task, TrainArgs, args, scratch, train};
+use super::{Device, Task, TrainArgs, args, epoch_files, scratch, train};
 
 /// The digits run of these tests: 3 epochs of 47 steps, a checkpoint every 10 steps.
 fn every_ten(out: &Path) -> TrainArgs {
@@ -53,16 +53,6 @@ fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
     out
 }
 
-fn names(out: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(out)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("epoch-"))
-        .collect();
-    names.sort();
-    names
-}
-
 #[test]
 fn checkpoints_inside_epochs_are_written_and_rotated_with_the_epoch_files() {
     let out = scratch("every-keep");
@@ -73,7 +63,7 @@ fn checkpoints_inside_epochs_are_written_and_rotated_with_the_epoch_files() {
     .unwrap();
     // Steps 130 and 140 of the run are steps 36 and 46 of epoch 3; then its end.
     assert_eq!(
-        names(&out),
+        epoch_files(&out),
         [
             "epoch-003-step-00036.safetensors",
             "epoch-003-step-00046.safetensors",
@@ -101,7 +91,7 @@ fn a_resume_from(run: TrainArgs, stop: &str, last: &str, trained_now: usize, fol
     let out = run.out_dir();
     let straight = train(&run).unwrap();
     let finished = weights(&out.join(last));
-    for name in names(&out).into_iter().filter(|n| n.as_str() > stop) {
+    for name in epoch_files(&out).into_iter().filter(|n| n.as_str() > stop) {
         std::fs::remove_file(out.join(name)).unwrap();
     }
     let resumed = train(&TrainArgs {
@@ -240,6 +230,9 @@ fn a_run_killed_at_any_moment_resumes_to_the_uninterrupted_end() {
     // Each one left by a save a kill cut short.
     let mut temporaries = std::collections::BTreeSet::new();
     let mut finished = false;
+    // Starts in a row that left no newer checkpoint: on a loaded machine a child may need
+    // longer than the shortest delays to get anywhere, so those grow until it does.
+    let (mut newest, mut stuck) = (None, 0u64);
     for k in 0..400u64 {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--ignored", "--exact", "--nocapture"])
@@ -251,8 +244,9 @@ fn a_run_killed_at_any_moment_resumes_to_the_uninterrupted_end() {
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         assert!(lines.any(|l| l.is_ok_and(|l| l.contains("FERRY_TRAINING"))));
-        // 0 to 40 ms after it starts: while it resumes, steps, or saves.
-        std::thread::sleep(std::time::Duration::from_millis(k * 7 % 41));
+        // 0 to 40 ms after it starts (while it resumes, steps, or saves), and 20 ms more for
+        // each start in a row that got nowhere.
+        std::thread::sleep(std::time::Duration::from_millis(k * 7 % 41 + stuck * 20));
         if child.try_wait().unwrap().is_none() {
             child.kill().unwrap();
             kills += 1;
@@ -274,6 +268,10 @@ fn a_run_killed_at_any_moment_resumes_to_the_uninterrupted_end() {
             finished = true;
             break;
         }
+        // Names sort as the run's places: `epoch-003-step-...` before `epoch-003.`.
+        let now = epoch_files(&dir).pop();
+        stuck = if now == newest { stuck + 1 } else { 0 };
+        newest = now;
     }
     assert!(finished, "the run never got to its end in 400 starts");
     let resumed = train(&killed_run(&dir)).unwrap();
