@@ -84,11 +84,16 @@ def test_blocking_moves_read_what_torch_queued_before_them(side_stream):
     with torch.cuda.stream(stream):
         x = zeros_behind_a_long_kernel()
         x.fill_(2.0)
+        small = torch.full((1000,), 2.0, device="cuda")
         host = ferry.cpu(x)
         chunked = ferry.to_chunked(x.view(-1, 1024), "cpu", chunks=4)
-        sd = ferry.move_state_dict({"x": x}, "cpu")
+        # x crosses as soon as it is added (on ferry's copy stream), the small ones packed
+        torch.cuda._sleep(SLEEP)
+        x.fill_(2.0)
+        sd = ferry.move_state_dict({"small": small, "x": x, "x2": x[: N // 2]}, "cpu")
         x.fill_(3.0)
-    for out in (host, chunked.view(-1), sd["x"]):
+        small.fill_(3.0)
+    for out in (host, chunked.view(-1), sd["x"], sd["x2"], sd["small"]):
         assert bool((out == 2.0).all())
 
 

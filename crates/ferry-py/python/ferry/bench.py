@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer-rows", metavar="LIST",
                         help="only the --optimizer-offload rows whose names contain one of these "
                              "comma-separated words (besides AdamW on the GPU)")
+    parser.add_argument("--state-dicts-only", action="store_true",
+                        help="with --models: only the state-dict rows (default 30 samples after 5)")
     parser.add_argument("--profile", metavar="MODEL",
                         help="profile one ferry offload step of MODEL (with or without --models)")
     args = parser.parse_args(argv)
