@@ -520,3 +520,86 @@ def test_a_memory_target_keeps_what_backward_needs_first(host_offload, monkeypat
     assert scope.stats["prefetched"] + scope.stats["fetched_on_demand"] == 3
     with pytest.raises(ValueError, match="max_device_bytes"):
         ferry.offload_saved(max_device_bytes=-1)
+
+
+def test_a_scope_entered_again_keeps_room_for_what_backward_allocates(host_offload, monkeypatch):
+    """The target holds at each save, but the step allocates more after the last (the loss;
+    stubbed here as one activation's bytes after the forward): the scope reads the step's peak
+    at the end of backward and, entered again for the next step, keeps that much room at its
+    saves, so the step's peak comes under the target. It resets torch's peak statistic when
+    entered with a peak above the target, to read the next step's own."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(32, 64)
+    activation = 32 * 64 * 4
+    scope = ferry.offload_saved(min_bytes=0, max_device_bytes=3 * activation)
+    memory = {"loss": 0, "peak": 0}
+
+    def allocated(device=None):
+        records = [r() for r in scope._saved]
+        now = memory["loss"] + sum(r.nbytes for r in records if r is not None and r.original is not None)
+        memory["peak"] = max(memory["peak"], now)
+        return now
+
+    def reset(device=None):
+        memory["peak"] = 0
+        memory["peak"] = allocated()
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: memory["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    offloaded, peaks = [], []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with scope:
+            loss = model(x).square().mean()
+        offloaded.append(scope.stats["offloaded"])
+        memory["loss"] = activation  # what the step holds beyond the saves, for a moment
+        allocated()
+        memory["loss"] = 0
+        loss.backward()
+        peaks.append(memory["peak"])
+        del loss
+    # The first step kept three on the device and went one activation over; from then on the
+    # scope keeps that room: two kept, four offloaded, the peak at the target (measured on its
+    # own after the reset the scope made when entered again).
+    assert offloaded == [3, 4, 4]
+    assert scope.stats["headroom_bytes"] == activation
+    assert peaks == [4 * activation, 3 * activation, 3 * activation]
+    # Each step's records only: the list starts afresh once the last step's graph is gone.
+    assert len(scope._saved) == 6
+
+
+def test_a_scope_lets_go_of_its_pinned_blocks_when_backward_ends(host_offload, monkeypatch):
+    """Copies still running when the scope last looked keep their pinned blocks listed; at the
+    end of backward the scope waits for them and lets go, so a scope entered again next step
+    does not hold a step's worth of pinned memory in between (seen on the H200: 10 GiB)."""
+    running = []
+
+    class Slow(_Event):  # reports running until waited for
+        def __init__(self):
+            self.done = False
+            running.append(self)
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    monkeypatch.setattr(torch.cuda, "Event", Slow)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    scope = ferry.offload_saved(min_bytes=0)
+    for _ in range(2):
+        with scope:
+            loss = model(torch.randn(32, 64)).square().mean()
+        assert scope.stats["offloaded"] == 4 and len(scope._releasing) > 0
+        loss.backward()
+        assert len(scope._releasing) == 0
+        assert all(event.done for event in running)

@@ -284,7 +284,10 @@ def _offload_rows(plain_peak: int, saved: int, base: int) -> list:
         above = max(0, int(plain_peak - saved * thirds / 3))
         target = base + above
         label = f"ferry max_device_bytes=start+{above / GIB:.2f} GiB (peak - {thirds}/3 saved)"
-        rows.append((label, lambda target=target: ferry.offload_saved(max_device_bytes=target)))
+        # One scope for every step of the row, as a training loop would use it: it learns
+        # from the warmup step what the step allocates after its saves.
+        scope = ferry.offload_saved(max_device_bytes=target)
+        rows.append((label, lambda scope=scope: scope))
     return rows
 
 

@@ -149,11 +149,24 @@ class offload_saved:
     (``torch.cuda.memory_allocated``) is within the target, and once it is above, the oldest
     ones kept are offloaded first, so what backward needs first (the last saved) stays on the
     GPU and only the copies the target requires are paid for. The forward waits for a copy to
-    complete only when allocated memory is above the target while copies still hold it. The
-    target holds at each save: what the step allocates after the last one (the loss and its
-    gradient, the first backward ops) comes on top of it (measured on the H200: a ViT-B/16
-    within 0.4 GiB of the target, GPT-2 2.7 to 4.5 GiB above it, the logits over its 50,257-token
-    vocabulary and their gradient). ``stats`` counts what happened::
+    complete only when allocated memory is above the target while copies still hold it. What
+    the step allocates after the last save (the loss and its gradient, the first backward ops)
+    comes on top of the memory at the saves: GPT-2's loss over its 50,257-token vocabulary takes
+    the step 2.7 GiB above a target met at every save. So at the end of backward the scope reads
+    the step's peak (``torch.cuda.max_memory_allocated``), and a scope used again for the next
+    step keeps as much more room at its saves as the step went over (``stats["headroom_bytes"]``):
+    enter the same scope every step for the step's peak to come under the target from the second
+    step on. To read a step's own peak, the scope resets torch's peak statistic
+    (``torch.cuda.reset_peak_memory_stats``) when entered while the peak so far is above the
+    target::
+
+        scope = ferry.offload_saved(max_device_bytes=40 << 30)
+        for x in batches:
+            with scope:
+                loss = model(x).square().mean()
+            loss.backward()
+
+    ``stats`` counts what happened in the scope's last step::
 
         with ferry.offload_saved() as scope:
             loss = model(x).square().mean()
@@ -173,20 +186,14 @@ class offload_saved:
         self._ahead = 0  # bytes uploaded ahead of their use, not used yet
         self.in_flight = in_flight
         self.max_device_bytes = max_device_bytes
-        self.stats = {
-            "offloaded": 0,
-            "offloaded_bytes": 0,
-            "shared": 0,
-            "kept": 0,
-            "kept_under_target": 0,
-            "kept_under_target_bytes": 0,
-            "kept_over_budget": 0,
-            "prefetched": 0,
-            "fetched_on_demand": 0,
-            "read_in_place": 0,
-            "ahead_peak_bytes": 0,
-            "waited_for_target": 0,
-        }
+        # Room kept below the target at the saves for what the step allocates after them, and
+        # the highest allocated memory seen in this step; learnt across steps of this scope.
+        self._headroom = 0
+        self._peak = 0
+        self._steps = 0
+        self._unused = 0  # records of this step backward has not read yet
+        self._device = None  # the GPU of the records, once one is saved
+        self.stats = self._fresh_stats()
         # Weak: a saved tensor lives as long as torch's graph holds it, not as long as the scope.
         self._saved: list[weakref.ref] = []
         self._seen: dict = {}
@@ -201,8 +208,35 @@ class offload_saved:
         self._leaving = 0
         self._hooks = None
 
+    def _fresh_stats(self) -> dict:
+        return {
+            "offloaded": 0,
+            "offloaded_bytes": 0,
+            "shared": 0,
+            "kept": 0,
+            "kept_under_target": 0,
+            "kept_under_target_bytes": 0,
+            "kept_over_budget": 0,
+            "prefetched": 0,
+            "fetched_on_demand": 0,
+            "read_in_place": 0,
+            "ahead_peak_bytes": 0,
+            "waited_for_target": 0,
+            "headroom_bytes": self._headroom,
+        }
+
     def __enter__(self) -> offload_saved:
         torch = _torch()
+        if self._steps:
+            self._next_step()
+        self._steps += 1
+        if self.max_device_bytes is not None:
+            if self._device is None and torch.cuda.is_initialized():
+                self._device = torch.device("cuda", torch.cuda.current_device())
+            # A peak from before this step would hide this step's own.
+            if (self._device is not None
+                    and torch.cuda.max_memory_allocated(self._device) > self.max_device_bytes):
+                torch.cuda.reset_peak_memory_stats(self._device)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -220,6 +254,30 @@ class offload_saved:
                 self.stats["kept_under_target_bytes"] += record.nbytes
         self._kept.clear()
         return False
+
+    def _next_step(self) -> None:
+        """Entered again: the last step's overshoot of the target becomes room kept at the
+        saves, and the counts start afresh."""
+        if self._unused:
+            # Backward did not read every record (or has not run): what it would have done.
+            self._end_of_backward()
+        if self.max_device_bytes is not None and self._peak > self.max_device_bytes:
+            over = self._peak - self.max_device_bytes
+            self._headroom = min(self.max_device_bytes, self._headroom + over)
+        self._peak = 0
+        self._unused = 0
+        self.stats = self._fresh_stats()
+        # What a step without backward (or with a graph dropped unused) left listed.
+        self.settle(wait=True)
+        # Records of the last step's graph are gone once its backward has run: start the list
+        # afresh then (prefetching walks it by index).
+        if all(ref() is None for ref in self._saved):
+            self._saved = []
+
+    def _end_of_backward(self) -> None:
+        self.settle(wait=True)
+        if self.max_device_bytes is not None and self._device is not None:
+            self._peak = max(self._peak, _torch().cuda.max_memory_allocated(self._device))
 
     def __del__(self):
         # Copies still running hold pinned blocks of ferry's pool: let them finish first.
@@ -300,8 +358,10 @@ class offload_saved:
         allocated memory itself is still above it."""
         cuda = _torch().cuda
 
+        target = self.max_device_bytes - self._headroom
+
         def over() -> int:
-            return cuda.memory_allocated(device) - self.max_device_bytes
+            return cuda.memory_allocated(device) - target
 
         while self._kept and over() > self._leaving:
             record = self._kept.popleft()()
@@ -324,6 +384,8 @@ class offload_saved:
             return seen[1]
         self.settle()
         saved = _Saved(len(self._saved), self, t)
+        self._unused += 1
+        self._device = t.device
         self._saved.append(weakref.ref(saved))
         self._seen[key] = (weakref.ref(t), saved)
         if self.max_device_bytes is None:
@@ -356,6 +418,13 @@ class offload_saved:
         self.settle()
         if not saved.used:
             saved.used = True
+            self._unused -= 1
+            if self._unused == 0:
+                # The step's last record: once backward is over, the pinned blocks of the
+                # copies and uploads still listed go back to ferry's pool (a scope used again
+                # for the next step would hold them until then; one used once, until it is
+                # garbage).
+                _torch().autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             offloaded = saved.host is not None
             if saved.on_device is None:
                 self.stats["fetched_on_demand"] += offloaded
