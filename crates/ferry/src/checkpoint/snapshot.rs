@@ -428,21 +428,10 @@ pub(super) fn copy_on_devices(job: &mut Job) -> Result<usize, TensorError> {
     }
     // A plain copy: the snapshot is no part of any graph.
     let copied = ferry_tensor::with_no_grad(|| copy_grouped(job))?;
-    let mut devices: Vec<usize> = job
-        .entries
-        .iter()
-        .filter_map(|e| match e.t.device() {
-            ferry_tensor::Device::Cuda(ordinal) => Some(ordinal),
-            ferry_tensor::Device::Cpu => None,
-        })
-        .collect();
-    devices.sort_unstable();
-    devices.dedup();
-    // The DMAs come after the copies.
-    for ordinal in devices {
-        let event = CudaDevice::get(ordinal)?.default_stream().record()?;
-        job.ready.retain(|(o, _)| *o != ordinal);
-        job.ready.push((ordinal, event));
+    // The DMAs come after the copies: each device's `ready` event (there is one per device
+    // with tensors, recorded at the call) is recorded anew behind them.
+    for (ordinal, event) in &mut job.ready {
+        *event = CudaDevice::get(*ordinal)?.default_stream().record()?;
     }
     Ok(copied)
 }
