@@ -414,6 +414,33 @@ fn verify_checks_every_checksum_without_loading_and_names_the_damage() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `read_metadata` reads what a file says of itself from its header alone, less ferry's
+/// checksum record; a file cut inside its header is an error naming it, not a panic.
+#[test]
+fn read_metadata_reads_the_header_alone() {
+    let dir = scratch("metadata");
+    let path = dir.join("m.safetensors");
+    let mut ck = Checkpoint::from_tensors(mlp(DType::F32, Device::Cpu).unwrap().state_dict());
+    ck.set_metadata("epoch", "7");
+    ck.save(&path).unwrap();
+    let meta = checkpoint::read_metadata(&path).unwrap();
+    assert_eq!(
+        meta.into_iter().collect::<Vec<_>>(),
+        vec![("epoch".to_string(), "7".to_string())]
+    );
+    // Only the header matters: the tensors' bytes may be anything.
+    let first = tensor_bytes(&path, "0.weight").start;
+    damage(&path, |b| b[first] ^= 0xff);
+    assert!(checkpoint::read_metadata(&path).is_ok());
+    damage(&path, |b| b.truncate(20));
+    let err = checkpoint::read_metadata(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("m.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Names of the files in `dir`.
 fn listing(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)

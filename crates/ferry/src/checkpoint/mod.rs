@@ -105,6 +105,15 @@ pub fn verify(path: impl AsRef<Path>) -> Result<Verified, CheckpointError> {
     read::verify_file(path.as_ref())
 }
 
+/// The metadata of the safetensors file at `path` (less ferry's checksum record), reading only
+/// its header: what a file says of itself (an epoch, a step) without reading its tensors. The
+/// header is checked against the file's length as [`load`] does.
+pub fn read_metadata(
+    path: impl AsRef<Path>,
+) -> Result<std::collections::BTreeMap<String, String>, CheckpointError> {
+    read::read_metadata(path.as_ref())
+}
+
 /// Reads every tensor of a safetensors file onto the host, in file order.
 pub fn load(path: impl AsRef<Path>) -> Result<StateDict, CheckpointError> {
     Ok(Checkpoint::load(path)?.tensors)

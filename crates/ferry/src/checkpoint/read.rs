@@ -155,6 +155,11 @@ fn open(path: &Path) -> Result<Opened<'_>, CheckpointError> {
     })
 }
 
+/// The metadata of the file at `path`, less ferry's checksum record: its header alone is read.
+pub(super) fn read_metadata(path: &Path) -> Result<BTreeMap<String, String>, CheckpointError> {
+    Ok(open(path)?.metadata)
+}
+
 /// Every tensor of the file at `path` (in file order) and its metadata, less ferry's checksum
 /// record. When the file carries the record, every tensor and the header are verified.
 pub(super) fn read_file(

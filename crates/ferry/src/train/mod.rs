@@ -246,9 +246,11 @@ impl Trainer {
         }
         // Resumed from an epoch's end: its export may be an earlier epoch's (a kill between
         // the epoch's two files), and nothing else rewrites it if no epoch is left to train.
+        // Its header says which epoch it holds: rewritten only when that is not this one.
         if let (Some(dir), Some(r), true) = (&run_dir, &resumed, lead)
             && r.within.is_none()
             && !r.history.is_empty()
+            && !dir.export_is_of(r.history.len())
         {
             dir.export(&*model, ema.as_deref(), r.history.len())?;
         }

@@ -179,6 +179,13 @@ impl RunDir {
         })
     }
 
+    /// Whether the exported model is the one of the end of `epoch` (its metadata says so; a
+    /// file that cannot be read is not).
+    pub fn export_is_of(&self, epoch: usize) -> bool {
+        crate::checkpoint::read_metadata(self.dir.join(MODEL_FILE))
+            .is_ok_and(|meta| meta.get("epoch") == Some(&epoch.to_string()))
+    }
+
     /// Writes the exported model anew (and waits for it), from `model` and `ema` as a resume
     /// from the end of `epoch` restored them: the two files of an epoch land one after the
     /// other, so a run killed between them left the export of an earlier epoch.

@@ -173,6 +173,22 @@ fn a_resume_rewrites_the_export_a_kill_left_behind() {
     .unwrap();
     assert_eq!(resumed.trained_now, 0);
     assert_eq!(weights(&out.join("model.safetensors")), exported);
+    // The export now holds the last epoch (its header says so): a resume leaves it as it is.
+    let meta = ferry::checkpoint::read_metadata(out.join("model.safetensors")).unwrap();
+    assert_eq!(meta.get("epoch").map(String::as_str), Some("2"));
+    let written = std::fs::metadata(out.join("model.safetensors"))
+        .and_then(|m| m.modified())
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    train(&TrainArgs {
+        resume: true,
+        ..args(&out, 2)
+    })
+    .unwrap();
+    let after = std::fs::metadata(out.join("model.safetensors"))
+        .and_then(|m| m.modified())
+        .unwrap();
+    assert_eq!(after, written, "a current export was written again");
     std::fs::remove_dir_all(&out).ok();
     std::fs::remove_dir_all(&earlier).ok();
 }
