@@ -548,9 +548,11 @@ def test_a_scope_entered_again_keeps_room_for_what_backward_allocates(host_offlo
         memory["peak"] = 0
         memory["peak"] = allocated()
 
+    from ferry import offload
+
     monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: memory["peak"])
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(offload, "_peak_allocated", lambda device: memory["peak"])
+    monkeypatch.setattr(offload, "_reset_peak", reset)
     offloaded, peaks = [], []
     for _ in range(3):
         model.zero_grad(set_to_none=True)

@@ -44,6 +44,17 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _peak_allocated(device) -> int | None:
+    """torch's peak allocated memory on GPU ``device`` since its last reset; None for no GPU."""
+    if device is None or device.type != "cuda":
+        return None
+    return _torch().cuda.max_memory_allocated(device)
+
+
+def _reset_peak(device) -> None:
+    _torch().cuda.reset_peak_memory_stats(device)
+
+
 class _Saved:
     """One saved activation: on the GPU (``original``) until its copy to pinned host memory
     (``host``) has completed, then only on the host until backward brings it back
@@ -234,9 +245,9 @@ class offload_saved:
             if self._device is None and torch.cuda.is_initialized():
                 self._device = torch.device("cuda", torch.cuda.current_device())
             # A peak from before this step would hide this step's own.
-            if (self._device is not None
-                    and torch.cuda.max_memory_allocated(self._device) > self.max_device_bytes):
-                torch.cuda.reset_peak_memory_stats(self._device)
+            peak = _peak_allocated(self._device)
+            if peak is not None and peak > self.max_device_bytes:
+                _reset_peak(self._device)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -276,8 +287,8 @@ class offload_saved:
 
     def _end_of_backward(self) -> None:
         self.settle(wait=True)
-        if self.max_device_bytes is not None and self._device is not None:
-            self._peak = max(self._peak, _torch().cuda.max_memory_allocated(self._device))
+        if self.max_device_bytes is not None:
+            self._peak = max(self._peak, _peak_allocated(self._device) or 0)
 
     def __del__(self):
         # Copies still running hold pinned blocks of ferry's pool: let them finish first.
