@@ -368,7 +368,6 @@ class offload_saved:
         already running will free, is above the target; then waits for running copies while
         allocated memory itself is still above it."""
         cuda = _torch().cuda
-
         target = self.max_device_bytes - self._headroom
 
         def over() -> int:
@@ -435,7 +434,11 @@ class offload_saved:
                 # copies and uploads still listed go back to ferry's pool (a scope used again
                 # for the next step would hold them until then; one used once, until it is
                 # garbage).
-                _torch().autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                try:
+                    _torch().autograd.Variable._execution_engine.queue_callback(
+                        self._end_of_backward)
+                except RuntimeError:  # read outside a backward pass (a saved tensor inspected)
+                    self._end_of_backward()
             offloaded = saved.host is not None
             if saved.on_device is None:
                 self.stats["fetched_on_demand"] += offloaded
