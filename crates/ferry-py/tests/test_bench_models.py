@@ -130,24 +130,6 @@ def test_target_rows_are_absolute_and_between_start_and_peak(host_offload):  # n
             if "max_device_bytes" in label] == [base, base]
 
 
-def test_the_table_says_whether_the_goals_are_met():
-    run = lambda ms, peak: {"status": "ok", "ms": [ms], "forward_ms": [ms / 3],  # noqa: E731
-                            "backward_ms": [2 * ms / 3], "peak_bytes": [peak]}
-    result = {"name": "m", "what": "w", "batch": "b", "parameters": 1e6, "saved_bytes": 3 << 30,
-              "saved_storages": 9, "forward_ms": 100.0, "backward_ms": 200.0,
-              "offloaded_bytes": 3 << 30, "kept_over_budget": 0, "pinned_budget": 4 << 30,
-              "bound_ms": 1000.0,
-              "rows": {"no offload": run(300, 4 << 30), "ferry.offload_saved()": run(1100, 1 << 30),
-                       "t": {"status": "OOM"}}}
-    table = bench_models._offload_table(result)
-    assert any("ferry step 1.10x it (goal <= 1.15x): met." in line for line in table)
-    assert "| ferry.offload_saved() | 1100 | 3.67x | 367 | 733 | 1.00 | 100% |" in table
-    assert "| t | OOM | | | | | |" in table
-    result["bound_ms"] = 900.0
-    assert any("1.22x it (goal <= 1.15x): not met." in line
-               for line in bench_models._offload_table(result))
-
-
 def test_the_models_bench_runs_end_to_end_on_tiny_models(cuda_stubbed, monkeypatch, tmp_path,
                                                          capsys):
     build = bench_models.build
