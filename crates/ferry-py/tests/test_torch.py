@@ -280,11 +280,7 @@ def test_to_async_lands_while_torch_computes():
 
 @cuda
 def test_offload_saved_gives_the_same_gradients_and_frees_gpu_memory():
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(1024, 1024), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers).cuda()
+    model = tanh_mlp(4, 1024).cuda()
     x = torch.randn(4096, 1024, device="cuda")
 
     def step(offload):
@@ -330,11 +326,7 @@ def test_offload_saved_leaves_nothing_behind_when_the_host_runs_ahead():
     import gc
     import weakref
 
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(1024, 1024), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers).cuda()
+    model = tanh_mlp(4, 1024).cuda()
     x = torch.randn(4096, 1024, device="cuda")
     model(x).square().mean().backward()
     expected = [p.grad.clone() for p in model.parameters()]
@@ -391,6 +383,16 @@ class _Stream:
         pass
 
 
+def tanh_mlp(blocks: int = 6, width: int = 64):
+    """``blocks`` of Linear(width, width) and tanh, seeded: each tanh output is one saved
+    activation."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(blocks):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
 @pytest.fixture
 def host_offload(monkeypatch):
     """offload_saved's bookkeeping on host tensors: streams and events stubbed out, host
@@ -419,11 +421,7 @@ def host_offload(monkeypatch):
 def test_offload_bookkeeping_on_host_tensors(host_offload):
     import weakref
 
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(6):
-        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
+    model = tanh_mlp()
     x = torch.randn(32, 64)
     model(x).square().mean().backward()
     expected = [p.grad.clone() for p in model.parameters()]
@@ -466,11 +464,7 @@ def test_offload_bookkeeping_on_host_tensors(host_offload):
 
 @pytest.mark.parametrize("prefetch,prefetch_bytes,ahead", [(1, 0, 1), (2, 0, 2), (1, 3 * 32 * 64 * 4, 3), (1, 1 << 30, 5)])
 def test_backward_uploads_ahead_by_count_and_by_bytes(host_offload, prefetch, prefetch_bytes, ahead):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(6):
-        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
+    model = tanh_mlp()
     x = torch.randn(32, 64)
     with ferry.offload_saved(min_bytes=0, prefetch=prefetch, prefetch_bytes=prefetch_bytes) as scope:
         loss = model(x).square().mean()
@@ -488,11 +482,7 @@ def test_a_memory_target_keeps_what_backward_needs_first(host_offload, monkeypat
     bytes of the records still holding their device tensor."""
     from ferry import offload
 
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(6):
-        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
+    model = tanh_mlp()
     x = torch.randn(32, 64)
     model(x).square().mean().backward()
     expected = [p.grad.clone() for p in model.parameters()]
@@ -528,11 +518,7 @@ def test_a_scope_entered_again_keeps_room_for_what_backward_allocates(host_offlo
     at the end of backward and, entered again for the next step, keeps that much room at its
     saves, so the step's peak comes under the target. It resets torch's peak statistic when
     entered with a peak above the target, to read the next step's own."""
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(6):
-        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
+    model = tanh_mlp()
     x = torch.randn(32, 64)
     activation = 32 * 64 * 4
     scope = ferry.offload_saved(min_bytes=0, max_device_bytes=3 * activation)
@@ -593,10 +579,7 @@ def test_a_scope_lets_go_of_its_pinned_blocks_when_backward_ends(host_offload, m
             self.done = True
 
     monkeypatch.setattr(torch.cuda, "Event", Slow)
-    layers = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers)
+    model = tanh_mlp(4)
     scope = ferry.offload_saved(min_bytes=0)
     for _ in range(2):
         with scope:
