@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::memory::{Device, MemoryError};
 use ferry::tensor::{Buffer, Storage};
-use ferry::{Layout, Tensor};
+use ferry::{DType, Layout, Tensor};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -128,18 +128,31 @@ pub fn empty_pinned(
                 "empty_pinned: a {dtype} tensor of shape {shape:?} is too large to allocate"
             ))
         })?;
-        let block = py.detach(|| PinnedPool::global().and_then(|pool| pool.alloc(bytes)));
-        let block = match block {
-            Ok(block) => block,
-            Err(MemoryError::PinnedBudgetExceeded { .. }) => return Ok(None),
-            Err(err) => return Err(to_py(err.into())),
-        };
-        let storage = Storage::new(Buffer::Pinned(block), dtype, Device::Cpu);
-        let tensor =
-            Tensor::from_storage(Arc::new(storage), Layout::contiguous(&shape)).map_err(to_py)?;
-        Ok(Some(PyTensor {
-            inner: tensor,
+        let tensor = py
+            .detach(|| pinned_tensor(&shape, dtype, bytes))
+            .map_err(to_py)?;
+        Ok(tensor.map(|inner| PyTensor {
+            inner,
             ordered_by_caller,
         }))
     })
+}
+
+/// An uninitialised host tensor of `shape` and `dtype` (`bytes` in all) over a block of ferry's
+/// pinned pool; `None` when the pinned budget has no room.
+pub(crate) fn pinned_tensor(
+    shape: &[usize],
+    dtype: DType,
+    bytes: usize,
+) -> ferry::Result<Option<Tensor>> {
+    let block = match PinnedPool::global().and_then(|pool| pool.alloc(bytes)) {
+        Ok(block) => block,
+        Err(MemoryError::PinnedBudgetExceeded { .. }) => return Ok(None),
+        Err(err) => return Err(err.into()),
+    };
+    let storage = Storage::new(Buffer::Pinned(block), dtype, Device::Cpu);
+    Ok(Some(Tensor::from_storage(
+        Arc::new(storage),
+        Layout::contiguous(shape),
+    )?))
 }

@@ -10,12 +10,12 @@
 //! the link idle while it ran (130 us of a 6.7 ms ViT-B/16 state dict on the H200).
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, OnceLock};
 
-use ferry::memory::cuda::{CudaDevice, Event, PinnedPool, Stream};
-use ferry::memory::{Device, MemoryError};
-use ferry::tensor::{Buffer, Layout, Storage};
+use ferry::memory::Device;
+use ferry::memory::cuda::{CudaDevice, Event, Stream};
+use ferry::tensor::Buffer;
 use ferry::{DeviceMove, MoveOptions, Tensor, TensorError, TransferPath};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyRuntimeError;
@@ -24,6 +24,7 @@ use pyo3::types::PyDict;
 
 use crate::dlpack::{self, Misaligned};
 use crate::errors::{guarded, to_py};
+use crate::memory::pinned_tensor;
 use crate::moves::{copy_stream, gpu_of, source_device};
 use crate::order::{self, TorchStream};
 use crate::tensor::{PyReport, PyTensor, parse_device};
@@ -305,18 +306,17 @@ fn download_beside(
     if t.layout().offset() != 0 || from.len() != t.nbytes() {
         return Ok(None);
     }
-    let mut pinned = match PinnedPool::global()?.alloc(t.nbytes()) {
-        Ok(pinned) => pinned,
-        Err(MemoryError::PinnedBudgetExceeded { .. }) => return Ok(None),
-        Err(e) => return Err(e.into()),
+    let Some(out) = pinned_tensor(t.shape(), t.dtype(), t.nbytes())? else {
+        return Ok(None);
     };
-    from.copy_to_pinned_async_after(&mut pinned, stream, producers)?;
-    drop(guard);
-    let storage = Storage::new(Buffer::Pinned(pinned), t.dtype(), Device::Cpu);
-    Ok(Some(Tensor::from_storage(
-        Arc::new(storage),
-        Layout::contiguous(t.shape()),
-    )?))
+    {
+        let mut landing = out.storage().write();
+        let Buffer::Pinned(to) = &mut *landing else {
+            unreachable!("pinned_tensor is over a pinned block");
+        };
+        from.copy_to_pinned_async_after(to, stream, producers)?;
+    }
+    Ok(Some(out))
 }
 
 /// Drops imported tensors on a thread kept for it (starting a thread per call costs tens of
