@@ -270,7 +270,8 @@ class offload_saved:
         """Entered again: the last step's overshoot of the target becomes room kept at the
         saves, and the counts start afresh."""
         if self._unused:
-            # Backward did not read every record (or has not run): what it would have done.
+            # Backward did not read every record (or has not run, or its graph was dropped
+            # unused): what its end would have done.
             self._end_of_backward()
         if self.max_device_bytes is not None and self._peak > self.max_device_bytes:
             over = self._peak - self.max_device_bytes
@@ -278,8 +279,6 @@ class offload_saved:
         self._peak = 0
         self._unused = 0
         self.stats = self._fresh_stats()
-        # What a step without backward (or with a graph dropped unused) left listed.
-        self.settle(wait=True)
         # Records of the last step's graph are gone once its backward has run: start the list
         # afresh then (prefetching walks it by index).
         if all(ref() is None for ref in self._saved):
