@@ -95,6 +95,13 @@ impl PyOffloadAdamW {
         })
     }
 
+    /// Blocks (without the GIL) until parameter `i`'s landing tensor may be written: the step
+    /// thread has read the last gradient handed over for it.
+    fn wait_landing(&self, py: Python<'_>, i: usize) {
+        let inner = &self.inner;
+        py.detach(|| inner.wait_landing(i));
+    }
+
     /// The handle of the gradient stream (for `torch.cuda.ExternalStream`).
     fn gradient_stream(&self) -> u64 {
         self.inner.gradient_stream().handle()

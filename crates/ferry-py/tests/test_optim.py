@@ -34,10 +34,10 @@ def _groups(model, lr):
     ]
 
 
-def _loss(model, seed):
+def _loss(model, seed, batch=32):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dtype = next(model.parameters()).dtype
-    x = torch.randn(32, 64, device="cuda", generator=g).to(dtype)
+    x = torch.randn(batch, model[0].in_features, device="cuda", generator=g).to(dtype)
     return model(x).float().pow(2).mean()
 
 
@@ -204,3 +204,41 @@ def test_the_delayed_update_computes_with_weights_one_step_behind():
     for p, q in zip(history[-1], model.parameters()):
         assert torch.allclose(p, q.detach(), rtol=1e-5, atol=1e-7)
     assert float(opt.state_dict()["state"][0]["step"]) == 4.0
+
+
+@cuda
+def test_the_delayed_update_never_lands_a_gradient_on_one_not_yet_stepped():
+    # A wide model at a tiny batch: the CPU's passes take longer than forward and backward, so
+    # the step thread runs a step behind and the next gradient of a parameter comes while the
+    # last one still waits in its landing tensor. Run back to back, each gradient must still
+    # be applied once, as torch's AdamW applies the gradients at the delayed run's weights.
+    def wide():
+        torch.manual_seed(5)
+        return torch.nn.Sequential(
+            torch.nn.Linear(1024, 2048), torch.nn.Tanh(),
+            torch.nn.Linear(2048, 2048), torch.nn.Tanh(),
+            torch.nn.Linear(2048, 8),
+        ).to("cuda")
+
+    steps = 6
+    model = wide()
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, delayed_update=True)
+    for step in range(steps):
+        _loss(model, step, batch=4).backward()
+        opt.step()
+    opt.flush()
+
+    reference, scratch = wide(), wide()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, foreach=False)
+    history = [[p.detach().clone() for p in reference.parameters()]]
+    for step in range(steps):
+        with torch.no_grad():
+            for s, w in zip(scratch.parameters(), history[max(step - 1, 0)]):
+                s.copy_(w)
+        scratch.zero_grad()
+        _loss(scratch, step, batch=4).backward()
+        for p, q in zip(reference.parameters(), scratch.parameters()):
+            p.grad = q.grad.clone()
+        ref_opt.step()
+        history.append([p.detach().clone() for p in reference.parameters()])
+    _close(reference, model, rtol=1e-5)

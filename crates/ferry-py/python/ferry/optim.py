@@ -145,6 +145,9 @@ class OffloadAdamW(_optimizer_base()):
         grad = p.grad
         if grad is None:
             return
+        # With the delayed update the CPU may still be stepping this parameter's last gradient
+        # out of the landing tensor: the copy waits until it has been read.
+        self._engine.wait_landing(i)
         self._down.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._down):
             self._landing[i].copy_(grad, non_blocking=True)

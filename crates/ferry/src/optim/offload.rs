@@ -109,6 +109,10 @@ pub struct StepTimeline {
     pub busy: Duration,
     /// Time the upload thread spent taking parameters' storage and queuing their uploads.
     pub queuing: Duration,
+    /// Time backward's hooks were held because the step thread had not yet read a parameter's
+    /// last gradient (the delayed update running more than a step behind: the CPU's passes
+    /// take longer than forward and backward).
+    pub held: Duration,
     /// When `step()` returned.
     pub returned: Option<Instant>,
 }
@@ -126,6 +130,9 @@ struct Flight {
     /// Delayed update: parameters let go of by backward whose previous step is still running,
     /// so their upload is owed; `step` waits for these (the next forward reads them).
     owed: usize,
+    /// Per parameter: a gradient was handed over whose landing buffer the step thread has not
+    /// read yet, so the next gradient's copy into it must wait.
+    unread: Vec<bool>,
 }
 
 /// One parameter's place in the delayed update.
@@ -273,6 +280,7 @@ impl OffloadAdamW {
         }
         let device = ferry_memory::cuda::CudaDevice::get(ordinal)?;
         let pending = (0..params.len()).map(|_| Mutex::default()).collect();
+        let unread = vec![false; params.len()];
         let shared = Arc::new(Shared {
             params,
             down: device.new_stream()?,
@@ -288,7 +296,10 @@ impl OffloadAdamW {
                 delayed: false,
                 steps: 0,
             }),
-            flight: Mutex::new(Flight::default()),
+            flight: Mutex::new(Flight {
+                unread,
+                ..Flight::default()
+            }),
             drained: Condvar::new(),
             pending,
             error: Mutex::new(None),
@@ -381,6 +392,18 @@ impl OffloadAdamW {
     /// [`OffloadAdamW::fed`]). `None` past the last parameter.
     pub fn landing(&self, i: usize) -> Option<Tensor> {
         self.shared.slots.get(i).map(|s| s.lock().landing.clone())
+    }
+
+    /// Blocks until parameter `i`'s [`landing`](Self::landing) tensor may be written again:
+    /// the step thread has read the last gradient handed over for it. A caller of
+    /// [`fed`](Self::fed) calls it before queuing each gradient's copy (with the delayed update
+    /// the step thread may still be a step behind; otherwise it returns at once). Returns the
+    /// time it waited.
+    pub fn wait_landing(&self, i: usize) -> Duration {
+        if i >= self.shared.params.len() {
+            return Duration::ZERO;
+        }
+        self.shared.wait_unread(i)
     }
 
     /// The copy stream the gradients go down on.

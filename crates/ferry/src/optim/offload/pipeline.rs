@@ -46,6 +46,9 @@ impl Shared {
             let grad = ferry_tensor::with_no_grad(|| grad.to_dtype(param.dtype())?.contiguous())?;
             return self.send_down(i, &grad, queue);
         }
+        // The step thread may not have read this parameter's last gradient yet (with the
+        // delayed update it may run a step behind): its landing buffer is written after.
+        self.wait_unread(i);
         {
             let slot = self.slots[i].lock();
             let guard = grad.storage().read();
@@ -79,7 +82,11 @@ impl Shared {
         queue: &Sender<Sent>,
     ) -> Result<()> {
         widen(&mut self.timeline.lock().sent, Instant::now());
-        self.flight.lock().stepping += 1;
+        {
+            let mut flight = self.flight.lock();
+            flight.stepping += 1;
+            flight.unread[index] = true;
+        }
         let t = self.hyper.lock().steps + 1;
         self.pending[index].lock().sent = t;
         let sent = Sent {
@@ -89,7 +96,10 @@ impl Shared {
             landed,
         };
         if queue.send(sent).is_err() {
-            self.finish_one();
+            self.settle(|f| {
+                f.stepping -= 1;
+                f.unread[index] = false;
+            });
             return Err(invalid("OffloadAdamW", "the step thread has ended".into()));
         }
         Ok(())
@@ -103,6 +113,19 @@ impl Shared {
     pub(super) fn settle(&self, change: impl FnOnce(&mut Flight)) {
         change(&mut self.flight.lock());
         self.drained.notify_all();
+    }
+
+    /// Blocks until the step thread has read parameter `i`'s landing buffer (at once when it
+    /// holds no unread gradient); the time waited is counted in the timeline.
+    pub(super) fn wait_unread(&self, i: usize) -> Duration {
+        if !self.flight.lock().unread[i] {
+            return Duration::ZERO;
+        }
+        let began = Instant::now();
+        self.wait(|f| !f.unread[i]);
+        let held = began.elapsed();
+        self.timeline.lock().held += held;
+        held
     }
 
     /// Blocks until `done` holds of the flight.
@@ -299,7 +322,10 @@ pub(super) fn work(
 ) {
     while let Ok(sent) = landed.recv() {
         let delayed = shared.hyper.lock().delayed;
-        let outcome = match pool.install(|| shared.step_one(&sent)) {
+        let stepped_one = pool.install(|| shared.step_one(&sent));
+        // Its landing buffer is read (or never will be): the next gradient may land in it.
+        shared.settle(|f| f.unread[sent.index] = false);
+        let outcome = match stepped_one {
             Err(err) => {
                 shared.abandon(sent.index, sent.t);
                 Err(err)

@@ -305,3 +305,70 @@ fn the_delayed_update_steps_gradients_of_weights_one_step_behind() {
         "master weights",
     );
 }
+
+/// A wide model at a tiny batch: the CPU's passes take longer than forward and backward, so
+/// with the delayed update the step thread runs a step behind, and backward's next gradient
+/// for a parameter comes while the last one still waits in its landing buffer. Run back to
+/// back, the steps must still apply each gradient once, as AdamW does: the hook holds the new
+/// gradient until the last one has been read (the timeline counts the time held).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_delayed_update_never_lands_a_gradient_on_one_not_yet_stepped() {
+    let gpu = Device::Cuda(0);
+    let wide = || -> Result<Sequential> {
+        manual_seed(11);
+        let mut model = Sequential::new()
+            .push(Linear::new(1024, 2048, Device::Cpu)?)
+            .push(ReLU)
+            .push(Linear::new(2048, 2048, Device::Cpu)?)
+            .push(ReLU)
+            .push(Linear::new(2048, 8, Device::Cpu)?);
+        model.to(gpu)?;
+        Ok(model)
+    };
+    let input = |step: u64| {
+        manual_seed(400 + step);
+        Tensor::randn(&[4, 1024], DType::F32, gpu).unwrap()
+    };
+    const STEPS: u64 = 6;
+    let offloaded = wide().unwrap();
+    let mut offload = OffloadAdamW::new(offloaded.parameters(), 1e-3)
+        .unwrap()
+        .delayed_update(true);
+    let mut held = Duration::ZERO;
+    for step in 0..STEPS {
+        loss(&offloaded, &input(step)).unwrap().backward().unwrap();
+        offload.step().unwrap();
+        held += offload.last_timeline().held;
+    }
+    offload.flush(None).unwrap();
+
+    // AdamW applying, at step k, the gradient at the weights of step k - 1.
+    let (reference, mut scratch) = (wide().unwrap(), wide().unwrap());
+    let mut adamw = AdamW::new(reference.parameters(), 1e-3).unwrap();
+    // The weights after each step, copied (a state dict shares the parameters' storage).
+    let snapshot = |model: &Sequential| -> StateDict {
+        let state = model.state_dict().into_iter();
+        state.map(|(k, t)| (k, t.copy().unwrap())).collect()
+    };
+    let mut history = vec![snapshot(&reference)];
+    for step in 0..STEPS {
+        scratch
+            .load_state_dict(&history[step.saturating_sub(1) as usize])
+            .unwrap();
+        for p in scratch.parameters() {
+            p.set_grad(None);
+        }
+        loss(&scratch, &input(step)).unwrap().backward().unwrap();
+        for (p, q) in reference.parameters().iter().zip(scratch.parameters()) {
+            p.set_grad(q.grad());
+        }
+        adamw.step().unwrap();
+        history.push(snapshot(&reference));
+    }
+    assert_near(
+        &weights(&reference),
+        &weights(&offloaded),
+        &format!("after {STEPS} steps run back to back (hooks held {held:?})"),
+    );
+}
