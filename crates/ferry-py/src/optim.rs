@@ -31,7 +31,7 @@ impl PyOffloadAdamW {
     /// order), its state on the host; `stream` is torch's current stream there, which the
     /// initial copy of the weights to the host is ordered after.
     #[new]
-    #[pyo3(signature = (params, lr, betas, eps, weight_decay, delayed_update=false, stream=None))]
+    #[pyo3(signature = (params, lr, betas, eps, weight_decay, delayed_update=false, hold_gradients=false, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -41,6 +41,7 @@ impl PyOffloadAdamW {
         eps: f64,
         weight_decay: f64,
         delayed_update: bool,
+        hold_gradients: bool,
         stream: Option<u64>,
     ) -> PyResult<Self> {
         guarded(|| {
@@ -73,7 +74,8 @@ impl PyOffloadAdamW {
                             .betas(betas.0, betas.1)
                             .eps(eps)
                             .weight_decay(weight_decay)
-                            .delayed_update(delayed_update),
+                            .delayed_update(delayed_update)
+                            .hold_gradients(hold_gradients),
                     )
                 })
                 .map_err(to_py)?;
@@ -137,6 +139,30 @@ impl PyOffloadAdamW {
             };
             self.inner.gradient_queued(i, adam).map_err(to_py)
         })
+    }
+
+    /// Clips the gradients held for this step to a global norm of `max_norm`; their norm
+    /// before. An error without held gradients.
+    fn clip_grad_norm(&self, py: Python<'_>, max_norm: f64) -> PyResult<f64> {
+        guarded(|| {
+            let inner = &self.inner;
+            py.detach(|| inner.clip_grad_norm(max_norm)).map_err(to_py)
+        })
+    }
+
+    /// Multiplies the gradients held for this step by `factor`; whether any holds an infinity
+    /// or a NaN. An error without held gradients.
+    fn scale_grads(&self, py: Python<'_>, factor: f64) -> PyResult<bool> {
+        guarded(|| {
+            let inner = &self.inner;
+            py.detach(|| inner.scale_grads(factor)).map_err(to_py)
+        })
+    }
+
+    /// Drops the gradients held since the last step (nothing without held gradients).
+    fn zero_grad(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.detach(|| inner.zero_grad());
     }
 
     /// Waits for the steps of every gradient handed over, then makes torch's stream `stream`

@@ -242,3 +242,46 @@ def test_the_delayed_update_never_lands_a_gradient_on_one_not_yet_stepped():
         ref_opt.step()
         history.append([p.detach().clone() for p in reference.parameters()])
     _close(reference, model, rtol=1e-5)
+
+
+@cuda
+def test_held_gradients_accumulate_clip_and_skip_an_overflow_as_torch_adamw_does():
+    # Two backward passes a step, the global norm clipped (small enough that steps clip), and a
+    # step whose loss is infinite skipped after unscaling: torch's AdamW on .grad beside it.
+    torch.manual_seed(0)
+    model = _model()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, hold_gradients=True)
+    scale, clipped = 256.0, 0
+    for step in range(4):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        overflow = float("inf") if step == 2 else 1.0
+        for m in (reference, model):
+            for k in range(2):
+                (_loss(m, 10 * step + k) * overflow * scale).backward()
+        assert all(p.grad is None for p in model.parameters())
+        found = opt.scale_grads_(1 / scale)
+        for p in reference.parameters():
+            p.grad.div_(scale)
+        ref_found = not all(torch.isfinite(p.grad).all() for p in reference.parameters())
+        assert found == ref_found == (step == 2)
+        if found:
+            continue
+        norm = opt.clip_grad_norm_(0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item()
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
+        clipped += ref_norm > 0.05
+        ref_opt.step()
+        opt.step()
+        _close(reference, model, rtol=1e-5)
+    assert clipped > 0
+    assert float(opt.state_dict()["state"][0]["step"]) == 3.0
+
+
+@cuda
+def test_clipping_without_held_gradients_names_the_fix():
+    opt = OffloadAdamW(_model().parameters(), lr=1e-3)
+    with pytest.raises(ferry.FerryError, match="hold_gradients=True"):
+        opt.clip_grad_norm_(1.0)

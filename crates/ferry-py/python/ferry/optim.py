@@ -18,11 +18,16 @@ memory, and the GPU keeps only the parameters (fp32, bf16 or f16). How a step ru
   ``.grad`` was set some other way, and makes torch's current stream wait on the device for the
   uploads: the next forward reads the new weights, and the host never waits for the copies.
 
-What differs from ``torch.optim.AdamW``: gradients are consumed by backward (read them, to clip
-or log, in a hook registered before this optimizer's, or compute the norm inside the loss), so
-``GradScaler`` and ``clip_grad_norm_`` after ``backward()`` see no gradients (bf16 autocast needs
-no scaler); accumulating gradients over several backward passes before one step is not supported
-(the second gradient in a step raises at ``step()``); the learning rate and other hyperparameters
+What differs from ``torch.optim.AdamW``: gradients are consumed by backward, so
+``torch.nn.utils.clip_grad_norm_`` and torch's ``GradScaler`` after ``backward()`` see no
+gradients. For clipping, loss scaling or accumulating gradients over several backward passes,
+build it with ``hold_gradients=True``: each gradient is then added (in f32) to one held in host
+memory for the step, and ``clip_grad_norm_(max_norm)`` and ``scale_grads_(factor)`` (unscaling:
+``1 / scale``; it returns whether a gradient holds an infinity or a NaN, so the step can be
+skipped, as ``GradScaler`` does) act on the held gradients, their global norm taken on the host
+as they landed; the CPU steps run at ``step()`` (after backward, or beside the next step's with
+the delayed update) and cost 4 host bytes per parameter. Without it, a second gradient in one
+step raises at ``step()``. The learning rate and other hyperparameters
 of a group are read when its gradients arrive, so a scheduler's change applies from the next
 backward, as it does for torch's AdamW; bias correction counts the optimizer's steps (torch
 counts each parameter's: they differ for a parameter left without a gradient in some step).
@@ -59,7 +64,11 @@ class OffloadAdamW(_optimizer_base()):
 
     ``delayed_update=True``: ``step()`` returns without waiting for the CPU, whose steps run
     beside the next forward and backward; those compute with the weights of one step earlier
-    (ZeRO-Offload's delayed parameter update). ``flush()`` brings the weights up to date."""
+    (ZeRO-Offload's delayed parameter update). ``flush()`` brings the weights up to date.
+
+    ``hold_gradients=True``: gradients add up in host memory until ``step()``, for clipping
+    (``clip_grad_norm_``), loss scaling (``scale_grads_``) and accumulation over several
+    backward passes (see the module docs)."""
 
     def __init__(
         self,
@@ -72,6 +81,7 @@ class OffloadAdamW(_optimizer_base()):
         amsgrad: bool = False,
         maximize: bool = False,
         delayed_update: bool = False,
+        hold_gradients: bool = False,
     ):
         torch = _torch()
         if amsgrad or maximize:
@@ -117,6 +127,7 @@ class OffloadAdamW(_optimizer_base()):
             [_source(p)[0] for p in self._params],
             *_hyper(self.param_groups[0]),
             delayed_update=bool(delayed_update),
+            hold_gradients=bool(hold_gradients),
             stream=torch.cuda.current_stream(self._device).cuda_stream,
         )
         self._landing = [to_torch(self._engine.landing(i)) for i in range(len(self._params))]
@@ -155,6 +166,12 @@ class OffloadAdamW(_optimizer_base()):
         p.grad = None
         self._engine.gradient_queued(i, *_hyper(self._group[i]))
 
+    def _send_set_gradients(self):
+        """Gradients that came without a backward (set by hand) go down now."""
+        for i, p in enumerate(self._params):
+            if p.grad is not None:
+                self._send(p, i)
+
     def step(self, closure=None):
         """Waits for the CPU steps of this step's gradients; the next forward reads the new
         weights (torch's current stream waits for their uploads on the device)."""
@@ -163,12 +180,28 @@ class OffloadAdamW(_optimizer_base()):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Gradients that came without a backward (set by hand) go down now.
-        for i, p in enumerate(self._params):
-            if p.grad is not None:
-                self._send(p, i)
+        self._send_set_gradients()
         self._engine.step(torch.cuda.current_stream(self._device).cuda_stream)
         return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scales the gradients held for this step (``hold_gradients=True``) to a global L2 norm
+        of at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does to ``.grad``s, and
+        returns their norm before (``inf`` or ``nan`` leave them as they are)."""
+        self._send_set_gradients()
+        return self._engine.clip_grad_norm(float(max_norm))
+
+    def scale_grads_(self, factor: float) -> bool:
+        """Multiplies the gradients held for this step (``hold_gradients=True``) by ``factor``
+        and returns whether any of them holds an infinity or a NaN: with a loss scaled by ``s``,
+        ``if opt.scale_grads_(1 / s): opt.zero_grad()`` (skip the step) ``else: opt.step()``."""
+        self._send_set_gradients()
+        return self._engine.scale_grads(float(factor))
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Drops the gradients: those on the parameters, and those held for this step."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._engine.zero_grad()
 
     def flush(self):
         """Waits for the CPU's steps and uploads the weights the delayed update holds back (after

@@ -2,12 +2,12 @@
 
 use std::borrow::Borrow;
 
-use ferry_tensor::{DType, Device, Result, Tensor, TensorError};
+use ferry_tensor::{DType, Result, Tensor, TensorError};
 use ferry_transfer::StateDict;
 
 use crate::checkpoint::CheckpointError;
 use crate::nn::check_state;
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, scale_grads};
 
 /// Dynamic loss scaling: backward from `loss · scale` so that small `f16` gradients do not
 /// flush to zero, gradients divided by `scale` before the step, steps with an infinity or a
@@ -159,12 +159,16 @@ impl GradScaler {
         loss.mul_scalar(self.scale)
     }
 
-    /// Divides every gradient of the optimizer's parameters by the scale (each gradient is
-    /// replaced by the divided copy) and records whether any of them holds an infinity or a
-    /// NaN, which it returns. At most once per iteration: [`step`](Self::step) calls it when
-    /// it was not called.
+    /// Divides this step's gradients by the scale ([`Optimizer::scale_grads`]: each
+    /// parameter's `.grad()` is replaced by the divided copy, or the optimizer divides the
+    /// gradients it holds) and records whether any of them holds an infinity or a NaN, which
+    /// it returns. At most once per iteration: [`step`](Self::step) calls it when it was not
+    /// called.
     pub fn unscale(&mut self, optimizer: &dyn Optimizer) -> Result<bool> {
-        self.unscale_params(optimizer.parameters())
+        self.check_not_unscaled()?;
+        let found = optimizer.scale_grads(1.0 / self.scale)?;
+        self.found_inf = Some(found);
+        Ok(found)
     }
 
     /// [`unscale`](Self::unscale) for parameters given directly.
@@ -172,44 +176,19 @@ impl GradScaler {
         &mut self,
         params: impl IntoIterator<Item = T>,
     ) -> Result<bool> {
+        self.check_not_unscaled()?;
+        let found = scale_grads(params, 1.0 / self.scale)?;
+        self.found_inf = Some(found);
+        Ok(found)
+    }
+
+    fn check_not_unscaled(&self) -> Result<()> {
         if self.found_inf.is_some() {
             return Err(invalid(
                 "the gradients were already unscaled in this iteration; call update() after step() before unscaling again".into(),
             ));
         }
-        let _no_grad = ferry_tensor::no_grad();
-        let inv = 1.0 / self.scale;
-        // One sum per gradient, gathered per device.
-        let mut sums: Vec<(Device, Vec<Tensor>)> = Vec::new();
-        for p in params {
-            let p = p.borrow();
-            let Some(g) = p.grad() else { continue };
-            let g = g.mul_scalar(inv)?;
-            let wide = match g.dtype() {
-                DType::F64 => DType::F64,
-                _ => DType::F32,
-            };
-            let s = g
-                .to_dtype(wide)?
-                .sum()?
-                .to_dtype(DType::F64)?
-                .reshape(&[1])?;
-            p.set_grad(Some(g));
-            match sums.iter_mut().find(|(d, _)| *d == s.device()) {
-                Some((_, v)) => v.push(s),
-                None => sums.push((s.device(), vec![s])),
-            }
-        }
-        let mut found = false;
-        for (_, parts) in &sums {
-            let total = match parts.as_slice() {
-                [one] => one.sum()?,
-                many => Tensor::cat(&many.iter().collect::<Vec<_>>(), 0)?.sum()?,
-            };
-            found |= !total.item()?.is_finite();
-        }
-        self.found_inf = Some(found);
-        Ok(found)
+        Ok(())
     }
 
     /// Unscales the gradients unless [`unscale`](Self::unscale) already did in this iteration,

@@ -173,3 +173,43 @@ fn max_scalar(x: &Tensor, s: f64) -> Result<Tensor> {
     let bound = Tensor::full(x.shape(), s, x.dtype(), x.device())?;
     Tensor::cat(&[&x.unsqueeze(0)?, &bound.unsqueeze(0)?], 0)?.max_axis(0, false)
 }
+
+/// Multiplies each parameter's gradient by `factor` (replacing it by the scaled copy) and
+/// returns whether any of them holds an infinity or a NaN: one sum per gradient, read back
+/// once per device. What [`super::Optimizer::scale_grads`] does by default.
+pub fn scale_grads<T: Borrow<Tensor>>(
+    params: impl IntoIterator<Item = T>,
+    factor: f64,
+) -> Result<bool> {
+    let _no_grad = ferry_tensor::no_grad();
+    // One sum per gradient, gathered per device.
+    let mut sums: Vec<(Device, Vec<Tensor>)> = Vec::new();
+    for p in params {
+        let p = p.borrow();
+        let Some(g) = p.grad() else { continue };
+        let g = g.mul_scalar(factor)?;
+        let wide = match g.dtype() {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        };
+        let s = g
+            .to_dtype(wide)?
+            .sum()?
+            .to_dtype(DType::F64)?
+            .reshape(&[1])?;
+        p.set_grad(Some(g));
+        match sums.iter_mut().find(|(d, _)| *d == s.device()) {
+            Some((_, v)) => v.push(s),
+            None => sums.push((s.device(), vec![s])),
+        }
+    }
+    let mut found = false;
+    for (_, parts) in &sums {
+        let total = match parts.as_slice() {
+            [one] => one.sum()?,
+            many => Tensor::cat(&many.iter().collect::<Vec<_>>(), 0)?.sum()?,
+        };
+        found |= !total.item()?.is_finite();
+    }
+    Ok(found)
+}

@@ -233,6 +233,45 @@ fn check_len(op: &'static str, what: &str, master: usize, len: usize) -> Result<
     })
 }
 
+/// Adds `grad` to `held` (or, with `first`, copies it there), in f32, on all cores, and
+/// returns the sum of the squares of the result: a gradient accumulated over backward passes,
+/// and its share of the global norm, in one pass over memory.
+///
+/// # Panics
+/// When `held` and `grad` differ in length.
+pub fn accumulate(held: &mut [f32], grad: GradSlice<'_>, first: bool) -> f64 {
+    assert_eq!(held.len(), grad.len(), "host::accumulate: lengths differ");
+    held.par_chunks_mut(BLOCK)
+        .zip(grad.blocks())
+        .map(|(h, g)| {
+            let mut buf = [0f32; SUB];
+            let mut sumsq = 0f64;
+            for at in (0..h.len()).step_by(SUB) {
+                let len = SUB.min(h.len() - at);
+                let g = g.f32s(at, &mut buf, len);
+                let h = &mut h[at..at + len];
+                if first {
+                    h.copy_from_slice(g);
+                } else {
+                    for (h, g) in h.iter_mut().zip(g) {
+                        *h += g;
+                    }
+                }
+                // f32 lanes over a sub-block, then f64 across them: exact enough for a norm.
+                sumsq += f64::from(h.iter().map(|x| x * x).sum::<f32>());
+            }
+            sumsq
+        })
+        .sum()
+}
+
+/// Multiplies every element by `factor`, on all cores.
+pub fn scale(values: &mut [f32], factor: f32) {
+    values
+        .par_chunks_mut(BLOCK)
+        .for_each(|c| c.iter_mut().for_each(|x| *x *= factor));
+}
+
 impl<'a> GradSlice<'a> {
     /// Elements.
     pub fn len(&self) -> usize {

@@ -38,7 +38,9 @@ mod schedule;
 mod sgd;
 
 pub use adam::{Adam, AdamW};
-pub use clip::{ClipOptions, clip_grad_norm, clip_grad_norm_with, clip_grad_value, grad_norm};
+pub use clip::{
+    ClipOptions, clip_grad_norm, clip_grad_norm_with, clip_grad_value, grad_norm, scale_grads,
+};
 pub use ema::Ema;
 pub use ferry_tensor::ops::optim::AdamStep;
 pub use offload::{AdamHyper, OffloadAdamW, StepTimeline};
@@ -77,6 +79,22 @@ pub trait Optimizer {
     /// Restores a state dict: everything is checked first (keys, shapes, dtypes), and on error
     /// the optimizer is unchanged. Buffers are moved to their parameter's device.
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<(), CheckpointError>;
+
+    /// Scales this step's gradients together so that their global L2 norm is at most
+    /// `max_norm`, and returns the norm they had (see [`clip_grad_norm`]). An optimizer that
+    /// keeps its parameters' gradients elsewhere (optimizer offload holds them in host memory)
+    /// clips them there; the default clips each parameter's `.grad()`.
+    fn clip_grad_norm(&self, max_norm: f64) -> Result<f64> {
+        clip_grad_norm(self.parameters(), max_norm)
+    }
+
+    /// Multiplies this step's gradients by `factor` (a [`GradScaler`](crate::amp::GradScaler)
+    /// unscales with `1 / scale`) and returns whether any of them holds an infinity or a NaN.
+    /// The default replaces each parameter's `.grad()` by the scaled copy; an optimizer that
+    /// keeps the gradients elsewhere scales them there.
+    fn scale_grads(&self, factor: f64) -> Result<bool> {
+        scale_grads(self.parameters(), factor)
+    }
 
     /// Drops every parameter's gradient (`set_to_none`): no memory is held between steps and
     /// the next backward writes fresh gradients.

@@ -23,6 +23,12 @@
 //! set without a backward, and counts the step. Gradients are consumed: after the step every
 //! `.grad` is `None`.
 //!
+//! With [`OffloadAdamW::hold_gradients`], the CPU adds each landed gradient (in f32) to one
+//! held for the step instead of stepping it, taking its sum of squares on the way: backward
+//! passes accumulate, and [`Optimizer::clip_grad_norm`] and [`Optimizer::scale_grads`] (what a
+//! [`GradScaler`](crate::amp::GradScaler) unscales with) act on the whole step's gradients; the
+//! AdamW passes run at `step()`.
+//!
 //! With [`OffloadAdamW::delayed_update`], `step()` does not wait for the CPU: step i's passes
 //! run beside step i+1's forward and backward, and each parameter's new weights are uploaded
 //! when its next gradient arrives (backward has let go of it then), so step i+1 computes with
@@ -43,12 +49,9 @@ use std::time::{Duration, Instant};
 use ferry_memory::cuda::{Event, PinnedBuffer, PinnedPool, Stream};
 use ferry_memory::{DType, Device};
 use ferry_tensor::{Buffer, HookHandle, Layout, Result, Storage, Tensor, TensorError};
-use ferry_transfer::StateDict;
 use parking_lot::{Condvar, Mutex};
 
-use super::Optimizer;
-use crate::checkpoint::CheckpointError;
-use crate::nn::check_state;
+use held::Job;
 use pipeline::{step_threads, upload_each, work};
 
 /// AdamW with its state in host memory; see the module docs.
@@ -75,6 +78,8 @@ struct Sent {
     /// Recorded after a copy into its landing buffer that ferry did not queue (see
     /// [`OffloadAdamW::gradient_queued`]); ferry's own copies are waited for by the buffer.
     landed: Option<Event>,
+    /// What the step thread does with it.
+    job: Job,
 }
 
 /// What the hooks, the worker and the optimizer share.
@@ -168,6 +173,13 @@ struct Hyper {
     adam: AdamHyper,
     /// [`OffloadAdamW::delayed_update`].
     delayed: bool,
+    /// [`OffloadAdamW::hold_gradients`].
+    hold: bool,
+    /// With `hold`: what this step's held gradients are multiplied by when stepped
+    /// (unscaling and clipping; 1 when neither).
+    held_scale: f64,
+    /// With `hold`: gradients were handed over since the last `step()`.
+    held_pending: bool,
     /// Steps counted so far; the steps in progress are number `steps + 1`.
     steps: u64,
 }
@@ -183,6 +195,14 @@ struct Slot {
     upload: PinnedBuffer,
     /// The step its state has taken, so a gradient seen twice in one step is not applied twice.
     stepped: u64,
+    /// With [`OffloadAdamW::hold_gradients`]: this step's gradient summed over its backward
+    /// passes, in f32 (empty until first held), how many passes it sums, and the sum of its
+    /// squares (for the global norm).
+    held: Vec<f32>,
+    landed: u32,
+    sumsq: f64,
+    /// The hyperparameters its last held gradient came with, to step it with.
+    held_adam: Option<AdamHyper>,
 }
 
 impl OffloadAdamW {
@@ -211,12 +231,13 @@ impl OffloadAdamW {
 
     /// The same optimizer over device tensors that another runtime computes gradients for
     /// (they need not require grad; ferry registers no hooks). For each gradient the caller
-    /// queues its copy into [`landing`](Self::landing) on [`gradient_stream`](Self::gradient_stream),
-    /// after the gradient's producers, then calls [`gradient_queued`](Self::gradient_queued); its
-    /// next reads of the parameters wait on the device for [`upload_stream`](Self::upload_stream)
-    /// after [`Optimizer::step`]. The parameters' memory is written by the uploads, during the
-    /// caller's backward, once the parameter's gradient has landed (so after every read queued
-    /// before its gradient was).
+    /// calls [`wait_landing`](Self::wait_landing), queues its copy into
+    /// [`landing`](Self::landing) on [`gradient_stream`](Self::gradient_stream) after the
+    /// gradient's producers, then calls [`gradient_queued`](Self::gradient_queued); its next
+    /// reads of the parameters wait on the device for [`upload_stream`](Self::upload_stream)
+    /// after [`Optimizer::step`](crate::optim::Optimizer::step). The parameters' memory is
+    /// written by the uploads, during the caller's backward, once the parameter's gradient has
+    /// landed (so after every read queued before its gradient was).
     pub fn fed(params: impl IntoIterator<Item = Tensor>, lr: f64) -> Result<Self> {
         const OP: &str = "OffloadAdamW::new";
         let params: Vec<Tensor> = params.into_iter().collect();
@@ -276,6 +297,10 @@ impl OffloadAdamW {
                 landing: Tensor::from_storage(Arc::new(landing), Layout::contiguous(p.shape()))?,
                 upload: pool.alloc(p.nbytes())?,
                 stepped: 0,
+                held: Vec::new(),
+                landed: 0,
+                sumsq: 0.0,
+                held_adam: None,
             }));
         }
         let device = ferry_memory::cuda::CudaDevice::get(ordinal)?;
@@ -294,6 +319,9 @@ impl OffloadAdamW {
                     weight_decay: 0.01,
                 },
                 delayed: false,
+                hold: false,
+                held_scale: 1.0,
+                held_pending: false,
                 steps: 0,
             }),
             flight: Mutex::new(Flight {
@@ -363,6 +391,20 @@ impl OffloadAdamW {
         self
     }
 
+    /// With `on`, gradients are held in host memory until `step()` instead of being stepped
+    /// as they land: each backward pass's gradient is added (in f32) to the one held for the
+    /// step, so gradients accumulate over several backward passes, and
+    /// [`Optimizer::clip_grad_norm`](crate::optim::Optimizer::clip_grad_norm) and a
+    /// [`GradScaler`](crate::amp::GradScaler) see the whole step's gradients (the global norm
+    /// and the check for infinities are computed on the host as the gradients land, so no
+    /// gradient waits on the GPU for them). The AdamW passes run at `step()`: after backward,
+    /// or beside the next step's forward and backward with the delayed update. Costs 4 bytes
+    /// of host memory per parameter.
+    pub fn hold_gradients(self, on: bool) -> Self {
+        self.shared.hyper.lock().hold = on;
+        self
+    }
+
     /// Waits for every step handed to the CPU and uploads the weights still held back by the
     /// delayed update (nothing to do without it). `after`, when given, is what the uploads wait
     /// for on the device besides what ferry orders itself (the caller's own reads of the
@@ -383,7 +425,7 @@ impl OffloadAdamW {
     }
 
     /// The hyperparameters the hooks step with (those set by the builder methods and
-    /// [`Optimizer::set_learning_rate`]).
+    /// [`Optimizer::set_learning_rate`](crate::optim::Optimizer::set_learning_rate)).
     pub fn hyper(&self) -> AdamHyper {
         self.shared.hyper.lock().adam
     }
@@ -433,7 +475,8 @@ impl OffloadAdamW {
         // The caller ordered its copy after its reads of the parameter: so is this event.
         self.shared.release(i, Some(self.shared.down.record()?))?;
         let queue = self.queue.as_ref().expect("present until drop");
-        self.shared.hand_over(i, adam, Some(landed), queue)
+        let job = self.shared.landing_job();
+        self.shared.hand_over(i, adam, Some(landed), job, queue)
     }
 
     /// Pinned bytes this optimizer holds (landing and upload buffers).
@@ -468,116 +511,6 @@ fn invalid(op: &'static str, message: String) -> TensorError {
     TensorError::InvalidArgument { op, message }
 }
 
-impl Optimizer for OffloadAdamW {
-    fn step(&mut self) -> Result<()> {
-        let shared = &self.shared;
-        // Gradients set without a backward (no hook ran for them) go down now.
-        let queue = self.queue.as_ref().expect("present until drop");
-        for (i, p) in shared.params.iter().enumerate() {
-            if let Some(grad) = p.grad() {
-                shared.send_down(i, &grad, queue)?;
-            }
-        }
-        if shared.hyper.lock().delayed {
-            // The CPU's passes go on beside the next forward; the weights it reads are uploaded.
-            shared.wait(|f| f.owed == 0);
-        } else {
-            shared.wait(|f| f.stepping == 0);
-        }
-        shared.hyper.lock().steps += 1;
-        let mut timeline = std::mem::take(&mut *shared.timeline.lock());
-        timeline.returned = Some(Instant::now());
-        *self.last_timeline.lock() = timeline;
-        shared.take_error("OffloadAdamW::step")
-    }
-
-    fn parameters(&self) -> &[Tensor] {
-        &self.shared.params
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.shared.hyper.lock().adam.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.shared.hyper.lock().adam.lr = lr;
-    }
-
-    fn steps(&self) -> u64 {
-        self.shared.hyper.lock().steps
-    }
-
-    /// AdamW's names (`step`, `lr`, `{i}.exp_avg`, `{i}.exp_avg_sq`) plus `{i}.master`, the
-    /// fp32 master weights, as host tensors (copies: the state keeps changing).
-    fn state_dict(&self) -> StateDict {
-        // The steps counted so far, whole (the delayed update's may still be running).
-        self.shared.wait(|f| f.stepping == 0);
-        let hyper = *self.shared.hyper.lock();
-        let mut out = vec![
-            ("step".to_string(), Tensor::scalar(hyper.steps as i64)),
-            ("lr".to_string(), Tensor::scalar(hyper.adam.lr)),
-        ];
-        for (i, (slot, p)) in self
-            .shared
-            .slots
-            .iter()
-            .zip(&self.shared.params)
-            .enumerate()
-        {
-            let slot = slot.lock();
-            let tensor =
-                |v: &[f32]| Tensor::from_slice(v, p.shape()).expect("the parameter's shape");
-            if slot.stepped > 0 {
-                out.push((format!("{i}.exp_avg"), tensor(&slot.exp_avg)));
-                out.push((format!("{i}.exp_avg_sq"), tensor(&slot.exp_avg_sq)));
-            }
-            out.push((format!("{i}.master"), tensor(&slot.master)));
-        }
-        out
-    }
-
-    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<(), CheckpointError> {
-        self.shared.wait(|f| f.stepping == 0 && f.owed == 0);
-        let f32_like = |p: &Tensor| Tensor::zeros(p.shape(), DType::F32, Device::Cpu);
-        let mut expected = vec![
-            ("step".to_string(), Tensor::scalar(0i64)),
-            ("lr".to_string(), Tensor::scalar(0f64)),
-        ];
-        for (i, p) in self.shared.params.iter().enumerate() {
-            let has = |name: &str| state.iter().any(|(k, _)| *k == format!("{i}.{name}"));
-            let names: &[&str] = if has("exp_avg") {
-                &["exp_avg", "exp_avg_sq", "master"]
-            } else {
-                &["master"]
-            };
-            for name in names {
-                expected.push((format!("{i}.{name}"), f32_like(p)?));
-            }
-        }
-        check_state("optimizer", &expected, state)?;
-        let find = |key: &str| &state.iter().find(|(k, _)| k == key).expect("checked").1;
-        for (i, slot) in self.shared.slots.iter().enumerate() {
-            let mut slot = slot.lock();
-            slot.master = find(&format!("{i}.master")).to_vec::<f32>()?;
-            let key = format!("{i}.exp_avg");
-            if state.iter().any(|(k, _)| *k == key) {
-                slot.exp_avg = find(&key).to_vec::<f32>()?;
-                slot.exp_avg_sq = find(&format!("{i}.exp_avg_sq")).to_vec::<f32>()?;
-            } else {
-                slot.exp_avg.fill(0.0);
-                slot.exp_avg_sq.fill(0.0);
-            }
-            slot.stepped = 0;
-            // Weights held back by the delayed update belong to the replaced state.
-            *self.shared.pending[i].lock() = Pending::default();
-        }
-        let mut hyper = self.shared.hyper.lock();
-        hyper.steps = find("step").item()? as u64;
-        hyper.adam.lr = find("lr").item()?;
-        Ok(())
-    }
-}
-
 impl Drop for OffloadAdamW {
     fn drop(&mut self) {
         for hook in self.hooks.drain(..) {
@@ -599,6 +532,8 @@ impl Drop for OffloadAdamW {
     }
 }
 
+mod held;
+mod optimizer;
 mod pipeline;
 #[cfg(test)]
 mod tests;

@@ -334,6 +334,22 @@ impl<O: Optimizer, S: LrSchedule> Optimizer for Scheduled<O, S> {
         self.optimizer.state_dict()
     }
 
+    fn clip_grad_norm(&self, max_norm: f64) -> Result<f64> {
+        self.optimizer.clip_grad_norm(max_norm)
+    }
+
+    fn scale_grads(&self, factor: f64) -> Result<bool> {
+        self.optimizer.scale_grads(factor)
+    }
+
+    fn zero_grad(&self) {
+        self.optimizer.zero_grad();
+    }
+
+    fn zero_grad_with(&self, set_to_none: bool) -> Result<()> {
+        self.optimizer.zero_grad_with(set_to_none)
+    }
+
     /// Restores the optimizer, then sets the rate of its next update from the restored step
     /// count.
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<(), CheckpointError> {

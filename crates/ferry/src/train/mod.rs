@@ -92,7 +92,7 @@ use ferry_transfer::{DEFAULT_IN_FLIGHT, DeviceLoader, DeviceMove};
 use crate::debug::GraphWatch;
 use crate::distributed::{DataParallel, DdpOptions, ProcessGroup, ReduceOp};
 use crate::nn::Module;
-use crate::optim::{Ema, LrSchedule, Optimizer, clip_grad_norm};
+use crate::optim::{Ema, LrSchedule, Optimizer};
 use run_dir::{RunDir, RunState};
 
 /// How a run with a checkpoint directory begins.
@@ -199,7 +199,7 @@ impl Trainer {
     }
 
     /// Scales the gradients down to a global L2 norm of at most `max_norm` before each update
-    /// ([`clip_grad_norm`]).
+    /// ([`Optimizer::clip_grad_norm`]).
     pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
         self.clip = Some(max_norm);
         self
@@ -446,7 +446,8 @@ impl Trainer {
             }
         }
         if let Some(max_norm) = self.clip {
-            clip_grad_norm(opt.parameters(), max_norm)?;
+            // The optimizer's own: an offloaded one holds the gradients in host memory.
+            opt.clip_grad_norm(max_norm)?;
         }
         opt.step()?;
         Ok(Scored {

@@ -305,3 +305,32 @@ fn sgd_matches_the_f64_update() {
         }
     }
 }
+
+/// Held gradients: the first pass copies (converting bf16), the next adds, and each returns
+/// the sum of squares of what is held, across block and sub-block edges.
+#[test]
+fn accumulate_copies_then_adds_and_returns_the_sum_of_squares() {
+    let n = 2 * BLOCK + 1000;
+    let a: Vec<f32> = (0..n).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
+    let b: Vec<bf16> = (0..n)
+        .map(|i| bf16::from_f32((i % 13) as f32 / 8.0))
+        .collect();
+    let mut held = vec![f32::NAN; n];
+    let first = accumulate(&mut held, GradSlice::F32(&a), true);
+    assert_eq!(held, a);
+    let expect: f64 = a.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    assert!(
+        (first - expect).abs() <= 1e-6 * expect,
+        "{first} against {expect}"
+    );
+    let second = accumulate(&mut held, GradSlice::Bf16(&b), false);
+    let sum: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y.to_f32()).collect();
+    assert_eq!(held, sum);
+    let expect: f64 = sum.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    assert!(
+        (second - expect).abs() <= 1e-6 * expect,
+        "{second} against {expect}"
+    );
+    scale(&mut held, 0.5);
+    assert_eq!(held[7], sum[7] * 0.5);
+}

@@ -8,7 +8,7 @@ use ferry_memory::cuda::Event;
 use ferry_memory::{DType, bf16, f16};
 use ferry_tensor::{Buffer, Result, Tensor, TensorError};
 
-use super::{AdamHyper, Flight, Sent, Shared, Slot, invalid, widen};
+use super::{AdamHyper, Flight, Job, Sent, Shared, Slot, invalid, widen};
 use crate::optim::host::{self, AdamTensor, GradSlice, ParamSlice};
 
 /// The step threads: `FERRY_OFFLOAD_THREADS` when set, else one core fewer than the machine
@@ -70,30 +70,51 @@ impl Shared {
         // The parameter's upload orders itself after the kernels queued so far.
         self.release(i, None)?;
         let adam = self.hyper.lock().adam;
-        self.hand_over(i, adam, None, queue)
+        let job = self.landing_job();
+        self.hand_over(i, adam, None, job, queue)
     }
 
-    /// Hands parameter `i`, whose gradient copy is queued, to the step thread.
+    /// What the step thread does with a gradient that lands: steps it, or adds it to the one
+    /// held for the step (noting that one is held).
+    pub(super) fn landing_job(&self) -> Job {
+        let mut hyper = self.hyper.lock();
+        if hyper.hold {
+            hyper.held_pending = true;
+            Job::Land
+        } else {
+            Job::Step
+        }
+    }
+
+    /// Hands parameter `i` to the step thread for `job` (for the jobs that read it, its
+    /// gradient's copy into the landing buffer is queued).
     pub(super) fn hand_over(
         &self,
         index: usize,
         adam: AdamHyper,
         landed: Option<Event>,
+        job: Job,
         queue: &Sender<Sent>,
     ) -> Result<()> {
-        widen(&mut self.timeline.lock().sent, Instant::now());
+        let reads = job.reads_landing();
+        if reads {
+            widen(&mut self.timeline.lock().sent, Instant::now());
+        }
         {
             let mut flight = self.flight.lock();
             flight.stepping += 1;
-            flight.unread[index] = true;
+            flight.unread[index] |= reads;
         }
         let t = self.hyper.lock().steps + 1;
-        self.pending[index].lock().sent = t;
+        if job != Job::Land {
+            self.pending[index].lock().sent = t;
+        }
         let sent = Sent {
             index,
             t,
             adam,
             landed,
+            job,
         };
         if queue.send(sent).is_err() {
             self.settle(|f| {
@@ -216,7 +237,48 @@ impl Shared {
         uploaded
     }
 
-    /// Steps a parameter from its landed gradient into its upload buffer.
+    /// [`Job::Land`]: adds parameter `i`'s landed gradient to the one held for this step (the
+    /// first pass of a step copies it), in f32, and takes the sum of squares of the result on
+    /// the way.
+    pub(super) fn land_one(&self, sent: &Sent) -> Result<()> {
+        if let Some(landed) = &sent.landed {
+            landed.synchronize()?;
+        }
+        let began = Instant::now();
+        widen(&mut self.timeline.lock().landed, began);
+        let param = &self.params[sent.index];
+        let mut slot = self.slots[sent.index].lock();
+        let Slot {
+            landing,
+            held,
+            landed,
+            sumsq,
+            held_adam,
+            ..
+        } = &mut *slot;
+        let landing = landing.storage().read();
+        let Buffer::Pinned(landing) = &*landing else {
+            unreachable!("landing tensors are pinned");
+        };
+        let bytes = landing.as_bytes()?;
+        let grad = match param.dtype() {
+            DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
+            DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
+            _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
+        };
+        let first = *landed == 0;
+        if held.len() != param.numel() {
+            *held = vec![0.0; param.numel()];
+        }
+        *sumsq = host::accumulate(held, grad, first);
+        *landed += 1;
+        *held_adam = Some(sent.adam);
+        self.timeline.lock().busy += began.elapsed();
+        Ok(())
+    }
+
+    /// Steps a parameter from its landed gradient (or, for [`Job::StepHeld`], from the one
+    /// held for the step) into its upload buffer.
     pub(super) fn step_one(&self, sent: &Sent) -> Result<()> {
         let i = sent.index;
         if let Some(landed) = &sent.landed {
@@ -243,8 +305,8 @@ impl Shared {
                 "OffloadAdamW",
                 format!(
                     "parameter {i} got a second gradient in step {t}: call `step()` after each \
-                     backward (accumulating gradients over several backward passes is not \
-                     supported with offload yet)"
+                     backward, or build the optimizer with `.hold_gradients(true)` to \
+                     accumulate gradients over several backward passes"
                 ),
             ));
         }
@@ -255,18 +317,32 @@ impl Shared {
             landing,
             upload,
             stepped,
+            held,
+            landed,
+            ..
         } = &mut *slot;
         let landing = landing.storage().read();
         let Buffer::Pinned(landing) = &*landing else {
             unreachable!("landing tensors are pinned");
         };
-        let bytes = landing.as_bytes()?;
         let began = Instant::now();
-        widen(&mut self.timeline.lock().landed, began);
-        let grad = match param.dtype() {
-            DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
-            DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
-            _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
+        let grad = match sent.job {
+            Job::StepHeld { scale } => {
+                if scale != 1.0 {
+                    host::scale(held, scale);
+                }
+                *landed = 0;
+                GradSlice::F32(held)
+            }
+            Job::Step | Job::Land => {
+                widen(&mut self.timeline.lock().landed, began);
+                let bytes = landing.as_bytes()?;
+                match param.dtype() {
+                    DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
+                    DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
+                    _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
+                }
+            }
         };
         let out_bytes = upload.as_bytes_mut()?;
         let out = match param.dtype() {
@@ -321,10 +397,23 @@ pub(super) fn work(
     pool: &rayon::ThreadPool,
 ) {
     while let Ok(sent) = landed.recv() {
+        if sent.job == Job::Land {
+            let landed = pool.install(|| shared.land_one(&sent));
+            shared.settle(|f| {
+                f.unread[sent.index] = false;
+                f.stepping -= 1;
+            });
+            if let Err(err) = landed {
+                shared.note(err);
+            }
+            continue;
+        }
         let delayed = shared.hyper.lock().delayed;
         let stepped_one = pool.install(|| shared.step_one(&sent));
         // Its landing buffer is read (or never will be): the next gradient may land in it.
-        shared.settle(|f| f.unread[sent.index] = false);
+        if sent.job.reads_landing() {
+            shared.settle(|f| f.unread[sent.index] = false);
+        }
         let outcome = match stepped_one {
             Err(err) => {
                 shared.abandon(sent.index, sent.t);
