@@ -32,7 +32,7 @@ use super::format::check_names;
 use super::plan::{AsyncSaveOptions, Slots, SnapshotMemory, pieces};
 use super::progress::Shared;
 use super::snapshot::{self, Chunk, Entry, Held, Job, Stop};
-use super::write::{FileLayout, OpenFile, hash_and_write, io};
+use super::write::{FileLayout, OpenFile, io};
 use super::{Checkpoint, CheckpointError};
 
 /// What an asynchronous save did and how long each part took.
@@ -442,8 +442,9 @@ fn order_after(entries: &[Entry], streams: &[Stream]) -> Result<Ordering, Checkp
 /// the other streams the copies follow ([`AsyncSaveOptions::after`]).
 type Ordering = (Vec<(usize, Event)>, Vec<(usize, Event)>);
 
-/// Writes every piece the snapshot sends, in file order, hashing on the way; then the
-/// checksums, fsync and rename, unless the save was abandoned.
+/// Writes every piece the snapshot sends, in file order, while a second thread hashes the
+/// pieces written (and lets go of each once hashed); then the checksums, fsync and rename,
+/// unless the save was abandoned.
 fn write(
     shared: &Shared,
     file: OpenFile,
@@ -467,37 +468,39 @@ fn write(
             }
             Ok::<(), std::io::Error>(())
         });
+        // The checksums are taken beside the writes, not between them: the writing thread
+        // only copies bytes into the page cache, so it keeps pace with the disk.
+        let (written, to_hash) = mpsc::channel::<Chunk>();
+        let hashed = scope.spawn(|| hash_pieces(shared, counts, to_hash));
         let mut out = BufWriter::with_capacity(1 << 20, &file.temp.file);
-        let mut crcs = Vec::with_capacity(counts.len());
         let mut unflushed = 0usize;
-        for &count in counts {
-            let mut hasher = crc32fast::Hasher::new();
-            for _ in 0..count {
-                // Only a snapshot that stopped (its error is the save's) closes the channel
-                // early.
-                let chunk = rx.recv().map_err(|_| CheckpointError::Format {
-                    path: shared.path.clone(),
-                    reason: "the snapshot stopped before every tensor was copied".into(),
-                })?;
-                let bytes = chunk.bytes.as_slice().map_err(TensorError::from)?;
-                hash_and_write(&mut out, &mut hasher, bytes, &temp)?;
-                unflushed += bytes.len();
-                if chunk.is_pinned() {
-                    shared.release_pinned(chunk.held);
-                } else {
-                    shared.release_host(chunk.held);
-                }
-                if unflushed >= FLUSH_EVERY {
-                    out.flush().map_err(io(&temp))?;
-                    // A flusher that stopped on an error is joined below.
-                    let _ = tick.send(());
-                    unflushed = 0;
-                }
+        for _ in 0..counts.iter().sum::<usize>() {
+            // Only a snapshot that stopped (its error is the save's) closes the channel early.
+            let chunk = rx.recv().map_err(|_| CheckpointError::Format {
+                path: shared.path.clone(),
+                reason: "the snapshot stopped before every tensor was copied".into(),
+            })?;
+            let bytes = chunk.bytes.as_slice().map_err(TensorError::from)?;
+            out.write_all(bytes).map_err(io(&temp))?;
+            unflushed += bytes.len();
+            // The hashing thread outlives this loop unless it panicked (joined below).
+            let _ = written.send(chunk);
+            if unflushed >= FLUSH_EVERY {
+                out.flush().map_err(io(&temp))?;
+                // A flusher that stopped on an error is joined below.
+                let _ = tick.send(());
+                unflushed = 0;
             }
-            crcs.push(hasher.finalize());
         }
         out.flush().map_err(io(&temp))?;
-        drop(tick);
+        drop((tick, written));
+        let crcs = hashed.join().unwrap_or_else(|_| {
+            Err(CheckpointError::Format {
+                path: shared.path.clone(),
+                reason: "internal error: the save's hashing thread panicked; please report it"
+                    .into(),
+            })
+        })?;
         flushed
             .join()
             .unwrap_or_else(|_| Err(std::io::Error::other("the flusher thread panicked")))
@@ -517,4 +520,31 @@ fn write(
         });
     }
     file.persist(&shared.path, layout, metadata, crcs)
+}
+
+/// The hashing thread of [`write`]: the CRC32 of each tensor's pieces, received in file order
+/// once written; each piece's memory goes back as soon as it is hashed.
+fn hash_pieces(
+    shared: &Shared,
+    counts: &[usize],
+    written: mpsc::Receiver<Chunk>,
+) -> Result<Vec<u32>, CheckpointError> {
+    let mut crcs = Vec::with_capacity(counts.len());
+    for &count in counts {
+        let mut hasher = crc32fast::Hasher::new();
+        for _ in 0..count {
+            let Ok(chunk) = written.recv() else {
+                // The writer stopped on an error, which is the save's.
+                return Ok(crcs);
+            };
+            hasher.update(chunk.bytes.as_slice().map_err(TensorError::from)?);
+            if chunk.is_pinned() {
+                shared.release_pinned(chunk.held);
+            } else {
+                shared.release_host(chunk.held);
+            }
+        }
+        crcs.push(hasher.finalize());
+    }
+    Ok(crcs)
 }
