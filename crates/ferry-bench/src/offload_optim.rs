@@ -63,6 +63,19 @@ pub struct OffloadOptimArgs {
     /// with offload.
     #[arg(long, value_name = "GIB")]
     device_budget_gib: Option<f64>,
+    /// Train on this file's bytes (a token per byte, consecutive windows, the same in both
+    /// runs) instead of synthetic ids a model learns in a few steps: text the model cannot
+    /// memorize within the compared steps, so their losses say whether the runs agree.
+    #[arg(long, value_name = "FILE")]
+    text: Option<PathBuf>,
+    /// Clip the gradients to this global L2 norm in both runs (the offloaded run holds its
+    /// gradients until `step()` for it: OffloadAdamW::hold_gradients).
+    #[arg(long, value_name = "NORM")]
+    clip_grad_norm: Option<f64>,
+    /// The offloaded run holds its gradients until `step()` (the mode clipping, loss scaling
+    /// and accumulation use) even without clipping.
+    #[arg(long)]
+    hold_gradients: bool,
     /// Write every number to this JSON file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -132,19 +145,52 @@ struct Run {
     host_state: usize,
 }
 
-fn batch(args: &OffloadOptimArgs, step: u32, device: Device) -> ferry::Result<(Tensor, Tensor)> {
-    // Deterministic token ids, different each step, the same in both runs.
-    let n = args.batch * args.seq;
-    let ids: Vec<i64> = (0..n + 1)
-        .map(|i| ((i as u64 * 2_654_435_761 + u64::from(step) * 40_503) % VOCAB as u64) as i64)
-        .collect();
-    let x = Tensor::from_vec(ids[..n].to_vec(), &[args.batch, args.seq])?;
-    let y = Tensor::from_vec(ids[1..].to_vec(), &[args.batch, args.seq])?;
+fn batch(
+    args: &OffloadOptimArgs,
+    text: Option<&[u8]>,
+    step: u32,
+    device: Device,
+) -> ferry::Result<(Tensor, Tensor)> {
+    let (rows, seq) = (args.batch, args.seq);
+    let (mut x, mut y) = (
+        Vec::with_capacity(rows * seq),
+        Vec::with_capacity(rows * seq),
+    );
+    for row in 0..rows {
+        // Each row a window of seq + 1 tokens: its first seq are the input, its last seq the
+        // targets.
+        let window: Vec<i64> = match text {
+            // Consecutive windows of the text, wrapping at its end.
+            Some(text) => {
+                let start = ((step as usize * rows + row) * (seq + 1)) % (text.len() - seq);
+                text[start..start + seq + 1]
+                    .iter()
+                    .map(|&b| i64::from(b))
+                    .collect()
+            }
+            // Deterministic ids, different each step, the same in both runs.
+            None => (0..seq + 1)
+                .map(|i| {
+                    let i = (row * seq + i) as u64;
+                    ((i * 2_654_435_761 + u64::from(step) * 40_503) % VOCAB as u64) as i64
+                })
+                .collect(),
+        };
+        x.extend_from_slice(&window[..seq]);
+        y.extend_from_slice(&window[1..]);
+    }
+    let x = Tensor::from_vec(x, &[rows, seq])?;
+    let y = Tensor::from_vec(y, &[rows, seq])?;
     use ferry::DeviceMove;
     Ok((x.to(device)?, y.to(device)?))
 }
 
-fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run, Box<dyn Error>> {
+fn train(
+    args: &OffloadOptimArgs,
+    text: Option<&[u8]>,
+    dev: &CudaDevice,
+    offload: bool,
+) -> Result<Run, Box<dyn Error>> {
     let device = dev.device();
     ferry::manual_seed(0);
     let config = GptConfig {
@@ -163,8 +209,9 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
     }
     let params: usize = model.parameters().iter().map(Tensor::numel).sum();
     let (mut gpu_opt, mut offload_opt) = if offload {
-        let opt =
-            OffloadAdamW::new(model.parameters(), args.lr)?.delayed_update(args.delayed_update);
+        let opt = OffloadAdamW::new(model.parameters(), args.lr)?
+            .delayed_update(args.delayed_update)
+            .hold_gradients(args.hold_gradients || args.clip_grad_norm.is_some());
         (None, Some(opt))
     } else {
         (Some(AdamW::new(model.parameters(), args.lr)?), None)
@@ -182,7 +229,7 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
     let mut timelines = Vec::new();
     let total = (args.warmup + args.samples).max(args.loss_steps);
     for step in 0..total {
-        let (x, y) = batch(args, step, device)?;
+        let (x, y) = batch(args, text, step, device)?;
         dev.synchronize()?;
         let opt: &mut dyn Optimizer = match (&mut gpu_opt, &mut offload_opt) {
             (Some(adamw), _) => adamw,
@@ -200,6 +247,9 @@ fn train(args: &OffloadOptimArgs, dev: &CudaDevice, offload: bool) -> Result<Run
             )
         })?;
         loss.backward()?;
+        if let Some(max_norm) = args.clip_grad_norm {
+            opt.clip_grad_norm(max_norm)?;
+        }
         let stepping = Instant::now();
         opt.step()?;
         let step_ms = stepping.elapsed().as_secs_f64() * 1e3;
@@ -270,7 +320,32 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         dev.set_budget(Some((gib * (1u64 << 30) as f64) as usize));
         println!("device budget: {gib} GiB");
     }
-    let outcome = |offload: bool| match train(&args, &dev, offload) {
+    let text = match &args.text {
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).map_err(|e| format!("--text {}: {e}", path.display()))?;
+            if bytes.len() <= 2 * (args.seq + 1) {
+                return Err(format!(
+                    "--text {}: {} bytes, too short for sequences of {} tokens",
+                    path.display(),
+                    bytes.len(),
+                    args.seq
+                )
+                .into());
+            }
+            println!(
+                "tokens: the bytes of {} ({}), consecutive windows",
+                path.display(),
+                gib_text(bytes.len())
+            );
+            Some(bytes)
+        }
+        None => None,
+    };
+    if let Some(max_norm) = args.clip_grad_norm {
+        println!("gradients clipped to a global norm of {max_norm} in both runs");
+    }
+    let outcome = |offload: bool| match train(&args, text.as_deref(), &dev, offload) {
         Ok(run) => Some(run),
         Err(err) => {
             let name = if offload {
@@ -353,12 +428,13 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
             gpu.steps.median().unwrap_or(f64::NAN),
             off.steps.median().unwrap_or(f64::NAN),
         );
-        let worst = gpu
+        let relative: Vec<f64> = gpu
             .losses
             .iter()
             .zip(&off.losses)
             .map(|(x, y)| ((x - y) / x).abs())
-            .fold(0.0f64, f64::max);
+            .collect();
+        let worst = relative.iter().copied().fold(0.0f64, f64::max);
         println!(
             "throughput with offload: {}% of the all-GPU run's (goal >= 90%); device peak {} \
              lower; losses over {} steps within {:.2e} relative (goal <= 1e-3), last {} and {}",
@@ -369,6 +445,23 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
             gpu.losses.last().map_or("-".into(), |l| format!("{l:.4}")),
             off.losses.last().map_or("-".into(), |l| format!("{l:.4}")),
         );
+        if !relative.is_empty() {
+            let windows: Vec<String> = [10, 50, 100, 200, 500]
+                .into_iter()
+                .filter(|&n| n < relative.len())
+                .chain([relative.len()])
+                .map(|n| {
+                    let w = relative[..n].iter().copied().fold(0.0f64, f64::max);
+                    let at = |r: &Run| r.losses.get(n - 1).map_or(f64::NAN, |l| *l);
+                    format!(
+                        "steps 1-{n}: {w:.2e} (losses {:.4} / {:.4})",
+                        at(gpu),
+                        at(off)
+                    )
+                })
+                .collect();
+            println!("worst relative loss difference, {}", windows.join("; "));
+        }
     }
     if let Some(path) = &args.json {
         let doc = RunInfo::stamp(json!({
