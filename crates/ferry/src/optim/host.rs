@@ -137,7 +137,20 @@ pub fn adamw_step(t: u64, lr: f64, betas: (f64, f64), eps: f64, weight_decay: f6
 ///
 /// Returns an error, touching nothing, when a tensor's slices differ in length.
 pub fn adamw<'a>(step: &AdamStep, tensors: impl IntoIterator<Item = AdamTensor<'a>>) -> Result<()> {
-    let k = AdamConsts::new(step);
+    adamw_scaled(step, 1.0, tensors)
+}
+
+/// [`adamw`] from the gradients times `grad_scale` (unscaling and clipping in the same pass):
+/// the same bits as scaling the gradients first, without a pass over them.
+pub fn adamw_scaled<'a>(
+    step: &AdamStep,
+    grad_scale: f32,
+    tensors: impl IntoIterator<Item = AdamTensor<'a>>,
+) -> Result<()> {
+    let k = AdamConsts {
+        grad_scale,
+        ..AdamConsts::new(step)
+    };
     let mut blocks = Vec::new();
     for t in tensors {
         let n = t.master.len();
@@ -265,13 +278,6 @@ pub fn accumulate(held: &mut [f32], grad: GradSlice<'_>, first: bool) -> f64 {
         .sum()
 }
 
-/// Multiplies every element by `factor`, on all cores.
-pub fn scale(values: &mut [f32], factor: f32) {
-    values
-        .par_chunks_mut(BLOCK)
-        .for_each(|c| c.iter_mut().for_each(|x| *x *= factor));
-}
-
 impl<'a> GradSlice<'a> {
     /// Elements.
     pub fn len(&self) -> usize {
@@ -389,6 +395,8 @@ fn each_sub_block(
 
 /// [`AdamStep`] as the f32 constants of the loop, each cast from f64 as the CUDA kernel casts.
 struct AdamConsts {
+    /// What each gradient is multiplied by first (1 leaves it as it is, exactly).
+    grad_scale: f32,
     decay: f32,
     l2: f32,
     beta1: f32,
@@ -404,6 +412,7 @@ impl AdamConsts {
     fn new(s: &AdamStep) -> Self {
         let decoupled = s.decoupled != 0;
         Self {
+            grad_scale: 1.0,
             // Multiplying by 1 and adding 0·p change nothing: one loop serves both kinds.
             decay: if decoupled {
                 (1.0 - s.lr * s.weight_decay) as f32
@@ -433,7 +442,7 @@ fn adam_run(k: &AdamConsts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f3
     let (g, m, v) = (&g[..n], &mut m[at..at + n], &mut v[at..at + n]);
     for i in 0..n {
         let pi = p[i] * k.decay;
-        let gi = g[i] + k.l2 * pi;
+        let gi = g[i] * k.grad_scale + k.l2 * pi;
         let mi = k.beta1 * m[i] + k.one_minus_beta1 * gi;
         let vi = k.beta2 * v[i] + k.one_minus_beta2 * gi * gi;
         p[i] = pi - k.step_size * mi / ((vi / k.bias_correction2).sqrt() + k.eps);

@@ -331,6 +331,28 @@ fn accumulate_copies_then_adds_and_returns_the_sum_of_squares() {
         (second - expect).abs() <= 1e-6 * expect,
         "{second} against {expect}"
     );
-    scale(&mut held, 0.5);
-    assert_eq!(held[7], sum[7] * 0.5);
+}
+
+/// A scaled step is the step from the scaled gradients, to the bit (fused, no pass of its own).
+#[test]
+fn a_scaled_step_equals_the_step_from_scaled_gradients() {
+    let mut rng = StdRng::seed_from_u64(9);
+    let grad = normal(&mut rng, N, 3.0);
+    let start = normal(&mut rng, N, 1.0);
+    let step = adamw_step(3, 1e-3, (0.9, 0.999), 1e-8, 0.01);
+    let run = |scale: f32, grad: &[f32]| {
+        let (mut p, mut m, mut v) = (start.clone(), vec![0.1f32; N], vec![0.2f32; N]);
+        let tensor = AdamTensor {
+            master: &mut p,
+            exp_avg: &mut m,
+            exp_avg_sq: &mut v,
+            grad: GradSlice::F32(grad),
+            out: None,
+        };
+        adamw_scaled(&step, scale, [tensor]).unwrap();
+        (p, m, v)
+    };
+    let scaled: Vec<f32> = grad.iter().map(|g| g * 0.37).collect();
+    assert_eq!(run(0.37, &grad), run(1.0, &scaled));
+    assert_ne!(run(0.37, &grad), run(1.0, &grad));
 }

@@ -326,11 +326,10 @@ impl Shared {
             unreachable!("landing tensors are pinned");
         };
         let began = Instant::now();
+        let mut grad_scale = 1.0;
         let grad = match sent.job {
             Job::StepHeld { scale } => {
-                if scale != 1.0 {
-                    host::scale(held, scale);
-                }
+                grad_scale = scale;
                 *landed = 0;
                 GradSlice::F32(held)
             }
@@ -350,8 +349,9 @@ impl Shared {
             DType::F16 => ParamSlice::F16(bytemuck::cast_slice_mut::<u8, f16>(out_bytes)),
             _ => ParamSlice::F32(bytemuck::cast_slice_mut::<u8, f32>(out_bytes)),
         };
-        host::adamw(
+        host::adamw_scaled(
             &step,
+            grad_scale,
             [AdamTensor {
                 master,
                 exp_avg,
