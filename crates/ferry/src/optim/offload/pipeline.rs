@@ -244,8 +244,6 @@ impl Shared {
         if let Some(landed) = &sent.landed {
             landed.synchronize()?;
         }
-        let began = Instant::now();
-        widen(&mut self.timeline.lock().landed, began);
         let param = &self.params[sent.index];
         let mut slot = self.slots[sent.index].lock();
         let Slot {
@@ -260,7 +258,10 @@ impl Shared {
         let Buffer::Pinned(landing) = &*landing else {
             unreachable!("landing tensors are pinned");
         };
+        // Waits for the gradient's copy; the pass's time starts once it has landed.
         let bytes = landing.as_bytes()?;
+        let began = Instant::now();
+        widen(&mut self.timeline.lock().landed, began);
         let grad = match param.dtype() {
             DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
             DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
@@ -325,7 +326,6 @@ impl Shared {
         let Buffer::Pinned(landing) = &*landing else {
             unreachable!("landing tensors are pinned");
         };
-        let began = Instant::now();
         let mut grad_scale = 1.0;
         let grad = match sent.job {
             Job::StepHeld { scale } => {
@@ -334,8 +334,9 @@ impl Shared {
                 GradSlice::F32(held)
             }
             Job::Step | Job::Land => {
-                widen(&mut self.timeline.lock().landed, began);
+                // Waits for the gradient's copy; the pass's time starts once it has landed.
                 let bytes = landing.as_bytes()?;
+                widen(&mut self.timeline.lock().landed, Instant::now());
                 match param.dtype() {
                     DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
                     DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
@@ -343,6 +344,7 @@ impl Shared {
                 }
             }
         };
+        let began = Instant::now();
         let out_bytes = upload.as_bytes_mut()?;
         let out = match param.dtype() {
             DType::BF16 => ParamSlice::Bf16(bytemuck::cast_slice_mut::<u8, bf16>(out_bytes)),
