@@ -270,8 +270,8 @@ pub fn accumulate(held: &mut [f32], grad: GradSlice<'_>, first: bool) -> f64 {
                         *h += g;
                     }
                 }
-                // f32 lanes over a sub-block, then f64 across them: exact enough for a norm.
-                sumsq += f64::from(h.iter().map(|x| x * x).sum::<f32>());
+                // Squares in f64: a finite gradient's square never overflows to a false infinity.
+                sumsq += h.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
             }
             sumsq
         })

@@ -331,6 +331,13 @@ fn accumulate_copies_then_adds_and_returns_the_sum_of_squares() {
         (second - expect).abs() <= 1e-6 * expect,
         "{second} against {expect}"
     );
+    // A finite gradient whose square passes f32's range is not an overflow.
+    let large = vec![1e20f32; 4];
+    let sumsq = accumulate(&mut held[..4], GradSlice::F32(&large), true);
+    assert!(
+        sumsq.is_finite() && (sumsq - 4e40).abs() <= 1e-6 * 4e40,
+        "{sumsq}"
+    );
 }
 
 /// A scaled step is the step from the scaled gradients, to the bit (fused, no pass of its own).
