@@ -166,10 +166,11 @@ class offload_saved:
     the step 2.7 GiB above a target met at every save. So at the end of backward the scope reads
     the step's peak (``torch.cuda.max_memory_allocated``), and a scope used again for the next
     step keeps as much more room at its saves as the step went over (``stats["headroom_bytes"]``):
-    enter the same scope every step for the step's peak to come under the target from the second
-    step on. To read a step's own peak, the scope resets torch's peak statistic
-    (``torch.cuda.reset_peak_memory_stats``) when entered while the peak so far is above the
-    target::
+    enter the same scope every step for the step's peak to come under the target once it has
+    learnt that room: from the second step for some models, after a few for others (in the
+    models bench, GPT-2's looser target). To read a step's own peak, the scope resets torch's
+    peak statistic (``torch.cuda.reset_peak_memory_stats``) when entered while the peak so far
+    is above the target::
 
         scope = ferry.offload_saved(max_device_bytes=40 << 30)
         for x in batches:
