@@ -262,11 +262,7 @@ impl Shared {
         let bytes = landing.as_bytes()?;
         let began = Instant::now();
         widen(&mut self.timeline.lock().landed, began);
-        let grad = match param.dtype() {
-            DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
-            DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
-            _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
-        };
+        let grad = landed_grad(param.dtype(), bytes);
         let first = *landed == 0;
         if held.len() != param.numel() {
             *held = vec![0.0; param.numel()];
@@ -337,11 +333,7 @@ impl Shared {
                 // Waits for the gradient's copy; the pass's time starts once it has landed.
                 let bytes = landing.as_bytes()?;
                 widen(&mut self.timeline.lock().landed, Instant::now());
-                match param.dtype() {
-                    DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
-                    DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
-                    _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
-                }
+                landed_grad(param.dtype(), bytes)
             }
         };
         let began = Instant::now();
@@ -387,6 +379,15 @@ impl Shared {
 
     pub(super) fn note(&self, err: TensorError) {
         self.error.lock().get_or_insert_with(|| err.to_string());
+    }
+}
+
+/// A landing buffer's bytes as the gradient of a parameter of `dtype` (f32, bf16 or f16).
+fn landed_grad(dtype: DType, bytes: &[u8]) -> GradSlice<'_> {
+    match dtype {
+        DType::BF16 => GradSlice::Bf16(bytemuck::cast_slice::<u8, bf16>(bytes)),
+        DType::F16 => GradSlice::F16(bytemuck::cast_slice::<u8, f16>(bytes)),
+        _ => GradSlice::F32(bytemuck::cast_slice::<u8, f32>(bytes)),
     }
 }
 

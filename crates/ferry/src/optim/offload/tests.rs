@@ -377,6 +377,16 @@ fn the_delayed_update_never_lands_a_gradient_on_one_not_yet_stepped() {
     );
 }
 
+/// Two copies of the MLP on `gpu`: one with AdamW, one with a held-gradient OffloadAdamW.
+fn held_pair(gpu: Device) -> (Sequential, Sequential, AdamW, OffloadAdamW) {
+    let (reference, offloaded) = (mlp(gpu, DType::F32).unwrap(), mlp(gpu, DType::F32).unwrap());
+    let adamw = AdamW::new(reference.parameters(), 1e-2).unwrap();
+    let offload = OffloadAdamW::new(offloaded.parameters(), 1e-2)
+        .unwrap()
+        .hold_gradients(true);
+    (reference, offloaded, adamw, offload)
+}
+
 /// Held gradients: two backward passes a step add up on the host, `clip_grad_norm` sees their
 /// global norm and scales them as [`crate::optim::clip_grad_norm`] scales the GPU's, and the
 /// steps follow AdamW's on the GPU.
@@ -384,11 +394,7 @@ fn the_delayed_update_never_lands_a_gradient_on_one_not_yet_stepped() {
 #[ignore = "needs a CUDA device"]
 fn held_gradients_accumulate_over_backward_passes_and_clip_as_on_the_gpu() {
     let gpu = Device::Cuda(0);
-    let (reference, offloaded) = (mlp(gpu, DType::F32).unwrap(), mlp(gpu, DType::F32).unwrap());
-    let mut adamw = AdamW::new(reference.parameters(), 1e-2).unwrap();
-    let mut offload = OffloadAdamW::new(offloaded.parameters(), 1e-2)
-        .unwrap()
-        .hold_gradients(true);
+    let (reference, offloaded, mut adamw, mut offload) = held_pair(gpu);
     let mut clipped = 0;
     for step in 0..4u64 {
         adamw.zero_grad();
@@ -431,11 +437,7 @@ fn held_gradients_accumulate_over_backward_passes_and_clip_as_on_the_gpu() {
 fn a_grad_scaler_over_held_gradients_skips_an_overflow_as_on_the_gpu() {
     use crate::amp::GradScaler;
     let gpu = Device::Cuda(0);
-    let (reference, offloaded) = (mlp(gpu, DType::F32).unwrap(), mlp(gpu, DType::F32).unwrap());
-    let mut adamw = AdamW::new(reference.parameters(), 1e-2).unwrap();
-    let mut offload = OffloadAdamW::new(offloaded.parameters(), 1e-2)
-        .unwrap()
-        .hold_gradients(true);
+    let (reference, offloaded, mut adamw, mut offload) = held_pair(gpu);
     let scaler = || GradScaler::new().init_scale(1024.0).unwrap();
     let (mut sa, mut sb) = (scaler(), scaler());
     for step in 0..4u64 {
