@@ -21,8 +21,11 @@ use ferry::{DType, Device, Tensor};
 use serde_json::json;
 
 use crate::harness::measure::Measured;
+use crate::harness::pytorch::PyTorchArgs;
 use crate::harness::report::{print_table, significant};
 use crate::harness::{self, NO_CUDA_DEVICE, run_info::RunInfo};
+
+mod pytorch;
 
 #[derive(Args, Debug)]
 pub struct OffloadOptimArgs {
@@ -76,9 +79,18 @@ pub struct OffloadOptimArgs {
     /// and accumulation use) even without clipping.
     #[arg(long)]
     hold_gradients: bool,
+    /// Hold the offloaded run's pinned buffers within this many GiB
+    /// (OffloadAdamW::new_within): below a landing and an upload buffer per parameter, they
+    /// are staged.
+    #[arg(long, value_name = "GIB")]
+    pinned_limit_gib: Option<f64>,
     /// Write every number to this JSON file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// PyTorch's rows (python/offload_optim.py): the same GPT with torch's AdamW on the GPU,
+    /// the simple offload and torchao's CPUOffloadOptimizer, after ferry's runs.
+    #[command(flatten)]
+    pytorch: PyTorchArgs,
 }
 
 const VOCAB: usize = 256;
@@ -143,6 +155,8 @@ struct Run {
     params: usize,
     pinned: usize,
     host_state: usize,
+    /// The offloaded run's staging report, when its pinned buffers were staged.
+    staging: Option<String>,
 }
 
 fn batch(
@@ -209,7 +223,11 @@ fn train(
     }
     let params: usize = model.parameters().iter().map(Tensor::numel).sum();
     let (mut gpu_opt, mut offload_opt) = if offload {
-        let opt = OffloadAdamW::new(model.parameters(), args.lr)?
+        let opt = match args.pinned_limit_gib {
+            Some(gib) => OffloadAdamW::new_within(model.parameters(), args.lr, gib_bytes(gib))?,
+            None => OffloadAdamW::new(model.parameters(), args.lr)?,
+        };
+        let opt = opt
             .delayed_update(args.delayed_update)
             .hold_gradients(args.hold_gradients || args.clip_grad_norm.is_some());
         (None, Some(opt))
@@ -267,6 +285,10 @@ fn train(
         }
     }
     let peak = dev.memory_stats().peak_allocated_bytes;
+    let staging = offload_opt.as_ref().and_then(OffloadAdamW::staging);
+    // Staged, what the pinned buffers held at most.
+    let pinned = staging.map_or(pinned, |s| s.peak);
+    let staging = staging.map(|s| s.to_string());
     drop((gpu_opt, offload_opt));
     drop(model);
     dev.synchronize()?;
@@ -280,7 +302,12 @@ fn train(
         params,
         pinned,
         host_state,
+        staging,
     })
+}
+
+fn gib_bytes(gib: f64) -> usize {
+    (gib * (1u64 << 30) as f64) as usize
 }
 
 fn gib_text(bytes: usize) -> String {
@@ -299,7 +326,7 @@ fn to_json(r: &Run) -> serde_json::Value {
         .collect();
     json!({ "ms": r.steps.samples_ms, "step_call_ms": r.step_calls.samples_ms,
             "timelines": timelines, "peak": r.peak, "losses": r.losses, "pinned": r.pinned,
-            "host_state": r.host_state })
+            "host_state": r.host_state, "staging": r.staging })
 }
 
 pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
@@ -317,7 +344,7 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         args.layers, args.width, args.batch, args.seq, args.samples, args.warmup
     );
     if let Some(gib) = args.device_budget_gib {
-        dev.set_budget(Some((gib * (1u64 << 30) as f64) as usize));
+        dev.set_budget(Some(gib_bytes(gib)));
         println!("device budget: {gib} GiB");
     }
     let text = match &args.text {
@@ -405,6 +432,9 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         ],
         &rows,
     );
+    if let Some(staging) = off.as_ref().and_then(|r| r.staging.as_ref()) {
+        println!("{staging}");
+    }
     if let Some(t) = off.as_ref().and_then(|r| Timeline::median(&r.timelines)) {
         println!(
             "one offloaded step on the host's clock, ms from the start of forward (medians): \
@@ -463,6 +493,18 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
             println!("worst relative loss difference, {}", windows.join("; "));
         }
     }
+    let torch = args.pytorch.compare_pytorch.then(|| pytorch::run(&args));
+    match &torch {
+        Some(Ok(doc)) => {
+            let medians = gpu
+                .as_ref()
+                .zip(off.as_ref())
+                .and_then(|(g, o)| Some((g.steps.median()?, o.steps.median()?)));
+            pytorch::print(doc, medians);
+        }
+        Some(Err(err)) => println!("no PyTorch rows: {err}"),
+        None => {}
+    }
     if let Some(path) = &args.json {
         let doc = RunInfo::stamp(json!({
             "bench": "offload-optim",
@@ -470,6 +512,11 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
             "params": params, "device_budget_gib": args.device_budget_gib,
             "gpu": gpu.as_ref().map(to_json),
             "offload": off.as_ref().map(to_json),
+            "pytorch": match &torch {
+                Some(Ok(doc)) => doc.clone(),
+                Some(Err(err)) => json!({ "error": err }),
+                None => serde_json::Value::Null,
+            },
         }));
         harness::write_json(path, &doc, "step")?;
     }

@@ -33,7 +33,7 @@ pub fn shape_bytes(shape: &[usize], dtype: DType) -> Option<usize> {
 }
 
 /// Bytes as a short human figure (`1.50 GiB`), for error messages.
-pub(crate) fn human_bytes(bytes: usize) -> String {
+pub fn human_bytes(bytes: usize) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = bytes as f64;
     let mut unit = 0;

@@ -29,9 +29,10 @@ pub struct PyOffloadAdamW {
 impl PyOffloadAdamW {
     /// AdamW over `params` (torch parameters on one GPU, as DLPack capsules or tensors, in
     /// order), its state on the host; `stream` is torch's current stream there, which the
-    /// initial copy of the weights to the host is ordered after.
+    /// initial copy of the weights to the host is ordered after. `pinned_limit` bounds its
+    /// pinned bytes (staging the buffers when a pair per parameter would pass it).
     #[new]
-    #[pyo3(signature = (params, lr, betas, eps, weight_decay, delayed_update=false, hold_gradients=false, stream=None))]
+    #[pyo3(signature = (params, lr, betas, eps, weight_decay, delayed_update=false, hold_gradients=false, stream=None, pinned_limit=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -43,6 +44,7 @@ impl PyOffloadAdamW {
         delayed_update: bool,
         hold_gradients: bool,
         stream: Option<u64>,
+        pinned_limit: Option<usize>,
     ) -> PyResult<Self> {
         guarded(|| {
             let mut tensors = Vec::with_capacity(params.len());
@@ -69,17 +71,31 @@ impl PyOffloadAdamW {
                 .detach(|| {
                     // The weights' producers (torch's initialization) come first.
                     order::before(torch.as_ref())?;
+                    let inner = match pinned_limit {
+                        Some(limit) => OffloadAdamW::fed_within(tensors, lr, limit)?,
+                        None => OffloadAdamW::fed(tensors, lr)?,
+                    };
                     Ok::<_, ferry::TensorError>(
-                        OffloadAdamW::fed(tensors, lr)?
+                        inner
                             .betas(betas.0, betas.1)
                             .eps(eps)
                             .weight_decay(weight_decay)
-                            .delayed_update(delayed_update)
                             .hold_gradients(hold_gradients),
                     )
                 })
                 .map_err(to_py)?;
-            Ok(Self { inner, ordinal })
+            if let (true, Some(staging)) = (delayed_update, inner.staging()) {
+                return Err(PyValueError::new_err(format!(
+                    "OffloadAdamW: delayed_update=True holds every parameter's new weights in \
+                     pinned memory until the next backward, and {staging}: raise pinned_limit \
+                     (or FERRY_PINNED_BUDGET) to {} bytes, or drop delayed_update",
+                    staging.per_parameter
+                )));
+            }
+            Ok(Self {
+                inner: inner.delayed_update(delayed_update),
+                ordinal,
+            })
         })
     }
 
@@ -98,10 +114,18 @@ impl PyOffloadAdamW {
     }
 
     /// Blocks (without the GIL) until parameter `i`'s landing tensor may be written: the step
-    /// thread has read the last gradient handed over for it.
-    fn wait_landing(&self, py: Python<'_>, i: usize) {
+    /// thread has read the last gradient handed over for it (staged: and a landing buffer is
+    /// taken for it, which `landing(i)` then gives).
+    fn wait_landing(&self, py: Python<'_>, i: usize) -> PyResult<()> {
         let inner = &self.inner;
-        py.detach(|| inner.wait_landing(i));
+        py.detach(|| inner.wait_landing(i)).map_err(to_py)?;
+        Ok(())
+    }
+
+    /// When the pinned buffers are staged, the sentence that says so (see
+    /// `OffloadAdamW::staging` in Rust); else `None`.
+    fn staging(&self) -> Option<String> {
+        self.inner.staging().map(|s| s.to_string())
     }
 
     /// The handle of the gradient stream (for `torch.cuda.ExternalStream`).

@@ -285,3 +285,34 @@ def test_clipping_without_held_gradients_names_the_fix():
     opt = OffloadAdamW(_model().parameters(), lr=1e-3)
     with pytest.raises(ferry.FerryError, match="hold_gradients=True"):
         opt.clip_grad_norm_(1.0)
+
+
+@cuda
+def test_staged_buffers_stay_within_the_pinned_limit_and_step_as_torch_adamw():
+    # Four 16 KiB weights: a limit of 64 KiB holds two weights' landing and upload buffers,
+    # not a pair for every parameter, so they are staged.
+    def model():
+        torch.manual_seed(5)
+        layers = [m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())]
+        return torch.nn.Sequential(*layers).cuda()
+
+    limit = 64 << 10
+    a, b = model(), model()
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, foreach=False)
+    off = OffloadAdamW(b.parameters(), lr=1e-2, pinned_limit=limit)
+    assert off.staging is not None and "staged" in off.staging
+    for step in range(4):
+        x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        ref.zero_grad()
+        a(x).pow(2).mean().backward()
+        ref.step()
+        off.zero_grad()
+        b(x).pow(2).mean().backward()
+        off.step()
+        assert off.pinned_bytes() <= limit
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), (p - q).abs().max().item()
+    with pytest.raises(ValueError, match="delayed_update"):
+        OffloadAdamW(model().parameters(), lr=1e-2, pinned_limit=limit, delayed_update=True)
+    with pytest.raises(ferry.FerryError, match="at least"):
+        OffloadAdamW(model().parameters(), lr=1e-2, pinned_limit=1 << 10)

@@ -224,12 +224,18 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     }
     let mut opt: Box<dyn Optimizer> = if args.offload_optimizer {
         let opt = OffloadAdamW::new(model.parameters(), lr)?.weight_decay(args.weight_decay);
+        let pinned = match opt.staging() {
+            Some(staging) => staging.to_string(),
+            None => format!(
+                "{:.2} GB pinned for the copies",
+                opt.pinned_bytes() as f64 / 1e9
+            ),
+        };
         super::say(
             args,
             &format!(
-                "optimizer state on the host: {:.2} GB, {:.2} GB of it pinned for the copies",
+                "optimizer state on the host: {:.2} GB; {pinned}",
                 opt.state_bytes() as f64 / 1e9,
-                opt.pinned_bytes() as f64 / 1e9
             ),
         );
         Box::new(opt)

@@ -68,7 +68,12 @@ class OffloadAdamW(_optimizer_base()):
 
     ``hold_gradients=True``: gradients add up in host memory until ``step()``, for clipping
     (``clip_grad_norm_``), loss scaling (``scale_grads_``) and accumulation over several
-    backward passes (see the module docs)."""
+    backward passes (see the module docs).
+
+    ``pinned_limit=N``: at most N bytes of pinned memory. When a landing and an upload buffer per
+    parameter would take more (or, without a limit, more than ferry's pinned budget has left),
+    they are staged: taken as each gradient goes down and each parameter is stepped, given back
+    once used; ``staging`` then says so. Staging rules out ``delayed_update``."""
 
     def __init__(
         self,
@@ -82,6 +87,7 @@ class OffloadAdamW(_optimizer_base()):
         maximize: bool = False,
         delayed_update: bool = False,
         hold_gradients: bool = False,
+        pinned_limit: int | None = None,
     ):
         torch = _torch()
         if amsgrad or maximize:
@@ -129,8 +135,12 @@ class OffloadAdamW(_optimizer_base()):
             delayed_update=bool(delayed_update),
             hold_gradients=bool(hold_gradients),
             stream=torch.cuda.current_stream(self._device).cuda_stream,
+            pinned_limit=None if pinned_limit is None else int(pinned_limit),
         )
-        self._landing = [to_torch(self._engine.landing(i)) for i in range(len(self._params))]
+        # Staged buffers are taken per gradient (see `_send`); else each parameter has its own.
+        self._landing = None
+        if self._engine.staging() is None:
+            self._landing = [to_torch(self._engine.landing(i)) for i in range(len(self._params))]
         self._down = torch.cuda.ExternalStream(self._engine.gradient_stream(), device=self._device)
         # The hooks hold the optimizer weakly: parameters outlive it, and it ends with its
         # last reference (its engine waits for its copies and threads then).
@@ -159,9 +169,15 @@ class OffloadAdamW(_optimizer_base()):
         # With the delayed update the CPU may still be stepping this parameter's last gradient
         # out of the landing tensor: the copy waits until it has been read.
         self._engine.wait_landing(i)
+        if self._landing is None:
+            landing = to_torch(self._engine.landing(i))
+        else:
+            landing = self._landing[i]
         self._down.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._down):
-            self._landing[i].copy_(grad, non_blocking=True)
+            landing.copy_(grad, non_blocking=True)
+        # A staged buffer is given back once read; this view must not keep it.
+        del landing
         grad.record_stream(self._down)
         p.grad = None
         self._engine.gradient_queued(i, *_hyper(self._group[i]))
@@ -211,8 +227,16 @@ class OffloadAdamW(_optimizer_base()):
         self._engine.flush(torch.cuda.current_stream(self._device).cuda_stream)
 
     def pinned_bytes(self) -> int:
-        """Pinned host bytes held: a landing and an upload buffer per parameter."""
+        """Pinned host bytes held: a landing and an upload buffer per parameter, or those staged
+        buffers taken now (see ``staging``)."""
         return self._engine.pinned_bytes()
+
+    @property
+    def staging(self) -> str | None:
+        """A sentence saying the pinned buffers are staged (within ``pinned_limit`` or ferry's
+        pinned budget), with the limit and the peak so far; ``None`` when each parameter has
+        its own."""
+        return self._engine.staging()
 
     def state_bytes(self) -> int:
         """Host bytes of the optimizer state: master weights and both moments."""

@@ -43,7 +43,7 @@ pub use clip::{
 };
 pub use ema::Ema;
 pub use ferry_tensor::ops::optim::AdamStep;
-pub use offload::{AdamHyper, OffloadAdamW, StepTimeline};
+pub use offload::{AdamHyper, OffloadAdamW, StagingReport, StepTimeline};
 pub use schedule::{Constant, Cosine, LrSchedule, Scheduled, StepDecay, Warmup};
 pub use sgd::Sgd;
 

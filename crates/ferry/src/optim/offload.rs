@@ -15,7 +15,10 @@
 //! The key decision: the state lives in pageable memory and only what the link touches is
 //! pinned (a gradient landing buffer and an upload buffer per parameter: 4 to 8 bytes per
 //! parameter against the state's 12), so a model's state can take most of the host's memory
-//! without pinning it.
+//! without pinning it. When the pinned budget (or the limit given to
+//! [`OffloadAdamW::new_within`]) cannot hold those buffers either, they are staged: taken as
+//! each gradient is sent and each parameter stepped, and given back once used, within the
+//! limit ([`OffloadAdamW::staging`] reports it; see the `staging` module).
 //!
 //! What a step means: the CPU steps a parameter during backward with the learning rate set
 //! before that backward, and [`Optimizer::step`] waits for the step thread and the upload
@@ -53,6 +56,8 @@ use parking_lot::{Condvar, Mutex};
 
 use held::Job;
 use pipeline::{step_threads, upload_each, work};
+pub use staging::StagingReport;
+use staging::{Plan, Staging};
 
 /// AdamW with its state in host memory; see the module docs.
 pub struct OffloadAdamW {
@@ -96,6 +101,8 @@ struct Shared {
     pending: Vec<Mutex<Pending>>,
     /// The first error of a hook or the worker, reported by the next `step`.
     error: Mutex<Option<String>>,
+    /// Bounded staging, when the pinned limit cannot hold a buffer pair per parameter.
+    staging: Option<Staging>,
     /// When this step's gradients went down, landed and were stepped.
     timeline: Mutex<StepTimeline>,
 }
@@ -116,7 +123,8 @@ pub struct StepTimeline {
     pub queuing: Duration,
     /// Time backward's hooks were held because the step thread had not yet read a parameter's
     /// last gradient (the delayed update running more than a step behind: the CPU's passes
-    /// take longer than forward and backward).
+    /// take longer than forward and backward), or waited for room for a staged landing buffer
+    /// ([`OffloadAdamW::staging`]).
     pub held: Duration,
     /// When `step()` returned.
     pub returned: Option<Instant>,
@@ -189,10 +197,12 @@ struct Slot {
     master: Vec<f32>,
     exp_avg: Vec<f32>,
     exp_avg_sq: Vec<f32>,
-    /// Where its gradient lands: a pinned host tensor of the parameter's shape and dtype.
-    landing: Tensor,
-    /// Where the updated weights wait for their upload (the parameter's dtype).
-    upload: PinnedBuffer,
+    /// Where its gradient lands: a pinned host tensor of the parameter's shape and dtype
+    /// (staged: only from its gradient's copy until the step thread has read it).
+    landing: Option<Tensor>,
+    /// Where the updated weights wait for their upload, in the parameter's dtype (staged:
+    /// only from its step until the upload is queued).
+    upload: Option<PinnedBuffer>,
     /// The step its state has taken, so a gradient seen twice in one step is not applied twice.
     stepped: u64,
     /// With [`OffloadAdamW::hold_gradients`]: this step's gradient summed over its backward
@@ -209,10 +219,34 @@ impl OffloadAdamW {
     /// AdamW over `params` (leaves on one CUDA device that require grad, contiguous, in f32,
     /// bf16 or f16) with learning rate `lr`, betas (0.9, 0.999), eps 1e-8, weight decay 0.01
     /// (torch.optim.AdamW's defaults). Copies the parameters to host master weights and pins
-    /// a landing and an upload buffer for each.
+    /// a landing and an upload buffer for each, or stages them when the pinned pool's budget
+    /// has no room for that (see [`OffloadAdamW::new_within`]).
     pub fn new(params: impl IntoIterator<Item = Tensor>, lr: f64) -> Result<Self> {
+        Self::hooked(params, lr, None)
+    }
+
+    /// [`OffloadAdamW::new`] holding at most `pinned_limit` bytes of pinned memory: when a
+    /// landing and an upload buffer per parameter would take more, they are staged, taken as
+    /// each gradient is sent down and each parameter stepped and given back once used, half
+    /// the limit for each kind ([`OffloadAdamW::staging`] reports it). Staging needs room for
+    /// the largest parameter's two buffers (an error says how much otherwise); it rules out
+    /// the delayed update, which holds every parameter's new weights until the next backward,
+    /// and backward waits for a landing buffer when the CPU's steps fall behind.
+    pub fn new_within(
+        params: impl IntoIterator<Item = Tensor>,
+        lr: f64,
+        pinned_limit: usize,
+    ) -> Result<Self> {
+        Self::hooked(params, lr, Some(pinned_limit))
+    }
+
+    fn hooked(
+        params: impl IntoIterator<Item = Tensor>,
+        lr: f64,
+        pinned_limit: Option<usize>,
+    ) -> Result<Self> {
         let params = super::leaf_parameters("OffloadAdamW::new", params)?;
-        let mut this = Self::fed(params, lr)?;
+        let mut this = Self::build(params, lr, pinned_limit)?;
         let shared = &this.shared;
         let queue = this.queue.as_ref().expect("present until drop");
         for (i, p) in shared.params.iter().enumerate() {
@@ -239,6 +273,23 @@ impl OffloadAdamW {
     /// written by the uploads, during the caller's backward, once the parameter's gradient has
     /// landed (so after every read queued before its gradient was).
     pub fn fed(params: impl IntoIterator<Item = Tensor>, lr: f64) -> Result<Self> {
+        Self::build(params, lr, None)
+    }
+
+    /// [`OffloadAdamW::fed`] within a pinned limit, as [`OffloadAdamW::new_within`].
+    pub fn fed_within(
+        params: impl IntoIterator<Item = Tensor>,
+        lr: f64,
+        pinned_limit: usize,
+    ) -> Result<Self> {
+        Self::build(params, lr, Some(pinned_limit))
+    }
+
+    fn build(
+        params: impl IntoIterator<Item = Tensor>,
+        lr: f64,
+        pinned_limit: Option<usize>,
+    ) -> Result<Self> {
         const OP: &str = "OffloadAdamW::new";
         let params: Vec<Tensor> = params.into_iter().collect();
         let Some(first) = params.first() else {
@@ -255,7 +306,6 @@ impl OffloadAdamW {
                 ),
             ));
         };
-        let mut slots = Vec::with_capacity(params.len());
         for (i, p) in params.iter().enumerate() {
             if p.device() != first.device() {
                 return Err(invalid(
@@ -282,20 +332,43 @@ impl OffloadAdamW {
                     ),
                 ));
             }
+        }
+        let pool = PinnedPool::global()?;
+        let blocks: Vec<usize> = params
+            .iter()
+            .map(|p| PinnedPool::block_size(p.nbytes()))
+            .collect();
+        let stats = pool.stats();
+        let room = stats.budget_bytes.saturating_sub(stats.allocated_bytes);
+        let staging = match staging::plan(&blocks, pinned_limit, room) {
+            Ok(Plan::PerParameter) => None,
+            Ok(Plan::Staged { limit }) => {
+                Some(Staging::new(limit, 2 * blocks.iter().sum::<usize>()))
+            }
+            Err(message) => return Err(invalid(OP, message)),
+        };
+        let mut slots = Vec::with_capacity(params.len());
+        for p in &params {
             let master = ferry_tensor::with_no_grad(|| p.to_dtype(DType::F32)?.to_vec::<f32>())?;
             let n = p.numel();
-            let pool = PinnedPool::global()?;
-            let landing = Storage::new(
-                Buffer::Pinned(pool.alloc(p.nbytes())?),
-                p.dtype(),
-                Device::Cpu,
-            );
+            let (landing, upload) = if staging.is_some() {
+                (None, None)
+            } else {
+                let landing = Storage::new(
+                    Buffer::Pinned(pool.alloc(p.nbytes())?),
+                    p.dtype(),
+                    Device::Cpu,
+                );
+                let landing =
+                    Tensor::from_storage(Arc::new(landing), Layout::contiguous(p.shape()))?;
+                (Some(landing), Some(pool.alloc(p.nbytes())?))
+            };
             slots.push(Mutex::new(Slot {
                 master,
                 exp_avg: vec![0.0; n],
                 exp_avg_sq: vec![0.0; n],
-                landing: Tensor::from_storage(Arc::new(landing), Layout::contiguous(p.shape()))?,
-                upload: pool.alloc(p.nbytes())?,
+                landing,
+                upload,
                 stepped: 0,
                 held: Vec::new(),
                 landed: 0,
@@ -331,6 +404,7 @@ impl OffloadAdamW {
             drained: Condvar::new(),
             pending,
             error: Mutex::new(None),
+            staging,
             timeline: Mutex::new(StepTimeline::default()),
         });
         let (queue, landed) = channel();
@@ -386,8 +460,27 @@ impl OffloadAdamW {
     /// waiting for the CPU's passes, and the forward and backward that follow compute with the
     /// weights from one step earlier. [`OffloadAdamW::flush`] brings the parameters up to date
     /// (before evaluating or saving the model).
+    ///
+    /// Not with staged buffers ([`OffloadAdamW::staging`]): it holds every parameter's new
+    /// weights in pinned memory until the next backward, which the limit does not allow; the
+    /// next `step()` then says so, and the update stays undelayed.
     pub fn delayed_update(self, on: bool) -> Self {
-        self.shared.hyper.lock().delayed = on;
+        match &self.shared.staging {
+            Some(staging) if on => {
+                self.shared.note(invalid(
+                    "OffloadAdamW::delayed_update",
+                    format!(
+                        "the delayed update holds every parameter's new weights in pinned \
+                         memory until the next backward, {} here, and the pinned limit of {} \
+                         stages the buffers instead: raise the limit (FERRY_PINNED_BUDGET, or \
+                         OffloadAdamW::new_within) or step without the delayed update",
+                        ferry_memory::size::human_bytes(staging.needed / 2),
+                        ferry_memory::size::human_bytes(staging.limit)
+                    ),
+                ));
+            }
+            _ => self.shared.hyper.lock().delayed = on,
+        }
         self
     }
 
@@ -431,21 +524,36 @@ impl OffloadAdamW {
     }
 
     /// Where parameter `i`'s gradient lands: a pinned host tensor of its shape and dtype (see
-    /// [`OffloadAdamW::fed`]). `None` past the last parameter.
+    /// [`OffloadAdamW::fed`]). `None` past the last parameter, and with staged buffers, before
+    /// [`wait_landing`](Self::wait_landing) has taken one for its next gradient.
     pub fn landing(&self, i: usize) -> Option<Tensor> {
-        self.shared.slots.get(i).map(|s| s.lock().landing.clone())
+        self.shared
+            .slots
+            .get(i)
+            .and_then(|s| s.lock().landing.clone())
     }
 
     /// Blocks until parameter `i`'s [`landing`](Self::landing) tensor may be written again:
-    /// the step thread has read the last gradient handed over for it. A caller of
-    /// [`fed`](Self::fed) calls it before queuing each gradient's copy (with the delayed update
-    /// the step thread may still be a step behind; otherwise it returns at once). Returns the
-    /// time it waited.
-    pub fn wait_landing(&self, i: usize) -> Duration {
+    /// the step thread has read the last gradient handed over for it (with staged buffers, it
+    /// also takes the landing buffer, waiting for room). A caller of [`fed`](Self::fed) calls
+    /// it before queuing each gradient's copy (with the delayed update the step thread may
+    /// still be a step behind; otherwise it returns at once), and reads `landing(i)` after it
+    /// when staged. Returns the time it waited.
+    pub fn wait_landing(&self, i: usize) -> Result<Duration> {
         if i >= self.shared.params.len() {
-            return Duration::ZERO;
+            return Ok(Duration::ZERO);
         }
-        self.shared.wait_unread(i)
+        let began = Instant::now();
+        self.shared.wait_unread(i);
+        self.shared.attach_landing(i)?;
+        Ok(began.elapsed())
+    }
+
+    /// `Some` when the pinned limit could not hold a landing and an upload buffer per
+    /// parameter, so they are staged (see [`OffloadAdamW::new_within`]): what they would take,
+    /// the limit, and the peak so far. Its `Display` says so in a sentence.
+    pub fn staging(&self) -> Option<StagingReport> {
+        self.shared.staging.as_ref().map(Staging::report)
     }
 
     /// The copy stream the gradients go down on.
@@ -479,18 +587,25 @@ impl OffloadAdamW {
         self.shared.hand_over(i, adam, Some(landed), job, queue)
     }
 
-    /// Pinned bytes this optimizer holds (landing and upload buffers).
+    /// Pinned bytes this optimizer holds (landing and upload buffers; staged, those taken now
+    /// and those given back whose copies have not finished).
     pub fn pinned_bytes(&self) -> usize {
+        if let Some(staging) = &self.shared.staging {
+            return staging.held();
+        }
         self.shared
             .slots
             .iter()
             .map(|s| {
                 let s = s.lock();
-                let landing = match &*s.landing.storage().read() {
-                    Buffer::Pinned(b) => b.block_size(),
-                    _ => 0,
-                };
-                landing + s.upload.block_size()
+                let landing = s
+                    .landing
+                    .as_ref()
+                    .map_or(0, |l| match &*l.storage().read() {
+                        Buffer::Pinned(b) => b.block_size(),
+                        _ => 0,
+                    });
+                landing + s.upload.as_ref().map_or(0, PinnedBuffer::block_size)
             })
             .sum()
     }
@@ -535,5 +650,6 @@ impl Drop for OffloadAdamW {
 mod held;
 mod optimizer;
 mod pipeline;
+mod staging;
 #[cfg(test)]
 mod tests;

@@ -8,6 +8,7 @@ use ferry_memory::cuda::Event;
 use ferry_memory::{DType, bf16, f16};
 use ferry_tensor::{Buffer, Result, Tensor, TensorError};
 
+use super::staging::Retired;
 use super::{AdamHyper, Flight, Job, Sent, Shared, Slot, invalid, widen};
 use crate::optim::host::{self, AdamTensor, GradSlice, ParamSlice};
 
@@ -49,6 +50,7 @@ impl Shared {
         // The step thread may not have read this parameter's last gradient yet (with the
         // delayed update it may run a step behind): its landing buffer is written after.
         self.wait_unread(i);
+        self.attach_landing(i)?;
         {
             let slot = self.slots[i].lock();
             let guard = grad.storage().read();
@@ -59,7 +61,8 @@ impl Shared {
                 ));
             };
             let offset = grad.layout().offset() * grad.dtype().size();
-            let mut landing = slot.landing.storage().write();
+            let landing = slot.landing.as_ref().expect("attached above");
+            let mut landing = landing.storage().write();
             let Buffer::Pinned(landing) = &mut *landing else {
                 unreachable!("landing tensors are pinned");
             };
@@ -72,6 +75,32 @@ impl Shared {
         let adam = self.hyper.lock().adam;
         let job = self.landing_job();
         self.hand_over(i, adam, None, job, queue)
+    }
+
+    /// Staged buffers: takes a landing buffer for parameter `i`'s next gradient, waiting for
+    /// room (the step thread gives them back as it reads them), unless it has one.
+    pub(super) fn attach_landing(&self, i: usize) -> Result<()> {
+        let Some(staging) = &self.staging else {
+            return Ok(());
+        };
+        if self.slots[i].lock().landing.is_some() {
+            return Ok(());
+        }
+        let param = &self.params[i];
+        let began = Instant::now();
+        let landing = staging
+            .landings
+            .take_landing(param.shape(), param.dtype())?;
+        self.timeline.lock().held += began.elapsed();
+        self.slots[i].lock().landing = Some(landing);
+        Ok(())
+    }
+
+    /// Staged buffers: gives back the landing buffer of a slot whose gradient was read.
+    fn retire_landing(&self, slot: &mut Slot) {
+        if let (Some(staging), Some(landing)) = (&self.staging, slot.landing.take()) {
+            staging.landings.give_back(Retired::Landing(landing));
+        }
     }
 
     /// What the step thread does with a gradient that lands: steps it, or adds it to the one
@@ -254,8 +283,9 @@ impl Shared {
             held_adam,
             ..
         } = &mut *slot;
-        let landing = landing.storage().read();
-        let Buffer::Pinned(landing) = &*landing else {
+        let landing = landing.as_ref().ok_or_else(|| unlanded(sent.index))?;
+        let guard = landing.storage().read();
+        let Buffer::Pinned(landing) = &*guard else {
             unreachable!("landing tensors are pinned");
         };
         // Waits for the gradient's copy; the pass's time starts once it has landed.
@@ -270,6 +300,8 @@ impl Shared {
         *sumsq = host::accumulate(held, grad, first);
         *landed += 1;
         *held_adam = Some(sent.adam);
+        drop(guard);
+        self.retire_landing(&mut slot);
         self.timeline.lock().busy += began.elapsed();
         Ok(())
     }
@@ -296,7 +328,19 @@ impl Shared {
         } = sent.adam;
         let step = host::adamw_step(t, lr, betas, eps, weight_decay);
         let param = &self.params[i];
+        // Staged: an upload buffer, taken before the slot is locked (taking may wait for the
+        // GPU's uploads).
+        let staged_upload = match &self.staging {
+            Some(staging) => Some(staging.uploads.take(param.nbytes())?),
+            None => None,
+        };
         let mut slot = self.slots[i].lock();
+        if let Some(upload) = staged_upload {
+            // One a failed step left behind goes back.
+            if let (Some(staging), Some(old)) = (&self.staging, slot.upload.replace(upload)) {
+                staging.uploads.give_back(Retired::Upload(old));
+            }
+        }
         if slot.stepped == t {
             return Err(invalid(
                 "OffloadAdamW",
@@ -318,25 +362,36 @@ impl Shared {
             landed,
             ..
         } = &mut *slot;
-        let landing = landing.storage().read();
-        let Buffer::Pinned(landing) = &*landing else {
-            unreachable!("landing tensors are pinned");
+        let landing = match sent.job {
+            Job::StepHeld { .. } => None,
+            Job::Step | Job::Land => Some(
+                landing
+                    .as_ref()
+                    .ok_or_else(|| unlanded(i))?
+                    .storage()
+                    .read(),
+            ),
         };
         let mut grad_scale = 1.0;
-        let grad = match sent.job {
-            Job::StepHeld { scale } => {
+        let grad = match (&landing, sent.job) {
+            (_, Job::StepHeld { scale }) => {
                 grad_scale = scale;
                 *landed = 0;
                 GradSlice::F32(held)
             }
-            Job::Step | Job::Land => {
+            (Some(landing), _) => {
+                let Buffer::Pinned(landing) = &**landing else {
+                    unreachable!("landing tensors are pinned");
+                };
                 // Waits for the gradient's copy; the pass's time starts once it has landed.
                 let bytes = landing.as_bytes()?;
                 widen(&mut self.timeline.lock().landed, Instant::now());
                 landed_grad(param.dtype(), bytes)
             }
+            (None, _) => unreachable!("the landing is read for these jobs"),
         };
         let began = Instant::now();
+        let upload = upload.as_mut().expect("per parameter, or taken above");
         let out_bytes = upload.as_bytes_mut()?;
         let out = match param.dtype() {
             DType::BF16 => ParamSlice::Bf16(bytemuck::cast_slice_mut::<u8, bf16>(out_bytes)),
@@ -355,6 +410,10 @@ impl Shared {
             }],
         )?;
         *stepped = t;
+        drop(landing);
+        if sent.job.reads_landing() {
+            self.retire_landing(&mut slot);
+        }
         self.timeline.lock().busy += began.elapsed();
         Ok(())
     }
@@ -369,7 +428,17 @@ impl Shared {
         let Buffer::Cuda(to) = &mut *guard else {
             unreachable!("parameters were checked to be on a GPU");
         };
-        to.copy_from_pinned_async_at(offset, &mut slot.upload, &self.up)?;
+        let Some(upload) = slot.upload.as_mut() else {
+            return Err(invalid(
+                "OffloadAdamW",
+                format!("parameter {i} has no stepped weights to upload"),
+            ));
+        };
+        to.copy_from_pinned_async_at(offset, upload, &self.up)?;
+        if let (Some(staging), Some(upload)) = (&self.staging, slot.upload.take()) {
+            // Free once the copy queued just now has finished.
+            staging.uploads.give_back(Retired::Upload(upload));
+        }
         let mut timeline = self.timeline.lock();
         let done = Instant::now();
         timeline.stepped = Some(done);
@@ -380,6 +449,16 @@ impl Shared {
     pub(super) fn note(&self, err: TensorError) {
         self.error.lock().get_or_insert_with(|| err.to_string());
     }
+}
+
+fn unlanded(i: usize) -> TensorError {
+    invalid(
+        "OffloadAdamW",
+        format!(
+            "parameter {i} was handed over with no landing buffer: call `wait_landing({i})` \
+             before copying its gradient into `landing({i})`"
+        ),
+    )
 }
 
 /// A landing buffer's bytes as the gradient of a parameter of `dtype` (f32, bf16 or f16).

@@ -378,12 +378,19 @@ fn the_delayed_update_never_lands_a_gradient_on_one_not_yet_stepped() {
 }
 
 /// Two copies of the MLP on `gpu`: one with AdamW, one with a held-gradient OffloadAdamW.
-fn held_pair(gpu: Device) -> (Sequential, Sequential, AdamW, OffloadAdamW) {
+/// Two models alike, AdamW on the first and an OffloadAdamW holding gradients on the second
+/// (within `pinned_limit` when given).
+fn held_pair(
+    gpu: Device,
+    pinned_limit: Option<usize>,
+) -> (Sequential, Sequential, AdamW, OffloadAdamW) {
     let (reference, offloaded) = (mlp(gpu, DType::F32).unwrap(), mlp(gpu, DType::F32).unwrap());
     let adamw = AdamW::new(reference.parameters(), 1e-2).unwrap();
-    let offload = OffloadAdamW::new(offloaded.parameters(), 1e-2)
-        .unwrap()
-        .hold_gradients(true);
+    let offload = match pinned_limit {
+        Some(limit) => OffloadAdamW::new_within(offloaded.parameters(), 1e-2, limit),
+        None => OffloadAdamW::new(offloaded.parameters(), 1e-2),
+    };
+    let offload = offload.unwrap().hold_gradients(true);
     (reference, offloaded, adamw, offload)
 }
 
@@ -393,8 +400,12 @@ fn held_pair(gpu: Device) -> (Sequential, Sequential, AdamW, OffloadAdamW) {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn held_gradients_accumulate_over_backward_passes_and_clip_as_on_the_gpu() {
+    accumulate_and_clip(None);
+}
+
+fn accumulate_and_clip(pinned_limit: Option<usize>) {
     let gpu = Device::Cuda(0);
-    let (reference, offloaded, mut adamw, mut offload) = held_pair(gpu);
+    let (reference, offloaded, mut adamw, mut offload) = held_pair(gpu, pinned_limit);
     let mut clipped = 0;
     for step in 0..4u64 {
         adamw.zero_grad();
@@ -420,12 +431,79 @@ fn held_gradients_accumulate_over_backward_passes_and_clip_as_on_the_gpu() {
             &weights(&offloaded),
             &format!("after step {step}"),
         );
+        if let Some(limit) = pinned_limit {
+            assert!(offload.pinned_bytes() <= limit);
+        }
     }
     assert!(
         clipped > 0,
         "no step clipped: the test would not show clipping"
     );
     assert_eq!(offload.steps(), 4);
+    assert_eq!(offload.staging().is_some(), pinned_limit.is_some());
+}
+
+/// The least pinned limit staging takes for `params`: the largest parameter's landing and
+/// upload buffers, which is less than a pair per parameter.
+fn least_pinned_limit(params: &[Tensor]) -> usize {
+    let blocks: Vec<usize> = params
+        .iter()
+        .map(|p| ferry_memory::cuda::PinnedPool::block_size(p.nbytes()))
+        .collect();
+    let least = 2 * blocks.iter().max().unwrap();
+    assert!(least < 2 * blocks.iter().sum::<usize>(), "{blocks:?}");
+    least
+}
+
+/// Staged buffers, at the least limit staging takes (so every gradient but one waits for the
+/// step thread to give a landing buffer back): the pinned bytes held stay within it, the steps
+/// are those of buffers per parameter, held gradients accumulate and clip as on the GPU, the
+/// delayed update is refused with the reason, and a limit below the least names it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn staged_buffers_stay_within_the_pinned_limit_and_step_as_buffers_per_parameter_do() {
+    let gpu = Device::Cuda(0);
+    let (a, b) = (mlp(gpu, DType::F32).unwrap(), mlp(gpu, DType::F32).unwrap());
+    let limit = least_pinned_limit(&b.parameters());
+    let mut per_parameter = OffloadAdamW::new(a.parameters(), 1e-2).unwrap();
+    let mut staged = OffloadAdamW::new_within(b.parameters(), 1e-2, limit).unwrap();
+    assert!(per_parameter.staging().is_none());
+    for step in 0..4 {
+        let x = batch(gpu, 700 + step).unwrap();
+        loss(&a, &x).unwrap().backward().unwrap();
+        per_parameter.step().unwrap();
+        loss(&b, &x).unwrap().backward().unwrap();
+        staged.step().unwrap();
+        assert!(staged.pinned_bytes() <= limit);
+    }
+    assert_near(&weights(&a), &weights(&b), "after 4 steps");
+    let report = staged.staging().unwrap();
+    assert_eq!(report.limit, limit);
+    assert!(report.peak > 0 && report.peak <= limit, "{report:?}");
+    assert!(report.per_parameter > limit, "{report:?}");
+    assert!(report.to_string().contains("staged"), "{report}");
+
+    accumulate_and_clip(Some(limit));
+
+    let c = mlp(gpu, DType::F32).unwrap();
+    let mut delayed = OffloadAdamW::new_within(c.parameters(), 1e-2, limit)
+        .unwrap()
+        .delayed_update(true);
+    loss(&c, &batch(gpu, 7).unwrap())
+        .unwrap()
+        .backward()
+        .unwrap();
+    let err = delayed.step().unwrap_err().to_string();
+    assert!(
+        err.contains("delayed update") && err.contains("raise the limit"),
+        "{err}"
+    );
+
+    let err = OffloadAdamW::new_within(c.parameters(), 1e-2, limit - 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("at least"), "{err}");
 }
 
 /// A GradScaler over held gradients: it unscales them on the host, finds the overflow of a
@@ -437,7 +515,7 @@ fn held_gradients_accumulate_over_backward_passes_and_clip_as_on_the_gpu() {
 fn a_grad_scaler_over_held_gradients_skips_an_overflow_as_on_the_gpu() {
     use crate::amp::GradScaler;
     let gpu = Device::Cuda(0);
-    let (reference, offloaded, mut adamw, mut offload) = held_pair(gpu);
+    let (reference, offloaded, mut adamw, mut offload) = held_pair(gpu, None);
     let scaler = || GradScaler::new().init_scale(1024.0).unwrap();
     let (mut sa, mut sb) = (scaler(), scaler());
     for step in 0..4u64 {
