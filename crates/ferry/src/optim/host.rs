@@ -345,18 +345,27 @@ impl<'a> ParamSlice<'a> {
         }
     }
 
-    /// Writes `master` into elements `at..`, rounded to this slice's dtype.
+    /// Writes `master` into elements `at..`, rounded to this slice's dtype, around the cache
+    /// (see [`simd::store_around_cache`]; a 16-bit copy is rounded on the stack first).
     #[inline(always)]
     fn write(&mut self, at: usize, master: &[f32]) {
         let range = at..at + master.len();
         match self {
-            Self::F32(p) => p[range].copy_from_slice(master),
+            Self::F32(p) => simd::store_around_cache(&mut p[range], master),
             Self::Bf16(p) => {
-                for (d, &s) in p[range].iter_mut().zip(master) {
+                let mut rounded = [bf16::ZERO; SUB];
+                let rounded = &mut rounded[..master.len()];
+                for (d, &s) in rounded.iter_mut().zip(master) {
                     *d = bf16::from_bits(bf16_bits(s));
                 }
+                simd::store_around_cache(&mut p[range], rounded);
             }
-            Self::F16(p) => p[range].convert_from_f32_slice(master),
+            Self::F16(p) => {
+                let mut rounded = [f16::ZERO; SUB];
+                let rounded = &mut rounded[..master.len()];
+                rounded.convert_from_f32_slice(master);
+                simd::store_around_cache(&mut p[range], rounded);
+            }
         }
     }
 }
@@ -390,6 +399,9 @@ fn each_sub_block(
             out.write(at, master);
         }
         at += len;
+    }
+    if out.is_some() {
+        simd::fence_stores();
     }
 }
 
