@@ -98,7 +98,10 @@ impl Shared {
 
     /// Staged buffers: gives back the landing buffer of a slot whose gradient was read.
     fn retire_landing(&self, slot: &mut Slot) {
-        if let (Some(staging), Some(landing)) = (&self.staging, slot.landing.take()) {
+        let Some(staging) = &self.staging else {
+            return;
+        };
+        if let Some(landing) = slot.landing.take() {
             staging.landings.give_back(Retired::Landing(landing));
         }
     }
@@ -435,9 +438,11 @@ impl Shared {
             ));
         };
         to.copy_from_pinned_async_at(offset, upload, &self.up)?;
-        if let (Some(staging), Some(upload)) = (&self.staging, slot.upload.take()) {
+        if let Some(staging) = &self.staging {
             // Free once the copy queued just now has finished.
-            staging.uploads.give_back(Retired::Upload(upload));
+            if let Some(upload) = slot.upload.take() {
+                staging.uploads.give_back(Retired::Upload(upload));
+            }
         }
         let mut timeline = self.timeline.lock();
         let done = Instant::now();
