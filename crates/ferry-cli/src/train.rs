@@ -152,9 +152,10 @@ pub struct TrainArgs {
     )]
     pub checkpoint_every: usize,
     /// gpt: keep AdamW's master weights and moments in host memory and step them on the CPU
-    /// while backward runs (ferry::optim::OffloadAdamW); needs a GPU --device. Gradients are
-    /// consumed as backward produces them, so it does not combine with --clip-grad-norm yet.
-    #[arg(long, conflicts_with = "clip_grad_norm")]
+    /// while backward runs (ferry::optim::OffloadAdamW); needs a GPU --device. With
+    /// --clip-grad-norm the gradients are held on the host until the step
+    /// (OffloadAdamW::hold_gradients), where their global norm is taken.
+    #[arg(long)]
     pub offload_optimizer: bool,
     /// Cap ferry's device allocator, as FERRY_DEVICE_BUDGET does: bytes, or a size such as
     /// 6G. Beyond it allocations fail with the out-of-memory error.

@@ -223,7 +223,9 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
         ferry::memory::cuda::CudaDevice::get(ordinal)?.set_budget(Some(bytes));
     }
     let mut opt: Box<dyn Optimizer> = if args.offload_optimizer {
-        let opt = OffloadAdamW::new(model.parameters(), lr)?.weight_decay(args.weight_decay);
+        let opt = OffloadAdamW::new(model.parameters(), lr)?
+            .weight_decay(args.weight_decay)
+            .hold_gradients(args.clip_grad_norm.is_some());
         let pinned = match opt.staging() {
             Some(staging) => staging.to_string(),
             None => format!(

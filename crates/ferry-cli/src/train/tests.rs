@@ -74,7 +74,7 @@ fn offloading_the_optimizer_of_a_cpu_model_is_refused_naming_the_fix() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn a_gpt_trains_with_its_optimizer_offloaded() {
+fn a_gpt_trains_with_its_optimizer_offloaded_and_clipped() {
     let dir = tempfile::tempdir().unwrap();
     let mut args = offloaded_gpt(dir.path(), Device::Cuda(0));
     args.epochs = 2;
@@ -82,6 +82,12 @@ fn a_gpt_trains_with_its_optimizer_offloaded() {
     assert_eq!(summary.trained_now, 2);
     let losses: Vec<f64> = summary.history.iter().map(|e| e.loss).collect();
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    // Clipping holds the gradients on the host until the step.
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = offloaded_gpt(dir.path(), Device::Cuda(0));
+    args.clip_grad_norm = Some(0.5);
+    let summary = train(&args).unwrap();
+    assert!(summary.history.iter().all(|e| e.loss.is_finite()));
 }
 
 #[test]
