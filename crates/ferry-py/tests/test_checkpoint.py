@@ -175,3 +175,25 @@ def test_a_training_loop_saving_to_one_file_never_waits_on_itself(tmp_path):
         pending = ferry.save_async(path, model.state_dict())
     pending.wait()
     _same(_load(path), expected)
+
+
+@cuda
+def test_with_a_device_copy_writes_after_the_call_wait_for_nothing(tmp_path):
+    # Two dtypes, a view that is not contiguous, and an optimizer: all written right after the
+    # call, with no barrier, and the file still holds the moment of the call.
+    model, opt = _sgd_model("cuda")
+    model(torch.randn(64, 512, device="cuda")).square().sum().backward()
+    half = torch.arange(4096, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    strided = torch.arange(64 * 64, device="cuda", dtype=torch.float32).view(64, 64).t()
+    state = {**model.state_dict(), "half": half, "strided": strided}
+    before = {k: v.detach().contiguous().clone() for k, v in state.items()}
+    path = tmp_path / "d.safetensors"
+    pending = ferry.save_async(
+        path, state, memory=1 << 16, staging_bytes=1 << 16, device_copy=True
+    )
+    opt.step()
+    half.add_(1.0)
+    strided.mul_(-1.0)
+    assert not torch.equal(model.weight.detach(), before["weight"]), "the step moved the weights"
+    pending.wait()
+    _same(_load(path), before)

@@ -18,6 +18,11 @@ What waits for what:
     barrier, ``wait_snapshot()``, ``wait()``, or when the ``PendingSave`` is dropped) makes
     the save keep the old file: ``wait()`` raises ``FerryError`` naming the tensor, and no
     file mixes two moments. The file is renamed over ``path`` only after that check.
+* With ``device_copy=True`` the GPU tensors are first copied on their GPU, on torch's current
+  stream at the call (each dtype's contiguous tensors in one ``torch.cat``, at the device's
+  memory speed), and the snapshot reads those copies: writes after the call, optimizer steps
+  included, wait for nothing, at the price of device memory the size of the GPU tensors until
+  their snapshot is taken (where it runs out, the rest are read in place as without it).
 * Dropping a ``PendingSave`` waits for its copies (a fraction of a second), not for the file:
   the write finishes in the background, and an error in it is raised by the next
   ``save_async``.
@@ -35,16 +40,22 @@ _IN_FLIGHT: "weakref.WeakSet[PendingSave]" = weakref.WeakSet()
 _HOOK = None
 
 
-def _check_in_flight() -> None:
-    """Waits for the copies of every save in flight, and checks them."""
+def _check_in_flight(reading_only: bool = False) -> None:
+    """Waits for the copies of every save in flight, and checks them; with ``reading_only``,
+    only of the saves that read tensors torch may write (the others are checked once their
+    snapshot is taken, without waiting)."""
     with _LOCK:
         flying = list(_IN_FLIGHT)
     for pending in flying:
+        if reading_only and pending._private:
+            if pending.snapshot_taken():
+                pending.wait_snapshot()
+            continue
         pending.wait_snapshot()
 
 
 def _before_optimizer_step(optimizer, args, kwargs):
-    _check_in_flight()
+    _check_in_flight(reading_only=True)
 
 
 def _track(pending: "PendingSave") -> None:
@@ -69,7 +80,9 @@ class PendingSave:
 
     def __init__(self, inner, names, tensors, versions):
         self._inner = inner
-        self._watched = list(zip(names, tensors, versions))
+        # Device copies are the save's own: nothing else writes them.
+        self._watched = [w for w in zip(names, tensors, versions) if not _is_copy(w[1])]
+        self._private = not self._watched
         self._checked = False
 
     @property
@@ -132,7 +145,47 @@ class PendingSave:
         return f"PendingSave({self.path!r}, {state})"
 
 
-def save_async(path, tensors, *, memory="pageable", staging_bytes=None, metadata=None) -> PendingSave:
+_COPY_MARK = "_ferry_save_copy"
+
+
+def _is_copy(t) -> bool:
+    return getattr(t, _COPY_MARK, False)
+
+
+def _device_copies(torch, tensors):
+    """``tensors`` with each GPU tensor replaced by a copy on its GPU, queued on torch's current
+    stream: each (device, dtype)'s contiguous tensors in one ``torch.cat``, read through views of
+    it; others one by one. Where device memory runs out, the rest stay as they are."""
+    out = list(tensors)
+    groups = {}
+    for i, t in enumerate(out):
+        if t.is_cuda and t.is_contiguous() and t.numel() > 0:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        elif t.is_cuda:
+            groups.setdefault((t.device, None, i), []).append(i)
+    try:
+        for key, members in groups.items():
+            if len(key) == 3:
+                copy = out[members[0]].clone()
+                setattr(copy, _COPY_MARK, True)
+                out[members[0]] = copy
+                continue
+            flat = torch.cat([out[i].reshape(-1) for i in members])
+            at = 0
+            for i in members:
+                n = out[i].numel()
+                view = flat[at:at + n].view(out[i].shape)
+                setattr(view, _COPY_MARK, True)
+                out[i] = view
+                at += n
+    except torch.OutOfMemoryError:
+        pass
+    return out
+
+
+def save_async(
+    path, tensors, *, memory="pageable", staging_bytes=None, metadata=None, device_copy=False
+) -> PendingSave:
     """Starts writing ``tensors`` (a dict of name to torch tensor, a state dict say, or a list of
     pairs) to ``path`` and returns a :class:`PendingSave` at once.
 
@@ -140,7 +193,9 @@ def save_async(path, tensors, *, memory="pageable", staging_bytes=None, metadata
     file is written), ``"pinned"`` (straight into pinned memory within
     ferry's pinned budget), or a number of bytes (at most that much snapshot in host memory at
     once; the disk sets the pace and writes wait longer). ``staging_bytes``: the pinned ring
-    GPU tensors cross through (256 MiB). ``metadata``: strings for the file's header."""
+    GPU tensors cross through (256 MiB). ``metadata``: strings for the file's header.
+    ``device_copy``: copy the GPU tensors on their GPU first (see the module docs), so that
+    writes after the call never wait."""
     import torch
 
     items = list(tensors.items()) if hasattr(tensors, "items") else list(tensors)
@@ -162,6 +217,8 @@ def save_async(path, tensors, *, memory="pageable", staging_bytes=None, metadata
     # checked: check them all now (their copies are normally long done), or this call would
     # wait on a check that only this thread can make.
     _check_in_flight()
+    if device_copy:
+        detached = _device_copies(torch, detached)
     versions = [t._version for t in detached]
     inner = _ferry.save_async(
         str(path), names, detached, streams, mode, bound, metadata=metadata, **extra
