@@ -25,9 +25,7 @@ flight), peak_pinned_bytes.
 """
 
 import argparse
-import importlib.util
 import os
-import pathlib
 import statistics
 import sys
 import threading
@@ -41,19 +39,11 @@ BASELINE_STEPS = 6
 MAX_OVERLAP_STEPS = 200
 
 
-def load_gpt():
-    path = pathlib.Path(__file__).resolve().parents[3] / "tests" / "torch" / "gpt.py"
-    spec = importlib.util.spec_from_file_location("ferry_gpt", path)
-    gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpt)
-    return gpt
-
-
 class Training:
     def __init__(self, torch, args):
         self.torch = torch
         torch.manual_seed(0)
-        self.model = load_gpt().Gpt(VOCAB, args.seq, args.width, args.layers, args.width // 128)
+        self.model = harness.load_gpt().Gpt(VOCAB, args.seq, args.width, args.layers, args.width // 128)
         self.device = torch.device(args.device)
         self.model.to(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)

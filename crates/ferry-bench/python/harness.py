@@ -59,6 +59,19 @@ def require_torch(**needs):
     return torch
 
 
+def load_gpt():
+    """tests/torch/gpt.py as a module: the GPT of `ferry train gpt` in PyTorch, the model the
+    benches that train ferry's GPT build on PyTorch's side."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[3] / "tests" / "torch" / "gpt.py"
+    spec = importlib.util.spec_from_file_location("ferry_gpt", path)
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    return gpt
+
+
 def describe(torch, **extra):
     """The hello line's facts: torch and CUDA versions, the first GPU's name (or why none)."""
     gpu = torch.cuda.is_available()

@@ -22,9 +22,7 @@ most GPU memory allocated over the timed steps), or error.
 
 import argparse
 import gc
-import importlib.util
 import os
-import pathlib
 import sys
 import time
 
@@ -33,14 +31,6 @@ import harness  # noqa: E402  (the shared helpers, beside this script)
 
 VOCAB = 256
 LR = 1e-4
-
-
-def load_gpt():
-    path = pathlib.Path(__file__).resolve().parents[3] / "tests" / "torch" / "gpt.py"
-    spec = importlib.util.spec_from_file_location("ferry_gpt", path)
-    gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpt)
-    return gpt
 
 
 class SimpleOffload:
@@ -129,7 +119,7 @@ def main():
         parser.add_argument(flag, type=int, default=default)
     args = parser.parse_args()
     torch = harness.require_torch()
-    gpt = load_gpt()
+    gpt = harness.load_gpt()
     rows, note = optimizers(torch)
     out = {"torch": torch.__version__, "rows": []}
     if note:
