@@ -338,8 +338,10 @@ impl OffloadAdamW {
             .iter()
             .map(|p| PinnedPool::block_size(p.nbytes()))
             .collect();
+        // What the budget has left: cached blocks can be trimmed, live and registered ones not.
         let stats = pool.stats();
-        let room = stats.budget_bytes.saturating_sub(stats.allocated_bytes);
+        let held = stats.reserved_bytes.saturating_sub(stats.cached_bytes);
+        let room = stats.budget_bytes.saturating_sub(held);
         let staging = match staging::plan(&blocks, pinned_limit, room) {
             Ok(Plan::PerParameter) => None,
             Ok(Plan::Staged { limit }) => {
