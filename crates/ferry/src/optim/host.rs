@@ -278,6 +278,24 @@ pub fn accumulate(held: &mut [f32], grad: GradSlice<'_>, first: bool) -> f64 {
         .sum()
 }
 
+/// The sum of the squares of `grad` (each element as f32, squared and summed in f64), on all
+/// cores: a gradient's share of the global norm, read in place.
+pub fn sum_squares(grad: GradSlice<'_>) -> f64 {
+    grad.blocks()
+        .into_par_iter()
+        .map(|g| {
+            let mut buf = [0f32; SUB];
+            let mut sumsq = 0f64;
+            for at in (0..g.len()).step_by(SUB) {
+                let len = SUB.min(g.len() - at);
+                let g = g.f32s(at, &mut buf, len);
+                sumsq += g.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+            }
+            sumsq
+        })
+        .sum()
+}
+
 impl<'a> GradSlice<'a> {
     /// Elements.
     pub fn len(&self) -> usize {

@@ -144,8 +144,11 @@ struct Flight {
     /// so their upload is owed; `step` waits for these (the next forward reads them).
     owed: usize,
     /// Per parameter: a gradient was handed over whose landing buffer the step thread has not
-    /// read yet, so the next gradient's copy into it must wait.
+    /// read yet (or, held in place, not yet stepped), so the next gradient's copy into it must
+    /// wait.
     unread: Vec<bool>,
+    /// With held gradients, per parameter: gradients handed over for this step so far.
+    lands: Vec<u32>,
 }
 
 /// One parameter's place in the delayed update.
@@ -211,6 +214,9 @@ struct Slot {
     held: Vec<f32>,
     landed: u32,
     sumsq: f64,
+    /// The step's only gradient so far is held where it landed (its landing buffer), not in
+    /// `held`: one pass fewer over memory when a step has one backward pass.
+    in_landing: bool,
     /// The hyperparameters its last held gradient came with, to step it with.
     held_adam: Option<AdamHyper>,
 }
@@ -375,6 +381,7 @@ impl OffloadAdamW {
                 held: Vec::new(),
                 landed: 0,
                 sumsq: 0.0,
+                in_landing: false,
                 held_adam: None,
             }));
         }
@@ -400,6 +407,7 @@ impl OffloadAdamW {
                 steps: 0,
             }),
             flight: Mutex::new(Flight {
+                lands: vec![0; unread.len()],
                 unread,
                 ..Flight::default()
             }),
@@ -546,6 +554,8 @@ impl OffloadAdamW {
             return Ok(Duration::ZERO);
         }
         let began = Instant::now();
+        let queue = self.queue.as_ref().expect("present until drop");
+        self.shared.spill_if_held_in_place(i, queue)?;
         self.shared.wait_unread(i);
         self.shared.attach_landing(i)?;
         Ok(began.elapsed())
@@ -585,7 +595,7 @@ impl OffloadAdamW {
         // The caller ordered its copy after its reads of the parameter: so is this event.
         self.shared.release(i, Some(self.shared.down.record()?))?;
         let queue = self.queue.as_ref().expect("present until drop");
-        let job = self.shared.landing_job();
+        let job = self.shared.landing_job(i);
         self.shared.hand_over(i, adam, Some(landed), job, queue)
     }
 

@@ -363,3 +363,26 @@ fn a_scaled_step_equals_the_step_from_scaled_gradients() {
     assert_eq!(run(0.37, &grad), run(1.0, &scaled));
     assert_ne!(run(0.37, &grad), run(1.0, &grad));
 }
+
+/// A gradient's sum of squares read in place is the one `accumulate` takes while copying it
+/// (f32, bf16 and f16 gradients; the blocks may sum in another order).
+#[test]
+fn the_sum_of_squares_in_place_is_the_copys() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let g = normal(&mut rng, 3 * BLOCK + 17, 3.0);
+    let halves: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
+    let f16s: Vec<f16> = g.iter().map(|&x| f16::from_f32(x)).collect();
+    for grad in [
+        GradSlice::F32(&g),
+        GradSlice::Bf16(&halves),
+        GradSlice::F16(&f16s),
+    ] {
+        let mut held = vec![0.0f32; g.len()];
+        let copied = accumulate(&mut held, grad, true);
+        let in_place = sum_squares(grad);
+        assert!(
+            (copied - in_place).abs() <= 1e-12 * copied,
+            "{copied} {in_place}"
+        );
+    }
+}

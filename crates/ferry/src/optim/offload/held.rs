@@ -13,6 +13,13 @@ pub(super) enum Job {
     /// [`OffloadAdamW::hold_gradients`]: adds the gradient in its landing buffer to the one
     /// held for this step.
     Land,
+    /// [`OffloadAdamW::hold_gradients`], a parameter's first gradient of a step: holds it
+    /// where it landed, taking only its sum of squares (its landing buffer stays taken until
+    /// the step, or until a second gradient has it copied out: [`Job::Spill`]).
+    LandInPlace,
+    /// Copies a gradient held in place into the parameter's held gradient, freeing its landing
+    /// buffer for the next backward pass's gradient.
+    Spill,
     /// [`OffloadAdamW::hold_gradients`], at `step()`: steps it from the held gradient times
     /// `scale` (the product of unscaling and clipping).
     StepHeld { scale: f32 },
@@ -21,7 +28,12 @@ pub(super) enum Job {
 impl Job {
     /// Whether it reads the landing buffer.
     pub(super) fn reads_landing(self) -> bool {
-        matches!(self, Job::Step | Job::Land)
+        matches!(self, Job::Step | Job::Land | Job::LandInPlace | Job::Spill)
+    }
+
+    /// Whether it takes a step of AdamW.
+    pub(super) fn steps(self) -> bool {
+        matches!(self, Job::Step | Job::StepHeld { .. })
     }
 }
 
@@ -81,6 +93,8 @@ impl OffloadAdamW {
         let job = Job::StepHeld {
             scale: scale as f32,
         };
+        // The next backward's gradients are the next step's.
+        shared.flight.lock().lands.fill(0);
         for (i, slot) in shared.slots.iter().enumerate() {
             let adam = {
                 let slot = slot.lock();
@@ -101,9 +115,17 @@ impl OffloadAdamW {
         }
         self.shared.wait(|f| f.stepping == 0);
         self.shared.hyper.lock().held_pending = false;
-        for slot in &self.shared.slots {
-            slot.lock().landed = 0;
+        for (i, slot) in self.shared.slots.iter().enumerate() {
+            let mut slot = slot.lock();
+            slot.landed = 0;
+            // A gradient held in place lets go of its landing buffer.
+            let in_landing = std::mem::take(&mut slot.in_landing);
+            drop(slot);
+            if in_landing {
+                self.shared.settle(|f| f.unread[i] = false);
+            }
         }
+        self.shared.flight.lock().lands.fill(0);
         self.shared.hyper.lock().held_scale = 1.0;
     }
 }

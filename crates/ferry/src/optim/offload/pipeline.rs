@@ -49,6 +49,7 @@ impl Shared {
         }
         // The step thread may not have read this parameter's last gradient yet (with the
         // delayed update it may run a step behind): its landing buffer is written after.
+        self.spill_if_held_in_place(i, queue)?;
         self.wait_unread(i);
         self.attach_landing(i)?;
         {
@@ -73,8 +74,19 @@ impl Shared {
         // The parameter's upload orders itself after the kernels queued so far.
         self.release(i, None)?;
         let adam = self.hyper.lock().adam;
-        let job = self.landing_job();
+        let job = self.landing_job(i);
         self.hand_over(i, adam, None, job, queue)
+    }
+
+    /// Held gradients: when parameter `i`'s first gradient of this step is held in its landing
+    /// buffer ([`Job::LandInPlace`]), a second one is coming (accumulation): the step thread
+    /// copies the first out ([`Job::Spill`]), after which the landing buffer is free.
+    pub(super) fn spill_if_held_in_place(&self, i: usize, queue: &Sender<Sent>) -> Result<()> {
+        if self.staging.is_some() || !self.hyper.lock().hold || self.flight.lock().lands[i] != 1 {
+            return Ok(());
+        }
+        let adam = self.hyper.lock().adam;
+        self.hand_over(i, adam, None, Job::Spill, queue)
     }
 
     /// Staged buffers: takes a landing buffer for parameter `i`'s next gradient, waiting for
@@ -106,15 +118,23 @@ impl Shared {
         }
     }
 
-    /// What the step thread does with a gradient that lands: steps it, or adds it to the one
-    /// held for the step (noting that one is held).
-    pub(super) fn landing_job(&self) -> Job {
-        let mut hyper = self.hyper.lock();
-        if hyper.hold {
+    /// What the step thread does with parameter `i`'s gradient that lands: steps it, or holds
+    /// it for the step (noting that one is held): in place when it is the step's first and the
+    /// landing buffer is the parameter's own (a staged one must go back before the step).
+    pub(super) fn landing_job(&self, i: usize) -> Job {
+        {
+            let mut hyper = self.hyper.lock();
+            if !hyper.hold {
+                return Job::Step;
+            }
             hyper.held_pending = true;
-            Job::Land
+        }
+        let mut flight = self.flight.lock();
+        flight.lands[i] += 1;
+        if flight.lands[i] == 1 && self.staging.is_none() {
+            Job::LandInPlace
         } else {
-            Job::Step
+            Job::Land
         }
     }
 
@@ -129,7 +149,7 @@ impl Shared {
         queue: &Sender<Sent>,
     ) -> Result<()> {
         let reads = job.reads_landing();
-        if reads {
+        if reads && job != Job::Spill {
             widen(&mut self.timeline.lock().sent, Instant::now());
         }
         {
@@ -138,7 +158,7 @@ impl Shared {
             flight.unread[index] |= reads;
         }
         let t = self.hyper.lock().steps + 1;
-        if job != Job::Land {
+        if job.steps() {
             self.pending[index].lock().sent = t;
         }
         let sent = Sent {
@@ -284,6 +304,7 @@ impl Shared {
             landed,
             sumsq,
             held_adam,
+            in_landing,
             ..
         } = &mut *slot;
         let landing = landing.as_ref().ok_or_else(|| unlanded(sent.index))?;
@@ -294,24 +315,45 @@ impl Shared {
         // Waits for the gradient's copy; the pass's time starts once it has landed.
         let bytes = landing.as_bytes()?;
         let began = Instant::now();
-        widen(&mut self.timeline.lock().landed, began);
         let grad = landed_grad(param.dtype(), bytes);
-        let first = *landed == 0;
-        if held.len() != param.numel() {
-            *held = vec![0.0; param.numel()];
+        match sent.job {
+            Job::LandInPlace => {
+                widen(&mut self.timeline.lock().landed, began);
+                *sumsq = host::sum_squares(grad);
+                *landed = 1;
+                *in_landing = true;
+                *held_adam = Some(sent.adam);
+            }
+            Job::Spill => {
+                if held.len() != param.numel() {
+                    *held = vec![0.0; param.numel()];
+                }
+                *sumsq = host::accumulate(held, grad, true);
+                *in_landing = false;
+            }
+            _ => {
+                widen(&mut self.timeline.lock().landed, began);
+                let first = *landed == 0;
+                if held.len() != param.numel() {
+                    *held = vec![0.0; param.numel()];
+                }
+                *sumsq = host::accumulate(held, grad, first);
+                *landed += 1;
+                *held_adam = Some(sent.adam);
+            }
         }
-        *sumsq = host::accumulate(held, grad, first);
-        *landed += 1;
-        *held_adam = Some(sent.adam);
         drop(guard);
-        self.retire_landing(&mut slot);
+        if sent.job != Job::LandInPlace {
+            self.retire_landing(&mut slot);
+        }
         self.timeline.lock().busy += began.elapsed();
         Ok(())
     }
 
     /// Steps a parameter from its landed gradient (or, for [`Job::StepHeld`], from the one
-    /// held for the step) into its upload buffer.
-    pub(super) fn step_one(&self, sent: &Sent) -> Result<()> {
+    /// held for the step, which may be in its landing buffer) into its upload buffer. Says
+    /// whether it read the landing buffer (which the next gradient may take now).
+    pub(super) fn step_one(&self, sent: &Sent) -> Result<bool> {
         let i = sent.index;
         if let Some(landed) = &sent.landed {
             landed.synchronize()?;
@@ -363,35 +405,39 @@ impl Shared {
             stepped,
             held,
             landed,
+            in_landing,
             ..
         } = &mut *slot;
-        let landing = match sent.job {
-            Job::StepHeld { .. } => None,
-            Job::Step | Job::Land => Some(
+        let (grad_scale, from_landing) = match sent.job {
+            Job::StepHeld { scale } => {
+                *landed = 0;
+                (scale, std::mem::take(in_landing))
+            }
+            _ => (1.0, true),
+        };
+        let landing = match from_landing {
+            true => Some(
                 landing
                     .as_ref()
                     .ok_or_else(|| unlanded(i))?
                     .storage()
                     .read(),
             ),
+            false => None,
         };
-        let mut grad_scale = 1.0;
-        let grad = match (&landing, sent.job) {
-            (_, Job::StepHeld { scale }) => {
-                grad_scale = scale;
-                *landed = 0;
-                GradSlice::F32(held)
-            }
-            (Some(landing), _) => {
+        let grad = match &landing {
+            None => GradSlice::F32(held),
+            Some(landing) => {
                 let Buffer::Pinned(landing) = &**landing else {
                     unreachable!("landing tensors are pinned");
                 };
                 // Waits for the gradient's copy; the pass's time starts once it has landed.
                 let bytes = landing.as_bytes()?;
-                widen(&mut self.timeline.lock().landed, Instant::now());
+                if sent.job == Job::Step {
+                    widen(&mut self.timeline.lock().landed, Instant::now());
+                }
                 landed_grad(param.dtype(), bytes)
             }
-            (None, _) => unreachable!("the landing is read for these jobs"),
         };
         let began = Instant::now();
         let upload = upload.as_mut().expect("per parameter, or taken above");
@@ -414,11 +460,11 @@ impl Shared {
         )?;
         *stepped = t;
         drop(landing);
-        if sent.job.reads_landing() {
+        if from_landing {
             self.retire_landing(&mut slot);
         }
         self.timeline.lock().busy += began.elapsed();
-        Ok(())
+        Ok(from_landing)
     }
 
     /// Queues parameter `i`'s upload from its upload buffer, stepped just before.
@@ -484,10 +530,13 @@ pub(super) fn work(
     pool: &rayon::ThreadPool,
 ) {
     while let Ok(sent) = landed.recv() {
-        if sent.job == Job::Land {
+        let i = sent.index;
+        if matches!(sent.job, Job::Land | Job::LandInPlace | Job::Spill) {
             let landed = pool.install(|| shared.land_one(&sent));
+            // Its landing buffer is read, unless the gradient is held there until the step.
+            let kept = sent.job == Job::LandInPlace && landed.is_ok();
             shared.settle(|f| {
-                f.unread[sent.index] = false;
+                f.unread[i] &= kept;
                 f.stepping -= 1;
             });
             if let Err(err) = landed {
@@ -497,21 +546,29 @@ pub(super) fn work(
         }
         let delayed = shared.hyper.lock().delayed;
         let stepped_one = pool.install(|| shared.step_one(&sent));
-        // Its landing buffer is read (or never will be): the next gradient may land in it.
-        if sent.job.reads_landing() {
-            shared.settle(|f| f.unread[sent.index] = false);
+        // Its landing buffer is read (or, after an error, never will be): the next gradient
+        // may land in it.
+        let read = match &stepped_one {
+            Ok(read) => *read,
+            Err(_) => {
+                shared.slots[i].lock().in_landing = false;
+                true
+            }
+        };
+        if read {
+            shared.settle(|f| f.unread[i] = false);
         }
         let outcome = match stepped_one {
             Err(err) => {
-                shared.abandon(sent.index, sent.t);
+                shared.abandon(i, sent.t);
                 Err(err)
             }
-            Ok(()) if delayed => {
-                let uploaded = shared.stepped_delayed(sent.index, sent.t, stepped);
+            Ok(_) if delayed => {
+                let uploaded = shared.stepped_delayed(i, sent.t, stepped);
                 shared.finish_one();
                 uploaded
             }
-            Ok(()) => stepped.send(Upload::Stepped(sent.index)).map_err(|_| {
+            Ok(_) => stepped.send(Upload::Stepped(i)).map_err(|_| {
                 shared.finish_one();
                 invalid("OffloadAdamW", "the upload thread has ended".into())
             }),
