@@ -455,8 +455,9 @@ fn least_pinned_limit(params: &[Tensor]) -> usize {
     least
 }
 
-/// Staged buffers, at the least limit staging takes (so every gradient but one waits for the
-/// step thread to give a landing buffer back): the pinned bytes held stay within it, the steps
+/// Staged buffers, at the least limit staging takes (each half holds no more than the largest
+/// parameter's buffer, so gradients wait for the step thread to give landing buffers back):
+/// the pinned bytes held stay within it, the steps
 /// are those of buffers per parameter, held gradients accumulate and clip as on the GPU, the
 /// delayed update is refused with the reason, and a limit below the least names it.
 #[test]
