@@ -270,8 +270,7 @@ pub fn accumulate(held: &mut [f32], grad: GradSlice<'_>, first: bool) -> f64 {
                         *h += g;
                     }
                 }
-                // Squares in f64: a finite gradient's square never overflows to a false infinity.
-                sumsq += h.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+                sumsq += square_sum(h);
             }
             sumsq
         })
@@ -288,12 +287,18 @@ pub fn sum_squares(grad: GradSlice<'_>) -> f64 {
             let mut sumsq = 0f64;
             for at in (0..g.len()).step_by(SUB) {
                 let len = SUB.min(g.len() - at);
-                let g = g.f32s(at, &mut buf, len);
-                sumsq += g.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+                sumsq += square_sum(g.f32s(at, &mut buf, len));
             }
             sumsq
         })
         .sum()
+}
+
+/// The sum of the squares of `values`, squared and summed in f64: a finite gradient's square
+/// never overflows to a false infinity.
+#[inline(always)]
+fn square_sum(values: &[f32]) -> f64 {
+    values.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
 }
 
 impl<'a> GradSlice<'a> {
