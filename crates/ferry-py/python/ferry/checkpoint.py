@@ -152,31 +152,33 @@ def _is_copy(t) -> bool:
     return getattr(t, _COPY_MARK, False)
 
 
+def _marked(copy):
+    """``copy``, marked as a device copy the save owns (no later write reaches it)."""
+    setattr(copy, _COPY_MARK, True)
+    return copy
+
+
 def _device_copies(torch, tensors):
     """``tensors`` with each GPU tensor replaced by a copy on its GPU, queued on torch's current
     stream: each (device, dtype)'s contiguous tensors in one ``torch.cat``, read through views of
     it; others one by one. Where device memory runs out, the rest stay as they are."""
     out = list(tensors)
     groups = {}
+    strided = []
     for i, t in enumerate(out):
         if t.is_cuda and t.is_contiguous() and t.numel() > 0:
             groups.setdefault((t.device, t.dtype), []).append(i)
         elif t.is_cuda:
-            groups.setdefault((t.device, None, i), []).append(i)
+            strided.append(i)
     try:
-        for key, members in groups.items():
-            if len(key) == 3:
-                copy = out[members[0]].clone()
-                setattr(copy, _COPY_MARK, True)
-                out[members[0]] = copy
-                continue
+        for i in strided:
+            out[i] = _marked(out[i].clone())
+        for members in groups.values():
             flat = torch.cat([out[i].reshape(-1) for i in members])
             at = 0
             for i in members:
                 n = out[i].numel()
-                view = flat[at:at + n].view(out[i].shape)
-                setattr(view, _COPY_MARK, True)
-                out[i] = view
+                out[i] = _marked(flat[at:at + n].view(out[i].shape))
                 at += n
     except torch.OutOfMemoryError:
         pass

@@ -553,12 +553,8 @@ impl OffloadAdamW {
         if i >= self.shared.params.len() {
             return Ok(Duration::ZERO);
         }
-        let began = Instant::now();
         let queue = self.queue.as_ref().expect("present until drop");
-        self.shared.spill_if_held_in_place(i, queue)?;
-        self.shared.wait_unread(i);
-        self.shared.attach_landing(i)?;
-        Ok(began.elapsed())
+        self.shared.prepare_landing(i, queue)
     }
 
     /// `Some` when the pinned limit could not hold a landing and an upload buffer per

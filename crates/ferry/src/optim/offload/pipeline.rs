@@ -49,9 +49,7 @@ impl Shared {
         }
         // The step thread may not have read this parameter's last gradient yet (with the
         // delayed update it may run a step behind): its landing buffer is written after.
-        self.spill_if_held_in_place(i, queue)?;
-        self.wait_unread(i);
-        self.attach_landing(i)?;
+        self.prepare_landing(i, queue)?;
         {
             let slot = self.slots[i].lock();
             let guard = grad.storage().read();
@@ -76,6 +74,17 @@ impl Shared {
         let adam = self.hyper.lock().adam;
         let job = self.landing_job(i);
         self.hand_over(i, adam, None, job, queue)
+    }
+
+    /// Makes parameter `i`'s landing buffer ready for its next gradient: a first gradient held
+    /// in it is copied out, the step thread has read what it holds, and (staged) one is taken.
+    /// Returns the time it waited.
+    pub(super) fn prepare_landing(&self, i: usize, queue: &Sender<Sent>) -> Result<Duration> {
+        let began = Instant::now();
+        self.spill_if_held_in_place(i, queue)?;
+        self.wait_unread(i);
+        self.attach_landing(i)?;
+        Ok(began.elapsed())
     }
 
     /// Held gradients: when parameter `i`'s first gradient of this step is held in its landing
@@ -119,19 +128,22 @@ impl Shared {
     }
 
     /// What the step thread does with parameter `i`'s gradient that lands: steps it, or holds
-    /// it for the step (noting that one is held): in place when it is the step's first and the
-    /// landing buffer is the parameter's own (a staged one must go back before the step).
+    /// it for the step (noting that one is held): in place when it is the step's first, the
+    /// landing buffer is the parameter's own (a staged one must go back before the step), and
+    /// the update is not delayed (its step runs during the next backward, whose gradient would
+    /// wait for the buffer).
     pub(super) fn landing_job(&self, i: usize) -> Job {
-        {
+        let delayed = {
             let mut hyper = self.hyper.lock();
             if !hyper.hold {
                 return Job::Step;
             }
             hyper.held_pending = true;
-        }
+            hyper.delayed
+        };
         let mut flight = self.flight.lock();
         flight.lands[i] += 1;
-        if flight.lands[i] == 1 && self.staging.is_none() {
+        if flight.lands[i] == 1 && self.staging.is_none() && !delayed {
             Job::LandInPlace
         } else {
             Job::Land
@@ -324,22 +336,20 @@ impl Shared {
                 *in_landing = true;
                 *held_adam = Some(sent.adam);
             }
-            Job::Spill => {
-                if held.len() != param.numel() {
-                    *held = vec![0.0; param.numel()];
-                }
-                *sumsq = host::accumulate(held, grad, true);
-                *in_landing = false;
-            }
-            _ => {
-                widen(&mut self.timeline.lock().landed, began);
-                let first = *landed == 0;
+            job => {
+                // A spilled gradient is the step's first; a landed one may follow others.
+                let first = job == Job::Spill || *landed == 0;
                 if held.len() != param.numel() {
                     *held = vec![0.0; param.numel()];
                 }
                 *sumsq = host::accumulate(held, grad, first);
-                *landed += 1;
-                *held_adam = Some(sent.adam);
+                if job == Job::Spill {
+                    *in_landing = false;
+                } else {
+                    widen(&mut self.timeline.lock().landed, began);
+                    *landed += 1;
+                    *held_adam = Some(sent.adam);
+                }
             }
         }
         drop(guard);

@@ -264,13 +264,27 @@ fn assert_near(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_delayed_update_steps_gradients_of_weights_one_step_behind() {
+    delayed_steps(None);
+}
+
+/// The same with held gradients clipped: each step's norm is that of the gradient taken at
+/// the stale weights, and the steps follow AdamW's over those gradients clipped on the GPU.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_delayed_update_over_held_gradients_clips_as_on_the_gpu() {
+    delayed_steps(Some(0.01));
+}
+
+fn delayed_steps(max_norm: Option<f64>) {
     let gpu = Device::Cuda(0);
     let (reference, offloaded) = (mlp(gpu, DType::F32).unwrap(), mlp(gpu, DType::F32).unwrap());
     let mut scratch = mlp(gpu, DType::F32).unwrap();
     let mut adamw = AdamW::new(reference.parameters(), 1e-2).unwrap();
     let mut offload = OffloadAdamW::new(offloaded.parameters(), 1e-2)
         .unwrap()
+        .hold_gradients(max_norm.is_some())
         .delayed_update(true);
+    let mut clipped = 0;
     // history[k]: the weights after k steps.
     let mut history = vec![weights(&reference)];
     for step in 0..5u64 {
@@ -290,13 +304,28 @@ fn the_delayed_update_steps_gradients_of_weights_one_step_behind() {
         for (p, q) in reference.parameters().iter().zip(scratch.parameters()) {
             p.set_grad(q.grad());
         }
+        loss(&offloaded, &x).unwrap().backward().unwrap();
+        if let Some(max_norm) = max_norm {
+            let a = crate::optim::clip_grad_norm(reference.parameters(), max_norm).unwrap();
+            let b = offload.clip_grad_norm(max_norm).unwrap();
+            assert!(
+                (a - b).abs() <= 1e-5 * a,
+                "step {step}: norm {a} against {b}"
+            );
+            clipped += usize::from(a > max_norm);
+        }
         adamw.step().unwrap();
         history.push(weights(&reference));
-        loss(&offloaded, &x).unwrap().backward().unwrap();
         offload.step().unwrap();
     }
     offload.flush(None).unwrap();
     assert_near(&history[5], &weights(&offloaded), "after flush");
+    if max_norm.is_some() {
+        assert!(
+            clipped > 0,
+            "no step clipped: the test would not show clipping"
+        );
+    }
     assert_eq!(offload.steps(), 5);
     // The state is whole once the passes are done: five steps' masters.
     let state = offload.state_dict();
