@@ -536,33 +536,43 @@ fn saves_follow_the_umask() {
 }
 
 /// Run in a child process by `a_save_killed_at_any_moment_leaves_only_checkpoints_that_verify`:
-/// saves checkpoints of 16 MiB, one after another over three names, by `save` and `save_async`
-/// in turn, until it is killed.
+/// saves checkpoints of 16 MiB on the device `FERRY_KILL_CHILD_DEVICE` names, one after
+/// another over three names, by `save` and `save_async` (bounded and pageable snapshots) in
+/// turn, until it is killed.
 #[test]
 #[ignore = "run by the kill test in a child process, which it kills"]
 fn kill_child() {
     let Some(dir) = std::env::var_os("FERRY_KILL_CHILD_DIR") else {
         return;
     };
+    let device = match std::env::var("FERRY_KILL_CHILD_DEVICE").as_deref() {
+        Ok("cuda") => Device::Cuda(0),
+        _ => Device::Cpu,
+    };
+    // The device is set up before the parent starts its clock.
+    Tensor::zeros(&[1], DType::F32, device).unwrap();
     println!("FERRY_SAVING");
     for n in 0u32.. {
         // Every tensor of save n holds n: a file mixing two saves would show it.
         let state: Vec<(String, Tensor)> = (0..4)
             .map(|k| {
                 let values = vec![n as f32; 1 << 20];
-                (
-                    format!("t{k}"),
-                    Tensor::from_slice(&values, &[1 << 20]).unwrap(),
-                )
+                let t = Tensor::from_slice(&values, &[1 << 20]).unwrap();
+                (format!("t{k}"), t.to(device).unwrap())
             })
             .collect();
         let path = Path::new(&dir).join(format!("ckpt-{}.safetensors", n % 3));
-        // Synchronous and asynchronous saves in turn: the kill finds both at every stage.
+        // Synchronous and asynchronous saves in turn: the kill finds each at every stage.
         if n % 2 == 0 {
             checkpoint::save(&path, &state).unwrap();
         } else {
+            let memory = if n % 4 == 1 {
+                checkpoint::SnapshotMemory::Bounded(4 << 20)
+            } else {
+                checkpoint::SnapshotMemory::Pageable
+            };
             let options = checkpoint::AsyncSaveOptions {
-                memory: checkpoint::SnapshotMemory::Bounded(4 << 20),
+                memory,
                 staging_bytes: 1 << 20,
                 ..checkpoint::AsyncSaveOptions::default()
             };
@@ -574,14 +584,19 @@ fn kill_child() {
     }
 }
 
-/// SIGKILL at many moments of a run of saves: every file with a checkpoint's name verifies
-/// (header and every checksum) and holds one save whole; anything else is a temporary.
-#[test]
-#[cfg(unix)]
-fn a_save_killed_at_any_moment_leaves_only_checkpoints_that_verify() {
+device_test!(
+    a_save_killed_at_any_moment_leaves_only_checkpoints_that_verify,
+    saves_killed_at_any_moment
+);
+
+/// SIGKILL at many moments of a run of saves of tensors on `device`: every file with a
+/// checkpoint's name verifies (header and every checksum) and holds one save whole; anything
+/// else is a temporary.
+fn saves_killed_at_any_moment(device: Device) -> Result<()> {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
-    let dir = scratch("kill");
+    let kind = if device.is_cuda() { "cuda" } else { "cpu" };
+    let dir = scratch(&format!("kill-{kind}"));
     let (mut kills, mut checked) = (0, 0);
     // Each one left by a save a kill cut short.
     let mut temporaries = std::collections::BTreeSet::new();
@@ -595,6 +610,7 @@ fn a_save_killed_at_any_moment_leaves_only_checkpoints_that_verify() {
             ])
             .args(["--test-threads", "1"])
             .env("FERRY_KILL_CHILD_DIR", &dir)
+            .env("FERRY_KILL_CHILD_DEVICE", kind)
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -616,9 +632,9 @@ fn a_save_killed_at_any_moment_leaves_only_checkpoints_that_verify() {
                 .unwrap_or_else(|e| panic!("after kill {k}: {name} does not verify: {e}"));
             assert_eq!((verified.tensors, verified.checksummed), (4, true));
             let state = checkpoint::load(&path).unwrap();
-            let first = state[0].1.to_vec::<f32>().unwrap()[0];
+            let first = state[0].1.to_vec::<f32>()?[0];
             for (key, t) in &state {
-                let values = t.to_vec::<f32>().unwrap();
+                let values = t.to_vec::<f32>()?;
                 assert!(
                     values.iter().all(|&v| v == first),
                     "{name}: {key} mixes two saves"
@@ -628,12 +644,13 @@ fn a_save_killed_at_any_moment_leaves_only_checkpoints_that_verify() {
         }
     }
     println!(
-        "{kills} kills ({} inside a save, which left its temporary), {checked} checkpoint files \
-         checked: all verified and whole",
+        "{device}: {kills} kills ({} inside a save, which left its temporary), {checked} \
+         checkpoint files checked: all verified and whole",
         temporaries.len()
     );
     assert!(checked > 0);
     std::fs::remove_dir_all(&dir).ok();
+    Ok(())
 }
 
 #[test]
