@@ -11,6 +11,14 @@ trains, the two ways PyTorch programs do it:
                             (non_blocking, then a synchronize: the next step writes them), then
                             torch.save and fsync run on a thread while training goes on.
 
+Where the ferry wheel is importable, two more rows show what a PyTorch program gets from it:
+
+  ferry.save_async          ferry.save_async(path, state) of the same state (flattened to
+                            names): the snapshot reads what torch queued before the call, the
+                            optimizer's step waits only for the copies not yet taken.
+  ... + device copy         device_copy=True: the GPU tensors are copied on the GPU in the call,
+                            so the steps wait for nothing.
+
 Each mode saves twice ("first", "again"): the second finds its pinned buffers and page cache
 warm, as every periodic checkpoint after the first does.
 
@@ -21,7 +29,7 @@ warm, as every periodic checkpoint after the first does.
 Prints one JSON object: params, bytes, the steps without a save (ms), and per save: mode,
 stall_ms (the training thread's wait), snapshot_s (until the state is safe to change),
 elapsed_s (until the file is durable), overlapped_step_ms (each step run while the save was in
-flight), peak_pinned_bytes.
+flight), peak_pinned_bytes (and ferry's rows, peak_extra_host_bytes).
 """
 
 import argparse
@@ -158,6 +166,34 @@ class PinnedSnapshot:
                 "peak_pinned_bytes": self.bytes}
 
 
+def named(tree, prefix=""):
+    """(name, tensor) for every tensor of a nested state dict, the name its path of keys."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from named(value, f"{prefix}{key}.")
+    elif isinstance(tree, (list, tuple)):
+        for i, item in enumerate(tree):
+            yield from named(item, f"{prefix}{i}.")
+    elif hasattr(tree, "data_ptr"):
+        yield prefix[:-1], tree
+
+
+def save_with_ferry(ferry, training, path, device_copy):
+    """ferry.save_async of the state while training goes on; the optimizer's step pre-hook
+    makes each step wait for the copies it would overwrite."""
+    start = time.perf_counter()
+    pending = ferry.save_async(path, dict(named(training.state())), device_copy=device_copy)
+    stall = time.perf_counter() - start
+    overlapped = []
+    while not pending.done() and len(overlapped) < MAX_OVERLAP_STEPS:
+        overlapped.append(training.step())
+    report = pending.wait()
+    return {"stall_ms": stall * 1e3, "snapshot_s": report["snapshot_s"],
+            "elapsed_s": report["elapsed_s"], "overlapped_step_ms": overlapped,
+            "peak_pinned_bytes": report["peak_pinned_bytes"],
+            "peak_extra_host_bytes": report["peak_extra_host_bytes"]}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=16)
@@ -190,6 +226,20 @@ def main():
             saves.append({"mode": f"PyTorch pinned snapshot + thread ({round_})",
                           **pinned.save(torch, training, path)})
             os.remove(path)
+        del pinned
+        try:
+            import ferry
+        except ImportError as e:
+            print(f"no ferry.save_async rows: {e}", file=sys.stderr, flush=True)
+            ferry = None
+        if ferry is not None and args.device == "cuda":
+            for device_copy in (False, True):
+                for round_ in ("first", "again"):
+                    mode = "ferry.save_async from PyTorch" + (" + device copy" if device_copy else "")
+                    print(f"{mode} ({round_}) ...", file=sys.stderr, flush=True)
+                    saves.append({"mode": f"{mode} ({round_})",
+                                  **save_with_ferry(ferry, training, path, device_copy)})
+                    os.remove(path)
     finally:
         if os.path.exists(path):
             os.remove(path)

@@ -6,8 +6,8 @@
 //! disk's sequential write rate, both measured in the same run, and the extra memory. With
 //! --compare-pytorch, python/checkpoint_async.py trains the same GPT in PyTorch afterwards and
 //! checkpoints it the two ways PyTorch programs do (torch.save from the GPU; a pinned snapshot,
-//! then torch.save on a thread), measured the same way: rows below ferry's, against the same
-//! link and disk.
+//! then torch.save on a thread) and, where the ferry wheel is installed, by `ferry.save_async`
+//! from PyTorch, measured the same way: rows below ferry's, against the same link and disk.
 
 use std::error::Error;
 use std::io::Write;
@@ -42,6 +42,9 @@ struct Measured {
     report: AsyncSaveReport,
     /// Each step that began before the save finished.
     overlapped: Vec<f64>,
+    /// The disk's sequential write rate around the save: the mean of the measurements taken
+    /// just before and just after its mode's saves.
+    disk: f64,
 }
 
 struct Trainer {
@@ -237,6 +240,7 @@ fn save_while_training(
         stall_ms,
         report,
         overlapped,
+        disk: f64::NAN,
     })
 }
 
@@ -258,7 +262,11 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
     let params: usize = trainer.model.parameters().iter().map(Tensor::numel).sum();
     drop(state);
     let link = link_d2h(dev)?;
-    let disk_before = disk_write(&dir, bytes.min(8 << 30))?;
+    let disk_bytes = bytes.min(8 << 30);
+    // The disk's rate moves within a run (its cache, other tenants): it is measured before
+    // each mode's saves and after the last, and each save's write is held against the mean
+    // of the two measurements around it.
+    let mut disks = vec![disk_write(&dir, disk_bytes)?];
     let drain = drain_rate()?;
     println!(
         "checkpoint while training: GPT {} layers x {} wide ({:.2} B parameters), batch {} x {}, \
@@ -278,8 +286,8 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
          write {:.2} GB/s ({:.1} GiB, 4 MiB writes, fdatasync every 256 MiB beside them, fsync); \
          drain pinned -> host pool by all cores {:.1} GB/s (1 GiB in 64 MiB pieces)",
         gb(link),
-        gb(disk_before),
-        gib(bytes.min(8 << 30)),
+        gb(disks[0]),
+        gib(disk_bytes),
         gb(drain)
     );
     let mut baseline = Vec::new();
@@ -300,36 +308,39 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
         (SnapshotMemory::Bounded(bound), true),
     ];
     // Then once more with the GPU idle: the snapshot's rate without training beside it.
-    for ((memory, device_copy), round) in modes
-        .into_iter()
-        .flat_map(|m| [(m, "first"), (m, "again"), (m, "idle")])
-    {
-        eprintln!("saving in {memory:?} memory, device copy {device_copy} ({round}) ...");
-        let train = round != "idle";
-        let mut measured = save_while_training(
-            &mut trainer,
-            dev,
-            &path,
-            memory,
-            device_copy,
-            staging,
-            train,
-        )?;
-        measured.mode = format!("{} ({round})", measured.mode);
-        if runs.is_empty() {
-            let verified = checkpoint::verify(&path)?;
-            println!(
-                "the first file verifies: {} tensors, {:.2} GiB, checksummed: {}",
-                verified.tensors,
-                gib(verified.bytes),
-                verified.checksummed
-            );
+    for (memory, device_copy) in modes {
+        let first_of_mode = runs.len();
+        for round in ["first", "again", "idle"] {
+            eprintln!("saving in {memory:?} memory, device copy {device_copy} ({round}) ...");
+            let train = round != "idle";
+            let mut measured = save_while_training(
+                &mut trainer,
+                dev,
+                &path,
+                memory,
+                device_copy,
+                staging,
+                train,
+            )?;
+            measured.mode = format!("{} ({round})", measured.mode);
+            if runs.is_empty() {
+                let verified = checkpoint::verify(&path)?;
+                println!(
+                    "the first file verifies: {} tensors, {:.2} GiB, checksummed: {}",
+                    verified.tensors,
+                    gib(verified.bytes),
+                    verified.checksummed
+                );
+            }
+            let _ = std::fs::remove_file(&path);
+            runs.push(measured);
         }
-        let _ = std::fs::remove_file(&path);
-        if round == "idle" {
-            PinnedPool::global()?.empty_cache()?;
+        PinnedPool::global()?.empty_cache()?;
+        disks.push(disk_write(&dir, disk_bytes)?);
+        let around = (disks[disks.len() - 2] + disks[disks.len() - 1]) / 2.0;
+        for measured in &mut runs[first_of_mode..] {
+            measured.disk = around;
         }
-        runs.push(measured);
     }
     let after: Vec<f64> = (0..BASELINE_STEPS)
         .map(|_| trainer.step(dev))
@@ -338,25 +349,35 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
         "step without a save: median {base:.1} ms before the saves, {:.1} ms after",
         median(&after).unwrap_or(f64::NAN)
     );
-    // The disk's rate moves within a run (its cache, other tenants): measured again after the
-    // saves, and the saves' write rates are held against the mean of the two.
-    let disk_after = disk_write(&dir, bytes.min(8 << 30))?;
-    let disk = (disk_before + disk_after) / 2.0;
-    println!(
-        "disk sequential write after the saves {:.2} GB/s (before {:.2}); write columns are of \
-         their mean, {:.2} GB/s",
-        gb(disk_after),
-        gb(disk_before),
-        gb(disk)
-    );
-    let mut rows: Vec<Vec<String>> = runs
-        .iter()
-        .map(|m| ferry_row(m, base, link, disk))
-        .collect();
+    let mut rows: Vec<Vec<String>> = runs.iter().map(|m| ferry_row(m, base, link)).collect();
     let torch = match args.pytorch.compare_pytorch {
         true => Some(pytorch_saves(args, &dir)),
         false => None,
     };
+    // PyTorch's rows are held against the disk around them too.
+    let torch_disk = match &torch {
+        Some(Ok(_)) => {
+            disks.push(disk_write(&dir, disk_bytes)?);
+            (disks[disks.len() - 2] + disks[disks.len() - 1]) / 2.0
+        }
+        _ => f64::NAN,
+    };
+    let disk = disks.iter().sum::<f64>() / disks.len() as f64;
+    let (slowest, fastest) = disks.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &d| {
+        (lo.min(d), hi.max(d))
+    });
+    println!(
+        "disk sequential write before each mode and after the last (PyTorch's included): {} \
+         GB/s, their mean {:.2} (the slowest {:.0}% of the fastest); each save's write column \
+         is of the mean of the two measurements around its mode",
+        disks
+            .iter()
+            .map(|d| format!("{:.2}", gb(*d)))
+            .collect::<Vec<_>>()
+            .join(", "),
+        gb(disk),
+        100.0 * slowest / fastest
+    );
     match &torch {
         Some(Ok(doc)) => {
             let torch_base = doc["baseline_median_ms"].as_f64().unwrap_or(f64::NAN);
@@ -371,7 +392,7 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
             rows.extend(
                 saves
                     .iter()
-                    .map(|save| pytorch_row(save, bytes, torch_base, link, disk)),
+                    .map(|save| pytorch_row(save, bytes, torch_base, link, torch_disk)),
             );
         }
         Some(Err(err)) => println!("no PyTorch rows: {err}"),
@@ -386,8 +407,7 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
             "bytes": bytes,
             "link_d2h_bytes_per_sec": link,
             "disk_write_bytes_per_sec": disk,
-            "disk_write_before_bytes_per_sec": disk_before,
-            "disk_write_after_bytes_per_sec": disk_after,
+            "disk_writes_bytes_per_sec": disks,
             "baseline_step_ms": baseline,
             "after_step_ms": after,
             "saves": runs.iter().map(|m| to_json(m, base)).collect::<Vec<Value>>(),
@@ -470,12 +490,15 @@ fn pytorch_row(save: &Value, bytes: f64, base: f64, link: f64, disk: f64) -> Vec
         format!("{:.2}", num("snapshot_s")),
         rate_cell(bytes / num("snapshot_s"), link),
         rate_cell(bytes / num("elapsed_s"), disk),
-        "-".into(),
+        // ferry.save_async's rows from PyTorch report it; PyTorch's own do not.
+        save["peak_extra_host_bytes"]
+            .as_f64()
+            .map_or("-".into(), |b| format!("{:.2}", b / f64::from(1 << 30))),
         format!("{:.0}", num("peak_pinned_bytes") / f64::from(1 << 20)),
     ]
 }
 
-fn ferry_row(m: &Measured, base: f64, link: f64, disk: f64) -> Vec<String> {
+fn ferry_row(m: &Measured, base: f64, link: f64) -> Vec<String> {
     let r = &m.report;
     let snap = r.snapshot_bytes_per_sec();
     let write = r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9);
@@ -493,7 +516,7 @@ fn ferry_row(m: &Measured, base: f64, link: f64, disk: f64) -> Vec<String> {
             r.snapshot_copy.as_secs_f64()
         ),
         format!("{:.1} ({:.0}%)", gb(snap), 100.0 * snap / link),
-        rate_cell(write, disk),
+        rate_cell(write, m.disk),
         format!("{:.2}", gib(r.peak_extra_host_bytes)),
         format!("{:.0}", r.peak_pinned_bytes as f64 / f64::from(1 << 20)),
     ]
@@ -534,6 +557,7 @@ fn to_json(m: &Measured, base: f64) -> Value {
         "bytes": r.bytes,
         "peak_extra_host_bytes": r.peak_extra_host_bytes,
         "peak_pinned_bytes": r.peak_pinned_bytes,
+        "disk_bytes_per_sec": m.disk,
     })
 }
 
