@@ -26,10 +26,11 @@ warm, as every periodic checkpoint after the first does.
 
 (`--device cpu` runs it on the host with pageable buffers, to try the script without a GPU.)
 
-Prints one JSON object: params, bytes, the steps without a save (ms), and per save: mode,
-stall_ms (the training thread's wait), snapshot_s (until the state is safe to change),
-elapsed_s (until the file is durable), overlapped_step_ms (each step run while the save was in
-flight), peak_pinned_bytes (and ferry's rows, peak_extra_host_bytes).
+Prints one JSON object: params, bytes, the steps without a save (ms) before and after the
+saves, and per save: mode, stall_ms (the training thread's wait; ferry's rows also call_ms, the
+call alone), snapshot_s (until the state is safe to change), elapsed_s (until the file is
+durable), overlapped_step_ms (each step run while the save was in flight), peak_pinned_bytes
+(and ferry's rows, peak_extra_host_bytes).
 """
 
 import argparse
@@ -182,13 +183,17 @@ def save_with_ferry(ferry, training, path, device_copy):
     """ferry.save_async of the state while training goes on; the optimizer's step pre-hook
     makes each step wait for the copies it would overwrite."""
     start = time.perf_counter()
-    pending = ferry.save_async(path, dict(named(training.state())), device_copy=device_copy)
+    state = dict(named(training.state()))
+    called = time.perf_counter()
+    pending = ferry.save_async(path, state, device_copy=device_copy)
     stall = time.perf_counter() - start
+    call = time.perf_counter() - called
+    del state
     overlapped = []
     while not pending.done() and len(overlapped) < MAX_OVERLAP_STEPS:
         overlapped.append(training.step())
     report = pending.wait()
-    return {"stall_ms": stall * 1e3, "snapshot_s": report["snapshot_s"],
+    return {"stall_ms": stall * 1e3, "call_ms": call * 1e3, "snapshot_s": report["snapshot_s"],
             "elapsed_s": report["elapsed_s"], "overlapped_step_ms": overlapped,
             "peak_pinned_bytes": report["peak_pinned_bytes"],
             "peak_extra_host_bytes": report["peak_extra_host_bytes"]}
@@ -243,9 +248,13 @@ def main():
     finally:
         if os.path.exists(path):
             os.remove(path)
+    # Steps without a save again: whether the step itself moved during the run.
+    after = [training.step() for _ in range(BASELINE_STEPS)]
     harness.emit({"torch": torch.__version__, "params": params, "bytes": nbytes,
                   "baseline_step_ms": baseline,
-                  "baseline_median_ms": statistics.median(baseline), "saves": saves})
+                  "baseline_median_ms": statistics.median(baseline),
+                  "after_step_ms": after, "after_median_ms": statistics.median(after),
+                  "saves": saves})
 
 
 if __name__ == "__main__":

@@ -383,9 +383,10 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
             let torch_base = doc["baseline_median_ms"].as_f64().unwrap_or(f64::NAN);
             println!(
                 "PyTorch {} (same GPT, AdamW fused, bf16 autocast): checkpoint {:.2} GiB, step \
-                 without a save: median {torch_base:.1} ms",
+                 without a save: median {torch_base:.1} ms before the saves, {:.1} ms after",
                 doc["torch"].as_str().unwrap_or("?"),
                 doc["bytes"].as_f64().unwrap_or(f64::NAN) / f64::from(1 << 30),
+                doc["after_median_ms"].as_f64().unwrap_or(f64::NAN),
             );
             let saves = doc["saves"].as_array().map_or(&[][..], Vec::as_slice);
             let bytes = doc["bytes"].as_f64().unwrap_or(f64::NAN);
@@ -483,7 +484,10 @@ fn pytorch_row(save: &Value, bytes: f64, base: f64, link: f64, disk: f64) -> Vec
     let [during, mean, first] = overlap_cells(&steps, base);
     vec![
         save["mode"].as_str().unwrap_or("PyTorch").to_string(),
-        format!("{:.2}", num("stall_ms")),
+        match save["call_ms"].as_f64() {
+            Some(call) => format!("{:.2} (call {call:.2})", num("stall_ms")),
+            None => format!("{:.2}", num("stall_ms")),
+        },
         during,
         mean,
         first,

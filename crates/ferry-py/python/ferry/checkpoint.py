@@ -222,8 +222,13 @@ def save_async(
     if device_copy:
         detached = _device_copies(torch, detached)
     versions = [t._version for t in detached]
+    # As DLPack capsules made without synchronizing: ferry orders the copies after `streams`
+    # (torch's `__dlpack__` would record and wait on an event per tensor, ~50 us each).
+    from . import _source
+
+    capsules = [_source(t)[0] for t in detached]
     inner = _ferry.save_async(
-        str(path), names, detached, streams, mode, bound, metadata=metadata, **extra
+        str(path), names, capsules, streams, mode, bound, metadata=metadata, **extra
     )
     pending = PendingSave(inner, names, detached, versions)
     _track(pending)
