@@ -46,6 +46,8 @@ fn every_mode_writes_the_bytes_of_a_synchronous_save(device: Device) -> Result<(
         };
         let pending = checkpoint::save_async(&path, &dict, options).unwrap();
         assert_eq!(pending.path(), std::path::absolute(&path).unwrap());
+        // Asked for, every GPU tensor is copied in the call (host tensors need none).
+        assert_eq!(pending.device_copied_all(), device_copy, "{name}");
         let report = pending.wait().unwrap();
         assert!(
             std::fs::read(&path).unwrap() == expected,

@@ -17,8 +17,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::dlpack::{self, Misaligned};
-use crate::errors::{FerryError, guarded};
-use crate::order::torch_or_default;
+use crate::errors::{FerryError, guarded, to_py};
+use crate::order::{TorchStream, torch_or_default};
 
 /// A save in flight (see `ferry.save_async`).
 #[pyclass(name = "PendingSave", module = "ferry._ferry")]
@@ -57,6 +57,13 @@ impl PyPendingSave {
     fn snapshot_taken(&self) -> PyResult<bool> {
         let guard = self.inner.lock();
         Ok(guard.as_ref().ok_or_else(gone)?.is_snapshot_taken())
+    }
+
+    /// Whether the call copied every GPU tensor on its GPU (`device_copy`): torch's writes to
+    /// them then need not wait for the snapshot.
+    fn device_copied_all(&self) -> PyResult<bool> {
+        let guard = self.inner.lock();
+        Ok(guard.as_ref().ok_or_else(gone)?.device_copied_all())
     }
 
     /// Whether the save has finished, well or not.
@@ -116,7 +123,7 @@ impl Drop for PyPendingSave {
 /// (torch's current streams) and on ferry's default streams. `memory` is `"pageable"`,
 /// `"pinned"` or `"bounded"` (with `bound` bytes).
 #[pyfunction]
-#[pyo3(signature = (path, names, tensors, streams, memory="pageable", bound=None, staging_bytes=DEFAULT_STAGING_BYTES, metadata=None))]
+#[pyo3(signature = (path, names, tensors, streams, memory="pageable", bound=None, staging_bytes=DEFAULT_STAGING_BYTES, metadata=None, device_copy=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn save_async(
     py: Python<'_>,
@@ -128,6 +135,7 @@ pub fn save_async(
     bound: Option<usize>,
     staging_bytes: usize,
     metadata: Option<BTreeMap<String, String>>,
+    device_copy: bool,
 ) -> PyResult<PyPendingSave> {
     guarded(|| {
         if names.len() != tensors.len() {
@@ -158,8 +166,8 @@ pub fn save_async(
             ck.set_metadata(key, value);
         }
         let after = streams
-            .into_iter()
-            .map(|(ordinal, handle)| torch_or_default(ordinal, Some(handle)))
+            .iter()
+            .map(|&(ordinal, handle)| torch_or_default(ordinal, Some(handle)))
             .collect::<PyResult<Vec<_>>>()?;
         let options = AsyncSaveOptions {
             staging_bytes,
@@ -167,14 +175,22 @@ pub fn save_async(
             after,
             // Renamed only once the package has checked torch's versions (`confirm`).
             confirm: true,
-            // torch's writes are ordered by the package's barrier, which waits for the whole
-            // snapshot: a copy on the GPU first would only cost memory.
-            device_copy: false,
+            // Copied on ferry's default streams after torch's current streams' work...
+            device_copy,
         };
         let shown = path.display().to_string();
         let pending = py
             .detach(|| ck.save_async(&path, options))
             .map_err(|e| FerryError::new_err(e.to_string()))?;
+        if device_copy {
+            // ...and torch's current streams wait for the copies on the device, so nothing
+            // torch queues after the call can write a tensor before its copy has read it.
+            for &(ordinal, handle) in &streams {
+                if let Some(torch) = TorchStream::new(ordinal, Some(handle))? {
+                    torch.after().map_err(to_py)?;
+                }
+            }
+        }
         Ok(PyPendingSave {
             inner: Mutex::new(Some(pending)),
             path: shown,

@@ -191,9 +191,30 @@ def test_with_a_device_copy_writes_after_the_call_wait_for_nothing(tmp_path):
     pending = ferry.save_async(
         path, state, memory=1 << 16, staging_bytes=1 << 16, device_copy=True
     )
+    # Every GPU tensor was copied in the call: the step's pre-hook has nothing to wait for.
+    assert pending._private
     opt.step()
     half.add_(1.0)
     strided.mul_(-1.0)
     assert not torch.equal(model.weight.detach(), before["weight"]), "the step moved the weights"
     pending.wait()
     _same(_load(path), before)
+
+
+@cuda
+def test_a_device_copy_is_not_overtaken_by_a_write_on_torchs_side_stream(tmp_path):
+    # The side stream is still busy at the call; the write queued right after it must come
+    # after ferry's copy on the device, or the copy would read a half-written tensor.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.randn(64 << 20, device="cuda")
+        expected = x.clone()
+        torch.cuda._sleep(50_000_000)
+        path = tmp_path / "side.safetensors"
+        pending = ferry.save_async(path, {"x": x}, device_copy=True)
+        x.fill_(-1.0)
+    assert pending._private
+    pending.wait()
+    assert torch.equal(_load(path)["x"], expected.cpu())
+    side.synchronize()
+    assert bool((x == -1.0).all()), "the write ran"

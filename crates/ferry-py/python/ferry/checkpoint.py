@@ -18,11 +18,12 @@ What waits for what:
     barrier, ``wait_snapshot()``, ``wait()``, or when the ``PendingSave`` is dropped) makes
     the save keep the old file: ``wait()`` raises ``FerryError`` naming the tensor, and no
     file mixes two moments. The file is renamed over ``path`` only after that check.
-* With ``device_copy=True`` the GPU tensors are first copied on their GPU, on torch's current
-  stream at the call (each dtype's contiguous tensors in one ``torch.cat``, at the device's
-  memory speed), and the snapshot reads those copies: writes after the call, optimizer steps
-  included, wait for nothing, at the price of device memory the size of the GPU tensors until
-  their snapshot is taken (where it runs out, the rest are read in place as without it).
+* With ``device_copy=True`` the GPU tensors are first copied on their GPU in the call (after
+  the work torch queued on its current streams, each dtype's contiguous tensors together, at
+  the device's memory speed), torch's current streams wait for those copies on the device, and
+  the snapshot reads the copies: writes after the call, optimizer steps included, wait for
+  nothing, at the price of device memory the size of the GPU tensors (from ferry's pool) until
+  their snapshot is taken. Where it runs out, every tensor is treated as without it.
 * Dropping a ``PendingSave`` waits for its copies (a fraction of a second), not for the file:
   the write finishes in the background, and an error in it is raised by the next
   ``save_async``.
@@ -78,11 +79,11 @@ class PendingSave:
     """A save in flight: ``wait()`` gives its report (a dict of sizes, times and memory) or
     raises its error; ``wait_snapshot()`` blocks until every tensor is copied."""
 
-    def __init__(self, inner, names, tensors, versions):
+    def __init__(self, inner, watched):
         self._inner = inner
-        # Device copies are the save's own: nothing else writes them.
-        self._watched = [w for w in zip(names, tensors, versions) if not _is_copy(w[1])]
-        self._private = not self._watched
+        # (name, tensor, version) of each tensor torch may write before its copy is taken.
+        self._watched = watched
+        self._private = not watched
         self._checked = False
 
     @property
@@ -145,46 +146,6 @@ class PendingSave:
         return f"PendingSave({self.path!r}, {state})"
 
 
-_COPY_MARK = "_ferry_save_copy"
-
-
-def _is_copy(t) -> bool:
-    return getattr(t, _COPY_MARK, False)
-
-
-def _marked(copy):
-    """``copy``, marked as a device copy the save owns (no later write reaches it)."""
-    setattr(copy, _COPY_MARK, True)
-    return copy
-
-
-def _device_copies(torch, tensors):
-    """``tensors`` with each GPU tensor replaced by a copy on its GPU, queued on torch's current
-    stream: each (device, dtype)'s contiguous tensors in one ``torch.cat``, read through views of
-    it; others one by one. Where device memory runs out, the rest stay as they are."""
-    out = list(tensors)
-    groups = {}
-    strided = []
-    for i, t in enumerate(out):
-        if t.is_cuda and t.is_contiguous() and t.numel() > 0:
-            groups.setdefault((t.device, t.dtype), []).append(i)
-        elif t.is_cuda:
-            strided.append(i)
-    try:
-        for i in strided:
-            out[i] = _marked(out[i].clone())
-        for members in groups.values():
-            flat = torch.cat([out[i].reshape(-1) for i in members])
-            at = 0
-            for i in members:
-                n = out[i].numel()
-                out[i] = _marked(flat[at:at + n].view(out[i].shape))
-                at += n
-    except torch.OutOfMemoryError:
-        pass
-    return out
-
-
 def save_async(
     path, tensors, *, memory="pageable", staging_bytes=None, metadata=None, device_copy=False
 ) -> PendingSave:
@@ -219,17 +180,23 @@ def save_async(
     # checked: check them all now (their copies are normally long done), or this call would
     # wait on a check that only this thread can make.
     _check_in_flight()
-    if device_copy:
-        detached = _device_copies(torch, detached)
     versions = [t._version for t in detached]
     # As DLPack capsules made without synchronizing: ferry orders the copies after `streams`
-    # (torch's `__dlpack__` would record and wait on an event per tensor, ~50 us each).
-    from . import _source
-
-    capsules = [_source(t)[0] for t in detached]
+    # (torch's `__dlpack__` records and waits on an event per tensor, ~13 us each).
+    to_dlpack = getattr(torch._C, "_to_dlpack", None)
+    capsules = [to_dlpack(t) for t in detached] if to_dlpack is not None else detached
     inner = _ferry.save_async(
-        str(path), names, capsules, streams, mode, bound, metadata=metadata, **extra
+        str(path), names, capsules, streams, mode, bound, metadata=metadata,
+        device_copy=bool(device_copy), **extra
     )
-    pending = PendingSave(inner, names, detached, versions)
+    # The GPU tensors copied in the call are the save's own: torch's writes no longer reach
+    # what it reads.
+    copied = inner.device_copied_all()
+    watched = [
+        (name, t, version)
+        for name, t, version in zip(names, detached, versions)
+        if not (copied and t.is_cuda)
+    ]
+    pending = PendingSave(inner, watched)
     _track(pending)
     return pending

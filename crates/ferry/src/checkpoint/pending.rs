@@ -106,6 +106,8 @@ pub fn save_async(
 pub struct PendingSave {
     shared: Arc<Shared>,
     writer: Option<JoinHandle<Result<AsyncSaveReport, CheckpointError>>>,
+    /// Whether every GPU tensor was copied on its GPU in the call.
+    device_copied_all: bool,
 }
 
 impl std::fmt::Debug for PendingSave {
@@ -127,6 +129,14 @@ impl PendingSave {
     /// snapshot stopped on an error.
     pub fn is_snapshot_taken(&self) -> bool {
         self.shared.lock().snapshot.is_some()
+    }
+
+    /// Whether the call copied every GPU tensor on its GPU
+    /// ([`AsyncSaveOptions::device_copy`]): in-place writes to them then never wait, and the
+    /// snapshot reads only the copies. `false` without the option, or where device memory ran
+    /// out for some (those are read in place, as without it).
+    pub fn device_copied_all(&self) -> bool {
+        self.device_copied_all
     }
 
     /// Whether the save has finished, well or not.
@@ -295,9 +305,17 @@ fn start(
         slots,
         device_copied: 0,
     };
+    let mut device_copied_all = false;
     if options.device_copy {
         match snapshot::copy_on_devices(&mut job) {
-            Ok(copied) => job.device_copied = copied,
+            Ok(copied) => {
+                job.device_copied = copied;
+                // An empty tensor has nothing to copy or to hold.
+                device_copied_all = job
+                    .entries
+                    .iter()
+                    .all(|e| !e.t.device().is_cuda() || e.released || e.t.numel() == 0);
+            }
             Err(e) => {
                 leave(&shared);
                 return Err(e.into());
@@ -371,6 +389,7 @@ fn start(
     Ok(PendingSave {
         shared,
         writer: Some(writer),
+        device_copied_all,
     })
 }
 
