@@ -207,6 +207,8 @@ def main():
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--dir", default="/tmp")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--ferry-only", action="store_true",
+                        help="only the ferry.save_async rows (PyTorch's own take a minute)")
     args = parser.parse_args()
     torch = harness.require_torch(cuda=args.device != "cpu")
     training = Training(torch, args)
@@ -219,19 +221,20 @@ def main():
     path = os.path.join(args.dir, f"ferry-bench-async-torch-{os.getpid()}.pt")
     saves = []
     try:
-        for round_ in ("first", "again"):
-            print(f"torch.save from the GPU ({round_}) ...", file=sys.stderr, flush=True)
-            saves.append({"mode": f"PyTorch torch.save from GPU ({round_})",
-                          **save_from_gpu(torch, training, path)})
-            os.remove(path)
-        pinned = PinnedSnapshot(torch, state)
+        if not args.ferry_only:
+            for round_ in ("first", "again"):
+                print(f"torch.save from the GPU ({round_}) ...", file=sys.stderr, flush=True)
+                saves.append({"mode": f"PyTorch torch.save from GPU ({round_})",
+                              **save_from_gpu(torch, training, path)})
+                os.remove(path)
+            pinned = PinnedSnapshot(torch, state)
+            for round_ in ("first", "again"):
+                print(f"pinned snapshot + thread ({round_}) ...", file=sys.stderr, flush=True)
+                saves.append({"mode": f"PyTorch pinned snapshot + thread ({round_})",
+                              **pinned.save(torch, training, path)})
+                os.remove(path)
+            del pinned
         del state
-        for round_ in ("first", "again"):
-            print(f"pinned snapshot + thread ({round_}) ...", file=sys.stderr, flush=True)
-            saves.append({"mode": f"PyTorch pinned snapshot + thread ({round_})",
-                          **pinned.save(torch, training, path)})
-            os.remove(path)
-        del pinned
         try:
             import ferry
         except ImportError as e:
