@@ -54,6 +54,10 @@ impl CudaDevice {
     /// Returns [`MemoryError::NoDriver`] without a driver and [`MemoryError::NoSuchDevice`] for an
     /// ordinal past the last GPU; never panics.
     pub fn get(ordinal: usize) -> Result<CudaDevice, MemoryError> {
+        // A device made before needs no driver call: this runs once per tensor in some paths.
+        if let Some(device) = registry().lock().get(&ordinal) {
+            return Ok(device.clone());
+        }
         discover::init()?;
         let mut devices = registry().lock();
         if let Some(device) = devices.get(&ordinal) {

@@ -1,5 +1,7 @@
 //! Finding CUDA devices without ever panicking when there is no driver.
 
+use std::sync::OnceLock;
+
 use cudarc::driver::{result, sys};
 
 use crate::MemoryError;
@@ -21,8 +23,11 @@ pub struct CudaDeviceInfo {
 
 /// Whether the CUDA driver library can be loaded on this machine.
 pub fn driver_present() -> bool {
+    // Asked once: each try dlopens (and dlcloses) every name the library may have, microseconds
+    // that every call making a CUDA device handle would pay again.
+    static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: only tries to dlopen libcuda; touches no driver state.
-    unsafe { sys::is_culib_present() }
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
 /// The driver's CUDA version as (major, minor), e.g. (13, 0).
