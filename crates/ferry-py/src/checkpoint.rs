@@ -182,18 +182,28 @@ pub fn save_async(
         let pending = py
             .detach(|| ck.save_async(&path, options))
             .map_err(|e| FerryError::new_err(e.to_string()))?;
+        let save = PyPendingSave {
+            inner: Mutex::new(Some(pending)),
+            path: shown,
+        };
         if device_copy {
             // ...and torch's current streams wait for the copies on the device, so nothing
             // torch queues after the call can write a tensor before its copy has read it.
-            for &(ordinal, handle) in &streams {
-                if let Some(torch) = TorchStream::new(ordinal, Some(handle))? {
-                    torch.after().map_err(to_py)?;
-                }
+            let ordered =
+                streams.iter().try_for_each(|&(ordinal, handle)| {
+                    match TorchStream::new(ordinal, Some(handle))? {
+                        Some(torch) => torch.after().map_err(to_py),
+                        None => Ok(()),
+                    }
+                });
+            if let Err(e) = ordered {
+                // Unconfirmed, the save would wait for the package's check forever.
+                save.abandon(format!(
+                    "torch's streams could not wait for the device copies: {e}"
+                ))?;
+                return Err(e);
             }
         }
-        Ok(PyPendingSave {
-            inner: Mutex::new(Some(pending)),
-            path: shown,
-        })
+        Ok(save)
     })
 }
