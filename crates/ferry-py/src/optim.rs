@@ -86,10 +86,8 @@ impl PyOffloadAdamW {
                 .map_err(to_py)?;
             if let (true, Some(staging)) = (delayed_update, inner.staging()) {
                 return Err(PyValueError::new_err(format!(
-                    "OffloadAdamW: delayed_update=True holds every parameter's new weights in \
-                     pinned memory until the next backward, and {staging}: raise pinned_limit \
-                     (or FERRY_PINNED_BUDGET) to {} bytes, or drop delayed_update",
-                    staging.per_parameter
+                    "OffloadAdamW: delayed_update=True refused: {}",
+                    staging.delayed_refusal()
                 )));
             }
             Ok(Self {

@@ -479,14 +479,7 @@ impl OffloadAdamW {
             Some(staging) if on => {
                 self.shared.note(invalid(
                     "OffloadAdamW::delayed_update",
-                    format!(
-                        "the delayed update holds every parameter's new weights in pinned \
-                         memory until the next backward, {} here, and the pinned limit of {} \
-                         stages the buffers instead: raise the limit (FERRY_PINNED_BUDGET, or \
-                         OffloadAdamW::new_within) or step without the delayed update",
-                        ferry_memory::size::human_bytes(staging.needed / 2),
-                        ferry_memory::size::human_bytes(staging.limit)
-                    ),
+                    staging.report().delayed_refusal(),
                 ));
             }
             _ => self.shared.hyper.lock().delayed = on,

@@ -115,6 +115,21 @@ pub struct StagingReport {
     pub peak: usize,
 }
 
+impl StagingReport {
+    /// Why the delayed update is refused here, and the fixes.
+    pub fn delayed_refusal(&self) -> String {
+        format!(
+            "the delayed update holds every parameter's new weights in pinned memory until the \
+             next backward, {} here, and the pinned limit of {} stages the buffers instead: \
+             raise the limit to {} (pinned_limit from Python, OffloadAdamW::new_within, or \
+             FERRY_PINNED_BUDGET) or step without the delayed update",
+            human_bytes(self.per_parameter / 2),
+            human_bytes(self.limit),
+            human_bytes(self.per_parameter)
+        )
+    }
+}
+
 impl fmt::Display for StagingReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -308,6 +323,27 @@ mod tests {
         }
         .to_string();
         for needle in ["8.00 GiB", "512.00 MiB", "300.00 MiB", "staged"] {
+            assert!(text.contains(needle), "{needle} not in {text}");
+        }
+    }
+
+    /// The delayed update's refusal, which Rust's next `step()` and Python's constructor both
+    /// give: what it would hold, the limit, and the limit that would do.
+    #[test]
+    fn the_delayed_updates_refusal_names_the_limit_that_would_do() {
+        let text = StagingReport {
+            limit: 512 * MIB,
+            per_parameter: 8 << 30,
+            peak: 0,
+        }
+        .delayed_refusal();
+        for needle in [
+            "delayed update",
+            "4.00 GiB here",
+            "512.00 MiB",
+            "raise the limit to 8.00 GiB",
+            "pinned_limit",
+        ] {
             assert!(text.contains(needle), "{needle} not in {text}");
         }
     }
