@@ -198,6 +198,14 @@ fn drain_rate() -> Result<f64, Box<dyn Error>> {
     Ok(rate)
 }
 
+/// The disk's rate around what ran between its last two measurements.
+fn last_two_mean(disks: &[f64]) -> f64 {
+    match disks {
+        [.., before, after] => (before + after) / 2.0,
+        _ => f64::NAN,
+    }
+}
+
 fn gb(bytes_per_sec: f64) -> f64 {
     bytes_per_sec / 1e9
 }
@@ -337,7 +345,7 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
         }
         PinnedPool::global()?.empty_cache()?;
         disks.push(disk_write(&dir, disk_bytes)?);
-        let around = (disks[disks.len() - 2] + disks[disks.len() - 1]) / 2.0;
+        let around = last_two_mean(&disks);
         for measured in &mut runs[first_of_mode..] {
             measured.disk = around;
         }
@@ -358,7 +366,7 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
     let torch_disk = match &torch {
         Some(Ok(_)) => {
             disks.push(disk_write(&dir, disk_bytes)?);
-            (disks[disks.len() - 2] + disks[disks.len() - 1]) / 2.0
+            last_two_mean(&disks)
         }
         _ => f64::NAN,
     };
