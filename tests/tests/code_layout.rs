@@ -14,12 +14,7 @@ const KNOWN_CYCLES: &[(&str, &[&str])] = &[
     ("ferry-graph", &["graph", "group", "hooks", "node"]),
     (
         "ferry-memory",
-        &[
-            "cuda::buffer",
-            "cuda::device",
-            "cuda::pinned",
-            "cuda::profile",
-        ],
+        &["cuda::buffer", "cuda::device", "cuda::pinned"],
     ),
     (
         "ferry-tensor",

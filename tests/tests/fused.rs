@@ -3,6 +3,7 @@
 //! kernels with the targets checked on the device, softmax's backward kernel, column sums,
 //! Adam's vectorized pass, and the kernel profiler. Each runs on both devices.
 
+use ferry_cuda::Profiling;
 use ferry_tensor::ops::optim::AdamStep;
 use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::{device_test, randn, values};

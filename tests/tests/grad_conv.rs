@@ -165,9 +165,9 @@ device_test!(conv2d_grads, conv2d_gradients);
 #[ignore = "needs a CUDA device"]
 fn cudnn_passes_match_the_cpu_and_repeat_bitwise() -> Result<()> {
     assert!(
-        ferry_memory::cuda::cudnn_present(),
+        ferry_cuda::cudnn_present(),
         "libcudnn did not load on this GPU machine: {:?}",
-        ferry_memory::cuda::cudnn_version()
+        ferry_cuda::cudnn_version()
     );
     let gpu = Device::Cuda(0);
     for opt in option_cases() {

@@ -4,7 +4,8 @@
 use std::sync::Mutex;
 
 use ferry::DeviceMove;
-use ferry::memory::cuda::{CudaDevice, DeviceBuffer, KernelModule, Stream};
+use ferry::cuda_libs::{KernelModule, Kernels};
+use ferry::memory::cuda::{CudaDevice, DeviceBuffer, Stream};
 use ferry_tensor::{DType, Device, Result, Tensor, no_grad};
 
 // Graph counts, pinned-pool and allocator statistics of the transfer methods.

@@ -2,6 +2,7 @@
 
 use std::time::Instant;
 
+use ferry::cuda_libs;
 use ferry::memory::cuda;
 
 pub fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -10,11 +11,11 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
         "cpu: {} threads",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    match cuda::nvrtc_version() {
+    match cuda_libs::nvrtc_version() {
         Ok((major, minor)) => println!("nvrtc: {major}.{minor}"),
         Err(err) => println!("nvrtc: {err}"),
     }
-    match cuda::cudnn_version() {
+    match cuda_libs::cudnn_version() {
         Ok(v) => println!(
             "cudnn: {}.{}.{} (conv2d on CUDA)",
             v / 10_000,
@@ -23,7 +24,7 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
         ),
         Err(err) => println!("cudnn: {err}"),
     }
-    match cuda::nccl_version() {
+    match cuda_libs::nccl_version() {
         Ok((major, minor, patch)) => println!("nccl: {major}.{minor}.{patch}"),
         Err(err) => println!("nccl: {err}"),
     }
@@ -70,12 +71,12 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Without a GPU, NVRTC can still compile the kernels: say whether they would build.
 fn compile_without_gpu() -> Result<(), Box<dyn std::error::Error>> {
-    if !cuda::nvrtc_present() {
+    if !cuda_libs::nvrtc_present() {
         return Ok(());
     }
     let start = Instant::now();
     for module in ferry::tensor::KERNEL_MODULES {
-        cuda::compile_ptx(module, "compute_90")?;
+        cuda_libs::compile_ptx(module, "compute_90")?;
     }
     println!(
         "kernels: {} modules compile for compute_90 in {:.0} ms (no GPU to load them on)",

@@ -1,8 +1,12 @@
 //! Devices, dtypes and memory for ferry: host buffers, CUDA discovery, and (on CUDA machines)
-//! device memory, caching allocators, streams, events and kernel loading.
+//! device memory, caching allocators, streams, events, and the per-device state slots
+//! ([`cuda::CudaDevice::local`]) in which the CUDA libraries (ferry-cuda) keep theirs.
 //!
-//! This crate owns every raw pointer in ferry and every `unsafe` block that touches memory or
-//! the driver; the crates above it see safe types only. It knows nothing of tensors or autograd.
+//! This crate owns every raw pointer to memory in ferry and every `unsafe` block that touches
+//! memory or the driver; the crates above it see safe types only, and ferry-cuda hands the
+//! libraries it calls the device addresses of buffers ([`cuda::DeviceBuffer::device_ptr`],
+//! [`cuda::DeviceBuffer::range`]) after their extents are checked. It knows nothing of tensors,
+//! autograd, or the CUDA libraries.
 //!
 //! Key decision: CUDA support is always compiled (cudarc loads the driver dynamically), and
 //! whether a GPU is there is decided at run time. Nothing touches cudarc before

@@ -4,7 +4,7 @@
 
 use ferry_memory::{DType, Device, Element};
 
-use ferry_memory::cuda::ConvPass;
+use ferry_cuda::ConvPass;
 
 use crate::layout::Layout;
 use crate::ops::conv::Geometry;

@@ -1,3 +1,4 @@
+use ferry_cuda::CudaLibError;
 use ferry_graph::GraphError;
 use ferry_memory::{DType, Device, MemoryError};
 use thiserror::Error;
@@ -251,9 +252,24 @@ pub enum TensorError {
     /// A memory or device error.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    /// A CUDA library's error (cuBLAS, cuBLASLt, cuDNN, NCCL, NVRTC, a kernel launch); the
+    /// memory and device errors met inside a library call are [`TensorError::Memory`].
+    #[error(transparent)]
+    Cuda(CudaLibError),
     /// A backward error.
     #[error(transparent)]
     Graph(#[from] GraphError),
+}
+
+impl From<CudaLibError> for TensorError {
+    /// A memory or device error raised inside a library call stays [`TensorError::Memory`], as
+    /// it is when raised anywhere else.
+    fn from(error: CudaLibError) -> Self {
+        match error {
+            CudaLibError::Memory(error) => TensorError::Memory(error),
+            error => TensorError::Cuda(error),
+        }
+    }
 }
 
 impl TensorError {

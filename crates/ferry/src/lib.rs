@@ -1,8 +1,8 @@
 //! ferry: an autograd-aware tensor runtime whose device moves are correct and fast.
 //!
-//! This is the crate users depend on. It re-exports the tensor, graph and memory layers under
-//! one roof; each layer lives in its own crate (memory <- graph <- tensor <- transfer <- ferry)
-//! so that unsafe code, the graph engine and device moves each sit in one place. Of its own it
+//! This is the crate users depend on. It re-exports the tensor, graph, memory and CUDA-library
+//! layers under one roof; each layer lives in its own crate (memory <- cuda, graph <- tensor <-
+//! transfer <- ferry) so that unsafe code, the graph engine and device moves each sit in one place. Of its own it
 //! adds what sits at the edge of ferry: ndarray and `.npy` interop ([`to_ndarray`],
 //! [`from_ndarray`], [`save_npy`], [`load_npy`]) and memory statistics ([`cuda`], [`host`]).
 //!
@@ -34,6 +34,7 @@ pub mod train;
 
 pub use array::{NpyError, from_ndarray, load_npy, save_npy, to_ndarray};
 pub use checkpoint::CheckpointError;
+pub use ferry_cuda as cuda_libs;
 pub use ferry_graph as graph;
 pub use ferry_memory as memory;
 pub use ferry_tensor as tensor;

@@ -13,6 +13,7 @@
 use std::error::Error;
 use std::time::Instant;
 
+use ferry::cuda_libs::Profiling;
 use ferry::memory::cuda::{CudaDevice, Event};
 use ferry::prelude::*;
 

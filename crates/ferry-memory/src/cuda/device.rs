@@ -1,6 +1,6 @@
 //! `CudaDevice`: one lazily created instance per ordinal, owning the context, the default
 //! stream and the caching allocator of that GPU; each CUDA library keeps its own state beside it
-//! (see `local`).
+//! ([`CudaDevice::local`]).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -15,7 +15,6 @@ use super::allocator::{DeviceAllocator, MemoryStats};
 use super::buffer::DeviceBuffer;
 use super::discover::{self, CudaDeviceInfo};
 use super::local::DeviceLocals;
-use super::profile::Profiler;
 use super::stream::{Stream, driver};
 use crate::{Device, MemoryError};
 
@@ -35,10 +34,8 @@ pub(crate) struct DeviceInner {
     pub(crate) allocator: DeviceAllocator,
     /// An error raised in a destructor, reported by the next checked call.
     deferred: Mutex<Option<MemoryError>>,
-    /// Each library's state (kernels, cuBLAS, cuBLASLt, cuDNN), made on first use.
+    /// Each library's state (kernels, cuBLAS, cuBLASLt, cuDNN, the profiler), made on first use.
     pub(crate) locals: DeviceLocals,
-    /// Kernel timing, off unless [`CudaDevice::start_profile`] turned it on.
-    pub(crate) profiler: Profiler,
 }
 
 /// Devices live for the process, like the primary contexts they hold: a tensor may be created
@@ -83,7 +80,6 @@ impl CudaDevice {
                 multi_stream: AtomicBool::new(false),
                 deferred: Mutex::new(None),
                 locals: DeviceLocals::default(),
-                profiler: Profiler::default(),
             }),
         };
         devices.insert(ordinal, device.clone());
@@ -113,9 +109,21 @@ impl CudaDevice {
         &self.inner.info
     }
 
-    /// This device's `T` (a library's state), made on first use and shared by every clone.
-    pub(crate) fn local<T: Default + Send + Sync + 'static>(&self) -> Arc<T> {
+    /// This device's `T`, made with `T::default()` on first use and shared by every clone for as
+    /// long as the device lives (the process): where a CUDA library keeps its per-device state
+    /// (handles, caches, workspaces), declared as a type of its own in its own module, so the
+    /// device type names no library and adding one touches only that library.
+    ///
+    /// The lookup takes a shared lock only (an exclusive one the first time a type is asked
+    /// for); `T` guards its own contents.
+    pub fn local<T: Default + Send + Sync + 'static>(&self) -> Arc<T> {
         self.inner.locals.get()
+    }
+
+    /// The cudarc context of this device (its primary context), for the CUDA libraries that
+    /// load modules or create handles in it.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.inner.ctx
     }
 
     /// The stream work goes to when no other is named.
@@ -291,8 +299,9 @@ impl CudaDevice {
         }
     }
 
-    /// Binds this device's context to the calling thread (driver calls act on the current one).
-    pub(crate) fn bind(&self) -> Result<(), MemoryError> {
+    /// Binds this device's context to the calling thread (driver calls act on the current one,
+    /// and libraries such as cuBLAS do not bind it themselves).
+    pub fn bind(&self) -> Result<(), MemoryError> {
         self.inner
             .ctx
             .bind_to_thread()
@@ -304,8 +313,9 @@ impl CudaDevice {
     }
 
     /// Reports an error a destructor recorded, once (as [`MemoryError::FailedInDrop`], naming
-    /// what failed).
-    pub(crate) fn check(&self) -> Result<(), MemoryError> {
+    /// what failed), then the first failed [`CudaDevice::check_later`] check of this thread that
+    /// has reached the host. Every call that queues work on the device makes it first.
+    pub fn check(&self) -> Result<(), MemoryError> {
         if let Some(error) = self.inner.deferred.lock().take() {
             return Err(error);
         }
@@ -315,13 +325,14 @@ impl CudaDevice {
     /// Keeps an error raised where none can be returned (a destructor, ordering a buffer's use)
     /// for the next checked call; `what` says what was being done, on what, so the report makes
     /// sense on an unrelated call. The first one wins: later errors are usually its consequences.
-    pub(crate) fn defer(&self, what: String, error: MemoryError) {
+    /// `error` is a [`MemoryError`] or a CUDA library's error.
+    pub fn defer(&self, what: String, error: impl Into<Box<dyn std::error::Error + Send + Sync>>) {
         self.inner
             .deferred
             .lock()
             .get_or_insert(MemoryError::FailedInDrop {
                 what,
-                source: Box::new(error),
+                source: error.into(),
             });
     }
 
@@ -337,7 +348,7 @@ impl CudaDevice {
     /// Refuses `op` with [`MemoryError::DeviceMismatch`] naming the first of `operands` (the
     /// devices of its stream, buffers and functions) that is not this device: the one check
     /// every library call (cuBLAS, cuBLASLt, cuDNN, NCCL, kernel launches) makes.
-    pub(crate) fn check_operands(
+    pub fn check_operands(
         &self,
         op: &'static str,
         operands: impl IntoIterator<Item = Device>,

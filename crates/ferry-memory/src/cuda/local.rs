@@ -1,28 +1,32 @@
-//! Per-device state of each CUDA library (cuBLAS, cuBLASLt, cuDNN, the kernel cache). A library
-//! declares its state as a type of its own, in its own module, and finds it through
-//! `CudaDevice::local`: the device type names none of them, so adding a library touches only
-//! that library's folder. A leaf module: it knows nothing of the device.
+//! Per-device state of each CUDA library (cuBLAS, cuBLASLt, cuDNN, the kernel cache, in the
+//! ferry-cuda crate). A library declares its state as a type of its own, in its own module, and
+//! finds it through `CudaDevice::local`: the device type names none of them, so adding a library
+//! touches only that library's folder. A leaf module: it knows nothing of the device.
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::RwLock;
 
 /// One slot per state type, each made on first use and kept as long as the device.
 #[derive(Default)]
-pub(crate) struct DeviceLocals(Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>);
+pub(crate) struct DeviceLocals(RwLock<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>);
 
 impl DeviceLocals {
     /// The `T`, made with `T::default()` on first use. The map's lock is held only to find or
-    /// insert the slot; `T` guards its own contents.
+    /// insert the slot, shared to find it (every library call on every thread looks its state
+    /// up here); `T` guards its own contents.
     pub(crate) fn get<T: Default + Send + Sync + 'static>(&self) -> Arc<T> {
-        let slot = Arc::clone(
-            self.0
-                .lock()
-                .entry(TypeId::of::<T>())
-                .or_insert_with(|| Arc::new(T::default())),
-        );
+        let found = self.0.read().get(&TypeId::of::<T>()).map(Arc::clone);
+        let slot = found.unwrap_or_else(|| {
+            Arc::clone(
+                self.0
+                    .write()
+                    .entry(TypeId::of::<T>())
+                    .or_insert_with(|| Arc::new(T::default())),
+            )
+        });
         match slot.downcast::<T>() {
             Ok(state) => state,
             Err(_) => unreachable!("a slot holds the type it is keyed by"),
@@ -33,6 +37,8 @@ impl DeviceLocals {
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use parking_lot::Mutex;
 
     use super::*;
 
@@ -51,7 +57,7 @@ mod tests {
         assert!(Arc::ptr_eq(&a, &b));
         assert_eq!(b.0.load(Ordering::Relaxed), 3);
         locals.get::<Other>().0.lock().push(7);
-        assert_eq!(locals.0.lock().len(), 2);
+        assert_eq!(locals.0.read().len(), 2);
         assert_eq!(*locals.get::<Other>().0.lock(), vec![7]);
         assert_eq!(locals.get::<Counter>().0.load(Ordering::Relaxed), 3);
     }

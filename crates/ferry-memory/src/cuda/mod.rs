@@ -1,6 +1,6 @@
 //! CUDA through cudarc: discovery, device memory behind a caching allocator, a pinned host pool,
-//! streams and events, NVRTC-compiled kernels with a safe launch builder, cuBLAS GEMM, cuDNN
-//! convolutions (optional at run time), and NCCL collectives across GPUs ([`Communicator`]).
+//! streams and events, and the per-device state slots ([`CudaDevice::local`]) in which the CUDA
+//! libraries (cuBLAS, cuBLASLt, cuDNN, NCCL, NVRTC kernels: the ferry-cuda crate) keep theirs.
 //!
 //! Nothing here touches the driver before [`driver_present`] has said it can be loaded: every
 //! entry point returns [`MemoryError::NoDriver`](crate::MemoryError::NoDriver) instead. Device
@@ -15,35 +15,21 @@
 
 mod allocator;
 mod batch;
-mod blas;
-mod blas_lt;
 mod buffer;
 mod checks;
 mod device;
 mod discover;
-mod dnn;
-mod kernels;
-mod launch;
 mod local;
-mod nccl;
 mod pinned;
-mod profile;
 mod stream;
 #[cfg(test)]
 pub(crate) mod test_hooks;
 
 pub use allocator::{DEVICE_BUDGET_VARIABLE, DeviceMemoryInfo, MemoryStats};
 pub use batch::PinnedBatch;
-pub use blas::{GemmInput, GemmOutput, GemmSpec};
-pub use blas_lt::{GemmEpilogue, cublaslt_present};
 pub use buffer::DeviceBuffer;
 pub use checks::CheckReport;
 pub use device::CudaDevice;
 pub use discover::{CudaDeviceInfo, devices, driver_present, driver_version};
-pub use dnn::{ConvInput, ConvOutput, ConvPass, ConvSpec, cudnn_present, cudnn_version};
-pub use kernels::{CudaFunction, KernelModule, compile_ptx, nvrtc_present, nvrtc_version};
-pub use launch::{Dim3, Launch, MAX_GRID_X, blocks_for, exact_grid, grid_stride_blocks};
-pub use nccl::{Communicator, ReduceOp, UniqueId, group, nccl_present, nccl_version};
 pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PinnedStats, is_page_locked};
-pub use profile::KernelTime;
 pub use stream::{Event, Stream};

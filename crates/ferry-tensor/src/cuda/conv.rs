@@ -5,10 +5,11 @@
 
 use std::sync::OnceLock;
 
-use ferry_memory::DType;
-use ferry_memory::cuda::{
-    ConvInput, ConvOutput, ConvPass, ConvSpec, CudaDevice, CudaFunction, cudnn_present,
+use ferry_cuda::{
+    ConvInput, ConvOutput, ConvPass, ConvSpec, CudaFunction, Dnn, Kernels, cudnn_present,
 };
+use ferry_memory::DType;
+use ferry_memory::cuda::CudaDevice;
 
 use super::kernels::CONV;
 use super::{alloc, buffer, dense, device_of, float_only, launch, wrap};
@@ -169,7 +170,7 @@ pub(crate) fn pool_argmax(x: &Tensor, g: &Geometry) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use ferry_memory::cuda::{compile_ptx, nvrtc_present};
+    use ferry_cuda::{compile_ptx, nvrtc_present};
 
     use super::*;
 

@@ -2,8 +2,9 @@
 //! in a 16-byte flag (count, one bad value) that is read back after it, so a bad index is an
 //! error here as on the CPU; the kernels skip such indices and touch nothing outside the tensors.
 
+use ferry_cuda::{CudaFunction, Kernels};
 use ferry_memory::DType;
-use ferry_memory::cuda::{CudaDevice, CudaFunction, DeviceBuffer};
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 
 use super::kernels::INDEX;
 use super::{alloc, buffer, copy_into, dense, device_of, float_only, launch, wrap};
@@ -254,7 +255,7 @@ pub(crate) fn scatter_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor)
 
 #[cfg(test)]
 mod tests {
-    use ferry_memory::cuda::{compile_ptx, nvrtc_present};
+    use ferry_cuda::{compile_ptx, nvrtc_present};
 
     use super::*;
 

@@ -4,8 +4,9 @@
 //! (`ferry_unary`, `ferry_binary`, `ferry_compare`, `reduce_op`: see `crate::ops`), then the
 //! module's own source.
 
+use ferry_cuda::{CudaFunction, KernelModule, Kernels};
 use ferry_memory::DType;
-use ferry_memory::cuda::{CudaDevice, CudaFunction, KernelModule};
+use ferry_memory::cuda::CudaDevice;
 
 use crate::Result;
 
@@ -225,7 +226,7 @@ pub(crate) fn every_kernel() -> Vec<Kernel> {
 
 #[cfg(test)]
 mod tests {
-    use ferry_memory::cuda::{compile_ptx, nvrtc_present, nvrtc_version};
+    use ferry_cuda::{compile_ptx, nvrtc_present, nvrtc_version};
 
     use super::*;
 

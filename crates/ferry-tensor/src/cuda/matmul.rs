@@ -1,7 +1,7 @@
 //! Batched matrix products through cuBLAS, reading transposed and broadcast operands in place
 //! where their strides allow and copying only when they do not.
 
-use ferry_memory::cuda::{GemmEpilogue, GemmInput, GemmOutput, GemmSpec};
+use ferry_cuda::{Blas, BlasLt, GemmEpilogue, GemmInput, GemmOutput, GemmSpec};
 
 use super::{alloc, buffer, dense, device_of, wrap};
 use crate::layout::Layout;

@@ -14,7 +14,8 @@ pub(crate) mod select;
 
 pub use kernels::{ALL as KERNEL_MODULES, compile_kernels};
 
-use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Launch, blocks_for};
+use ferry_cuda::{Kernels, Launch, blocks_for};
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 use ferry_memory::{DType, Device, Element};
 use parking_lot::MappedRwLockReadGuard;
 
@@ -121,11 +122,7 @@ fn wrap(dev: &CudaDevice, out: DeviceBuffer, dtype: DType, shape: &[usize]) -> T
 }
 
 /// A one-dimensional grid-stride launch over `n` elements.
-fn launch<'a>(
-    dev: &'a CudaDevice,
-    f: &'a ferry_memory::cuda::CudaFunction,
-    n: usize,
-) -> Launch<'a> {
+fn launch<'a>(dev: &'a CudaDevice, f: &'a ferry_cuda::CudaFunction, n: usize) -> Launch<'a> {
     let blocks = blocks_for(n.max(1), THREADS).min(max_blocks(dev));
     dev.launch(f, (blocks, 1, 1), (THREADS, 1, 1), 0, dev.default_stream())
 }

@@ -2,10 +2,9 @@
 //! backward one fused kernel for dx plus a two-step column reduction for the weight and bias
 //! gradients (partial sums over chunks of rows, then their sum: deterministic, no atomics).
 
+use ferry_cuda::{CudaFunction, Kernels, Launch, exact_grid, grid_stride_blocks};
 use ferry_memory::DType;
-use ferry_memory::cuda::{
-    CudaDevice, CudaFunction, DeviceBuffer, Launch, exact_grid, grid_stride_blocks,
-};
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 
 use super::kernels::NORM;
 use super::{MAX_ROW_BLOCKS, alloc, buffer, dense, device_of, float_only, launch, wrap};
@@ -202,7 +201,7 @@ pub(crate) fn layer_norm_backward(
 
 #[cfg(test)]
 mod tests {
-    use ferry_memory::cuda::{compile_ptx, nvrtc_present};
+    use ferry_cuda::{compile_ptx, nvrtc_present};
 
     use super::*;
 

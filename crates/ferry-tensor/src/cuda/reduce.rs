@@ -1,8 +1,9 @@
 //! Reductions along an axis and over everything, softmax and its gradient, and the
 //! cross-entropy loss's last step: the kernels that reduce rows.
 
+use ferry_cuda::{Kernels, Launch, blocks_for, grid_stride_blocks};
 use ferry_memory::DType;
-use ferry_memory::cuda::{DeviceBuffer, Launch, blocks_for, grid_stride_blocks};
+use ferry_memory::cuda::DeviceBuffer;
 
 use super::kernels::Kernel;
 use super::{MAX_ROW_BLOCKS, THREADS, alloc, buffer, dense, device_of, float_only, launch, wrap};

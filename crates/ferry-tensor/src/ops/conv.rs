@@ -17,7 +17,7 @@
 //! the values with [`Tensor::gather`], whose node keeps only those `i64` indices. Average
 //! pooling (padding counted in the divisor) is `im2col` followed by a mean over each window.
 
-use ferry_memory::cuda::ConvPass;
+use ferry_cuda::ConvPass;
 
 use crate::autograd::{Save, record};
 use crate::{Result, Tensor, TensorError, backend, rules};

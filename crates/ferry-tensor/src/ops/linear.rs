@@ -99,6 +99,6 @@ fn fusable(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
         && w.dtype() == x.dtype()
         && b.dtype() == x.dtype()
         && crate::autocast::autocast_dtype().is_none()
-        && ferry_memory::cuda::cublaslt_present()
+        && ferry_cuda::cublaslt_present()
         && std::env::var_os("FERRY_CUBLASLT").is_none_or(|v| v != "0")
 }

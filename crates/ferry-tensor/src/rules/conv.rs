@@ -2,8 +2,8 @@
 //! which are differentiable, under `create_graph`), and im2col and col2im, each the other's
 //! gradient.
 
+use ferry_cuda::ConvPass;
 use ferry_graph::InputGrads;
-use ferry_memory::cuda::ConvPass;
 use smallvec::smallvec;
 
 use crate::autograd::{Rule, Save, Saved};

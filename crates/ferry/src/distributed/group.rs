@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use ferry_memory::cuda::{Communicator, CudaDevice, ReduceOp, Stream, UniqueId};
+use ferry_cuda::{Communicator, ReduceOp, UniqueId};
+use ferry_memory::cuda::{CudaDevice, Stream};
 use ferry_tensor::{Buffer, Device, Result, Tensor, TensorError};
 use parking_lot::Mutex;
 

@@ -47,7 +47,7 @@ mod host;
 mod tests;
 
 pub use ddp::{DataParallel, DdpOptions, DdpStats};
-pub use ferry_memory::cuda::{ReduceOp, UniqueId, nccl_present, nccl_version};
+pub use ferry_cuda::{ReduceOp, UniqueId, nccl_present, nccl_version};
 pub use group::ProcessGroup;
 
 use ferry_tensor::{Result, TensorError};

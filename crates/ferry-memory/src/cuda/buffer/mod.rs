@@ -304,9 +304,11 @@ impl DeviceBuffer {
         }
     }
 
-    /// Validates a byte range and the stream, binds the context, marks the stream as a user, and
-    /// returns the device address of the range's start.
-    pub(crate) fn range(
+    /// Validates a byte range and the stream, binds the context, orders the use on `stream` as
+    /// [`DeviceBuffer::record_stream`] does, and returns the device address of the range's
+    /// start: what a library call that reads or writes part of the buffer passes (NCCL's
+    /// collectives). Errors name `op`.
+    pub fn range(
         &self,
         op: &'static str,
         offset: usize,
@@ -343,15 +345,17 @@ impl DeviceBuffer {
         Ok(self.device_ptr() + offset as u64)
     }
 
-    /// [`DeviceBuffer::note_queued`], for the pinned batch in this crate.
-    pub(crate) fn queued_on(&self, stream: &Stream) -> Result<(), MemoryError> {
+    /// Records, after work just queued on `stream` used this buffer (a copy, a collective), the
+    /// event that later uses on other streams wait for, and that the allocator waits for before
+    /// it reuses the memory. Nothing to do on the buffer's own stream.
+    pub fn queued_on(&self, stream: &Stream) -> Result<(), MemoryError> {
         self.note_queued(stream)
     }
 
-    /// Like [`DeviceBuffer::note_queued`], with an event the caller records on `stream` later:
+    /// Like [`DeviceBuffer::queued_on`], with an event the caller records on `stream` later:
     /// an NCCL collective queued inside a group is launched only when the group ends, so its
     /// event is recorded then. Until it is recorded the event counts as complete.
-    pub(crate) fn queued_with(&self, stream: &Stream, event: &Arc<Event>) {
+    pub fn queued_with(&self, stream: &Stream, event: &Arc<Event>) {
         if *stream == self.stream || self.is_empty() {
             return;
         }

@@ -4,7 +4,7 @@
 //! The public guide is on [`Communicator`] (which constructor, the rules, the ordering) and
 //! [`group`]. Inside: `library` loads libnccl without ever panicking (nothing here calls NCCL
 //! before [`nccl_present`] has said it can be loaded; every entry point returns
-//! [`MemoryError::NoNccl`] instead), `types` maps dtypes and reductions to NCCL's, and `grouped`
+//! [`CudaLibError::NoNccl`] instead), `types` maps dtypes and reductions to NCCL's, and `grouped`
 //! defers the ordering of buffers used inside a group until NCCL launches the group's work.
 
 mod grouped;
@@ -23,10 +23,10 @@ pub use library::{nccl_present, nccl_version};
 use types::nccl_dtype;
 pub use types::{ReduceOp, UniqueId};
 
-use super::buffer::DeviceBuffer;
-use super::device::CudaDevice;
-use super::stream::Stream;
-use crate::{DType, MemoryError};
+use ferry_memory::DType;
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Stream};
+
+use crate::CudaLibError;
 
 /// One rank of an NCCL communicator, bound to one GPU: all-reduce, broadcast and all-gather
 /// over [`DeviceBuffer`]s.
@@ -79,18 +79,18 @@ impl Communicator {
     /// One communicator per GPU of this process, all made at once (`ncclCommInitAll`): rank `i`
     /// runs on `devices[i]`. Issue collectives on them from one thread inside [`group`], or
     /// from one thread per communicator. The devices must be distinct.
-    pub fn for_devices(devices: &[CudaDevice]) -> Result<Vec<Communicator>, MemoryError> {
+    pub fn for_devices(devices: &[CudaDevice]) -> Result<Vec<Communicator>, CudaLibError> {
         const OP: &str = "Communicator::for_devices";
         ensure_nccl()?;
         if devices.is_empty() {
-            return Err(MemoryError::CollectiveArgument {
+            return Err(CudaLibError::CollectiveArgument {
                 op: OP,
                 reason: "no devices were given; pass one CudaDevice per rank".into(),
             });
         }
         for (i, device) in devices.iter().enumerate() {
             if devices[..i].iter().any(|d| d.ordinal() == device.ordinal()) {
-                return Err(MemoryError::CollectiveArgument {
+                return Err(CudaLibError::CollectiveArgument {
                     op: OP,
                     reason: format!(
                         "{} appears twice; NCCL needs one rank per GPU, so list each device once",
@@ -132,11 +132,11 @@ impl Communicator {
         rank: usize,
         world_size: usize,
         device: &CudaDevice,
-    ) -> Result<Communicator, MemoryError> {
+    ) -> Result<Communicator, CudaLibError> {
         const OP: &str = "Communicator::for_rank";
         ensure_nccl()?;
         if rank >= world_size {
-            return Err(MemoryError::CollectiveArgument {
+            return Err(CudaLibError::CollectiveArgument {
                 op: OP,
                 reason: format!(
                     "rank {rank} is not below the world size {world_size}; ranks run from 0 to world_size - 1"
@@ -184,7 +184,7 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
         stream: &Stream,
-    ) -> Result<(), MemoryError> {
+    ) -> Result<(), CudaLibError> {
         let len = buf.len();
         self.reduce("all_reduce", buf, 0, len, dtype, op, stream)
     }
@@ -201,7 +201,7 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
         stream: &Stream,
-    ) -> Result<(), MemoryError> {
+    ) -> Result<(), CudaLibError> {
         self.reduce("all_reduce_region", buf, offset, bytes, dtype, op, stream)
     }
 
@@ -215,11 +215,11 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
         stream: &Stream,
-    ) -> Result<(), MemoryError> {
+    ) -> Result<(), CudaLibError> {
         ensure_nccl()?;
         self.check_placement(name, buf, stream)?;
         if !offset.is_multiple_of(dtype.size()) {
-            return Err(MemoryError::CollectiveArgument {
+            return Err(CudaLibError::CollectiveArgument {
                 op: name,
                 reason: format!(
                     "offset {offset} does not start a {dtype} element ({} bytes each); use a multiple of {}",
@@ -258,12 +258,12 @@ impl Communicator {
         dtype: DType,
         root: usize,
         stream: &Stream,
-    ) -> Result<(), MemoryError> {
+    ) -> Result<(), CudaLibError> {
         const OP: &str = "broadcast";
         ensure_nccl()?;
         self.check_placement(OP, buf, stream)?;
         if root >= self.world_size {
-            return Err(MemoryError::CollectiveArgument {
+            return Err(CudaLibError::CollectiveArgument {
                 op: OP,
                 reason: format!(
                     "root {root} is not a rank of this communicator of {} rank(s)",
@@ -300,7 +300,7 @@ impl Communicator {
         recv: &mut DeviceBuffer,
         dtype: DType,
         stream: &Stream,
-    ) -> Result<(), MemoryError> {
+    ) -> Result<(), CudaLibError> {
         const OP: &str = "all_gather";
         ensure_nccl()?;
         self.check_placement(OP, send, stream)?;
@@ -308,7 +308,7 @@ impl Communicator {
         let count = elements(OP, "the send buffer", send.len(), dtype)?;
         let expected = send.len().checked_mul(self.world_size);
         if expected != Some(recv.len()) {
-            return Err(MemoryError::CollectiveArgument {
+            return Err(CudaLibError::CollectiveArgument {
                 op: OP,
                 reason: format!(
                     "the receive buffer holds {} bytes but {} rank(s) x {} sent bytes are gathered; allocate it with world_size * send.len() bytes",
@@ -346,9 +346,10 @@ impl Communicator {
         op: &'static str,
         buf: &DeviceBuffer,
         stream: &Stream,
-    ) -> Result<(), MemoryError> {
-        self.device
-            .check_operands(op, [buf.device(), stream.device()])
+    ) -> Result<(), CudaLibError> {
+        Ok(self
+            .device
+            .check_operands(op, [buf.device(), stream.device()])?)
     }
 }
 
@@ -410,8 +411,8 @@ impl fmt::Debug for Communicator {
     }
 }
 
-fn too_many(op: &'static str, ranks: usize) -> MemoryError {
-    MemoryError::CollectiveArgument {
+fn too_many(op: &'static str, ranks: usize) -> CudaLibError {
+    CudaLibError::CollectiveArgument {
         op,
         reason: format!("{ranks} ranks are more than NCCL can address"),
     }
@@ -423,11 +424,11 @@ fn elements(
     what: &str,
     bytes: usize,
     dtype: DType,
-) -> Result<usize, MemoryError> {
+) -> Result<usize, CudaLibError> {
     if bytes.is_multiple_of(dtype.size()) {
         Ok(bytes / dtype.size())
     } else {
-        Err(MemoryError::CollectiveArgument {
+        Err(CudaLibError::CollectiveArgument {
             op,
             reason: format!(
                 "{what} of {bytes} bytes is not a whole number of {dtype} elements ({} bytes each); check the dtype or the length",

@@ -1,19 +1,22 @@
 //! CUDA C kernel modules: compiled by NVRTC once per device for that device's architecture,
-//! loaded, and cached; looked up by a `&'static KernelModule` and a function name.
+//! loaded, and cached; looked up by a `&'static KernelModule` and a function name. The cache is a
+//! device slot (`CudaDevice::local`); launches are built by [`Kernels::launch`] (see `launch`).
 
 use std::collections::HashMap;
-use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use cudarc::driver::CudaModule;
 use cudarc::driver::sys::CUresult;
-use cudarc::driver::{CudaFunction as RawFunction, CudaModule};
 use cudarc::nvrtc::{self, CompileError, CompileOptions, Ptx};
 use parking_lot::Mutex;
 
-use super::device::CudaDevice;
-use crate::{Device, MemoryError};
+use ferry_memory::cuda::{CudaDevice, Stream};
+
+use crate::CudaLibError;
+use crate::launch::{CudaFunction, Dim3, Launch};
+use crate::sealed::Sealed;
 
 /// A CUDA C source compiled as one unit (one `.cu` file of an op family, usually embedded with
 /// `include_str!`). Declare kernels `extern "C"` so they are found by their plain names.
@@ -23,42 +26,6 @@ pub struct KernelModule {
     pub name: &'static str,
     /// The CUDA C source.
     pub source: &'static str,
-}
-
-/// A kernel loaded on one device, ready for [`CudaDevice::launch`].
-#[derive(Clone)]
-pub struct CudaFunction {
-    pub(crate) raw: RawFunction,
-    pub(crate) device: Device,
-    pub(crate) module: &'static str,
-    pub(crate) name: &'static str,
-}
-
-impl CudaFunction {
-    /// The kernel's name.
-    pub fn name(&self) -> &'static str {
-        self.name
-    }
-
-    /// The module it came from.
-    pub fn module(&self) -> &'static str {
-        self.module
-    }
-
-    /// The device it is loaded on.
-    pub fn device(&self) -> Device {
-        self.device
-    }
-}
-
-impl fmt::Debug for CudaFunction {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "CudaFunction({}::{} on {})",
-            self.module, self.name, self.device
-        )
-    }
 }
 
 /// Loaded modules and looked-up functions of one device, keyed by the module's address (each
@@ -74,7 +41,7 @@ struct KernelCache {
 
 /// A device's kernels: the cache, and the time spent compiling into it.
 #[derive(Default)]
-struct Kernels {
+struct LoadedKernels {
     cache: Mutex<KernelCache>,
     compile_nanos: AtomicU64,
 }
@@ -87,16 +54,16 @@ pub fn nvrtc_present() -> bool {
     *PRESENT.get_or_init(|| unsafe { nvrtc::sys::is_culib_present() })
 }
 
-/// NVRTC's version as (major, minor), e.g. (13, 0); [`MemoryError::NoNvrtc`] without it.
-pub fn nvrtc_version() -> Result<(i32, i32), MemoryError> {
+/// NVRTC's version as (major, minor), e.g. (13, 0); [`CudaLibError::NoNvrtc`] without it.
+pub fn nvrtc_version() -> Result<(i32, i32), CudaLibError> {
     if !nvrtc_present() {
-        return Err(MemoryError::NoNvrtc);
+        return Err(CudaLibError::NoNvrtc);
     }
     let (mut major, mut minor) = (0, 0);
     // SAFETY: the library is present; both are valid out-pointers.
     unsafe { nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
         .result()
-        .map_err(|e| MemoryError::Nvrtc {
+        .map_err(|e| CudaLibError::Nvrtc {
             call: "nvrtcVersion",
             message: format!("{e:?}"),
         })?;
@@ -105,15 +72,15 @@ pub fn nvrtc_version() -> Result<(i32, i32), MemoryError> {
 
 /// Compiles `module` to PTX for `arch` (`compute_90`). Needs only NVRTC, no driver or GPU, so
 /// CI can check every kernel source on a machine without one.
-pub fn compile_ptx(module: &KernelModule, arch: &str) -> Result<String, MemoryError> {
+pub fn compile_ptx(module: &KernelModule, arch: &str) -> Result<String, CudaLibError> {
     compile(module, arch).map(|ptx| ptx.to_src())
 }
 
-fn compile(module: &KernelModule, arch: &str) -> Result<Ptx, MemoryError> {
+fn compile(module: &KernelModule, arch: &str) -> Result<Ptx, CudaLibError> {
     if !nvrtc_present() {
-        return Err(MemoryError::NoNvrtc);
+        return Err(CudaLibError::NoNvrtc);
     }
-    let rejected = |log: &str| MemoryError::KernelCompile {
+    let rejected = |log: &str| CudaLibError::KernelCompile {
         module: module.name,
         arch: arch.to_string(),
         log: log.to_string(),
@@ -132,19 +99,19 @@ fn compile(module: &KernelModule, arch: &str) -> Result<Ptx, MemoryError> {
     };
     nvrtc::compile_ptx_with_opts(module.source, options).map_err(|e| match e {
         CompileError::CompileError { log, .. } => rejected(&log.to_string_lossy()),
-        CompileError::CreationError(e) => MemoryError::Nvrtc {
+        CompileError::CreationError(e) => CudaLibError::Nvrtc {
             call: "nvrtcCreateProgram",
             message: format!("{e:?}"),
         },
-        CompileError::GetLogError(e) => MemoryError::Nvrtc {
+        CompileError::GetLogError(e) => CudaLibError::Nvrtc {
             call: "nvrtcGetProgramLog",
             message: format!("{e:?}"),
         },
-        CompileError::GetPtxError(e) => MemoryError::Nvrtc {
+        CompileError::GetPtxError(e) => CudaLibError::Nvrtc {
             call: "nvrtcGetPTX",
             message: format!("{e:?}"),
         },
-        CompileError::DestroyError(e) => MemoryError::Nvrtc {
+        CompileError::DestroyError(e) => CudaLibError::Nvrtc {
             call: "nvrtcDestroyProgram",
             message: format!("{e:?}"),
         },
@@ -156,55 +123,78 @@ pub(crate) fn arch_for(capability: (i32, i32)) -> String {
     format!("compute_{}{}", capability.0, capability.1)
 }
 
-impl CudaDevice {
+/// A device's kernel modules: loading them and launching their kernels.
+pub trait Kernels: Sealed {
     /// The kernel `function` of `module`, compiling and loading the module on first use on this
     /// device (for its own architecture). A compile failure carries NVRTC's log.
-    pub fn function(
+    fn function(
         &self,
         module: &'static KernelModule,
         function: &'static str,
-    ) -> Result<CudaFunction, MemoryError> {
+    ) -> Result<CudaFunction, CudaLibError>;
+
+    /// Total time NVRTC has spent compiling kernel modules for this device.
+    fn compile_time(&self) -> Duration;
+
+    /// Starts a launch of `function` with `grid` blocks of `block` threads and
+    /// `shared_mem_bytes` of dynamic shared memory, on `stream`.
+    fn launch<'a>(
+        &'a self,
+        function: &'a CudaFunction,
+        grid: Dim3,
+        block: Dim3,
+        shared_mem_bytes: u32,
+        stream: &'a Stream,
+    ) -> Launch<'a>;
+}
+
+impl Kernels for CudaDevice {
+    fn function(
+        &self,
+        module: &'static KernelModule,
+        function: &'static str,
+    ) -> Result<CudaFunction, CudaLibError> {
         self.check()?;
-        let kernels = self.local::<Kernels>();
+        let kernels = self.local::<LoadedKernels>();
         let key = module as *const KernelModule as usize;
         if let Some(found) = kernels.cache.lock().functions.get(&(key, function)) {
             return Ok(found.clone());
         }
         // Two threads asking for a new module compile it once: the second waits on its slot.
         let slot = Arc::clone(kernels.cache.lock().modules.entry(key).or_default());
-        let loaded =
-            {
-                let mut slot = slot.lock();
-                match &*slot {
-                    Some(loaded) => Arc::clone(loaded),
-                    None => {
-                        let started = Instant::now();
-                        let ptx = compile(module, &arch_for(self.info().compute_capability));
-                        let nanos = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-                        kernels.compile_nanos.fetch_add(nanos, Ordering::Relaxed);
-                        let loaded = self.inner.ctx.load_module(ptx?).map_err(|e| {
-                            MemoryError::KernelLoad {
+        let loaded = {
+            let mut slot = slot.lock();
+            match &*slot {
+                Some(loaded) => Arc::clone(loaded),
+                None => {
+                    let started = Instant::now();
+                    let ptx = compile(module, &arch_for(self.info().compute_capability));
+                    let nanos = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+                    kernels.compile_nanos.fetch_add(nanos, Ordering::Relaxed);
+                    let loaded =
+                        self.context()
+                            .load_module(ptx?)
+                            .map_err(|e| CudaLibError::KernelLoad {
                                 module: module.name,
                                 message: e.to_string(),
-                            }
-                        })?;
-                        *slot = Some(Arc::clone(&loaded));
-                        loaded
-                    }
+                            })?;
+                    *slot = Some(Arc::clone(&loaded));
+                    loaded
                 }
-            };
+            }
+        };
         if function.contains('\0') {
-            return Err(MemoryError::KernelNotFound {
+            return Err(CudaLibError::KernelNotFound {
                 module: module.name,
                 function,
             });
         }
         let raw = loaded.load_function(function).map_err(|e| match e.0 {
-            CUresult::CUDA_ERROR_NOT_FOUND => MemoryError::KernelNotFound {
+            CUresult::CUDA_ERROR_NOT_FOUND => CudaLibError::KernelNotFound {
                 module: module.name,
                 function,
             },
-            _ => MemoryError::KernelLoad {
+            _ => CudaLibError::KernelLoad {
                 module: module.name,
                 message: e.to_string(),
             },
@@ -223,13 +213,23 @@ impl CudaDevice {
         Ok(found)
     }
 
-    /// Total time NVRTC has spent compiling kernel modules for this device.
-    pub fn compile_time(&self) -> Duration {
+    fn compile_time(&self) -> Duration {
         Duration::from_nanos(
-            self.local::<Kernels>()
+            self.local::<LoadedKernels>()
                 .compile_nanos
                 .load(Ordering::Relaxed),
         )
+    }
+
+    fn launch<'a>(
+        &'a self,
+        function: &'a CudaFunction,
+        grid: Dim3,
+        block: Dim3,
+        shared_mem_bytes: u32,
+        stream: &'a Stream,
+    ) -> Launch<'a> {
+        Launch::new(self, function, grid, block, shared_mem_bytes, stream)
     }
 }
 
@@ -255,9 +255,9 @@ mod tests {
     fn compiling_needs_only_nvrtc_and_failures_carry_the_log() {
         if !nvrtc_present() {
             let err = compile_ptx(&FILL, "compute_90").unwrap_err();
-            assert!(matches!(err, MemoryError::NoNvrtc), "{err}");
+            assert!(matches!(err, CudaLibError::NoNvrtc), "{err}");
             assert!(err.to_string().contains("pip install"), "{err}");
-            assert!(matches!(nvrtc_version(), Err(MemoryError::NoNvrtc)));
+            assert!(matches!(nvrtc_version(), Err(CudaLibError::NoNvrtc)));
             return;
         }
         assert!(nvrtc_version().unwrap().0 >= 11);
@@ -272,7 +272,7 @@ mod tests {
             source: "extern \"C\" __global__ void f() { undeclared = 1; }",
         };
         match compile_ptx(&BROKEN, "compute_80") {
-            Err(err @ MemoryError::KernelCompile { .. }) => {
+            Err(err @ CudaLibError::KernelCompile { .. }) => {
                 let text = err.to_string();
                 assert!(
                     text.contains("`broken`") && text.contains("undeclared"),
@@ -287,7 +287,7 @@ mod tests {
         };
         assert!(matches!(
             compile_ptx(&NUL, "compute_80"),
-            Err(MemoryError::KernelCompile { .. })
+            Err(CudaLibError::KernelCompile { .. })
         ));
     }
 }

@@ -5,8 +5,10 @@ use std::fmt;
 
 use cudarc::nccl::sys::{self, ncclDataType_t, ncclRedOp_t};
 
+use ferry_memory::DType;
+
 use super::library::{check, ensure_nccl};
-use crate::{DType, MemoryError};
+use crate::CudaLibError;
 
 /// How a reduction combines the ranks' values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -77,7 +79,7 @@ pub(super) fn nccl_dtype(dtype: DType) -> ncclDataType_t {
 /// The rendezvous token of a communicator (`ncclUniqueId`): made once by one rank, given to
 /// every rank of the same communicator ([`Communicator::for_rank`]).
 ///
-/// [`Communicator::for_rank`]: crate::cuda::Communicator::for_rank
+/// [`Communicator::for_rank`]: crate::Communicator::for_rank
 #[derive(Clone, Copy)]
 pub struct UniqueId(pub(super) sys::ncclUniqueId);
 
@@ -87,7 +89,7 @@ impl UniqueId {
 
     /// A fresh id (`ncclGetUniqueId`): it also names the host and port the ranks meet at, so
     /// make it on the host of rank 0.
-    pub fn new() -> Result<Self, MemoryError> {
+    pub fn new() -> Result<Self, CudaLibError> {
         ensure_nccl()?;
         let mut id = sys::ncclUniqueId {
             internal: [0; Self::BYTES],
@@ -103,11 +105,11 @@ impl UniqueId {
     }
 
     /// An id from the bytes [`UniqueId::to_bytes`] gave; any other length is an error.
-    pub fn from_bytes(bytes: &[u8]) -> Result<Self, MemoryError> {
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, CudaLibError> {
         let bytes: [u8; Self::BYTES] =
             bytes
                 .try_into()
-                .map_err(|_| MemoryError::CollectiveArgument {
+                .map_err(|_| CudaLibError::CollectiveArgument {
                     op: "UniqueId::from_bytes",
                     reason: format!(
                         "an NCCL unique id is {} bytes, {} were given; pass exactly what UniqueId::to_bytes returned",

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::sys::{self, ncclResult_t};
 
-use crate::MemoryError;
+use crate::CudaLibError;
 
 /// Functions ferry calls, looked up once before the first call: a library without one of them
 /// (NCCL older than 2.13) is reported as unusable instead of failing inside cudarc.
@@ -28,7 +28,7 @@ const REQUIRED: [&str; 14] = [
 ];
 
 /// Whether libnccl can be loaded and has every function ferry calls (NCCL 2.13 or later).
-/// Checked once per process; every NCCL entry point returns [`MemoryError::NoNccl`], naming
+/// Checked once per process; every NCCL entry point returns [`CudaLibError::NoNccl`], naming
 /// the cause and the fix, when it is false.
 pub fn nccl_present() -> bool {
     availability().is_ok()
@@ -94,15 +94,15 @@ fn soname_path() -> Option<String> {
     }
 }
 
-/// Returns [`MemoryError::NoNccl`] unless NCCL can be called.
-pub(super) fn ensure_nccl() -> Result<(), MemoryError> {
+/// Returns [`CudaLibError::NoNccl`] unless NCCL can be called.
+pub(super) fn ensure_nccl() -> Result<(), CudaLibError> {
     availability()
         .clone()
-        .map_err(|reason| MemoryError::NoNccl { reason })
+        .map_err(|reason| CudaLibError::NoNccl { reason })
 }
 
 /// The loaded NCCL's version as (major, minor, patch), e.g. (2, 28, 3).
-pub fn nccl_version() -> Result<(u32, u32, u32), MemoryError> {
+pub fn nccl_version() -> Result<(u32, u32, u32), CudaLibError> {
     ensure_nccl()?;
     let mut code: c_int = 0;
     // SAFETY: NCCL is loaded; `code` is a valid out-pointer.
@@ -122,13 +122,13 @@ fn decode_version(code: c_int) -> (u32, u32, u32) {
 }
 
 /// Turns an NCCL status into a result, naming the call.
-pub(super) fn check(call: &'static str, status: ncclResult_t) -> Result<(), MemoryError> {
+pub(super) fn check(call: &'static str, status: ncclResult_t) -> Result<(), CudaLibError> {
     status.result().map(drop).map_err(nccl_error(call))
 }
 
 /// Turns an NCCL error into ours, with NCCL's description and its last-error detail.
-fn nccl_error(call: &'static str) -> impl FnOnce(NcclError) -> MemoryError {
-    move |error| MemoryError::Nccl {
+fn nccl_error(call: &'static str) -> impl FnOnce(NcclError) -> CudaLibError {
+    move |error| CudaLibError::Nccl {
         call,
         message: describe(error.0),
     }
@@ -172,7 +172,7 @@ unsafe fn c_text(ptr: *const c_char) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::nccl::{Communicator, UniqueId, group};
+    use crate::nccl::{Communicator, UniqueId, group};
 
     #[test]
     fn versions_decode_in_both_encodings() {
@@ -194,11 +194,11 @@ mod tests {
             Communicator::for_devices(&[]).unwrap_err(),
             group(|| Ok(())).unwrap_err(),
         ] {
-            assert!(matches!(err, MemoryError::NoNccl { .. }), "{err}");
+            assert!(matches!(err, CudaLibError::NoNccl { .. }), "{err}");
             assert!(err.to_string().contains("libnccl"), "{err}");
             assert!(err.to_string().contains("LD_LIBRARY_PATH"), "{err}");
         }
         // Nothing was left half-started on this thread.
-        assert_eq!(crate::cuda::nccl::grouped::depth(), 0);
+        assert_eq!(crate::nccl::grouped::depth(), 0);
     }
 }

@@ -1,15 +1,54 @@
-//! The safe boundary for kernel launches: arguments are collected by value or as buffers of the
-//! launch's device, and the one `unsafe` launch call lives here.
+//! A loaded kernel ([`CudaFunction`]) and the safe boundary for its launches: arguments are
+//! collected by value or as buffers of the launch's device, and the one `unsafe` launch call
+//! lives here. A launch starts at [`Kernels::launch`](crate::Kernels::launch); the kernels come
+//! from `kernels`, which compiles and loads their modules.
 
+use std::borrow::Cow;
 use std::ffi::c_void;
+use std::fmt;
 
-use cudarc::driver::result;
+use cudarc::driver::{CudaFunction as RawFunction, result};
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Stream};
+use ferry_memory::{Device, MemoryError};
 
-use super::buffer::DeviceBuffer;
-use super::device::CudaDevice;
-use super::kernels::CudaFunction;
-use super::stream::{Stream, driver};
-use crate::MemoryError;
+use crate::CudaLibError;
+use crate::profile::profiled;
+
+/// A kernel loaded on one device, ready for [`Kernels::launch`](crate::Kernels::launch).
+#[derive(Clone)]
+pub struct CudaFunction {
+    pub(crate) raw: RawFunction,
+    pub(crate) device: Device,
+    pub(crate) module: &'static str,
+    pub(crate) name: &'static str,
+}
+
+impl CudaFunction {
+    /// The kernel's name.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The module it came from.
+    pub fn module(&self) -> &'static str {
+        self.module
+    }
+
+    /// The device it is loaded on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+}
+
+impl fmt::Debug for CudaFunction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CudaFunction({}::{} on {})",
+            self.module, self.name, self.device
+        )
+    }
+}
 
 /// Grid and block sizes, as (x, y, z).
 pub type Dim3 = (u32, u32, u32);
@@ -32,22 +71,21 @@ pub struct Launch<'a> {
     stream: &'a Stream,
     /// Each argument's bytes, 8-byte aligned, so the kernel-parameter array can point at them.
     args: Vec<Vec<u64>>,
-    error: Option<MemoryError>,
+    error: Option<CudaLibError>,
 }
 
-impl CudaDevice {
-    /// Starts a launch of `function` with `grid` blocks of `block` threads and
-    /// `shared_mem_bytes` of dynamic shared memory, on `stream`.
-    pub fn launch<'a>(
-        &'a self,
+impl<'a> Launch<'a> {
+    /// See [`Kernels::launch`](crate::Kernels::launch).
+    pub(crate) fn new(
+        device: &'a CudaDevice,
         function: &'a CudaFunction,
         grid: Dim3,
         block: Dim3,
         shared_mem_bytes: u32,
         stream: &'a Stream,
-    ) -> Launch<'a> {
+    ) -> Self {
         Launch {
-            device: self,
+            device,
             function,
             grid,
             block,
@@ -75,12 +113,12 @@ pub fn grid_stride_blocks(units: usize, cap: u32) -> u32 {
 }
 
 /// The grid of a kernel with one block per unit and no grid-stride loop: `units` blocks, or
-/// [`MemoryError::GridTooLarge`] naming [`MAX_GRID_X`] when a grid cannot hold that many.
-pub fn exact_grid(op: &'static str, units: usize) -> Result<u32, MemoryError> {
+/// [`CudaLibError::GridTooLarge`] naming [`MAX_GRID_X`] when a grid cannot hold that many.
+pub fn exact_grid(op: &'static str, units: usize) -> Result<u32, CudaLibError> {
     u32::try_from(units)
         .ok()
         .filter(|&blocks| blocks <= MAX_GRID_X)
-        .ok_or(MemoryError::GridTooLarge {
+        .ok_or(CudaLibError::GridTooLarge {
             op,
             blocks: units,
             limit: MAX_GRID_X,
@@ -147,7 +185,7 @@ impl<'a> Launch<'a> {
 
     fn push_buffer(&mut self, buffer: &DeviceBuffer) {
         if buffer.device() != self.device.device() && self.error.is_none() {
-            self.error = Some(MemoryError::LaunchArgumentDevice {
+            self.error = Some(CudaLibError::LaunchArgumentDevice {
                 function: self.function.name(),
                 index: self.args.len(),
                 expected: self.device.device(),
@@ -161,7 +199,7 @@ impl<'a> Launch<'a> {
     /// Queues the kernel on the stream. Errors in the configuration (too many threads, too much
     /// shared memory) are returned here; faults inside the kernel surface at the next
     /// synchronization.
-    pub fn run(mut self) -> Result<(), MemoryError> {
+    pub fn run(mut self) -> Result<(), CudaLibError> {
         if let Some(error) = self.error.take() {
             return Err(error);
         }
@@ -174,8 +212,8 @@ impl<'a> Launch<'a> {
             .iter_mut()
             .map(|words| words.as_mut_ptr().cast())
             .collect();
-        let name = || self.function.name().into();
-        self.device.profiled(self.stream, name, || {
+        let name = || Cow::Borrowed(self.function.name());
+        profiled(self.device, self.stream, name, || {
             // SAFETY: the function comes from a module loaded in this device's context, which the
             // function keeps alive; each parameter points at owned, aligned storage that lives until
             // after the call (the driver copies parameters at launch); every pointer argument is a
@@ -192,7 +230,12 @@ impl<'a> Launch<'a> {
                     &mut params,
                 )
             }
-            .map_err(driver("cuLaunchKernel"))
+            .map_err(|e| {
+                CudaLibError::Memory(MemoryError::Driver {
+                    call: "cuLaunchKernel",
+                    message: e.to_string(),
+                })
+            })
         })
     }
 }
@@ -228,7 +271,7 @@ mod tests {
         assert_eq!(exact_grid("op", MAX_GRID_X as usize).unwrap(), MAX_GRID_X);
         for units in [MAX_GRID_X as usize + 1, 1 << 32, usize::MAX] {
             match exact_grid("layer_norm backward", units) {
-                Err(err @ MemoryError::GridTooLarge { .. }) => {
+                Err(err @ CudaLibError::GridTooLarge { .. }) => {
                     let text = err.to_string();
                     for needle in ["layer_norm backward", &units.to_string(), "2147483647"] {
                         assert!(text.contains(needle), "`{needle}` missing from: {text}");

@@ -10,8 +10,10 @@ use cudarc::cudnn::sys::{
     cudnnConvolutionFwdAlgo_t, cudnnDeterminism_t, cudnnMathType_t, cudnnStatus_t,
 };
 
+use ferry_memory::DType;
+
 use super::{ConvPass, ConvSpec, Descriptors, failed};
-use crate::{DType, MemoryError};
+use crate::CudaLibError;
 
 /// Workspace a chosen algorithm may ask for; a faster one that needs more is passed over.
 pub(super) const WORKSPACE_LIMIT: usize = 256 << 20;
@@ -95,7 +97,7 @@ pub(super) fn choose(
     pass: ConvPass,
     spec: &ConvSpec,
     d: &Descriptors,
-) -> Result<Choice, MemoryError> {
+) -> Result<Choice, CudaLibError> {
     let offers = match pass {
         ConvPass::Forward => ranked!(
             sys::cudnnConvolutionFwdAlgoPerf_t,
@@ -119,7 +121,7 @@ pub(super) fn choose(
             [d.a, d.b, d.conv, d.filter]
         ),
     };
-    pick(&offers, spec).ok_or_else(|| MemoryError::Cudnn {
+    pick(&offers, spec).ok_or_else(|| CudaLibError::Cudnn {
         call: "cudnnGetConvolution*Algorithm_v7",
         message: format!(
             "no algorithm for {pass:?} of {spec:?} within {WORKSPACE_LIMIT} bytes of workspace"

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use cudarc::cudnn::result as dnn;
 use cudarc::cudnn::sys;
 
-use crate::MemoryError;
+use crate::CudaLibError;
 
 /// Functions called here, looked up before the first call so a library without one is reported
 /// as unusable instead of failing inside cudarc.
@@ -61,14 +61,14 @@ fn availability() -> &'static Result<(), String> {
     })
 }
 
-pub(super) fn ensure_cudnn() -> Result<(), MemoryError> {
+pub(super) fn ensure_cudnn() -> Result<(), CudaLibError> {
     availability()
         .clone()
-        .map_err(|reason| MemoryError::NoCudnn { reason })
+        .map_err(|reason| CudaLibError::NoCudnn { reason })
 }
 
 /// The loaded cuDNN's version, e.g. 91900 for 9.19.0.
-pub fn cudnn_version() -> Result<usize, MemoryError> {
+pub fn cudnn_version() -> Result<usize, CudaLibError> {
     ensure_cudnn()?;
     Ok(dnn::get_version())
 }

@@ -1,10 +1,13 @@
 //! Matrix products with a fused epilogue through cuBLASLt: `C = op(A)·op(B) + bias`, the bias
 //! broadcast along C's columns, then ReLU if asked, in one kernel instead of a product and two
 //! passes over its result. Products keep full precision (f32 computes in f32, never TF32; f16
-//! and bf16 accumulate in f32), as [`CudaDevice::gemm_strided_batched`] does.
+//! and bf16 accumulate in f32), as [`Blas::gemm_strided_batched`](crate::Blas) does.
 //!
 //! Each call builds its small descriptors (microseconds) and takes its algorithm from a cache
-//! keyed by shape, layout, dtype and epilogue, filled by cuBLASLt's heuristic on first use.
+//! keyed by shape, layout, dtype and epilogue, filled by cuBLASLt's heuristic on first use and
+//! shared by the device's handles. The handles are pooled ([`HandlePool`]), each with its own
+//! workspace; a workspace's uses on different streams are ordered by its buffer, as any
+//! buffer's are (it is marked used on the call's stream before, and queued on it after).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -12,12 +15,15 @@ use std::mem::size_of;
 
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
 
-use super::blas::{GemmInput, GemmOutput, GemmSpec, Placement, bad, check_operand, to_int};
-use super::buffer::DeviceBuffer;
-use super::device::CudaDevice;
-use super::stream::Stream;
-use crate::{DType, MemoryError};
+use ferry_memory::DType;
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Stream};
 use parking_lot::Mutex;
+
+use crate::CudaLibError;
+use crate::blas::{GemmInput, GemmOutput, GemmSpec, Placement, bad, check_operand, to_int};
+use crate::pool::HandlePool;
+use crate::profile::profiled;
+use crate::sealed::Sealed;
 
 /// cuBLASLt's workspace: 32 MiB, what NVIDIA recommends for Hopper.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -51,29 +57,32 @@ struct AlgoKey {
     relu: bool,
 }
 
-/// A device's cuBLASLt state (see `CudaDevice::local`), created on first use.
+/// A device's cuBLASLt state (a device slot, see `CudaDevice::local`): its handles, made as
+/// calls need them, and the algorithms chosen so far.
 #[derive(Default)]
-struct BlasLt(Mutex<Option<LtState>>);
-
-/// The device's cuBLASLt handle, workspace and chosen algorithms.
-struct LtState {
-    handle: lt_sys::cublasLtHandle_t,
-    workspace: DeviceBuffer,
-    algos: HashMap<AlgoKey, lt_sys::cublasLtMatmulAlgo_t>,
+struct LtDevice {
+    handles: HandlePool<LtHandle>,
+    algos: Mutex<HashMap<AlgoKey, lt_sys::cublasLtMatmulAlgo_t>>,
 }
 
-// SAFETY: the handle is used only under the device's `blas_lt` lock.
-unsafe impl Send for LtState {}
+/// One cuBLASLt handle and its workspace.
+struct LtHandle {
+    handle: lt_sys::cublasLtHandle_t,
+    workspace: DeviceBuffer,
+}
 
-impl Drop for LtState {
+// SAFETY: a handle is used by one call at a time (leased from the pool), from any thread.
+unsafe impl Send for LtHandle {}
+
+impl Drop for LtHandle {
     fn drop(&mut self) {
         // SAFETY: the handle is ours and no call is running (we hold the last reference).
         let _ = unsafe { lt::destroy_handle(self.handle) };
     }
 }
 
-fn failed(call: &'static str) -> impl FnOnce(lt::CublasError) -> MemoryError {
-    move |e| MemoryError::Cublas {
+fn failed(call: &'static str) -> impl FnOnce(lt::CublasError) -> CudaLibError {
+    move |e| CudaLibError::Cublas {
         call,
         message: format!("{e:?}"),
     }
@@ -106,18 +115,20 @@ unsafe fn set_attr<T>(
     desc: lt_sys::cublasLtMatmulDesc_t,
     attr: lt_sys::cublasLtMatmulDescAttributes_t,
     value: &T,
-) -> Result<(), MemoryError> {
+) -> Result<(), CudaLibError> {
     // SAFETY: `value` is a live `T` of `size_of::<T>()` bytes, the attribute's type (caller).
     unsafe { lt::set_matmul_desc_attribute(desc, attr, (value as *const T).cast(), size_of::<T>()) }
         .map_err(failed("cublasLtMatmulDescSetAttribute"))
 }
 
-impl CudaDevice {
+/// A device's matrix products with fused epilogues through cuBLASLt.
+pub trait BlasLt: Sealed {
     /// `C = op(A)·op(B) + bias` (bias broadcast along C's columns), then `max(·, 0)` when
     /// `epilogue.relu`, on `stream`, in one cuBLASLt call. Column-major like
-    /// [`CudaDevice::gemm_strided_batched`]; one product (`spec.batch == 1`), `spec.beta == 0`,
-    /// f32, f16 or bf16. Every operand's extent and the bias's are checked first.
-    pub fn gemm_epilogue(
+    /// [`Blas::gemm_strided_batched`](crate::Blas::gemm_strided_batched); one product
+    /// (`spec.batch == 1`), `spec.beta == 0`, f32, f16 or bf16. Every operand's extent and the
+    /// bias's are checked first.
+    fn gemm_epilogue(
         &self,
         spec: &GemmSpec,
         a: GemmInput<'_>,
@@ -125,7 +136,19 @@ impl CudaDevice {
         c: GemmOutput<'_>,
         epilogue: GemmEpilogue<'_>,
         stream: &Stream,
-    ) -> Result<(), MemoryError> {
+    ) -> Result<(), CudaLibError>;
+}
+
+impl BlasLt for CudaDevice {
+    fn gemm_epilogue(
+        &self,
+        spec: &GemmSpec,
+        a: GemmInput<'_>,
+        b: GemmInput<'_>,
+        c: GemmOutput<'_>,
+        epilogue: GemmEpilogue<'_>,
+        stream: &Stream,
+    ) -> Result<(), CudaLibError> {
         self.check()?;
         self.check_operands(
             "gemm_epilogue",
@@ -142,7 +165,7 @@ impl CudaDevice {
             DType::F16 => lt_sys::cudaDataType_t::CUDA_R_16F,
             DType::BF16 => lt_sys::cudaDataType_t::CUDA_R_16BF,
             dtype => {
-                return Err(MemoryError::UnsupportedDType {
+                return Err(CudaLibError::UnsupportedDType {
                     op: "gemm_epilogue",
                     dtype,
                 });
@@ -227,27 +250,21 @@ impl CudaDevice {
         let bias_ptr = ptr(epilogue.bias, epilogue.bias_offset_bytes);
 
         self.bind()?;
-        let blas_lt = self.local::<BlasLt>();
-        let mut state = blas_lt.0.lock();
-        let state = match &mut *state {
-            Some(state) => state,
-            slot => {
-                if !cublaslt_present() {
-                    return Err(MemoryError::Cublas {
-                        call: "cublasLtCreate",
-                        message: "libcublasLt could not be loaded: install the CUDA cuBLAS library"
-                            .into(),
-                    });
-                }
-                let handle = lt::create_handle().map_err(failed("cublasLtCreate"))?;
-                let workspace = self.alloc(WORKSPACE_BYTES, self.default_stream())?;
-                slot.insert(LtState {
-                    handle,
-                    workspace,
-                    algos: HashMap::new(),
-                })
+        let lt_device = self.local::<LtDevice>();
+        let state = lt_device.handles.take(|| {
+            if !cublaslt_present() {
+                return Err(CudaLibError::Cublas {
+                    call: "cublasLtCreate",
+                    message: "libcublasLt could not be loaded: install the CUDA cuBLAS library"
+                        .into(),
+                });
             }
-        };
+            // The workspace first: a handle made and then not kept would leak.
+            let workspace = self.alloc(WORKSPACE_BYTES, self.default_stream())?;
+            let handle = lt::create_handle().map_err(failed("cublasLtCreate"))?;
+            Ok(LtHandle { handle, workspace })
+        })?;
+        // Ordered after the workspace's earlier uses, on any stream (see the module docs).
         state.workspace.record_stream(stream);
 
         let mut d = Descriptors {
@@ -289,8 +306,9 @@ impl CudaDevice {
             lds: [a.ld, b.ld, c.ld],
             relu: epilogue.relu,
         };
-        let algo = match state.algos.get(&key) {
-            Some(algo) => *algo,
+        let cached = lt_device.algos.lock().get(&key).copied();
+        let algo = match cached {
+            Some(algo) => algo,
             None => {
                 let pref =
                     lt::create_matmul_pref().map_err(failed("cublasLtMatmulPreferenceCreate"))?;
@@ -320,7 +338,7 @@ impl CudaDevice {
                 let algo = found
                     .map_err(failed("cublasLtMatmulAlgoGetHeuristic"))?
                     .algo;
-                state.algos.insert(key, algo);
+                lt_device.algos.lock().insert(key, algo);
                 algo
             }
         };
@@ -342,7 +360,7 @@ impl CudaDevice {
         // their memory is not reused before the product finishes; alpha and beta are f32 host
         // scalars (the scale type) that outlive the call; the algorithm came from cuBLASLt's
         // heuristic for these descriptors.
-        self.profiled(stream, name, || unsafe {
+        let queued = profiled(self, stream, name, || unsafe {
             lt::matmul(
                 handle,
                 d.desc,
@@ -362,6 +380,11 @@ impl CudaDevice {
                 stream.cudarc().cu_stream() as _,
             )
             .map_err(failed("cublasLtMatmul"))
-        })
+        });
+        // Later uses of the workspace on other streams (by the next call to lease this handle)
+        // wait for this product.
+        queued?;
+        state.workspace.queued_on(stream)?;
+        Ok(())
     }
 }

@@ -4,24 +4,27 @@
 //! cuBLAS is column-major. For row-major C (M×N) = A (M×K) · B (K×N), compute the column-major
 //! product C^T = B^T · A^T, which reads the same bytes: pass B as `a` and A as `b`, with
 //! m = N, n = M, k = K, lda = N, ldb = K, ldc = N, and no transposes.
+//!
+//! A device's cuBLAS handles are pooled ([`HandlePool`]): each call takes one, sets its stream,
+//! and gives it back, so calls from several threads run side by side. Each handle keeps
+//! cuBLAS's own default workspace.
 
 use std::ffi::{c_int, c_longlong, c_void};
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 
-use super::buffer::DeviceBuffer;
-use super::device::CudaDevice;
-use super::stream::Stream;
-use crate::{DType, MemoryError};
-use parking_lot::Mutex;
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Stream};
+use ferry_memory::{DType, MemoryError};
 
-/// The device's cuBLAS handle, created on first use.
-struct BlasHandle(CudaBlas);
+use crate::CudaLibError;
+use crate::pool::HandlePool;
+use crate::profile::profiled;
+use crate::sealed::Sealed;
 
-/// A device's cuBLAS state (see `CudaDevice::local`).
+/// A device's cuBLAS handles (a device slot, see `CudaDevice::local`), made as calls need them.
 #[derive(Default)]
-struct Blas(Mutex<Option<BlasHandle>>);
+struct BlasHandles(HandlePool<CudaBlas>);
 
 /// Shape and scalars of `C[i] = alpha · op(A[i]) · op(B[i]) + beta · C[i]` for `i < batch`, in
 /// cuBLAS's column-major terms: op(A) is m×k, op(B) is k×n, C is m×n.
@@ -75,11 +78,11 @@ pub struct GemmOutput<'a> {
     pub stride: usize,
 }
 
-pub(super) fn bad(argument: &'static str, reason: String) -> MemoryError {
-    MemoryError::GemmArgument { argument, reason }
+pub(crate) fn bad(argument: &'static str, reason: String) -> CudaLibError {
+    CudaLibError::Memory(MemoryError::GemmArgument { argument, reason })
 }
 
-pub(super) fn to_int(argument: &'static str, value: usize) -> Result<c_int, MemoryError> {
+pub(crate) fn to_int(argument: &'static str, value: usize) -> Result<c_int, CudaLibError> {
     c_int::try_from(value).map_err(|_| {
         bad(
             argument,
@@ -102,23 +105,23 @@ fn extent(rows: usize, cols: usize, ld: usize, stride: usize, batch: usize) -> O
 }
 
 /// Where one operand lives, for validation.
-pub(super) struct Placement<'a> {
-    pub(super) name: &'static str,
-    pub(super) ld_name: &'static str,
-    pub(super) buffer: &'a DeviceBuffer,
-    pub(super) offset: usize,
-    pub(super) ld: usize,
-    pub(super) stride: usize,
+pub(crate) struct Placement<'a> {
+    pub(crate) name: &'static str,
+    pub(crate) ld_name: &'static str,
+    pub(crate) buffer: &'a DeviceBuffer,
+    pub(crate) offset: usize,
+    pub(crate) ld: usize,
+    pub(crate) stride: usize,
 }
 
 /// Checks that one stored rows×cols operand lies inside its buffer; returns its leading
 /// dimension as a C int.
-pub(super) fn check_operand(
+pub(crate) fn check_operand(
     place: Placement<'_>,
     (rows, cols): (usize, usize),
     batch: usize,
     elem: usize,
-) -> Result<c_int, MemoryError> {
+) -> Result<c_int, CudaLibError> {
     let Placement {
         name,
         ld_name,
@@ -158,18 +161,30 @@ pub(super) fn check_operand(
     to_int(ld_name, ld)
 }
 
-impl CudaDevice {
+/// A device's matrix products through cuBLAS.
+pub trait Blas: Sealed {
     /// `C[i] = alpha · op(A[i]) · op(B[i]) + beta · C[i]` on `stream` with
     /// `cublasGemmStridedBatchedEx`. Column-major; see the module docs for row-major operands.
     /// Every operand's extent is checked against its buffer first.
-    pub fn gemm_strided_batched(
+    fn gemm_strided_batched(
         &self,
         spec: &GemmSpec,
         a: GemmInput<'_>,
         b: GemmInput<'_>,
         c: GemmOutput<'_>,
         stream: &Stream,
-    ) -> Result<(), MemoryError> {
+    ) -> Result<(), CudaLibError>;
+}
+
+impl Blas for CudaDevice {
+    fn gemm_strided_batched(
+        &self,
+        spec: &GemmSpec,
+        a: GemmInput<'_>,
+        b: GemmInput<'_>,
+        c: GemmOutput<'_>,
+        stream: &Stream,
+    ) -> Result<(), CudaLibError> {
         self.check()?;
         self.check_operands(
             "gemm",
@@ -197,7 +212,7 @@ impl CudaDevice {
                 cudaDataType::CUDA_R_16BF,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
             ),
-            dtype => return Err(MemoryError::UnsupportedDType { op: "gemm", dtype }),
+            dtype => return Err(CudaLibError::UnsupportedDType { op: "gemm", dtype }),
         };
         let GemmSpec {
             m,
@@ -296,34 +311,28 @@ impl CudaDevice {
         let c_ptr = (c.buffer.device_ptr() + c.offset_bytes as u64) as *mut c_void;
 
         self.bind()?;
-        let blas = self.local::<Blas>();
-        let mut handle = blas.0.lock();
-        let handle = match &mut *handle {
-            Some(handle) => handle,
-            slot => {
-                // SAFETY: only tries to dlopen libcublas.
-                if !unsafe { blas_sys::is_culib_present() } {
-                    return Err(MemoryError::NoCublas);
-                }
-                let created =
-                    CudaBlas::new(self.default_stream().cudarc().clone()).map_err(|e| {
-                        MemoryError::Cublas {
-                            call: "cublasCreate",
-                            message: format!("{e:?}"),
-                        }
-                    })?;
-                slot.insert(BlasHandle(created))
+        let handles = self.local::<BlasHandles>();
+        let handle = handles.0.take(|| {
+            // SAFETY: only tries to dlopen libcublas.
+            if !unsafe { blas_sys::is_culib_present() } {
+                return Err(CudaLibError::NoCublas);
             }
-        };
-        let raw = *handle.0.handle();
+            CudaBlas::new(self.default_stream().cudarc().clone()).map_err(|e| {
+                CudaLibError::Cublas {
+                    call: "cublasCreate",
+                    message: format!("{e:?}"),
+                }
+            })
+        })?;
+        let raw = *handle.handle();
         let cublas = |call| {
-            move |e: blas::CublasError| MemoryError::Cublas {
+            move |e: blas::CublasError| CudaLibError::Cublas {
                 call,
                 message: format!("{e:?}"),
             }
         };
-        // SAFETY: the handle is ours (locked) and `stream` belongs to this device's context,
-        // which is current.
+        // SAFETY: the handle is ours (leased from the pool, used by this call alone) and `stream`
+        // belongs to this device's context, which is current.
         unsafe { blas::set_stream(raw, stream.cudarc().cu_stream() as _) }
             .map_err(cublas("cublasSetStream"))?;
         let name = || {
@@ -345,7 +354,7 @@ impl CudaDevice {
         // borrowed for the call and marked used on `stream`, so their memory is not reused
         // before the product finishes; alpha and beta are host scalars of the compute type that
         // outlive the call (cuBLAS reads them before returning in host pointer mode).
-        self.profiled(stream, name, || unsafe {
+        profiled(self, stream, name, || unsafe {
             blas::gemm_strided_batched_ex(
                 raw,
                 op(transa),

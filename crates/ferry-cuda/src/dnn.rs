@@ -3,10 +3,13 @@
 //!
 //! cuDNN is optional: nothing here calls into it before [`cudnn_present`] has loaded the library
 //! and found every function used, so a machine without libcudnn gets
-//! [`MemoryError::NoCudnn`] (and ferry-tensor its im2col path), never a panic. The algorithm of
+//! [`CudaLibError::NoCudnn`] (and ferry-tensor its im2col path), never a panic. The algorithm of
 //! each (shape, pass) is chosen once from cuDNN's heuristics and cached: a deterministic one
 //! when cuDNN offers one, so replicas and reruns agree bit for bit. f32 and f64 run on FMA math
 //! only (no TF32), matching the GEMMs; f16 and bf16 use tensor cores and accumulate in f32.
+//!
+//! A device's cuDNN handles are pooled ([`HandlePool`]), and the chosen algorithms shared by
+//! them; each call's workspace comes from the device's allocator, on the call's stream.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -21,21 +24,24 @@ use algorithms::{Choice, bwd_data_algo, bwd_filter_algo, choose, fwd_algo, math_
 use library::ensure_cudnn;
 pub use library::{cudnn_present, cudnn_version};
 
-use super::buffer::DeviceBuffer;
-use super::device::CudaDevice;
-use super::stream::Stream;
-use crate::{DType, MemoryError};
+use ferry_memory::DType;
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Stream};
 use parking_lot::Mutex;
 
-fn failed(call: &'static str) -> impl Fn(CudnnError) -> MemoryError {
-    move |e| MemoryError::Cudnn {
+use crate::CudaLibError;
+use crate::pool::HandlePool;
+use crate::profile::profiled;
+use crate::sealed::Sealed;
+
+fn failed(call: &'static str) -> impl Fn(CudnnError) -> CudaLibError {
+    move |e| CudaLibError::Cudnn {
         call,
         message: format!("{:?}", e.0),
     }
 }
 
-fn bad(argument: &'static str, reason: String) -> MemoryError {
-    MemoryError::ConvArgument { argument, reason }
+fn bad(argument: &'static str, reason: String) -> CudaLibError {
+    CudaLibError::ConvArgument { argument, reason }
 }
 
 /// Which of the three convolution computations to run.
@@ -71,7 +77,7 @@ pub struct ConvSpec {
 
 impl ConvSpec {
     /// `[N, O, OH, OW]`, or an error naming the argument that makes the shape impossible.
-    pub fn output(&self) -> Result<[usize; 4], MemoryError> {
+    pub fn output(&self) -> Result<[usize; 4], CudaLibError> {
         let [n, c, h, w] = self.input;
         let [o, cg, kh, kw] = self.filter;
         if self.groups == 0 || cg * self.groups != c || !o.is_multiple_of(self.groups) {
@@ -106,7 +112,7 @@ impl ConvSpec {
     }
 
     /// The shapes of (first operand, second operand, output) of `pass`.
-    fn shapes(&self, pass: ConvPass) -> Result<[[usize; 4]; 3], MemoryError> {
+    fn shapes(&self, pass: ConvPass) -> Result<[[usize; 4]; 3], CudaLibError> {
         let y = self.output()?;
         Ok(match pass {
             ConvPass::Forward => [self.input, self.filter, y],
@@ -134,25 +140,26 @@ pub struct ConvOutput<'a> {
     pub offset_bytes: usize,
 }
 
-/// A device's cuDNN state (see `CudaDevice::local`), created on first use.
+/// A device's cuDNN state (a device slot, see `CudaDevice::local`): its handles, made as calls
+/// need them, and the algorithms chosen so far.
 #[derive(Default)]
-struct Dnn(Mutex<Option<DnnState>>);
-
-/// The device's cuDNN handle and the algorithms chosen so far.
-struct DnnState {
-    handle: sys::cudnnHandle_t,
-    algorithms: HashMap<(ConvSpec, ConvPass), Choice>,
+struct DnnDevice {
+    handles: HandlePool<DnnHandle>,
+    algorithms: Mutex<HashMap<(ConvSpec, ConvPass), Choice>>,
 }
 
-// SAFETY: the handle is only used under the device's `dnn` mutex, one thread at a time, which is
-// what cuDNN requires of a handle.
-unsafe impl Send for DnnState {}
+/// One cuDNN handle.
+struct DnnHandle(sys::cudnnHandle_t);
 
-impl Drop for DnnState {
+// SAFETY: a handle is used by one call at a time (leased from the pool), which is what cuDNN
+// requires of a handle; it may move between threads.
+unsafe impl Send for DnnHandle {}
+
+impl Drop for DnnHandle {
     fn drop(&mut self) {
         // SAFETY: the handle was created by cudnnCreate and is destroyed once. A failure here
         // leaks the handle only (devices live for the process).
-        let _ = unsafe { dnn::destroy_handle(self.handle) };
+        let _ = unsafe { dnn::destroy_handle(self.0) };
     }
 }
 
@@ -184,7 +191,7 @@ impl Drop for Descriptors {
     }
 }
 
-fn data_type(dtype: DType) -> Result<(cudnnDataType_t, cudnnDataType_t), MemoryError> {
+fn data_type(dtype: DType) -> Result<(cudnnDataType_t, cudnnDataType_t), CudaLibError> {
     use cudnnDataType_t::*;
     Ok(match dtype {
         DType::F32 => (CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT),
@@ -192,7 +199,7 @@ fn data_type(dtype: DType) -> Result<(cudnnDataType_t, cudnnDataType_t), MemoryE
         DType::F16 => (CUDNN_DATA_HALF, CUDNN_DATA_FLOAT),
         DType::BF16 => (CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT),
         dtype => {
-            return Err(MemoryError::UnsupportedDType {
+            return Err(CudaLibError::UnsupportedDType {
                 op: "conv2d",
                 dtype,
             });
@@ -200,12 +207,12 @@ fn data_type(dtype: DType) -> Result<(cudnnDataType_t, cudnnDataType_t), MemoryE
     })
 }
 
-fn to_int(argument: &'static str, value: usize) -> Result<c_int, MemoryError> {
+fn to_int(argument: &'static str, value: usize) -> Result<c_int, CudaLibError> {
     c_int::try_from(value)
         .map_err(|_| bad(argument, format!("{value} exceeds cuDNN's 32-bit limit")))
 }
 
-fn dims(argument: &'static str, shape: [usize; 4]) -> Result<[c_int; 4], MemoryError> {
+fn dims(argument: &'static str, shape: [usize; 4]) -> Result<[c_int; 4], CudaLibError> {
     Ok([
         to_int(argument, shape[0])?,
         to_int(argument, shape[1])?,
@@ -217,7 +224,7 @@ fn dims(argument: &'static str, shape: [usize; 4]) -> Result<[c_int; 4], MemoryE
 impl Descriptors {
     /// Descriptors for `pass`: `a` and `b` are the two activation-shaped tensors (x or dx, and
     /// y or dy), `filter` the weight or its gradient.
-    fn new(spec: &ConvSpec, math: cudnnMathType_t) -> Result<Self, MemoryError> {
+    fn new(spec: &ConvSpec, math: cudnnMathType_t) -> Result<Self, CudaLibError> {
         let (data, compute) = data_type(spec.dtype)?;
         let mut d = Descriptors {
             a: std::ptr::null_mut(),
@@ -271,7 +278,7 @@ fn extent_check(
     offset: usize,
     shape: [usize; 4],
     elem: usize,
-) -> Result<(), MemoryError> {
+) -> Result<(), CudaLibError> {
     if !offset.is_multiple_of(elem) {
         return Err(bad(
             name,
@@ -295,11 +302,12 @@ fn extent_check(
     Ok(())
 }
 
-impl CudaDevice {
+/// A device's convolutions through cuDNN.
+pub trait Dnn: Sealed {
     /// Runs one convolution pass through cuDNN on `stream`, overwriting `out`. Operands are
     /// dense NCHW in `spec.dtype`; their order is given by [`ConvPass`]. Returns
-    /// [`MemoryError::NoCudnn`] where libcudnn is missing.
-    pub fn convolution(
+    /// [`CudaLibError::NoCudnn`] where libcudnn is missing.
+    fn convolution(
         &self,
         pass: ConvPass,
         spec: &ConvSpec,
@@ -307,7 +315,19 @@ impl CudaDevice {
         second: ConvInput<'_>,
         out: ConvOutput<'_>,
         stream: &Stream,
-    ) -> Result<(), MemoryError> {
+    ) -> Result<(), CudaLibError>;
+}
+
+impl Dnn for CudaDevice {
+    fn convolution(
+        &self,
+        pass: ConvPass,
+        spec: &ConvSpec,
+        first: ConvInput<'_>,
+        second: ConvInput<'_>,
+        out: ConvOutput<'_>,
+        stream: &Stream,
+    ) -> Result<(), CudaLibError> {
         ensure_cudnn()?;
         self.check()?;
         self.check_operands(
@@ -335,32 +355,29 @@ impl CudaDevice {
         }
         if sa.contains(&0) || sb.contains(&0) {
             // An empty reduction: the output is zero.
-            return out.buffer.memset_zero(stream);
+            return Ok(out.buffer.memset_zero(stream)?);
         }
 
         self.bind()?;
-        let dnn_state = self.local::<Dnn>();
-        let mut state = dnn_state.0.lock();
-        let state = match &mut *state {
-            Some(state) => state,
-            slot => {
-                let handle = dnn::create_handle().map_err(failed("cudnnCreate"))?;
-                slot.insert(DnnState {
-                    handle,
-                    algorithms: HashMap::new(),
-                })
-            }
-        };
-        // SAFETY: the handle is ours (locked) and `stream` belongs to this device's context,
-        // which is current.
-        unsafe { dnn::set_stream(state.handle, stream.cudarc().cu_stream() as _) }
+        let dnn_device = self.local::<DnnDevice>();
+        // Given back to the pool when the call returns.
+        let lease = dnn_device.handles.take(|| {
+            dnn::create_handle()
+                .map(DnnHandle)
+                .map_err(failed("cudnnCreate"))
+        })?;
+        let handle = lease.0;
+        // SAFETY: the handle is ours (leased from the pool, used by this call alone) and
+        // `stream` belongs to this device's context, which is current.
+        unsafe { dnn::set_stream(handle, stream.cudarc().cu_stream() as _) }
             .map_err(failed("cudnnSetStream"))?;
-        let choice = match state.algorithms.get(&(*spec, pass)) {
-            Some(choice) => *choice,
+        let cached = dnn_device.algorithms.lock().get(&(*spec, pass)).copied();
+        let choice = match cached {
+            Some(choice) => choice,
             None => {
                 let probe = Descriptors::new(spec, math_for(spec.dtype))?;
-                let choice = choose(state.handle, pass, spec, &probe)?;
-                state.algorithms.insert((*spec, pass), choice);
+                let choice = choose(handle, pass, spec, &probe)?;
+                dnn_device.algorithms.lock().insert((*spec, pass), choice);
                 choice
             }
         };
@@ -394,10 +411,10 @@ impl CudaDevice {
         // descriptors; the buffers (and the workspace) are marked used on `stream`, so their
         // memory is not reused before the call's work finishes; alpha and beta are host scalars
         // of the compute type that outlive the call.
-        self.profiled(stream, name, || unsafe {
+        profiled(self, stream, name, || unsafe {
             match pass {
                 ConvPass::Forward => dnn::convolution_forward(
-                    state.handle,
+                    handle,
                     alpha,
                     d.a,
                     a_ptr,
@@ -413,7 +430,7 @@ impl CudaDevice {
                 )
                 .map_err(failed("cudnnConvolutionForward")),
                 ConvPass::BackwardData => dnn::convolution_backward_data(
-                    state.handle,
+                    handle,
                     alpha,
                     d.filter,
                     b_ptr,
@@ -429,7 +446,7 @@ impl CudaDevice {
                 )
                 .map_err(failed("cudnnConvolutionBackwardData")),
                 ConvPass::BackwardFilter => dnn::convolution_backward_filter(
-                    state.handle,
+                    handle,
                     alpha,
                     d.a,
                     a_ptr,
@@ -479,7 +496,7 @@ mod tests {
         s.groups = 3;
         assert!(matches!(
             s.output(),
-            Err(MemoryError::ConvArgument {
+            Err(CudaLibError::ConvArgument {
                 argument: "groups",
                 ..
             })

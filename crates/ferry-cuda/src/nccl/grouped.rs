@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use cudarc::nccl::sys;
 
+use ferry_memory::cuda::{DeviceBuffer, Event, Stream};
+
 use super::library::{check, ensure_nccl};
-use crate::MemoryError;
-use crate::cuda::buffer::DeviceBuffer;
-use crate::cuda::stream::{Event, Stream};
+use crate::CudaLibError;
 
 /// Collectives queued inside [`group`] on this thread, whose events are recorded when the
 /// outermost group ends (NCCL launches them only then).
@@ -31,12 +31,12 @@ thread_local! {
 
 /// Registers a collective just queued on `stream` with `buf`, so that later uses of the buffer
 /// on other streams wait for it and the allocator keeps the block until it is done.
-pub(super) fn after_queue(buf: &DeviceBuffer, stream: &Stream) -> Result<(), MemoryError> {
+pub(super) fn after_queue(buf: &DeviceBuffer, stream: &Stream) -> Result<(), CudaLibError> {
     if stream == buf.stream() || buf.is_empty() {
         return Ok(());
     }
     if GROUP.with_borrow(|group| group.depth == 0) {
-        return buf.queued_on(stream);
+        return Ok(buf.queued_on(stream)?);
     }
     let event = Event::new(stream, false).ok().map(Arc::new);
     if let Some(event) = &event {
@@ -54,7 +54,7 @@ pub(super) fn after_queue(buf: &DeviceBuffer, stream: &Stream) -> Result<(), Mem
 /// first, which waits for the others. One thread per communicator needs no group. Groups nest;
 /// the collectives launch when the outermost ends.
 ///
-/// [`Communicator::for_devices`]: crate::cuda::Communicator::for_devices
+/// [`Communicator::for_devices`]: crate::Communicator::for_devices
 ///
 /// Buffers used inside must outlive the call and be used only by collectives until it returns:
 /// nothing runs before the group ends, and the ordering of their later uses is set up then.
@@ -62,9 +62,10 @@ pub(super) fn after_queue(buf: &DeviceBuffer, stream: &Stream) -> Result<(), Mem
 /// Returns `f`'s error if it failed, otherwise `ncclGroupEnd`'s.
 ///
 /// ```no_run
-/// # use ferry_memory::cuda::{group, Communicator, CudaDevice, ReduceOp};
+/// # use ferry_cuda::{group, Communicator, ReduceOp};
+/// # use ferry_memory::cuda::CudaDevice;
 /// # use ferry_memory::DType;
-/// # fn main() -> Result<(), ferry_memory::MemoryError> {
+/// # fn main() -> Result<(), ferry_cuda::CudaLibError> {
 /// let devices = [CudaDevice::get(0)?, CudaDevice::get(1)?];
 /// let comms = Communicator::for_devices(&devices)?;
 /// let mut grads: Vec<_> = devices
@@ -80,7 +81,7 @@ pub(super) fn after_queue(buf: &DeviceBuffer, stream: &Stream) -> Result<(), Mem
 /// # Ok(())
 /// # }
 /// ```
-pub fn group<R>(f: impl FnOnce() -> Result<R, MemoryError>) -> Result<R, MemoryError> {
+pub fn group<R>(f: impl FnOnce() -> Result<R, CudaLibError>) -> Result<R, CudaLibError> {
     ensure_nccl()?;
     // SAFETY: NCCL is loaded; the guard below ends the group.
     check("ncclGroupStart", unsafe { sys::ncclGroupStart() })?;
@@ -98,7 +99,7 @@ struct GroupGuard {
 }
 
 impl GroupGuard {
-    fn end(mut self) -> Result<(), MemoryError> {
+    fn end(mut self) -> Result<(), CudaLibError> {
         self.ended = true;
         end_group()
     }
@@ -112,7 +113,7 @@ impl Drop for GroupGuard {
     }
 }
 
-fn end_group() -> Result<(), MemoryError> {
+fn end_group() -> Result<(), CudaLibError> {
     // SAFETY: matches the ncclGroupStart of the guard calling this.
     let ended = check("ncclGroupEnd", unsafe { sys::ncclGroupEnd() });
     let pending = GROUP
@@ -140,7 +141,7 @@ fn end_group() -> Result<(), MemoryError> {
             recorded = Err(error);
         }
     }
-    ended.and(recorded)
+    ended.and(recorded.map_err(CudaLibError::from))
 }
 
 /// How deep this thread is in groups (0 outside any).

@@ -1,7 +1,7 @@
-//! NCCL collectives through `ferry_memory::cuda::Communicator`.
+//! NCCL collectives through `ferry_cuda::Communicator`.
 //!
 //! The CPU tests run everywhere, with or without libnccl. The GPU tests are ignored on machines
-//! without one; run them with `cargo test -p ferry-memory --test nccl -- --ignored` (the
+//! without one; run them with `cargo test -p ferry-cuda --test nccl -- --ignored` (the
 //! two-GPU tests print a skip and return on a machine with one GPU).
 //!
 //! The GPU tests share the devices, so each holds a process-wide lock: two communicators on one
@@ -9,10 +9,11 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use ferry_memory::cuda::{
-    Communicator, CudaDevice, DeviceBuffer, KernelModule, ReduceOp, Stream, UniqueId, blocks_for,
-    group, nccl_present, nccl_version,
+use ferry_cuda::{
+    Communicator, CudaLibError, KernelModule, Kernels, ReduceOp, UniqueId, blocks_for, group,
+    nccl_present, nccl_version,
 };
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Stream};
 use ferry_memory::{DType, Device, MemoryError};
 
 // ---------------------------------------------------------------------------------------------
@@ -27,7 +28,7 @@ fn unique_ids_round_trip_their_bytes_and_refuse_other_lengths() {
     for len in [0, 1, 127, 129, 256] {
         let err = UniqueId::from_bytes(&vec![0; len]).unwrap_err();
         assert!(
-            matches!(err, MemoryError::CollectiveArgument { .. }),
+            matches!(err, CudaLibError::CollectiveArgument { .. }),
             "{err}"
         );
         let text = err.to_string();
@@ -75,7 +76,7 @@ fn without_libnccl_every_entry_point_is_an_error_that_names_it() {
     }
     eprintln!("libnccl absent: {}", errors[0]);
     for err in errors {
-        assert!(matches!(err, MemoryError::NoNccl { .. }), "{err}");
+        assert!(matches!(err, CudaLibError::NoNccl { .. }), "{err}");
         let text = err.to_string();
         for needle in ["libnccl", "NCCL 2.x", "LD_LIBRARY_PATH"] {
             assert!(text.contains(needle), "`{needle}` missing from: {text}");
@@ -89,7 +90,7 @@ fn a_group_closure_error_is_returned_and_the_group_still_ends() {
         return; // covered by the test above: group refuses before running the closure
     }
     let err = group::<()>(|| {
-        Err(MemoryError::CollectiveArgument {
+        Err(CudaLibError::CollectiveArgument {
             op: "test",
             reason: "closure failed".into(),
         })
@@ -239,7 +240,7 @@ fn one_rank_argument_errors_are_found_before_anything_is_queued() {
         .all_reduce(&mut odd, DType::F32, ReduceOp::Sum, stream)
         .unwrap_err();
     assert!(
-        matches!(err, MemoryError::CollectiveArgument { .. })
+        matches!(err, CudaLibError::CollectiveArgument { .. })
             && err.to_string().contains("10 bytes"),
         "{err}"
     );
@@ -251,7 +252,10 @@ fn one_rank_argument_errors_are_found_before_anything_is_queued() {
     let err = comm
         .all_reduce_region(&mut buf, 1000, 48, DType::F32, ReduceOp::Sum, stream)
         .unwrap_err();
-    assert!(matches!(err, MemoryError::OutOfBounds { .. }), "{err}");
+    assert!(
+        matches!(err, CudaLibError::Memory(MemoryError::OutOfBounds { .. })),
+        "{err}"
+    );
     let err = comm.broadcast(&mut buf, DType::F32, 1, stream).unwrap_err();
     assert!(err.to_string().contains("root 1"), "{err}");
     let mut small = device.alloc(512, stream).unwrap();
@@ -262,7 +266,7 @@ fn one_rank_argument_errors_are_found_before_anything_is_queued() {
     for devices in [vec![], vec![device.clone(), device.clone()]] {
         let err = Communicator::for_devices(&devices).unwrap_err();
         assert!(
-            matches!(err, MemoryError::CollectiveArgument { .. }),
+            matches!(err, CudaLibError::CollectiveArgument { .. }),
             "{err}"
         );
     }
@@ -427,11 +431,11 @@ fn two_gpus_one_thread_reduce_inside_a_group() {
     assert!(
         matches!(
             err,
-            MemoryError::DeviceMismatch {
+            CudaLibError::Memory(MemoryError::DeviceMismatch {
                 expected: Device::Cuda(0),
                 actual: Device::Cuda(1),
                 ..
-            }
+            })
         ),
         "{err}"
     );
@@ -439,7 +443,13 @@ fn two_gpus_one_thread_reduce_inside_a_group() {
     let err = comms[0]
         .broadcast(&mut local, DType::F32, 0, devices[1].default_stream())
         .unwrap_err();
-    assert!(matches!(err, MemoryError::DeviceMismatch { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            CudaLibError::Memory(MemoryError::DeviceMismatch { .. })
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -462,11 +472,11 @@ fn two_gpus_one_thread_per_rank_broadcast_and_gather_without_a_group() {
             .iter_mut()
             .zip(bufs.iter_mut().zip(gathered.iter_mut()))
             .map(|(comm, (buf, recv))| {
-                scope.spawn(move || -> Result<(), MemoryError> {
+                scope.spawn(move || -> Result<(), CudaLibError> {
                     let stream = comm.device().default_stream().clone();
                     comm.all_gather(buf, recv, DType::F32, &stream)?;
                     comm.broadcast(buf, DType::F32, 1, &stream)?;
-                    stream.synchronize()
+                    Ok(stream.synchronize()?)
                 })
             })
             .collect();
