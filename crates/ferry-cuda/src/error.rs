@@ -153,3 +153,27 @@ pub enum CudaLibError {
         reason: String,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_stay_small_and_messages_are_the_libraries() {
+        // TensorError holds a CudaLibError inline, as it holds a MemoryError.
+        assert!(
+            size_of::<CudaLibError>() <= size_of::<MemoryError>() + 8,
+            "{}",
+            size_of::<CudaLibError>()
+        );
+        let wrapped = CudaLibError::from(MemoryError::NoDriver);
+        assert_eq!(wrapped.to_string(), MemoryError::NoDriver.to_string());
+        let err = CudaLibError::NoCudnn {
+            reason: "libcudnn was not found".into(),
+        };
+        let text = err.to_string();
+        for needle in ["cuDNN could not be used", "LD_LIBRARY_PATH", "im2col"] {
+            assert!(text.contains(needle), "`{needle}` missing from: {text}");
+        }
+    }
+}

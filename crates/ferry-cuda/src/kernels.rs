@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaModule;
 use cudarc::driver::sys::CUresult;
 use cudarc::nvrtc::{self, CompileError, CompileOptions, Ptx};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use ferry_memory::cuda::{CudaDevice, Stream};
 
@@ -35,14 +35,15 @@ struct KernelCache {
     /// Per module, the slot its first user compiles and loads it into. Compiling (NVRTC, tens
     /// to hundreds of ms) holds only that module's slot, so threads after other kernels, or
     /// after functions already found, never wait for it.
-    modules: HashMap<usize, Arc<parking_lot::Mutex<Option<Arc<CudaModule>>>>>,
+    modules: HashMap<usize, Arc<Mutex<Option<Arc<CudaModule>>>>>,
     functions: HashMap<(usize, &'static str), CudaFunction>,
 }
 
-/// A device's kernels: the cache, and the time spent compiling into it.
+/// A device's kernels: the cache, and the time spent compiling into it. Every launch looks its
+/// function up here, from every thread, so a lookup takes the cache's lock shared.
 #[derive(Default)]
 struct LoadedKernels {
-    cache: Mutex<KernelCache>,
+    cache: RwLock<KernelCache>,
     compile_nanos: AtomicU64,
 }
 
@@ -157,11 +158,11 @@ impl Kernels for CudaDevice {
         self.check()?;
         let kernels = self.local::<LoadedKernels>();
         let key = module as *const KernelModule as usize;
-        if let Some(found) = kernels.cache.lock().functions.get(&(key, function)) {
+        if let Some(found) = kernels.cache.read().functions.get(&(key, function)) {
             return Ok(found.clone());
         }
         // Two threads asking for a new module compile it once: the second waits on its slot.
-        let slot = Arc::clone(kernels.cache.lock().modules.entry(key).or_default());
+        let slot = Arc::clone(kernels.cache.write().modules.entry(key).or_default());
         let loaded = {
             let mut slot = slot.lock();
             match &*slot {
@@ -207,7 +208,7 @@ impl Kernels for CudaDevice {
         };
         kernels
             .cache
-            .lock()
+            .write()
             .functions
             .insert((key, function), found.clone());
         Ok(found)
