@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, result};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::allocator::{DeviceAllocator, MemoryStats};
 use super::buffer::DeviceBuffer;
@@ -35,6 +35,9 @@ pub(crate) struct DeviceInner {
     pub(crate) allocator: DeviceAllocator,
     /// An error raised in a destructor, reported by the next checked call.
     deferred: Mutex<Option<MemoryError>>,
+    /// Whether `deferred` may hold an error: every checked call reads this, not the lock, so
+    /// threads launching on one GPU do not meet on it.
+    has_deferred: AtomicBool,
     /// Each library's state (kernels, cuBLAS, cuBLASLt, cuDNN), made on first use.
     pub(crate) locals: DeviceLocals,
     /// Kernel timing, off unless [`CudaDevice::start_profile`] turned it on.
@@ -42,9 +45,10 @@ pub(crate) struct DeviceInner {
 }
 
 /// Devices live for the process, like the primary contexts they hold: a tensor may be created
-/// from any thread and must find the same allocator.
-fn registry() -> &'static Mutex<HashMap<usize, CudaDevice>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<usize, CudaDevice>>> = OnceLock::new();
+/// from any thread and must find the same allocator. Looked up once per op on a GPU, so a
+/// read lock: threads on one device share it.
+fn registry() -> &'static RwLock<HashMap<usize, CudaDevice>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<usize, CudaDevice>>> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
 }
 
@@ -55,11 +59,11 @@ impl CudaDevice {
     /// ordinal past the last GPU; never panics.
     pub fn get(ordinal: usize) -> Result<CudaDevice, MemoryError> {
         // A device made before needs no driver call: this runs once per tensor in some paths.
-        if let Some(device) = registry().lock().get(&ordinal) {
+        if let Some(device) = registry().read().get(&ordinal) {
             return Ok(device.clone());
         }
         discover::init()?;
-        let mut devices = registry().lock();
+        let mut devices = registry().write();
         if let Some(device) = devices.get(&ordinal) {
             return Ok(device.clone());
         }
@@ -82,6 +86,7 @@ impl CudaDevice {
                 default_stream,
                 multi_stream: AtomicBool::new(false),
                 deferred: Mutex::new(None),
+                has_deferred: AtomicBool::new(false),
                 locals: DeviceLocals::default(),
                 profiler: Profiler::default(),
             }),
@@ -93,7 +98,7 @@ impl CudaDevice {
     /// The devices made so far in this process (by [`CudaDevice::get`]), in ordinal order;
     /// empty without a driver. Never initializes CUDA.
     pub fn made() -> Vec<CudaDevice> {
-        let mut made: Vec<CudaDevice> = registry().lock().values().cloned().collect();
+        let mut made: Vec<CudaDevice> = registry().read().values().cloned().collect();
         made.sort_by_key(CudaDevice::ordinal);
         made
     }
@@ -306,8 +311,13 @@ impl CudaDevice {
     /// Reports an error a destructor recorded, once (as [`MemoryError::FailedInDrop`], naming
     /// what failed).
     pub(crate) fn check(&self) -> Result<(), MemoryError> {
-        if let Some(error) = self.inner.deferred.lock().take() {
-            return Err(error);
+        if self.inner.has_deferred.load(Ordering::Acquire) {
+            // The flag changes only under the lock, so no error deferred now is lost.
+            let mut deferred = self.inner.deferred.lock();
+            self.inner.has_deferred.store(false, Ordering::Release);
+            if let Some(error) = deferred.take() {
+                return Err(error);
+            }
         }
         self.poll_checks(false)
     }
@@ -316,13 +326,12 @@ impl CudaDevice {
     /// for the next checked call; `what` says what was being done, on what, so the report makes
     /// sense on an unrelated call. The first one wins: later errors are usually its consequences.
     pub(crate) fn defer(&self, what: String, error: MemoryError) {
-        self.inner
-            .deferred
-            .lock()
-            .get_or_insert(MemoryError::FailedInDrop {
-                what,
-                source: Box::new(error),
-            });
+        let mut deferred = self.inner.deferred.lock();
+        deferred.get_or_insert(MemoryError::FailedInDrop {
+            what,
+            source: Box::new(error),
+        });
+        self.inner.has_deferred.store(true, Ordering::Release);
     }
 
     /// Refuses `op` when its stream is on another device than this one.

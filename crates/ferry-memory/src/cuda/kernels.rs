@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaFunction as RawFunction, CudaModule};
 use cudarc::nvrtc::{self, CompileError, CompileOptions, Ptx};
-use parking_lot::Mutex;
+use parking_lot::RwLock;
 
 use super::device::CudaDevice;
 use crate::{Device, MemoryError};
@@ -72,10 +72,11 @@ struct KernelCache {
     functions: HashMap<(usize, &'static str), CudaFunction>,
 }
 
-/// A device's kernels: the cache, and the time spent compiling into it.
+/// A device's kernels: the cache, and the time spent compiling into it. Every launch looks its
+/// function up, from any thread: a read lock, written only when a function is first found.
 #[derive(Default)]
 struct Kernels {
-    cache: Mutex<KernelCache>,
+    cache: RwLock<KernelCache>,
     compile_nanos: AtomicU64,
 }
 
@@ -167,11 +168,11 @@ impl CudaDevice {
         self.check()?;
         let kernels = self.local::<Kernels>();
         let key = module as *const KernelModule as usize;
-        if let Some(found) = kernels.cache.lock().functions.get(&(key, function)) {
+        if let Some(found) = kernels.cache.read().functions.get(&(key, function)) {
             return Ok(found.clone());
         }
         // Two threads asking for a new module compile it once: the second waits on its slot.
-        let slot = Arc::clone(kernels.cache.lock().modules.entry(key).or_default());
+        let slot = Arc::clone(kernels.cache.write().modules.entry(key).or_default());
         let loaded =
             {
                 let mut slot = slot.lock();
@@ -217,7 +218,7 @@ impl CudaDevice {
         };
         kernels
             .cache
-            .lock()
+            .write()
             .functions
             .insert((key, function), found.clone());
         Ok(found)

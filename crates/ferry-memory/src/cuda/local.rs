@@ -7,22 +7,27 @@ use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::RwLock;
 
 /// One slot per state type, each made on first use and kept as long as the device.
 #[derive(Default)]
-pub(crate) struct DeviceLocals(Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>);
+pub(crate) struct DeviceLocals(RwLock<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>);
 
 impl DeviceLocals {
-    /// The `T`, made with `T::default()` on first use. The map's lock is held only to find or
-    /// insert the slot; `T` guards its own contents.
+    /// The `T`, made with `T::default()` on first use. Found under a read lock (every kernel
+    /// launch asks, from any thread); the write lock only inserts a new slot; `T` guards its own
+    /// contents.
     pub(crate) fn get<T: Default + Send + Sync + 'static>(&self) -> Arc<T> {
-        let slot = Arc::clone(
-            self.0
-                .lock()
-                .entry(TypeId::of::<T>())
-                .or_insert_with(|| Arc::new(T::default())),
-        );
+        let found = self.0.read().get(&TypeId::of::<T>()).map(Arc::clone);
+        let slot = match found {
+            Some(slot) => slot,
+            None => Arc::clone(
+                self.0
+                    .write()
+                    .entry(TypeId::of::<T>())
+                    .or_insert_with(|| Arc::new(T::default())),
+            ),
+        };
         match slot.downcast::<T>() {
             Ok(state) => state,
             Err(_) => unreachable!("a slot holds the type it is keyed by"),
@@ -40,7 +45,7 @@ mod tests {
     struct Counter(AtomicUsize);
 
     #[derive(Default)]
-    struct Other(Mutex<Vec<u8>>);
+    struct Other(parking_lot::Mutex<Vec<u8>>);
 
     #[test]
     fn each_type_has_one_slot_shared_by_every_lookup() {
@@ -51,7 +56,7 @@ mod tests {
         assert!(Arc::ptr_eq(&a, &b));
         assert_eq!(b.0.load(Ordering::Relaxed), 3);
         locals.get::<Other>().0.lock().push(7);
-        assert_eq!(locals.0.lock().len(), 2);
+        assert_eq!(locals.0.read().len(), 2);
         assert_eq!(*locals.get::<Other>().0.lock(), vec![7]);
         assert_eq!(locals.get::<Counter>().0.load(Ordering::Relaxed), 3);
     }
