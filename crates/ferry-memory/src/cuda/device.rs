@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, result};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::allocator::{DeviceAllocator, MemoryStats};
 use super::buffer::DeviceBuffer;
@@ -34,14 +34,18 @@ pub(crate) struct DeviceInner {
     pub(crate) allocator: DeviceAllocator,
     /// An error raised in a destructor, reported by the next checked call.
     deferred: Mutex<Option<MemoryError>>,
+    /// Whether `deferred` may hold an error: every checked call reads this, not the lock, so
+    /// threads launching on one GPU do not meet on it.
+    has_deferred: AtomicBool,
     /// Each library's state (kernels, cuBLAS, cuBLASLt, cuDNN, the profiler), made on first use.
     pub(crate) locals: DeviceLocals,
 }
 
 /// Devices live for the process, like the primary contexts they hold: a tensor may be created
-/// from any thread and must find the same allocator.
-fn registry() -> &'static Mutex<HashMap<usize, CudaDevice>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<usize, CudaDevice>>> = OnceLock::new();
+/// from any thread and must find the same allocator. Looked up once per op on a GPU, so a
+/// read lock: threads on one device share it.
+fn registry() -> &'static RwLock<HashMap<usize, CudaDevice>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<usize, CudaDevice>>> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
 }
 
@@ -52,11 +56,11 @@ impl CudaDevice {
     /// ordinal past the last GPU; never panics.
     pub fn get(ordinal: usize) -> Result<CudaDevice, MemoryError> {
         // A device made before needs no driver call: this runs once per tensor in some paths.
-        if let Some(device) = registry().lock().get(&ordinal) {
+        if let Some(device) = registry().read().get(&ordinal) {
             return Ok(device.clone());
         }
         discover::init()?;
-        let mut devices = registry().lock();
+        let mut devices = registry().write();
         if let Some(device) = devices.get(&ordinal) {
             return Ok(device.clone());
         }
@@ -79,6 +83,7 @@ impl CudaDevice {
                 default_stream,
                 multi_stream: AtomicBool::new(false),
                 deferred: Mutex::new(None),
+                has_deferred: AtomicBool::new(false),
                 locals: DeviceLocals::default(),
             }),
         };
@@ -89,7 +94,7 @@ impl CudaDevice {
     /// The devices made so far in this process (by [`CudaDevice::get`]), in ordinal order;
     /// empty without a driver. Never initializes CUDA.
     pub fn made() -> Vec<CudaDevice> {
-        let mut made: Vec<CudaDevice> = registry().lock().values().cloned().collect();
+        let mut made: Vec<CudaDevice> = registry().read().values().cloned().collect();
         made.sort_by_key(CudaDevice::ordinal);
         made
     }
@@ -316,8 +321,13 @@ impl CudaDevice {
     /// what failed), then the first failed [`CudaDevice::check_later`] check of this thread that
     /// has reached the host. Every call that queues work on the device makes it first.
     pub fn check(&self) -> Result<(), MemoryError> {
-        if let Some(error) = self.inner.deferred.lock().take() {
-            return Err(error);
+        if self.inner.has_deferred.load(Ordering::Acquire) {
+            // The flag changes only under the lock, so no error deferred now is lost.
+            let mut deferred = self.inner.deferred.lock();
+            self.inner.has_deferred.store(false, Ordering::Release);
+            if let Some(error) = deferred.take() {
+                return Err(error);
+            }
         }
         self.poll_checks(false)
     }
@@ -327,13 +337,12 @@ impl CudaDevice {
     /// sense on an unrelated call. The first one wins: later errors are usually its consequences.
     /// `error` is a [`MemoryError`] or a CUDA library's error.
     pub fn defer(&self, what: String, error: impl Into<Box<dyn std::error::Error + Send + Sync>>) {
-        self.inner
-            .deferred
-            .lock()
-            .get_or_insert(MemoryError::FailedInDrop {
-                what,
-                source: error.into(),
-            });
+        let mut deferred = self.inner.deferred.lock();
+        deferred.get_or_insert(MemoryError::FailedInDrop {
+            what,
+            source: error.into(),
+        });
+        self.inner.has_deferred.store(true, Ordering::Release);
     }
 
     /// Refuses `op` when its stream is on another device than this one.
