@@ -21,12 +21,6 @@ const KNOWN_CYCLES: &[(&str, &[&str])] = &[
             "cuda::profile",
         ],
     ),
-    (
-        "ferry-tensor",
-        &[
-            "autograd", "backend", "cpu", "cuda", "ops", "rules", "tensor",
-        ],
-    ),
 ];
 
 /// Every `.rs` file under `dir`.

@@ -12,7 +12,7 @@ use ferry_memory::cuda::{
 
 use super::kernels::CONV;
 use super::{alloc, buffer, dense, device_of, float_only, launch, wrap};
-use crate::ops::conv::Geometry;
+use crate::op::conv::Geometry;
 use crate::{Result, Tensor};
 
 fn function(dev: &CudaDevice, name: &'static str) -> Result<CudaFunction> {
@@ -41,7 +41,7 @@ fn geometry_arg(g: &Geometry) -> [u64; 13] {
 
 /// Whether conv2d of `dtype` runs through cuDNN: libcudnn loads and `FERRY_CUDNN` is not `0`
 /// (set it to compare with the im2col path).
-pub(crate) fn cudnn_enabled(dtype: DType) -> bool {
+fn cudnn_enabled(dtype: DType) -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     let enabled = *ENABLED
         .get_or_init(|| std::env::var("FERRY_CUDNN").map_or(true, |v| v != "0") && cudnn_present());
@@ -50,6 +50,7 @@ pub(crate) fn cudnn_enabled(dtype: DType) -> bool {
 
 /// One cuDNN convolution pass for `geo` with `filters` output channels: `Forward` takes
 /// (x, w) and gives y, `BackwardData` (dy, w) gives dx, `BackwardFilter` (x, dy) gives dw.
+/// `None` where cuDNN does not load, is turned off, or does not take the dtype.
 pub(crate) fn convolution(
     pass: ConvPass,
     geo: &Geometry,
@@ -57,10 +58,12 @@ pub(crate) fn convolution(
     filters: usize,
     first: &Tensor,
     second: &Tensor,
-) -> Result<Tensor> {
+) -> Result<Option<Tensor>> {
     const OP: &str = "conv2d";
     let dtype = first.dtype();
-    float_only(OP, dtype)?;
+    if !cudnn_enabled(dtype) {
+        return Ok(None);
+    }
     let (first, second) = (dense(first)?, dense(second)?);
     let dev = device_of(&first)?;
     let spec = ConvSpec {
@@ -98,7 +101,7 @@ pub(crate) fn convolution(
         dev.default_stream(),
     )?;
     drop((a, b));
-    Ok(wrap(&dev, out, dtype, &shape))
+    Ok(Some(wrap(&dev, out, dtype, &shape)))
 }
 
 /// `[N, C, H, W]` to `[N, C·KH·KW, OH·OW]`.

@@ -8,7 +8,7 @@ use ferry_memory::cuda::{CudaDevice, CudaFunction, DeviceBuffer};
 use super::kernels::INDEX;
 use super::{alloc, buffer, copy_into, dense, device_of, float_only, launch, wrap};
 use crate::layout::{Layout, contiguous_strides, numel};
-use crate::ops::index::out_of_range;
+use crate::op::message::out_of_range;
 use crate::{Result, Tensor, TensorError};
 
 /// An iteration shape over a target's strides, with the index replacing one axis; mirrors

@@ -1,6 +1,7 @@
 //! Batched matrix products through cuBLAS, reading transposed and broadcast operands in place
 //! where their strides allow and copying only when they do not.
 
+use ferry_memory::DType;
 use ferry_memory::cuda::{GemmEpilogue, GemmInput, GemmOutput, GemmSpec};
 
 use super::{alloc, buffer, dense, device_of, wrap};
@@ -147,16 +148,27 @@ pub(crate) fn matmul(
     Ok(wrap(&dev, out, dtype, &shape))
 }
 
-/// `x [rows, k] · wᵀ + bias` (w is `[n, k]`), then ReLU when `relu`: one cuBLASLt product with the
-/// bias and ReLU in its epilogue. Operands are read in place where cuBLAS can, like [`matmul`].
-pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {
+/// `x [.., k] · wᵀ + bias` (w is `[n, k]`), then ReLU when `relu`: one cuBLASLt product with the
+/// bias and ReLU in its epilogue, over the input's rows (leading axes flattened). Operands are
+/// read in place where cuBLAS can, like [`matmul`]. `None` where cuBLASLt cannot fuse it here.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Result<Option<Tensor>> {
+    if !fuses_linear(x, w, bias) {
+        return Ok(None);
+    }
     let dtype = x.dtype();
     let dev = device_of(x)?;
-    let (rows, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
-    let shape = [rows, n];
+    let (k, n) = (w.shape()[1], w.shape()[0]);
+    let rows = x.numel() / k;
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("a linear input has an axis") = n;
+    let rows_layout = Layout::contiguous(&[rows, k]);
+    let x = match x.layout().reshape_view(&[rows, k]) {
+        Some(layout) => x.with_layout(layout),
+        None => super::contiguous(x)?.with_layout(rows_layout),
+    };
     let wt = w.t()?;
     let (lhs, rhs) = (
-        Operand::new(x, x.layout())?,
+        Operand::new(&x, x.layout())?,
         Operand::new(&wt, wt.layout())?,
     );
     let bias = dense(bias)?;
@@ -201,5 +213,19 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Resul
     };
     dev.gemm_epilogue(&spec, first, second, c, epilogue, dev.default_stream())?;
     drop((abuf, bbuf, biasbuf));
-    Ok(wrap(&dev, out, dtype, &shape))
+    Ok(Some(wrap(&dev, out, dtype, &shape)))
+}
+
+/// Whether cuBLASLt can fuse `x · wᵀ + b` here: the library loads, `FERRY_CUBLASLT` is not `0`,
+/// none of the three is empty, and they share the device and one dtype it fuses.
+fn fuses_linear(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    x.numel() > 0
+        && w.numel() > 0
+        && w.device() == x.device()
+        && b.device() == x.device()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && w.dtype() == x.dtype()
+        && b.dtype() == x.dtype()
+        && ferry_memory::cuda::cublaslt_present()
+        && std::env::var_os("FERRY_CUBLASLT").is_none_or(|v| v != "0")
 }

@@ -19,7 +19,7 @@ use ferry_memory::{DType, Device, Element};
 use parking_lot::MappedRwLockReadGuard;
 
 use crate::layout::Layout;
-use crate::ops::{BinaryOp, CmpOp, UnaryOp};
+use crate::op::{BinaryOp, CmpOp, UnaryOp};
 use crate::storage::{Buffer, Storage};
 use crate::{Result, Tensor, TensorError};
 use kernels::Kernel;
@@ -415,7 +415,7 @@ pub(crate) fn adam(
     g: &Tensor,
     m: &Tensor,
     v: &Tensor,
-    step: &crate::ops::optim::AdamStep,
+    step: &crate::op::AdamStep,
 ) -> Result<()> {
     float_only("adam_update", p.dtype())?;
     let dev = device_of(p)?;

@@ -6,7 +6,7 @@ use ferry_memory::cuda::{DeviceBuffer, Launch, blocks_for, grid_stride_blocks};
 
 use super::kernels::Kernel;
 use super::{MAX_ROW_BLOCKS, THREADS, alloc, buffer, dense, device_of, float_only, launch, wrap};
-use crate::ops::ReduceOp;
+use crate::op::ReduceOp;
 use crate::{Result, Tensor, TensorError};
 
 pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
@@ -130,8 +130,12 @@ pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
     Ok(wrap(&dev, out, x.dtype(), x.shape()))
 }
 
-/// Softmax's (or log-softmax's) gradient over the last axis from its output `y`, fused.
-pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tensor> {
+/// Softmax's (or log-softmax's) gradient over the last axis from its output `y`, fused; `None`
+/// when `g`'s dtype is not `y`'s (the kernel reads both as one type).
+pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Option<Tensor>> {
+    if g.dtype() != y.dtype() {
+        return Ok(None);
+    }
     let (y, g) = (dense(y)?, dense(g)?);
     let dev = device_of(&y)?;
     let cols = *y.shape().last().unwrap_or(&1);
@@ -147,7 +151,7 @@ pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tens
         .arg_u64(cols as u64)
         .arg_i32(log as i32)
         .run()?;
-    Ok(wrap(&dev, out, y.dtype(), y.shape()))
+    Ok(Some(wrap(&dev, out, y.dtype(), y.shape())))
 }
 
 /// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities, one kernel. Targets are
@@ -172,7 +176,7 @@ pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
         .run()?;
     let report = move |flag: &[u8]| {
         let flag: &[i64] = bytemuck::cast_slice(flag);
-        (flag[0] != 0).then(|| crate::ops::nn::classes_message(flag[0], flag[1], classes))
+        (flag[0] != 0).then(|| crate::op::message::classes_message(flag[0], flag[1], classes))
     };
     dev.check_later(OP, &bad, dev.default_stream(), Box::new(report))?;
     Ok(wrap(&dev, out, logp.dtype(), &[]))
