@@ -11,7 +11,7 @@ use ferry_memory::cuda::{
 };
 
 use super::kernels::CONV;
-use super::{alloc, buffer, dense, device_of, float_only, launch, wrap};
+use super::{buffer, dense, float_only, launch, with_output};
 use crate::op::conv::Geometry;
 use crate::{Result, Tensor};
 
@@ -65,7 +65,6 @@ pub(crate) fn convolution(
         return Ok(None);
     }
     let (first, second) = (dense(first)?, dense(second)?);
-    let dev = device_of(&first)?;
     let spec = ConvSpec {
         dtype,
         input: [geo.n, geo.c, geo.h, geo.w],
@@ -80,28 +79,30 @@ pub(crate) fn convolution(
         ConvPass::BackwardData => vec![geo.n, geo.c, geo.h, geo.w],
         ConvPass::BackwardFilter => spec.filter.to_vec(),
     };
-    let mut out = alloc(&dev, OP, &shape, dtype)?;
-    let size = dtype.size();
-    let (a, b) = (buffer(&first)?, buffer(&second)?);
-    dev.convolution(
-        pass,
-        &spec,
-        ConvInput {
-            buffer: &a,
-            offset_bytes: first.layout().offset() * size,
-        },
-        ConvInput {
-            buffer: &b,
-            offset_bytes: second.layout().offset() * size,
-        },
-        ConvOutput {
-            buffer: &mut out,
-            offset_bytes: 0,
-        },
-        dev.default_stream(),
-    )?;
-    drop((a, b));
-    Ok(Some(wrap(&dev, out, dtype, &shape)))
+    with_output(first.device(), OP, &shape, dtype, |dev, out| {
+        let size = dtype.size();
+        let (a, b) = (buffer(&first)?, buffer(&second)?);
+        dev.convolution(
+            pass,
+            &spec,
+            ConvInput {
+                buffer: &a,
+                offset_bytes: first.layout().offset() * size,
+            },
+            ConvInput {
+                buffer: &b,
+                offset_bytes: second.layout().offset() * size,
+            },
+            ConvOutput {
+                buffer: out,
+                offset_bytes: 0,
+            },
+            dev.default_stream(),
+        )?;
+        drop((a, b));
+        Ok(())
+    })
+    .map(Some)
 }
 
 /// `[N, C, H, W]` to `[N, C·KH·KW, OH·OW]`.
@@ -109,21 +110,21 @@ pub(crate) fn im2col(x: &Tensor, g: &Geometry) -> Result<Tensor> {
     const OP: &str = "im2col";
     float_only(OP, x.dtype())?;
     let x = dense(x)?;
-    let dev = device_of(&x)?;
     let shape = [g.n, g.c * g.k(), g.l()];
     let total: usize = shape.iter().product();
-    let mut out = alloc(&dev, OP, &shape, x.dtype())?;
-    if total > 0 {
-        let f = function(&dev, float_name!("im2col_", x.dtype()))?;
-        let src = buffer(&x)?;
-        launch(&dev, &f, total)
-            .arg_buffer(&src)
-            .arg_buffer_mut(&mut out)
-            .arg_u64(total as u64)
-            .arg_pod(&geometry_arg(g))
-            .run()?;
-    }
-    Ok(wrap(&dev, out, x.dtype(), &shape))
+    with_output(x.device(), OP, &shape, x.dtype(), |dev, out| {
+        if total > 0 {
+            let f = function(dev, float_name!("im2col_", x.dtype()))?;
+            let src = buffer(&x)?;
+            launch(dev, &f, total)
+                .arg_buffer(&src)
+                .arg_buffer_mut(out)
+                .arg_u64(total as u64)
+                .arg_pod(&geometry_arg(g))
+                .run()?;
+        }
+        Ok(())
+    })
 }
 
 /// `[N, C·KH·KW, OH·OW]` to `[N, C, H, W]`, summing overlaps.
@@ -131,21 +132,21 @@ pub(crate) fn col2im(cols: &Tensor, g: &Geometry) -> Result<Tensor> {
     const OP: &str = "col2im";
     float_only(OP, cols.dtype())?;
     let cols = dense(cols)?;
-    let dev = device_of(&cols)?;
     let shape = [g.n, g.c, g.h, g.w];
     let total: usize = shape.iter().product();
-    let mut out = alloc(&dev, OP, &shape, cols.dtype())?;
-    if total > 0 {
-        let f = function(&dev, float_name!("col2im_", cols.dtype()))?;
-        let src = buffer(&cols)?;
-        launch(&dev, &f, total)
-            .arg_buffer(&src)
-            .arg_buffer_mut(&mut out)
-            .arg_u64(total as u64)
-            .arg_pod(&geometry_arg(g))
-            .run()?;
-    }
-    Ok(wrap(&dev, out, cols.dtype(), &shape))
+    with_output(cols.device(), OP, &shape, cols.dtype(), |dev, out| {
+        if total > 0 {
+            let f = function(dev, float_name!("col2im_", cols.dtype()))?;
+            let src = buffer(&cols)?;
+            launch(dev, &f, total)
+                .arg_buffer(&src)
+                .arg_buffer_mut(out)
+                .arg_u64(total as u64)
+                .arg_pod(&geometry_arg(g))
+                .run()?;
+        }
+        Ok(())
+    })
 }
 
 /// The `i64` flat index of each window's maximum, `[P, OH·OW]`, for planes `[P, H·W]`.
@@ -153,21 +154,21 @@ pub(crate) fn pool_argmax(x: &Tensor, g: &Geometry) -> Result<Tensor> {
     const OP: &str = "max_pool2d";
     float_only(OP, x.dtype())?;
     let x = dense(x)?;
-    let dev = device_of(&x)?;
     let shape = [g.n, g.l()];
     let total: usize = shape.iter().product();
-    let mut out = alloc(&dev, OP, &shape, DType::I64)?;
-    if total > 0 {
-        let f = function(&dev, float_name!("pool_argmax_", x.dtype()))?;
-        let src = buffer(&x)?;
-        launch(&dev, &f, total)
-            .arg_buffer(&src)
-            .arg_buffer_mut(&mut out)
-            .arg_u64(total as u64)
-            .arg_pod(&geometry_arg(g))
-            .run()?;
-    }
-    Ok(wrap(&dev, out, DType::I64, &shape))
+    with_output(x.device(), OP, &shape, DType::I64, |dev, out| {
+        if total > 0 {
+            let f = function(dev, float_name!("pool_argmax_", x.dtype()))?;
+            let src = buffer(&x)?;
+            launch(dev, &f, total)
+                .arg_buffer(&src)
+                .arg_buffer_mut(out)
+                .arg_u64(total as u64)
+                .arg_pod(&geometry_arg(g))
+                .run()?;
+        }
+        Ok(())
+    })
 }
 
 #[cfg(test)]

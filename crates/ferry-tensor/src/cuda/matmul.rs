@@ -4,7 +4,7 @@
 use ferry_memory::DType;
 use ferry_memory::cuda::{GemmEpilogue, GemmInput, GemmOutput, GemmSpec};
 
-use super::{alloc, buffer, dense, device_of, wrap};
+use super::{buffer, dense, with_output};
 use crate::layout::Layout;
 use crate::{Result, Tensor, TensorError};
 
@@ -98,7 +98,6 @@ pub(crate) fn matmul(
             hint: "matmul needs a float dtype; cast with `.to_dtype(DType::F32)`",
         });
     }
-    let dev = device_of(a)?;
     let nd = la.ndim();
     let (m, k, n) = (la.shape()[nd - 2], la.shape()[nd - 1], lb.shape()[nd - 1]);
     let mut shape = batch.to_vec();
@@ -109,43 +108,44 @@ pub(crate) fn matmul(
     }
     let count: usize = batch.iter().product();
     let (lhs, rhs) = (Operand::new(a, la)?, Operand::new(b, lb)?);
-    let mut out = alloc(&dev, "matmul", &shape, dtype)?;
-    let (abuf, bbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?);
-    // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: B goes first. A row-major operand read
-    // column-major is already its transpose, so it needs no transpose flag.
-    let spec = GemmSpec {
-        dtype,
-        transa: !rhs.row_major,
-        transb: !lhs.row_major,
-        m: n,
-        n: m,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        batch: count,
-    };
-    let size = dtype.size();
-    let first = GemmInput {
-        buffer: &bbuf,
-        offset_bytes: rhs.tensor.layout().offset() * size,
-        ld: rhs.ld,
-        stride: rhs.stride,
-    };
-    let second = GemmInput {
-        buffer: &abuf,
-        offset_bytes: lhs.tensor.layout().offset() * size,
-        ld: lhs.ld,
-        stride: lhs.stride,
-    };
-    let c = GemmOutput {
-        buffer: &mut out,
-        offset_bytes: 0,
-        ld: n,
-        stride: m * n,
-    };
-    dev.gemm_strided_batched(&spec, first, second, c, dev.default_stream())?;
-    drop((abuf, bbuf));
-    Ok(wrap(&dev, out, dtype, &shape))
+    with_output(a.device(), "matmul", &shape, dtype, |dev, out| {
+        let (abuf, bbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?);
+        // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: B goes first. A row-major operand read
+        // column-major is already its transpose, so it needs no transpose flag.
+        let spec = GemmSpec {
+            dtype,
+            transa: !rhs.row_major,
+            transb: !lhs.row_major,
+            m: n,
+            n: m,
+            k,
+            alpha: 1.0,
+            beta: 0.0,
+            batch: count,
+        };
+        let size = dtype.size();
+        let first = GemmInput {
+            buffer: &bbuf,
+            offset_bytes: rhs.tensor.layout().offset() * size,
+            ld: rhs.ld,
+            stride: rhs.stride,
+        };
+        let second = GemmInput {
+            buffer: &abuf,
+            offset_bytes: lhs.tensor.layout().offset() * size,
+            ld: lhs.ld,
+            stride: lhs.stride,
+        };
+        let c = GemmOutput {
+            buffer: out,
+            offset_bytes: 0,
+            ld: n,
+            stride: m * n,
+        };
+        dev.gemm_strided_batched(&spec, first, second, c, dev.default_stream())?;
+        drop((abuf, bbuf));
+        Ok(())
+    })
 }
 
 /// `x [.., k] · wᵀ + bias` (w is `[n, k]`), then ReLU when `relu`: one cuBLASLt product with the
@@ -156,7 +156,6 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Resul
         return Ok(None);
     }
     let dtype = x.dtype();
-    let dev = device_of(x)?;
     let (k, n) = (w.shape()[1], w.shape()[0]);
     let rows = x.numel() / k;
     let mut shape = x.shape().to_vec();
@@ -172,48 +171,50 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Resul
         Operand::new(&wt, wt.layout())?,
     );
     let bias = dense(bias)?;
-    let mut out = alloc(&dev, "linear", &shape, dtype)?;
-    let (abuf, bbuf, biasbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?, buffer(&bias)?);
-    // As in `matmul`: row-major out = x·wᵀ is column-major outᵀ = w·xᵀ, whose rows are the
-    // output features, so the bias (one per feature) runs down each column.
-    let spec = GemmSpec {
-        dtype,
-        transa: !rhs.row_major,
-        transb: !lhs.row_major,
-        m: n,
-        n: rows,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        batch: 1,
-    };
-    let size = dtype.size();
-    let first = GemmInput {
-        buffer: &bbuf,
-        offset_bytes: rhs.tensor.layout().offset() * size,
-        ld: rhs.ld,
-        stride: 0,
-    };
-    let second = GemmInput {
-        buffer: &abuf,
-        offset_bytes: lhs.tensor.layout().offset() * size,
-        ld: lhs.ld,
-        stride: 0,
-    };
-    let c = GemmOutput {
-        buffer: &mut out,
-        offset_bytes: 0,
-        ld: n,
-        stride: 0,
-    };
-    let epilogue = GemmEpilogue {
-        bias: &biasbuf,
-        bias_offset_bytes: bias.layout().offset() * size,
-        relu,
-    };
-    dev.gemm_epilogue(&spec, first, second, c, epilogue, dev.default_stream())?;
-    drop((abuf, bbuf, biasbuf));
-    Ok(Some(wrap(&dev, out, dtype, &shape)))
+    with_output(x.device(), "linear", &shape, dtype, |dev, out| {
+        let (abuf, bbuf, biasbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?, buffer(&bias)?);
+        // As in `matmul`: row-major out = x·wᵀ is column-major outᵀ = w·xᵀ, whose rows are the
+        // output features, so the bias (one per feature) runs down each column.
+        let spec = GemmSpec {
+            dtype,
+            transa: !rhs.row_major,
+            transb: !lhs.row_major,
+            m: n,
+            n: rows,
+            k,
+            alpha: 1.0,
+            beta: 0.0,
+            batch: 1,
+        };
+        let size = dtype.size();
+        let first = GemmInput {
+            buffer: &bbuf,
+            offset_bytes: rhs.tensor.layout().offset() * size,
+            ld: rhs.ld,
+            stride: 0,
+        };
+        let second = GemmInput {
+            buffer: &abuf,
+            offset_bytes: lhs.tensor.layout().offset() * size,
+            ld: lhs.ld,
+            stride: 0,
+        };
+        let c = GemmOutput {
+            buffer: out,
+            offset_bytes: 0,
+            ld: n,
+            stride: 0,
+        };
+        let epilogue = GemmEpilogue {
+            bias: &biasbuf,
+            bias_offset_bytes: bias.layout().offset() * size,
+            relu,
+        };
+        dev.gemm_epilogue(&spec, first, second, c, epilogue, dev.default_stream())?;
+        drop((abuf, bbuf, biasbuf));
+        Ok(())
+    })
+    .map(Some)
 }
 
 /// Whether cuBLASLt can fuse `x · wᵀ + b` here: the library loads, `FERRY_CUBLASLT` is not `0`,
