@@ -116,7 +116,7 @@ pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tens
 pub(crate) fn full(shape: &[usize], dtype: DType, device: Device, value: f64) -> Result<Tensor> {
     match device {
         Device::Cpu => cpu::full(shape, dtype, value),
-        Device::Cuda(ordinal) => cuda::full(ordinal, shape, dtype, value),
+        Device::Cuda(_) => cuda::full(device, shape, dtype, value),
     }
 }
 

@@ -16,11 +16,12 @@
 //! CUDA kernels that check their inputs on the device (an index or a target out of range), a
 //! few bytes read back to report them.
 //!
-//! Layers, each importing only those below it: `op` (the op vocabulary: the op table, conv
-//! geometry, the Adam step's scalars, shared messages) under the kernels (`cpu`, `cuda`), under
-//! `backend` (the one place that matches on the device, and that answers which fused paths a
-//! device has), under `tensor`, `autograd`, `rules` and `ops`. The backend module's docs say
-//! what adding a fused op touches.
+//! Layers, each importing only those below it: `layout`, `storage`, `error`, then `op` (the op
+//! vocabulary: the op table, conv geometry, the Adam step's scalars, shared messages) and
+//! `tensor` (the type alone: storage, layout, autograd metadata); the kernels (`cpu`, `cuda`),
+//! which read and make tensors but call no op; `backend`, the one place that matches on the
+//! device and that answers which fused paths a device has; and on top `autograd`, `rules` and
+//! `ops`. The backend module's docs say what adding a fused op touches.
 //!
 //! Key decision: a gradient rule declares what it saves ([`Save`]: inputs, the output, or
 //! nothing but shapes and scalars) and is otherwise plain data and a `fn`, so a node keeps alive

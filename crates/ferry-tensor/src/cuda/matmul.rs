@@ -24,7 +24,7 @@ impl Operand {
         if let Some(op) = Self::in_place(t, layout) {
             return Ok(op);
         }
-        let copy = t.with_layout(layout.clone()).contiguous()?;
+        let copy = super::contiguous(&t.with_layout(layout.clone()))?;
         Ok(Self::in_place(&copy, copy.layout()).expect("a contiguous operand is row-major"))
     }
 
@@ -104,7 +104,7 @@ pub(crate) fn matmul(
     shape.extend([m, n]);
     // Sized first: `count` and the strides below are products only a checked shape bounds.
     if crate::layout::shape_bytes("matmul", &shape, dtype)? == 0 || k == 0 {
-        return Tensor::zeros(&shape, dtype, a.device());
+        return super::full(a.device(), &shape, dtype, 0.0);
     }
     let count: usize = batch.iter().product();
     let (lhs, rhs) = (Operand::new(a, la)?, Operand::new(b, lb)?);
@@ -165,7 +165,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Resul
         Some(layout) => x.with_layout(layout),
         None => super::contiguous(x)?.with_layout(rows_layout),
     };
-    let wt = w.t()?;
+    let wt = w.with_layout(w.layout().transpose(0, 1));
     let (lhs, rhs) = (
         Operand::new(&x, x.layout())?,
         Operand::new(&wt, wt.layout())?,

@@ -468,8 +468,8 @@ pub(crate) fn adam(
     Ok(())
 }
 
-pub(crate) fn full(ordinal: usize, shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
-    with_output(Device::Cuda(ordinal), "full", shape, dtype, |dev, out| {
+pub(crate) fn full(device: Device, shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
+    with_output(device, "full", shape, dtype, |dev, out| {
         let n = crate::layout::numel(shape);
         let f = Kernel::Fill(dtype).load(dev)?;
         launch(dev, &f, n)

@@ -16,6 +16,7 @@ pub(crate) mod nn;
 pub(crate) mod norm;
 pub mod optim;
 pub(crate) mod permute;
+pub(crate) mod read;
 pub(crate) mod reduce;
 pub(crate) mod select;
 pub(crate) mod shape;
