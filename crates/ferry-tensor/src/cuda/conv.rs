@@ -107,58 +107,40 @@ pub(crate) fn convolution(
 
 /// `[N, C, H, W]` to `[N, C·KH·KW, OH·OW]`.
 pub(crate) fn im2col(x: &Tensor, g: &Geometry) -> Result<Tensor> {
-    const OP: &str = "im2col";
-    float_only(OP, x.dtype())?;
-    let x = dense(x)?;
     let shape = [g.n, g.c * g.k(), g.l()];
-    let total: usize = shape.iter().product();
-    with_output(x.device(), OP, &shape, x.dtype(), |dev, out| {
-        if total > 0 {
-            let f = function(dev, float_name!("im2col_", x.dtype()))?;
-            let src = buffer(&x)?;
-            launch(dev, &f, total)
-                .arg_buffer(&src)
-                .arg_buffer_mut(out)
-                .arg_u64(total as u64)
-                .arg_pod(&geometry_arg(g))
-                .run()?;
-        }
-        Ok(())
-    })
+    let kernel = float_name!("im2col_", x.dtype());
+    window_kernel("im2col", kernel, x, g, &shape, x.dtype())
 }
 
 /// `[N, C·KH·KW, OH·OW]` to `[N, C, H, W]`, summing overlaps.
 pub(crate) fn col2im(cols: &Tensor, g: &Geometry) -> Result<Tensor> {
-    const OP: &str = "col2im";
-    float_only(OP, cols.dtype())?;
-    let cols = dense(cols)?;
     let shape = [g.n, g.c, g.h, g.w];
-    let total: usize = shape.iter().product();
-    with_output(cols.device(), OP, &shape, cols.dtype(), |dev, out| {
-        if total > 0 {
-            let f = function(dev, float_name!("col2im_", cols.dtype()))?;
-            let src = buffer(&cols)?;
-            launch(dev, &f, total)
-                .arg_buffer(&src)
-                .arg_buffer_mut(out)
-                .arg_u64(total as u64)
-                .arg_pod(&geometry_arg(g))
-                .run()?;
-        }
-        Ok(())
-    })
+    let kernel = float_name!("col2im_", cols.dtype());
+    window_kernel("col2im", kernel, cols, g, &shape, cols.dtype())
 }
 
 /// The `i64` flat index of each window's maximum, `[P, OH·OW]`, for planes `[P, H·W]`.
 pub(crate) fn pool_argmax(x: &Tensor, g: &Geometry) -> Result<Tensor> {
-    const OP: &str = "max_pool2d";
-    float_only(OP, x.dtype())?;
+    let kernel = float_name!("pool_argmax_", x.dtype());
+    window_kernel("max_pool2d", kernel, x, g, &[g.n, g.l()], DType::I64)
+}
+
+/// One launch of a kernels/conv.cu kernel over the windows of `g`: a thread per element of the
+/// fresh `shape` of `dtype` it writes from the float input `x`.
+fn window_kernel(
+    op: &'static str,
+    kernel: &'static str,
+    x: &Tensor,
+    g: &Geometry,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<Tensor> {
+    float_only(op, x.dtype())?;
     let x = dense(x)?;
-    let shape = [g.n, g.l()];
     let total: usize = shape.iter().product();
-    with_output(x.device(), OP, &shape, DType::I64, |dev, out| {
+    with_output(x.device(), op, shape, dtype, |dev, out| {
         if total > 0 {
-            let f = function(dev, float_name!("pool_argmax_", x.dtype()))?;
+            let f = function(dev, kernel)?;
             let src = buffer(&x)?;
             launch(dev, &f, total)
                 .arg_buffer(&src)
