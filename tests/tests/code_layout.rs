@@ -16,12 +16,6 @@ const KNOWN_CYCLES: &[(&str, &[&str])] = &[
         "ferry-memory",
         &["cuda::buffer", "cuda::device", "cuda::pinned"],
     ),
-    (
-        "ferry-tensor",
-        &[
-            "autograd", "backend", "cpu", "cuda", "ops", "rules", "tensor",
-        ],
-    ),
 ];
 
 /// Every `.rs` file under `dir`.

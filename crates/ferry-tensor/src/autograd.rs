@@ -17,7 +17,7 @@ use ferry_memory::{DType, Device};
 use smallvec::SmallVec;
 
 use crate::layout::Shape;
-use crate::ops::{BinaryOp, UnaryOp};
+use crate::op::{BinaryOp, UnaryOp};
 use crate::tensor::{Autograd, Inner};
 use crate::{Result, Tensor, TensorError};
 

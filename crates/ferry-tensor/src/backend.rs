@@ -1,16 +1,31 @@
 //! Sends each primitive to the kernels of the device its tensors live on: the one place that
 //! matches on the device. Ops above it check arguments and record nodes; the kernels below it
-//! (`cpu`, `cuda`) each serve one device.
+//! (`cpu`, `cuda`) each serve one device and name ops only through the vocabulary in `op`.
+//!
+//! Fused paths (cuBLASLt's linear epilogue, cuDNN's convolution passes, softmax's and nll's
+//! one-pass gradients) are capabilities the backend answers: each returns `Ok(None)` where the
+//! device has no kernel or library for it, and the op or rule composes the same result from
+//! primitives. Which libraries load, and the switches that turn them off (`FERRY_CUBLASLT`,
+//! `FERRY_CUDNN`), are read by the device's kernels, never above this module.
+//!
+//! Adding a fused op (attention, RMSNorm, cross-entropy) touches:
+//! 1. the op table: its public method in `ops/<family>.rs`, which calls the fused path here and
+//!    composes on `None`, and its gradient rule in `rules` (a row of `op` too when it is an
+//!    elementwise or reduction op, or a struct of scalars there when kernels read one);
+//! 2. the backend interface: one function in the fused paths at the end of this file;
+//! 3. one kernel file per device: `cpu/<family>.rs` (or `Ok(None)` here, where the CPU composes
+//!    it) and `cuda/<family>.rs`, whose CUDA C source sits in kernels/ and is loaded through a
+//!    `Kernel` id (a variant in `cuda/kernels.rs`, like every kernel's).
 
 use ferry_memory::{DType, Device, Element};
 
 use ferry_cuda::ConvPass;
 
 use crate::layout::Layout;
-use crate::ops::conv::Geometry;
-use crate::ops::optim::AdamStep;
-use crate::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
-use crate::{Result, Tensor, TensorError, cpu, cuda};
+use crate::op::AdamStep;
+use crate::op::conv::Geometry;
+use crate::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::{Result, Tensor, cpu, cuda};
 
 /// `$cpu` on the host, `$cuda` on a GPU.
 macro_rules! on {
@@ -62,35 +77,11 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
     on!(x.device(), cpu => cpu::reduce::sum_all(x), cuda => cuda::sum_all(x))
 }
 
-/// `x [rows, in] · wᵀ + b`, then ReLU when `relu`, as one fused product on a GPU (the caller
-/// checked that it can be); the CPU computes the same with the plain ops.
-pub(crate) fn linear(x: &Tensor, w: &Tensor, b: &Tensor, relu: bool) -> Result<Tensor> {
-    on!(x.device(),
-        cpu => ferry_graph::with_no_grad(|| {
-            let out = x.matmul(&w.t()?)?.add(b)?;
-            if relu { out.relu() } else { Ok(out) }
-        }),
-        cuda => cuda::linear(x, w, b, relu))
-}
-
-/// Softmax's (or log-softmax's) gradient over the last axis from its output; CUDA only (the CPU
-/// composes it).
-pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tensor> {
-    cuda::softmax_backward(y, g, log)
-}
-
 /// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities (cross-entropy's last
 /// step). The CPU checks the targets at once; CUDA checks them on the device and reports a bad
 /// one from a later call (see `CudaDevice::check_later`).
 pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
     on!(logp.device(), cpu => cpu::reduce::nll(logp, targets), cuda => cuda::nll(logp, targets))
-}
-
-/// nll's gradient with respect to `[rows, classes]` log-probabilities, from the 0-d `g`.
-pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Tensor> {
-    on!(g.device(),
-        cpu => cpu::reduce::nll_backward(targets, g, classes),
-        cuda => cuda::nll_backward(targets, g, classes))
 }
 
 /// Softmax (or log-softmax) over the last axis.
@@ -125,7 +116,7 @@ pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tens
 pub(crate) fn full(shape: &[usize], dtype: DType, device: Device, value: f64) -> Result<Tensor> {
     match device {
         Device::Cpu => cpu::full(shape, dtype, value),
-        Device::Cuda(ordinal) => cuda::full(ordinal, shape, dtype, value),
+        Device::Cuda(_) => cuda::full(device, shape, dtype, value),
     }
 }
 
@@ -236,27 +227,6 @@ pub(crate) fn pool_argmax(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
     on!(x.device(), cpu => cpu::conv::pool_argmax(x, geo), cuda => cuda::conv::pool_argmax(x, geo))
 }
 
-/// Whether convolutions of `x` run natively on its device (cuDNN, where it loads and is enabled
-/// for the dtype); elsewhere conv2d is composed from im2col and a product.
-pub(crate) fn native_convolution(x: &Tensor) -> bool {
-    on!(x.device(), cpu => false, cuda => cuda::conv::cudnn_enabled(x.dtype()))
-}
-
-/// One native convolution pass (where [`native_convolution`] says there is one): `Forward` takes
-/// (x, w), `BackwardData` (dy, w), `BackwardFilter` (x, dy).
-pub(crate) fn convolution(
-    pass: ConvPass,
-    geo: &Geometry,
-    groups: usize,
-    filters: usize,
-    first: &Tensor,
-    second: &Tensor,
-) -> Result<Tensor> {
-    on!(first.device(),
-        cpu => Err(TensorError::UnsupportedDevice { op: "native convolution", device: Device::Cpu }),
-        cuda => cuda::conv::convolution(pass, geo, groups, filters, first, second))
-}
-
 /// One Adam (or AdamW) step on contiguous `p`, `m` and `v` from `g`, in place.
 pub(crate) fn adam(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: &AdamStep) -> Result<()> {
     on!(p.device(), cpu => cpu::optim::adam(p, g, m, v, step), cuda => cuda::adam(p, g, m, v, step))
@@ -290,4 +260,50 @@ pub(crate) fn pack(parts: &[Tensor], offsets: &[usize], len: usize) -> Result<Te
     on!(parts[0].device(),
         cpu => cpu::copy::pack(parts, offsets, len),
         cuda => cuda::pack(parts, offsets, len))
+}
+
+// Fused paths. Each answers `Ok(None)` where the device has no kernel (or library call) for it,
+// and the op or rule then composes the same result from primitives: ops and rules never ask
+// which device they run on, or which libraries it has, only these.
+
+/// `x [.., in] · wᵀ + b`, then ReLU when `relu`, as one product: cuBLASLt's epilogue on a GPU
+/// where the library loads, `FERRY_CUBLASLT` is not `0`, and all three share one dtype of f32,
+/// f16 or bf16 and the device.
+pub(crate) fn fused_linear(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    relu: bool,
+) -> Result<Option<Tensor>> {
+    on!(x.device(), cpu => Ok(None), cuda => cuda::linear(x, w, b, relu))
+}
+
+/// One native convolution pass (cuDNN, where it loads and is enabled for the dtype): `Forward`
+/// takes (x, w), `BackwardData` (dy, w), `BackwardFilter` (x, dy). Elsewhere conv2d is composed
+/// from im2col and a product.
+pub(crate) fn convolution(
+    pass: ConvPass,
+    geo: &Geometry,
+    groups: usize,
+    filters: usize,
+    first: &Tensor,
+    second: &Tensor,
+) -> Result<Option<Tensor>> {
+    on!(first.device(),
+        cpu => Ok(None),
+        cuda => cuda::conv::convolution(pass, geo, groups, filters, first, second))
+}
+
+/// Softmax's (or log-softmax's) gradient over the last axis from its output `y`, in one pass:
+/// a kernel on a GPU when `g` has `y`'s dtype; the CPU composes it.
+pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Option<Tensor>> {
+    on!(y.device(), cpu => Ok(None), cuda => cuda::softmax_backward(y, g, log))
+}
+
+/// nll's gradient with respect to `[rows, classes]` log-probabilities, from the 0-d `g`: one
+/// kernel on every device.
+pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Option<Tensor>> {
+    on!(g.device(),
+        cpu => cpu::reduce::nll_backward(targets, g, classes).map(Some),
+        cuda => cuda::nll_backward(targets, g, classes).map(Some))
 }

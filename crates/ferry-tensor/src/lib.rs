@@ -6,9 +6,22 @@
 //! grad. Views (transpose, narrow, chunk, broadcast, reshape of contiguous data)
 //! share storage and copy nothing.
 //!
-//! This crate never moves bytes between devices: ops on tensors from two devices are an error
-//! that names both. Moving is ferry-transfer's job, so that what a move cost and what it
-//! recorded are answerable in one place.
+//! Ops never move bytes between devices: ops on tensors from two devices are an error that
+//! names both. Moving a tensor is ferry-transfer's job, so that what a move cost and what it
+//! recorded are answerable in one place. Bytes cross a device boundary in this crate in three
+//! places only: reading values out to the host ([`Tensor::to_vec`], [`Tensor::to_vec_f64`],
+//! [`Tensor::item`] copy a CUDA tensor's elements into a `Vec`); an
+//! [`offload_saved`](autograd::offload_saved) scope, which moves the activations rules save to
+//! pinned host memory during forward and back to the GPU in backward; and the error flags of
+//! CUDA kernels that check their inputs on the device (an index or a target out of range), a
+//! few bytes read back to report them.
+//!
+//! Layers, each importing only those below it: `layout`, `storage`, `error`, then `op` (the op
+//! vocabulary: the op table, conv geometry, the Adam step's scalars, shared messages) and
+//! `tensor` (the type alone: storage, layout, autograd metadata); the kernels (`cpu`, `cuda`),
+//! which read and make tensors but call no op; `backend`, the one place that matches on the
+//! device and that answers which fused paths a device has; and on top `autograd`, `rules` and
+//! `ops`. The backend module's docs say what adding a fused op touches.
 //!
 //! Key decision: a gradient rule declares what it saves ([`Save`]: inputs, the output, or
 //! nothing but shapes and scalars) and is otherwise plain data and a `fn`, so a node keeps alive
@@ -38,6 +51,7 @@ mod cuda;
 mod error;
 pub mod gradcheck;
 mod layout;
+mod op;
 pub mod ops;
 mod rules;
 mod storage;

@@ -160,42 +160,6 @@ impl Tensor {
         Ok(resolved as usize)
     }
 
-    /// The elements in row-major order. Works on any device: reading values out is not a move.
-    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        // Not `contiguous()`: reading values out must not record a graph node.
-        let contiguous = if self.is_contiguous() {
-            self.clone()
-        } else {
-            crate::backend::contiguous(self)?
-        };
-        let data = crate::backend::read_elements::<T>(&contiguous)?;
-        Ok(data)
-    }
-
-    /// The elements converted to `f64`, whatever the dtype.
-    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
-        let t = if self.dtype() == DType::F64 {
-            self.clone()
-        } else {
-            self.to_dtype(DType::F64)?
-        };
-        t.to_vec::<f64>()
-    }
-
-    /// The single value of a one-element tensor, as `f64`.
-    pub fn item(&self) -> Result<f64> {
-        if self.numel() != 1 {
-            return Err(TensorError::InvalidArgument {
-                op: "item",
-                message: format!(
-                    "the tensor has {} elements; item() needs exactly one (reduce with .sum() first)",
-                    self.numel()
-                ),
-            });
-        }
-        Ok(self.to_vec_f64()?[0])
-    }
-
     /// A tensor over the same data with no gradient history: records nothing, and when this was
     /// the last reference to its node, that node and what only it kept alive are pruned.
     pub fn detach(&self) -> Tensor {

@@ -4,7 +4,7 @@ use ferry_memory::Element;
 use rayon::prelude::*;
 
 use super::{build, dense, float_dispatch};
-use crate::ops::conv::Geometry;
+use crate::op::conv::Geometry;
 use crate::{Result, Tensor};
 
 /// The input coordinate of output `o`, tap `k` along one axis, or `None` in the padding.

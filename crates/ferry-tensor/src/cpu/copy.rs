@@ -2,6 +2,7 @@
 
 use ferry_memory::{DType, HostBuffer};
 
+use crate::layout::Layout;
 use crate::storage::Storage;
 use crate::{Result, Tensor};
 
@@ -123,10 +124,13 @@ pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
 pub(crate) fn pack(parts: &[Tensor], offsets: &[usize], len: usize) -> Result<Tensor> {
     let dtype = parts[0].dtype();
     let size = dtype.size();
-    let out = Tensor::zeros(&[len / size], dtype, ferry_memory::Device::Cpu)?;
+    let whole = Layout::contiguous(&[len / size]);
+    let out = Tensor::from_shape(Storage::host_zeroed(len / size, dtype)?, &[len / size]);
     for (part, &at) in parts.iter().zip(offsets) {
-        out.narrow(0, at / size, part.numel())?
-            .assign(&part.reshape(&[part.numel()])?)?;
+        let flat = (part.layout().reshape_view(&[part.numel()]))
+            .expect("the parts of a pack are contiguous");
+        let dst = out.with_layout(whole.narrow(0, at / size, part.numel()));
+        assign(&dst, &part.with_layout(flat))?;
     }
     Ok(out)
 }

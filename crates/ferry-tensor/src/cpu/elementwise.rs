@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use super::{CHUNK, PARALLEL_THRESHOLD, any_dispatch, build, float_dispatch};
 use crate::layout::Layout;
-use crate::ops::{BinaryLoop, BinaryOp, CmpOp, UnaryLoop, UnaryOp};
+use crate::op::{BinaryLoop, BinaryOp, CmpOp, UnaryLoop, UnaryOp};
 use crate::{Result, Tensor};
 
 /// `out[i] = f(x[i])` over a strided input, parallel for large contiguous inputs.

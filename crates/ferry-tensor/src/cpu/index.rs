@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::{PARALLEL_THRESHOLD, any_dispatch, build, dense, float_dispatch};
 use crate::layout::contiguous_strides;
-use crate::ops::index::out_of_range;
+use crate::op::message::out_of_range;
 use crate::{Result, Tensor};
 
 /// The indices of a host `i64` tensor, in row-major order.

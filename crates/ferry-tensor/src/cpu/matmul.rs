@@ -5,6 +5,7 @@ use ferry_memory::gemm::{self, GemmElement, MatRef};
 use half::f16;
 
 use super::build;
+use super::elementwise::cast;
 use crate::layout::Layout;
 use crate::{Result, Tensor, TensorError};
 
@@ -23,11 +24,11 @@ pub(crate) fn matmul(
         // gemm has no bf16 kernels: compute in f32, round once at the end.
         DType::BF16 => {
             let (a32, b32) = (
-                a.with_layout(la.clone()).to_dtype(DType::F32)?,
-                b.with_layout(lb.clone()).to_dtype(DType::F32)?,
+                cast(&a.with_layout(la.clone()), DType::F32)?,
+                cast(&b.with_layout(lb.clone()), DType::F32)?,
             );
             let out = typed::<f32>(&a32, a32.layout(), &b32, b32.layout(), batch)?;
-            out.to_dtype(DType::BF16)
+            cast(&out, DType::BF16)
         }
         dtype => Err(TensorError::UnsupportedDType {
             op: "matmul",

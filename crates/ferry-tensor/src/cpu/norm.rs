@@ -5,7 +5,7 @@ use ferry_memory::Element;
 use rayon::prelude::*;
 
 use super::{PARALLEL_THRESHOLD, build, dense, float_dispatch};
-use crate::ops::norm::stats_dtype;
+use crate::op::stats_dtype;
 use crate::{Result, Tensor};
 
 /// The elements of a host tensor of `T`, densified.

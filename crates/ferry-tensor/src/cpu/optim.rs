@@ -3,7 +3,7 @@
 use ferry_memory::Element;
 
 use crate::cpu::float_dispatch;
-use crate::ops::optim::AdamStep;
+use crate::op::AdamStep;
 use crate::storage::Storage;
 use crate::{Result, Tensor};
 

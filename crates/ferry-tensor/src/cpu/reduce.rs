@@ -5,7 +5,7 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use super::{PARALLEL_THRESHOLD, build, float_dispatch};
-use crate::ops::ReduceOp;
+use crate::op::ReduceOp;
 use crate::{Result, Tensor};
 
 /// Reduces axis `axis` of `x` away (the caller restores it for keepdim).
@@ -160,7 +160,7 @@ pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if let Some(&example) = bad.first() {
         return Err(crate::TensorError::InvalidArgument {
             op: "cross_entropy",
-            message: crate::ops::nn::classes_message(bad.len() as i64, example, classes),
+            message: crate::op::message::classes_message(bad.len() as i64, example, classes),
         });
     }
     float_dispatch!(logp.dtype(), "cross_entropy", |T| {

@@ -12,8 +12,8 @@ use ferry_memory::DType;
 use ferry_memory::cuda::CudaDevice;
 
 use super::kernels::CONV;
-use super::{alloc, buffer, dense, device_of, float_only, launch, wrap};
-use crate::ops::conv::Geometry;
+use super::{buffer, dense, float_only, launch, with_output};
+use crate::op::conv::Geometry;
 use crate::{Result, Tensor};
 
 fn function(dev: &CudaDevice, name: &'static str) -> Result<CudaFunction> {
@@ -42,7 +42,7 @@ fn geometry_arg(g: &Geometry) -> [u64; 13] {
 
 /// Whether conv2d of `dtype` runs through cuDNN: libcudnn loads and `FERRY_CUDNN` is not `0`
 /// (set it to compare with the im2col path).
-pub(crate) fn cudnn_enabled(dtype: DType) -> bool {
+fn cudnn_enabled(dtype: DType) -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     let enabled = *ENABLED
         .get_or_init(|| std::env::var("FERRY_CUDNN").map_or(true, |v| v != "0") && cudnn_present());
@@ -51,6 +51,7 @@ pub(crate) fn cudnn_enabled(dtype: DType) -> bool {
 
 /// One cuDNN convolution pass for `geo` with `filters` output channels: `Forward` takes
 /// (x, w) and gives y, `BackwardData` (dy, w) gives dx, `BackwardFilter` (x, dy) gives dw.
+/// `None` where cuDNN does not load, is turned off, or does not take the dtype.
 pub(crate) fn convolution(
     pass: ConvPass,
     geo: &Geometry,
@@ -58,12 +59,13 @@ pub(crate) fn convolution(
     filters: usize,
     first: &Tensor,
     second: &Tensor,
-) -> Result<Tensor> {
+) -> Result<Option<Tensor>> {
     const OP: &str = "conv2d";
     let dtype = first.dtype();
-    float_only(OP, dtype)?;
+    if !cudnn_enabled(dtype) {
+        return Ok(None);
+    }
     let (first, second) = (dense(first)?, dense(second)?);
-    let dev = device_of(&first)?;
     let spec = ConvSpec {
         dtype,
         input: [geo.n, geo.c, geo.h, geo.w],
@@ -78,94 +80,78 @@ pub(crate) fn convolution(
         ConvPass::BackwardData => vec![geo.n, geo.c, geo.h, geo.w],
         ConvPass::BackwardFilter => spec.filter.to_vec(),
     };
-    let mut out = alloc(&dev, OP, &shape, dtype)?;
-    let size = dtype.size();
-    let (a, b) = (buffer(&first)?, buffer(&second)?);
-    dev.convolution(
-        pass,
-        &spec,
-        ConvInput {
-            buffer: &a,
-            offset_bytes: first.layout().offset() * size,
-        },
-        ConvInput {
-            buffer: &b,
-            offset_bytes: second.layout().offset() * size,
-        },
-        ConvOutput {
-            buffer: &mut out,
-            offset_bytes: 0,
-        },
-        dev.default_stream(),
-    )?;
-    drop((a, b));
-    Ok(wrap(&dev, out, dtype, &shape))
+    with_output(first.device(), OP, &shape, dtype, |dev, out| {
+        let size = dtype.size();
+        let (a, b) = (buffer(&first)?, buffer(&second)?);
+        dev.convolution(
+            pass,
+            &spec,
+            ConvInput {
+                buffer: &a,
+                offset_bytes: first.layout().offset() * size,
+            },
+            ConvInput {
+                buffer: &b,
+                offset_bytes: second.layout().offset() * size,
+            },
+            ConvOutput {
+                buffer: out,
+                offset_bytes: 0,
+            },
+            dev.default_stream(),
+        )?;
+        drop((a, b));
+        Ok(())
+    })
+    .map(Some)
 }
 
 /// `[N, C, H, W]` to `[N, C·KH·KW, OH·OW]`.
 pub(crate) fn im2col(x: &Tensor, g: &Geometry) -> Result<Tensor> {
-    const OP: &str = "im2col";
-    float_only(OP, x.dtype())?;
-    let x = dense(x)?;
-    let dev = device_of(&x)?;
     let shape = [g.n, g.c * g.k(), g.l()];
-    let total: usize = shape.iter().product();
-    let mut out = alloc(&dev, OP, &shape, x.dtype())?;
-    if total > 0 {
-        let f = function(&dev, float_name!("im2col_", x.dtype()))?;
-        let src = buffer(&x)?;
-        launch(&dev, &f, total)
-            .arg_buffer(&src)
-            .arg_buffer_mut(&mut out)
-            .arg_u64(total as u64)
-            .arg_pod(&geometry_arg(g))
-            .run()?;
-    }
-    Ok(wrap(&dev, out, x.dtype(), &shape))
+    let kernel = float_name!("im2col_", x.dtype());
+    window_kernel("im2col", kernel, x, g, &shape, x.dtype())
 }
 
 /// `[N, C·KH·KW, OH·OW]` to `[N, C, H, W]`, summing overlaps.
 pub(crate) fn col2im(cols: &Tensor, g: &Geometry) -> Result<Tensor> {
-    const OP: &str = "col2im";
-    float_only(OP, cols.dtype())?;
-    let cols = dense(cols)?;
-    let dev = device_of(&cols)?;
     let shape = [g.n, g.c, g.h, g.w];
-    let total: usize = shape.iter().product();
-    let mut out = alloc(&dev, OP, &shape, cols.dtype())?;
-    if total > 0 {
-        let f = function(&dev, float_name!("col2im_", cols.dtype()))?;
-        let src = buffer(&cols)?;
-        launch(&dev, &f, total)
-            .arg_buffer(&src)
-            .arg_buffer_mut(&mut out)
-            .arg_u64(total as u64)
-            .arg_pod(&geometry_arg(g))
-            .run()?;
-    }
-    Ok(wrap(&dev, out, cols.dtype(), &shape))
+    let kernel = float_name!("col2im_", cols.dtype());
+    window_kernel("col2im", kernel, cols, g, &shape, cols.dtype())
 }
 
 /// The `i64` flat index of each window's maximum, `[P, OH·OW]`, for planes `[P, H·W]`.
 pub(crate) fn pool_argmax(x: &Tensor, g: &Geometry) -> Result<Tensor> {
-    const OP: &str = "max_pool2d";
-    float_only(OP, x.dtype())?;
+    let kernel = float_name!("pool_argmax_", x.dtype());
+    window_kernel("max_pool2d", kernel, x, g, &[g.n, g.l()], DType::I64)
+}
+
+/// One launch of a kernels/conv.cu kernel over the windows of `g`: a thread per element of the
+/// fresh `shape` of `dtype` it writes from the float input `x`.
+fn window_kernel(
+    op: &'static str,
+    kernel: &'static str,
+    x: &Tensor,
+    g: &Geometry,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<Tensor> {
+    float_only(op, x.dtype())?;
     let x = dense(x)?;
-    let dev = device_of(&x)?;
-    let shape = [g.n, g.l()];
     let total: usize = shape.iter().product();
-    let mut out = alloc(&dev, OP, &shape, DType::I64)?;
-    if total > 0 {
-        let f = function(&dev, float_name!("pool_argmax_", x.dtype()))?;
-        let src = buffer(&x)?;
-        launch(&dev, &f, total)
-            .arg_buffer(&src)
-            .arg_buffer_mut(&mut out)
-            .arg_u64(total as u64)
-            .arg_pod(&geometry_arg(g))
-            .run()?;
-    }
-    Ok(wrap(&dev, out, DType::I64, &shape))
+    with_output(x.device(), op, shape, dtype, |dev, out| {
+        if total > 0 {
+            let f = function(dev, kernel)?;
+            let src = buffer(&x)?;
+            launch(dev, &f, total)
+                .arg_buffer(&src)
+                .arg_buffer_mut(out)
+                .arg_u64(total as u64)
+                .arg_pod(&geometry_arg(g))
+                .run()?;
+        }
+        Ok(())
+    })
 }
 
 #[cfg(test)]

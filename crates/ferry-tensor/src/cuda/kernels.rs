@@ -17,7 +17,7 @@ macro_rules! module {
             source: concat!(
                 include_str!("../../../../kernels/common.cuh"),
                 "\n",
-                crate::ops::cuda_op_table!(),
+                crate::op::cuda_op_table!(),
                 "\n",
                 include_str!(concat!("../../../../kernels/", $name, ".cu"))
             ),
@@ -234,7 +234,7 @@ mod tests {
     /// a hand-written `case 3:` or `op == 2` in kernels/ could compute another op instead.
     #[test]
     fn kernels_take_op_codes_from_the_table_only() {
-        let table = crate::ops::cuda_op_table!();
+        let table = crate::op::cuda_op_table!();
         for module in ALL {
             let (_, own) = module
                 .source

@@ -2,8 +2,9 @@
 //! where their strides allow and copying only when they do not.
 
 use ferry_cuda::{Blas, BlasLt, GemmEpilogue, GemmInput, GemmOutput, GemmSpec};
+use ferry_memory::DType;
 
-use super::{alloc, buffer, dense, device_of, wrap};
+use super::{buffer, dense, with_output};
 use crate::layout::Layout;
 use crate::{Result, Tensor, TensorError};
 
@@ -23,7 +24,7 @@ impl Operand {
         if let Some(op) = Self::in_place(t, layout) {
             return Ok(op);
         }
-        let copy = t.with_layout(layout.clone()).contiguous()?;
+        let copy = super::contiguous(&t.with_layout(layout.clone()))?;
         Ok(Self::in_place(&copy, copy.layout()).expect("a contiguous operand is row-major"))
     }
 
@@ -97,109 +98,135 @@ pub(crate) fn matmul(
             hint: "matmul needs a float dtype; cast with `.to_dtype(DType::F32)`",
         });
     }
-    let dev = device_of(a)?;
     let nd = la.ndim();
     let (m, k, n) = (la.shape()[nd - 2], la.shape()[nd - 1], lb.shape()[nd - 1]);
     let mut shape = batch.to_vec();
     shape.extend([m, n]);
     // Sized first: `count` and the strides below are products only a checked shape bounds.
     if crate::layout::shape_bytes("matmul", &shape, dtype)? == 0 || k == 0 {
-        return Tensor::zeros(&shape, dtype, a.device());
+        return super::full(a.device(), &shape, dtype, 0.0);
     }
     let count: usize = batch.iter().product();
     let (lhs, rhs) = (Operand::new(a, la)?, Operand::new(b, lb)?);
-    let mut out = alloc(&dev, "matmul", &shape, dtype)?;
-    let (abuf, bbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?);
-    // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: B goes first. A row-major operand read
-    // column-major is already its transpose, so it needs no transpose flag.
-    let spec = GemmSpec {
-        dtype,
-        transa: !rhs.row_major,
-        transb: !lhs.row_major,
-        m: n,
-        n: m,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        batch: count,
-    };
-    let size = dtype.size();
-    let first = GemmInput {
-        buffer: &bbuf,
-        offset_bytes: rhs.tensor.layout().offset() * size,
-        ld: rhs.ld,
-        stride: rhs.stride,
-    };
-    let second = GemmInput {
-        buffer: &abuf,
-        offset_bytes: lhs.tensor.layout().offset() * size,
-        ld: lhs.ld,
-        stride: lhs.stride,
-    };
-    let c = GemmOutput {
-        buffer: &mut out,
-        offset_bytes: 0,
-        ld: n,
-        stride: m * n,
-    };
-    dev.gemm_strided_batched(&spec, first, second, c, dev.default_stream())?;
-    drop((abuf, bbuf));
-    Ok(wrap(&dev, out, dtype, &shape))
+    with_output(a.device(), "matmul", &shape, dtype, |dev, out| {
+        let (abuf, bbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?);
+        // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: B goes first. A row-major operand read
+        // column-major is already its transpose, so it needs no transpose flag.
+        let spec = GemmSpec {
+            dtype,
+            transa: !rhs.row_major,
+            transb: !lhs.row_major,
+            m: n,
+            n: m,
+            k,
+            alpha: 1.0,
+            beta: 0.0,
+            batch: count,
+        };
+        let size = dtype.size();
+        let first = GemmInput {
+            buffer: &bbuf,
+            offset_bytes: rhs.tensor.layout().offset() * size,
+            ld: rhs.ld,
+            stride: rhs.stride,
+        };
+        let second = GemmInput {
+            buffer: &abuf,
+            offset_bytes: lhs.tensor.layout().offset() * size,
+            ld: lhs.ld,
+            stride: lhs.stride,
+        };
+        let c = GemmOutput {
+            buffer: out,
+            offset_bytes: 0,
+            ld: n,
+            stride: m * n,
+        };
+        dev.gemm_strided_batched(&spec, first, second, c, dev.default_stream())?;
+        drop((abuf, bbuf));
+        Ok(())
+    })
 }
 
-/// `x [rows, k] · wᵀ + bias` (w is `[n, k]`), then ReLU when `relu`: one cuBLASLt product with the
-/// bias and ReLU in its epilogue. Operands are read in place where cuBLAS can, like [`matmul`].
-pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {
+/// `x [.., k] · wᵀ + bias` (w is `[n, k]`), then ReLU when `relu`: one cuBLASLt product with the
+/// bias and ReLU in its epilogue, over the input's rows (leading axes flattened). Operands are
+/// read in place where cuBLAS can, like [`matmul`]. `None` where cuBLASLt cannot fuse it here.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Result<Option<Tensor>> {
+    if !fuses_linear(x, w, bias) {
+        return Ok(None);
+    }
     let dtype = x.dtype();
-    let dev = device_of(x)?;
-    let (rows, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
-    let shape = [rows, n];
-    let wt = w.t()?;
+    let (k, n) = (w.shape()[1], w.shape()[0]);
+    let rows = x.numel() / k;
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("a linear input has an axis") = n;
+    let rows_layout = Layout::contiguous(&[rows, k]);
+    let x = match x.layout().reshape_view(&[rows, k]) {
+        Some(layout) => x.with_layout(layout),
+        None => super::contiguous(x)?.with_layout(rows_layout),
+    };
+    let wt = w.with_layout(w.layout().transpose(0, 1));
     let (lhs, rhs) = (
-        Operand::new(x, x.layout())?,
+        Operand::new(&x, x.layout())?,
         Operand::new(&wt, wt.layout())?,
     );
     let bias = dense(bias)?;
-    let mut out = alloc(&dev, "linear", &shape, dtype)?;
-    let (abuf, bbuf, biasbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?, buffer(&bias)?);
-    // As in `matmul`: row-major out = x·wᵀ is column-major outᵀ = w·xᵀ, whose rows are the
-    // output features, so the bias (one per feature) runs down each column.
-    let spec = GemmSpec {
-        dtype,
-        transa: !rhs.row_major,
-        transb: !lhs.row_major,
-        m: n,
-        n: rows,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        batch: 1,
-    };
-    let size = dtype.size();
-    let first = GemmInput {
-        buffer: &bbuf,
-        offset_bytes: rhs.tensor.layout().offset() * size,
-        ld: rhs.ld,
-        stride: 0,
-    };
-    let second = GemmInput {
-        buffer: &abuf,
-        offset_bytes: lhs.tensor.layout().offset() * size,
-        ld: lhs.ld,
-        stride: 0,
-    };
-    let c = GemmOutput {
-        buffer: &mut out,
-        offset_bytes: 0,
-        ld: n,
-        stride: 0,
-    };
-    let epilogue = GemmEpilogue {
-        bias: &biasbuf,
-        bias_offset_bytes: bias.layout().offset() * size,
-        relu,
-    };
-    dev.gemm_epilogue(&spec, first, second, c, epilogue, dev.default_stream())?;
-    drop((abuf, bbuf, biasbuf));
-    Ok(wrap(&dev, out, dtype, &shape))
+    with_output(x.device(), "linear", &shape, dtype, |dev, out| {
+        let (abuf, bbuf, biasbuf) = (buffer(&lhs.tensor)?, buffer(&rhs.tensor)?, buffer(&bias)?);
+        // As in `matmul`: row-major out = x·wᵀ is column-major outᵀ = w·xᵀ, whose rows are the
+        // output features, so the bias (one per feature) runs down each column.
+        let spec = GemmSpec {
+            dtype,
+            transa: !rhs.row_major,
+            transb: !lhs.row_major,
+            m: n,
+            n: rows,
+            k,
+            alpha: 1.0,
+            beta: 0.0,
+            batch: 1,
+        };
+        let size = dtype.size();
+        let first = GemmInput {
+            buffer: &bbuf,
+            offset_bytes: rhs.tensor.layout().offset() * size,
+            ld: rhs.ld,
+            stride: 0,
+        };
+        let second = GemmInput {
+            buffer: &abuf,
+            offset_bytes: lhs.tensor.layout().offset() * size,
+            ld: lhs.ld,
+            stride: 0,
+        };
+        let c = GemmOutput {
+            buffer: out,
+            offset_bytes: 0,
+            ld: n,
+            stride: 0,
+        };
+        let epilogue = GemmEpilogue {
+            bias: &biasbuf,
+            bias_offset_bytes: bias.layout().offset() * size,
+            relu,
+        };
+        dev.gemm_epilogue(&spec, first, second, c, epilogue, dev.default_stream())?;
+        drop((abuf, bbuf, biasbuf));
+        Ok(())
+    })
+    .map(Some)
+}
+
+/// Whether cuBLASLt can fuse `x · wᵀ + b` here: the library loads, `FERRY_CUBLASLT` is not `0`,
+/// none of the three is empty, and they share the device and one dtype it fuses.
+fn fuses_linear(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    x.numel() > 0
+        && w.numel() > 0
+        && w.device() == x.device()
+        && b.device() == x.device()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && w.dtype() == x.dtype()
+        && b.dtype() == x.dtype()
+        && ferry_cuda::cublaslt_present()
+        && std::env::var_os("FERRY_CUBLASLT").is_none_or(|v| v != "0")
 }

@@ -20,7 +20,7 @@ use ferry_memory::{DType, Device, Element};
 use parking_lot::MappedRwLockReadGuard;
 
 use crate::layout::Layout;
-use crate::ops::{BinaryOp, CmpOp, UnaryOp};
+use crate::op::{BinaryOp, CmpOp, UnaryOp};
 use crate::storage::{Buffer, Storage};
 use crate::{Result, Tensor, TensorError};
 use kernels::Kernel;
@@ -83,8 +83,12 @@ pub(crate) fn device(ordinal: usize) -> Result<CudaDevice> {
 }
 
 fn device_of(t: &Tensor) -> Result<CudaDevice> {
-    match t.device() {
-        Device::Cuda(ordinal) => device(ordinal),
+    cuda_device(t.device())
+}
+
+fn cuda_device(device: Device) -> Result<CudaDevice> {
+    match device {
+        Device::Cuda(ordinal) => self::device(ordinal),
         other => Err(TensorError::UnsupportedDevice {
             op: "cuda kernel",
             device: other,
@@ -121,6 +125,23 @@ fn wrap(dev: &CudaDevice, out: DeviceBuffer, dtype: DType, shape: &[usize]) -> T
     Tensor::from_shape(Storage::new(Buffer::Cuda(out), dtype, dev.device()), shape)
 }
 
+/// What every kernel with one fresh output starts and ends with: the CUDA `device` (an
+/// input's, or where a tensor is created), memory for a contiguous `shape` of `dtype` there
+/// (`op` names it in errors), `run` to load the kernel and launch it into that memory on the
+/// device's default stream, and the memory handed back as a tensor of `shape`.
+fn with_output(
+    device: Device,
+    op: &'static str,
+    shape: &[usize],
+    dtype: DType,
+    run: impl FnOnce(&CudaDevice, &mut DeviceBuffer) -> Result<()>,
+) -> Result<Tensor> {
+    let dev = cuda_device(device)?;
+    let mut out = alloc(&dev, op, shape, dtype)?;
+    run(&dev, &mut out)?;
+    Ok(wrap(&dev, out, dtype, shape))
+}
+
 /// A one-dimensional grid-stride launch over `n` elements.
 fn launch<'a>(dev: &'a CudaDevice, f: &'a ferry_cuda::CudaFunction, n: usize) -> Launch<'a> {
     let blocks = blocks_for(n.max(1), THREADS).min(max_blocks(dev));
@@ -153,21 +174,21 @@ fn float_only(op: &'static str, dtype: DType) -> Result<()> {
 
 pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     float_only(op.name(), x.dtype())?;
-    let dev = device_of(x)?;
     let n = x.numel();
-    let mut out = alloc(&dev, op.name(), x.shape(), x.dtype())?;
-    let f = Kernel::Unary(x.dtype()).load(&dev)?;
-    let lx = KernelLayout::of(op.name(), x.layout())?;
-    let src = buffer(x)?;
-    launch(&dev, &f, n)
-        .arg_i32(op.code())
-        .arg_f64(op.scalar())
-        .arg_buffer(&src)
-        .arg_pod(&lx)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(n as u64)
-        .run()?;
-    Ok(wrap(&dev, out, x.dtype(), x.shape()))
+    with_output(x.device(), op.name(), x.shape(), x.dtype(), |dev, out| {
+        let f = Kernel::Unary(x.dtype()).load(dev)?;
+        let lx = KernelLayout::of(op.name(), x.layout())?;
+        let src = buffer(x)?;
+        launch(dev, &f, n)
+            .arg_i32(op.code())
+            .arg_f64(op.scalar())
+            .arg_buffer(&src)
+            .arg_pod(&lx)
+            .arg_buffer_mut(out)
+            .arg_u64(n as u64)
+            .run()?;
+        Ok(())
+    })
 }
 
 pub(crate) fn binary(
@@ -220,38 +241,38 @@ fn zip(
     out_dtype: DType,
     op: &'static str,
 ) -> Result<Tensor> {
-    let dev = device_of(a)?;
-    let mut out = alloc(&dev, op, la.shape(), out_dtype)?;
-    let n = la.numel();
-    let f = kernel.load(&dev)?;
-    let (ka, kb) = (KernelLayout::of(op, la)?, KernelLayout::of(op, lb)?);
-    let (x, y) = (buffer(a)?, buffer(b)?);
-    launch(&dev, &f, n)
-        .arg_i32(code)
-        .arg_buffer(&x)
-        .arg_pod(&ka)
-        .arg_buffer(&y)
-        .arg_pod(&kb)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(n as u64)
-        .run()?;
-    Ok(wrap(&dev, out, out_dtype, la.shape()))
+    with_output(a.device(), op, la.shape(), out_dtype, |dev, out| {
+        let n = la.numel();
+        let f = kernel.load(dev)?;
+        let (ka, kb) = (KernelLayout::of(op, la)?, KernelLayout::of(op, lb)?);
+        let (x, y) = (buffer(a)?, buffer(b)?);
+        launch(dev, &f, n)
+            .arg_i32(code)
+            .arg_buffer(&x)
+            .arg_pod(&ka)
+            .arg_buffer(&y)
+            .arg_pod(&kb)
+            .arg_buffer_mut(out)
+            .arg_u64(n as u64)
+            .run()?;
+        Ok(())
+    })
 }
 
 pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    let dev = device_of(x)?;
     let n = x.numel();
-    let mut out = alloc(&dev, "to_dtype", x.shape(), dtype)?;
-    let f = Kernel::Cast(x.dtype(), dtype).load(&dev)?;
-    let lx = KernelLayout::of("to_dtype", x.layout())?;
-    let src = buffer(x)?;
-    launch(&dev, &f, n)
-        .arg_buffer(&src)
-        .arg_pod(&lx)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(n as u64)
-        .run()?;
-    Ok(wrap(&dev, out, dtype, x.shape()))
+    with_output(x.device(), "to_dtype", x.shape(), dtype, |dev, out| {
+        let f = Kernel::Cast(x.dtype(), dtype).load(dev)?;
+        let lx = KernelLayout::of("to_dtype", x.layout())?;
+        let src = buffer(x)?;
+        launch(dev, &f, n)
+            .arg_buffer(&src)
+            .arg_pod(&lx)
+            .arg_buffer_mut(out)
+            .arg_u64(n as u64)
+            .run()?;
+        Ok(())
+    })
 }
 
 /// Copies `x`'s elements (in row-major order, from `src`, its buffer) to where `dst` says
@@ -297,43 +318,37 @@ pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
 }
 
 pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
-    let dev = device_of(x)?;
-    let mut out = alloc(&dev, "contiguous", x.shape(), x.dtype())?;
-    copy_into(
-        &dev,
-        x,
-        &*buffer(x)?,
-        &mut out,
-        &Layout::contiguous(x.shape()),
-    )?;
-    Ok(wrap(&dev, out, x.dtype(), x.shape()))
+    with_output(
+        x.device(),
+        "contiguous",
+        x.shape(),
+        x.dtype(),
+        |dev, out| {
+            copy_into(dev, x, &*buffer(x)?, out, &Layout::contiguous(x.shape()))?;
+            Ok(())
+        },
+    )
 }
 
 pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tensor> {
-    let dev = device_of(&parts[0])?;
     let dtype = parts[0].dtype();
-    let mut out = alloc(&dev, "cat", shape, dtype)?;
-    // With nothing before the axis, each part is one run of bytes in the output: gather them
-    // all in a few launches (a state dict packs hundreds of tensors this way).
-    let outer: usize = shape[..axis].iter().product();
-    if outer == 1 && parts.len() > 2 && parts.iter().all(Tensor::is_contiguous) {
-        gather(&dev, parts, &mut out)?;
-        return Ok(wrap(&dev, out, dtype, shape));
-    }
-    let whole = Layout::contiguous(shape);
-    let mut start = 0;
-    for part in parts {
-        let size = part.shape()[axis];
-        copy_into(
-            &dev,
-            part,
-            &*buffer(part)?,
-            &mut out,
-            &whole.narrow(axis, start, size),
-        )?;
-        start += size;
-    }
-    Ok(wrap(&dev, out, dtype, shape))
+    with_output(parts[0].device(), "cat", shape, dtype, |dev, out| {
+        // With nothing before the axis, each part is one run of bytes in the output: gather
+        // them all in a few launches (a state dict packs hundreds of tensors this way).
+        let outer: usize = shape[..axis].iter().product();
+        if outer == 1 && parts.len() > 2 && parts.iter().all(Tensor::is_contiguous) {
+            return gather(dev, parts, out);
+        }
+        let whole = Layout::contiguous(shape);
+        let mut start = 0;
+        for part in parts {
+            let size = part.shape()[axis];
+            let at = whole.narrow(axis, start, size);
+            copy_into(dev, part, &*buffer(part)?, out, &at)?;
+            start += size;
+        }
+        Ok(())
+    })
 }
 
 /// Regions per gather launch; the table travels as a kernel parameter (kernels/elementwise.cu).
@@ -412,7 +427,7 @@ pub(crate) fn adam(
     g: &Tensor,
     m: &Tensor,
     v: &Tensor,
-    step: &crate::ops::optim::AdamStep,
+    step: &crate::op::AdamStep,
 ) -> Result<()> {
     float_only("adam_update", p.dtype())?;
     let dev = device_of(p)?;
@@ -450,29 +465,35 @@ pub(crate) fn adam(
     Ok(())
 }
 
-pub(crate) fn full(ordinal: usize, shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
-    let dev = device(ordinal)?;
-    let mut out = alloc(&dev, "full", shape, dtype)?;
-    let n = crate::layout::numel(shape);
-    let f = Kernel::Fill(dtype).load(&dev)?;
-    launch(&dev, &f, n)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(n as u64)
-        .arg_f64(value)
-        .run()?;
-    Ok(wrap(&dev, out, dtype, shape))
+pub(crate) fn full(device: Device, shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
+    with_output(device, "full", shape, dtype, |dev, out| {
+        let n = crate::layout::numel(shape);
+        let f = Kernel::Fill(dtype).load(dev)?;
+        launch(dev, &f, n)
+            .arg_buffer_mut(out)
+            .arg_u64(n as u64)
+            .arg_f64(value)
+            .run()?;
+        Ok(())
+    })
 }
 
 pub(crate) fn arange(ordinal: usize, start: f64, len: usize, dtype: DType) -> Result<Tensor> {
-    let dev = device(ordinal)?;
-    let mut out = alloc(&dev, "arange", &[len], dtype)?;
-    let f = Kernel::Arange(dtype).load(&dev)?;
-    launch(&dev, &f, len)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(len as u64)
-        .arg_f64(start)
-        .run()?;
-    Ok(wrap(&dev, out, dtype, &[len]))
+    with_output(
+        Device::Cuda(ordinal),
+        "arange",
+        &[len],
+        dtype,
+        |dev, out| {
+            let f = Kernel::Arange(dtype).load(dev)?;
+            launch(dev, &f, len)
+                .arg_buffer_mut(out)
+                .arg_u64(len as u64)
+                .arg_f64(start)
+                .run()?;
+            Ok(())
+        },
+    )
 }
 
 /// Uniform (or normal) samples; element i depends only on (seed, i).
@@ -485,17 +506,17 @@ pub(crate) fn random(
 ) -> Result<Tensor> {
     let op = if normal { "randn" } else { "rand" };
     float_only(op, dtype)?;
-    let dev = device(ordinal)?;
-    let mut out = alloc(&dev, op, shape, dtype)?;
-    let n = crate::layout::numel(shape);
-    let f = Kernel::Random(dtype).load(&dev)?;
-    launch(&dev, &f, n)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(n as u64)
-        .arg_u64(seed)
-        .arg_i32(normal as i32)
-        .run()?;
-    Ok(wrap(&dev, out, dtype, shape))
+    with_output(Device::Cuda(ordinal), op, shape, dtype, |dev, out| {
+        let n = crate::layout::numel(shape);
+        let f = Kernel::Random(dtype).load(dev)?;
+        launch(dev, &f, n)
+            .arg_buffer_mut(out)
+            .arg_u64(n as u64)
+            .arg_u64(seed)
+            .arg_i32(normal as i32)
+            .run()?;
+        Ok(())
+    })
 }
 
 /// `x` itself when its elements start at 0 and are contiguous, else a fresh copy that does:

@@ -8,7 +8,7 @@ use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 
 use super::kernels::NORM;
 use super::{MAX_ROW_BLOCKS, alloc, buffer, dense, device_of, float_only, launch, wrap};
-use crate::ops::norm::stats_dtype;
+use crate::op::stats_dtype;
 use crate::{Result, Tensor};
 
 /// Threads per row block: a power of two (the block sum halves), at most 256, about one per

@@ -4,7 +4,7 @@
 use ferry_memory::DType;
 
 use super::kernels::Kernel;
-use super::{KernelLayout, alloc, buffer, device_of, float_only, launch, wrap};
+use super::{KernelLayout, alloc, buffer, device_of, float_only, launch, with_output, wrap};
 use crate::layout::Layout;
 use crate::{Result, Tensor, TensorError};
 
@@ -18,30 +18,30 @@ pub(crate) fn where_cond(
     lb: &Layout,
 ) -> Result<Tensor> {
     let op = "where_cond";
-    let dev = device_of(a)?;
     let n = la.numel();
-    let mut out = alloc(&dev, op, la.shape(), a.dtype())?;
-    if n == 0 {
-        return Ok(wrap(&dev, out, a.dtype(), la.shape()));
-    }
-    let f = Kernel::Where(a.dtype()).load(&dev)?;
-    let (kc, ka, kb) = (
-        KernelLayout::of(op, lc)?,
-        KernelLayout::of(op, la)?,
-        KernelLayout::of(op, lb)?,
-    );
-    let (cs, xs, ys) = (buffer(c)?, buffer(a)?, buffer(b)?);
-    launch(&dev, &f, n)
-        .arg_buffer(&cs)
-        .arg_pod(&kc)
-        .arg_buffer(&xs)
-        .arg_pod(&ka)
-        .arg_buffer(&ys)
-        .arg_pod(&kb)
-        .arg_buffer_mut(&mut out)
-        .arg_u64(n as u64)
-        .run()?;
-    Ok(wrap(&dev, out, a.dtype(), la.shape()))
+    with_output(a.device(), op, la.shape(), a.dtype(), |dev, out| {
+        if n == 0 {
+            return Ok(());
+        }
+        let f = Kernel::Where(a.dtype()).load(dev)?;
+        let (kc, ka, kb) = (
+            KernelLayout::of(op, lc)?,
+            KernelLayout::of(op, la)?,
+            KernelLayout::of(op, lb)?,
+        );
+        let (cs, xs, ys) = (buffer(c)?, buffer(a)?, buffer(b)?);
+        launch(dev, &f, n)
+            .arg_buffer(&cs)
+            .arg_pod(&kc)
+            .arg_buffer(&xs)
+            .arg_pod(&ka)
+            .arg_buffer(&ys)
+            .arg_pod(&kb)
+            .arg_buffer_mut(out)
+            .arg_u64(n as u64)
+            .run()?;
+        Ok(())
+    })
 }
 
 /// Draws the keep mask of (seed, p) and scales the kept elements in one launch; returns the
@@ -86,21 +86,27 @@ pub(crate) fn masked_scale(x: &Tensor, mask: &Tensor, scale: f64) -> Result<Tens
             ),
         });
     }
-    let dev = device_of(x)?;
     let n = x.numel();
-    let mut out = alloc(&dev, "masked_scale", x.shape(), x.dtype())?;
-    if n > 0 {
-        let f = Kernel::MaskedScale(x.dtype()).load(&dev)?;
-        let lx = KernelLayout::of("masked_scale", x.layout())?;
-        let (src, keep) = (buffer(x)?, buffer(mask)?);
-        launch(&dev, &f, n)
-            .arg_buffer(&src)
-            .arg_pod(&lx)
-            .arg_buffer(&keep)
-            .arg_f64(scale)
-            .arg_buffer_mut(&mut out)
-            .arg_u64(n as u64)
-            .run()?;
-    }
-    Ok(wrap(&dev, out, x.dtype(), x.shape()))
+    with_output(
+        x.device(),
+        "masked_scale",
+        x.shape(),
+        x.dtype(),
+        |dev, out| {
+            if n > 0 {
+                let f = Kernel::MaskedScale(x.dtype()).load(dev)?;
+                let lx = KernelLayout::of("masked_scale", x.layout())?;
+                let (src, keep) = (buffer(x)?, buffer(mask)?);
+                launch(dev, &f, n)
+                    .arg_buffer(&src)
+                    .arg_pod(&lx)
+                    .arg_buffer(&keep)
+                    .arg_f64(scale)
+                    .arg_buffer_mut(out)
+                    .arg_u64(n as u64)
+                    .run()?;
+            }
+            Ok(())
+        },
+    )
 }

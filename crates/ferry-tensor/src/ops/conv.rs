@@ -20,6 +20,7 @@
 use ferry_cuda::ConvPass;
 
 use crate::autograd::{Save, record};
+use crate::op::conv::Geometry;
 use crate::{Result, Tensor, TensorError, backend, rules};
 
 /// Stride, padding, dilation and groups of [`Tensor::conv2d`]: `[height, width]` pairs.
@@ -78,120 +79,6 @@ impl Conv2dOptions {
     pub fn groups(mut self, g: usize) -> Self {
         self.groups = g;
         self
-    }
-}
-
-/// The geometry of one unfolding: input `[n, c, h, w]`, kernel `kh x kw`, stride, padding,
-/// dilation and the output size `oh x ow`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Geometry {
-    pub n: usize,
-    pub c: usize,
-    pub h: usize,
-    pub w: usize,
-    pub kh: usize,
-    pub kw: usize,
-    pub sh: usize,
-    pub sw: usize,
-    pub ph: usize,
-    pub pw: usize,
-    pub dh: usize,
-    pub dw: usize,
-    pub oh: usize,
-    pub ow: usize,
-}
-
-impl Geometry {
-    /// Checks the window against the input and derives the output size.
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        op: &'static str,
-        input: [usize; 4],
-        kernel: [usize; 2],
-        stride: [usize; 2],
-        padding: [usize; 2],
-        dilation: [usize; 2],
-    ) -> Result<Self> {
-        let [n, c, h, w] = input;
-        let invalid = |message: String| Err(TensorError::InvalidArgument { op, message });
-        if kernel.contains(&0) || stride.contains(&0) || dilation.contains(&0) {
-            return invalid(format!(
-                "kernel {kernel:?}, stride {stride:?} and dilation {dilation:?} must all be >= 1"
-            ));
-        }
-        let mut out = [0; 2];
-        for (i, size) in [h, w].into_iter().enumerate() {
-            let span = dilation[i] * (kernel[i] - 1) + 1;
-            let padded = size + 2 * padding[i];
-            if padded < span {
-                return invalid(format!(
-                    "the window spans {span} (kernel {kernel:?}, dilation {dilation:?}) but the \
-                     padded input is {padded} along {} (input {h}x{w}, padding {padding:?}); use \
-                     a smaller kernel or more padding",
-                    ["height", "width"][i]
-                ));
-            }
-            out[i] = (padded - span) / stride[i] + 1;
-        }
-        Ok(Self {
-            n,
-            c,
-            h,
-            w,
-            kh: kernel[0],
-            kw: kernel[1],
-            sh: stride[0],
-            sw: stride[1],
-            ph: padding[0],
-            pw: padding[1],
-            dh: dilation[0],
-            dw: dilation[1],
-            oh: out[0],
-            ow: out[1],
-        })
-    }
-
-    /// Taps per window.
-    pub fn k(&self) -> usize {
-        self.kh * self.kw
-    }
-
-    /// Windows per image.
-    pub fn l(&self) -> usize {
-        self.oh * self.ow
-    }
-
-    /// The same window over `[n, c]` images.
-    fn with_images(mut self, n: usize, c: usize) -> Self {
-        self.n = n;
-        self.c = c;
-        self
-    }
-
-    pub(crate) fn to_vec(self) -> Vec<usize> {
-        vec![
-            self.n, self.c, self.h, self.w, self.kh, self.kw, self.sh, self.sw, self.ph, self.pw,
-            self.dh, self.dw, self.oh, self.ow,
-        ]
-    }
-
-    pub(crate) fn from_slice(v: &[usize]) -> Self {
-        Self {
-            n: v[0],
-            c: v[1],
-            h: v[2],
-            w: v[3],
-            kh: v[4],
-            kw: v[5],
-            sh: v[6],
-            sw: v[7],
-            ph: v[8],
-            pw: v[9],
-            dh: v[10],
-            dw: v[11],
-            oh: v[12],
-            ow: v[13],
-        }
     }
 }
 
@@ -290,10 +177,9 @@ impl Tensor {
         }
         // The forward itself records one node: the ops below run on detached tensors.
         let (x, w) = (self.detach(), weight.detach());
-        let y = if backend::native_convolution(self) {
-            backend::convolution(ConvPass::Forward, &geo, groups, o, &x, &w)?
-        } else {
-            conv_forward(&x, &w, groups, &geo)?
+        let y = match backend::convolution(ConvPass::Forward, &geo, groups, o, &x, &w)? {
+            Some(y) => y,
+            None => conv_forward(&x, &w, groups, &geo)?,
         };
         let y = match bias {
             Some(b) => y.add(&b.detach().reshape(&[1, o, 1, 1])?)?,
@@ -346,7 +232,7 @@ impl Tensor {
         let (n, c) = (geo.n, geo.c);
         let planes = geo.with_images(n * c, 1);
         let x = self.reshape(&[n * c, 1, geo.h, geo.w])?;
-        im2col(&x, &planes)?
+        x.im2col(&planes)?
             .sum_axis(1, false)?
             .div_scalar(geo.k() as f64)?
             .reshape(&[n, c, geo.oh, geo.ow])
@@ -384,22 +270,24 @@ fn pool_geometry(
 fn conv_forward(x: &Tensor, weight: &Tensor, groups: usize, geo: &Geometry) -> Result<Tensor> {
     let o = weight.shape()[0];
     let cgk = geo.c / groups * geo.k();
-    let cols = im2col(x, geo)?.reshape(&[geo.n, groups, cgk, geo.l()])?;
+    let cols = x.im2col(geo)?.reshape(&[geo.n, groups, cgk, geo.l()])?;
     let w = weight.reshape(&[groups, o / groups, cgk])?;
     w.matmul(&cols)?.reshape(&[geo.n, o, geo.oh, geo.ow])
 }
 
-/// Unfolds `x` (`[N, C, H, W]`) into `[N, C·KH·KW, OH·OW]`: row `(c, kh, kw)`, column
-/// `(oy, ox)` holds `x[c, oy·sh + kh·dh - ph, ox·sw + kw·dw - pw]`, zero outside the input.
-/// Recorded; its gradient is [`col2im`].
-pub(crate) fn im2col(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    let out = backend::im2col(x, geo)?;
-    Ok(record(out, "im2col", &[x], || rules::im2col(geo)))
-}
+impl Tensor {
+    /// Unfolds `self` (`[N, C, H, W]`) into `[N, C·KH·KW, OH·OW]`: row `(c, kh, kw)`, column
+    /// `(oy, ox)` holds `x[c, oy·sh + kh·dh - ph, ox·sw + kw·dw - pw]`, zero outside the input.
+    /// Recorded; its gradient is [`Tensor::col2im`].
+    pub(crate) fn im2col(&self, geo: &Geometry) -> Result<Tensor> {
+        let out = backend::im2col(self, geo)?;
+        Ok(record(out, "im2col", &[self], || rules::im2col(geo)))
+    }
 
-/// Folds columns `[N, C·KH·KW, OH·OW]` back into `[N, C, H, W]`, summing the entries that land
-/// on one pixel: the adjoint of [`im2col`], which is its gradient. Recorded.
-pub(crate) fn col2im(cols: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    let out = backend::col2im(cols, geo)?;
-    Ok(record(out, "col2im", &[cols], || rules::col2im(geo)))
+    /// Folds columns `[N, C·KH·KW, OH·OW]` back into `[N, C, H, W]`, summing the entries that
+    /// land on one pixel: the adjoint of [`Tensor::im2col`], which is its gradient. Recorded.
+    pub(crate) fn col2im(&self, geo: &Geometry) -> Result<Tensor> {
+        let out = backend::col2im(self, geo)?;
+        Ok(record(out, "col2im", &[self], || rules::col2im(geo)))
+    }
 }

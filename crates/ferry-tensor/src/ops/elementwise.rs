@@ -4,7 +4,7 @@ use ferry_memory::DType;
 
 use crate::autograd::record;
 use crate::layout::broadcast_shapes;
-use crate::ops::{BinaryOp, CmpOp, UnaryOp};
+use crate::op::{BinaryOp, CmpOp, UnaryOp};
 use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {

@@ -216,21 +216,3 @@ fn check_fits(
         ),
     })
 }
-
-/// The error for indices outside `0..len`: how many, one of them, and the axis they index.
-pub(crate) fn out_of_range(
-    op: &'static str,
-    count: u64,
-    example: i64,
-    len: usize,
-    axis: usize,
-    shape: &[usize],
-) -> TensorError {
-    TensorError::InvalidArgument {
-        op,
-        message: format!(
-            "{count} index value(s) lie outside 0..{len} (one is {example}): axis {axis} of the \
-             indexed tensor (shape {shape:?}) has {len} entries, so indices must lie in 0..{len}"
-        ),
-    }
-}

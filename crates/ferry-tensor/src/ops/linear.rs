@@ -50,55 +50,20 @@ impl Tensor {
                 hint: "the bias must be [out_features] = the weight's first axis",
             });
         }
-        match bias {
-            Some(b) if fusable(self, weight, b) => self.linear_fused(weight, b, relu),
-            _ => {
-                let out = self.matmul(&weight.t()?)?;
-                let out = match bias {
-                    Some(b) => out.add(b)?,
-                    None => out,
-                };
-                if relu { out.relu() } else { Ok(out) }
-            }
+        // Inside an autocast scope the scope picks the product's precision, so nothing fuses.
+        if let Some(b) = bias
+            && crate::autocast::autocast_dtype().is_none()
+            && let Some(out) = backend::fused_linear(self, weight, b, relu)?
+        {
+            return Ok(record(out, "linear", &[self, weight, b], || {
+                rules::linear(self, weight, b, relu)
+            }));
         }
-    }
-
-    /// One cuBLASLt product over the input's rows (leading axes flattened), one graph node.
-    fn linear_fused(&self, weight: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {
-        let in_features = weight.shape()[1];
-        let rows = self.numel() / in_features.max(1);
-        let flat = if self.ndim() == 2 {
-            self.clone()
-        } else {
-            ferry_graph::with_no_grad(|| self.reshape(&[rows, in_features]))?
+        let out = self.matmul(&weight.t()?)?;
+        let out = match bias {
+            Some(b) => out.add(b)?,
+            None => out,
         };
-        let out = backend::linear(&flat, weight, bias, relu)?;
-        let mut shape = self.shape().to_vec();
-        *shape.last_mut().expect("checked above") = weight.shape()[0];
-        let out = if self.ndim() == 2 {
-            out
-        } else {
-            out.reshape(&shape)?
-        };
-        Ok(record(out, "linear", &[self, weight, bias], || {
-            rules::linear(self, weight, bias, relu)
-        }))
+        if relu { out.relu() } else { Ok(out) }
     }
-}
-
-/// Whether `x · wᵀ + b` can run as one fused product here: a GPU with cuBLASLt, one float dtype
-/// it fuses, no autocast scope (which picks the product's precision itself).
-fn fusable(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
-    use ferry_memory::DType;
-    x.device().is_cuda()
-        && x.numel() > 0
-        && w.numel() > 0
-        && w.device() == x.device()
-        && b.device() == x.device()
-        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && w.dtype() == x.dtype()
-        && b.dtype() == x.dtype()
-        && crate::autocast::autocast_dtype().is_none()
-        && ferry_cuda::cublaslt_present()
-        && std::env::var_os("FERRY_CUBLASLT").is_none_or(|v| v != "0")
 }

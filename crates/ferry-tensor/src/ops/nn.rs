@@ -76,11 +76,3 @@ impl Tensor {
         indices.unsqueeze(-1)?.eq(&classes_row)?.to_dtype(dtype)
     }
 }
-
-/// What is wrong with `count` targets outside `0..classes` (one of them `example`).
-pub(crate) fn classes_message(count: i64, example: i64, classes: usize) -> String {
-    format!(
-        "{count} target(s) lie outside 0..{classes} (one is {example}); targets are class indices \
-         of the logits' second axis"
-    )
-}

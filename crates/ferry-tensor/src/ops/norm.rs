@@ -8,8 +8,6 @@
 //! `create_graph` the rule computes the same gradients with differentiable tensor ops instead,
 //! so second derivatives flow.
 
-use ferry_memory::DType;
-
 use crate::autograd::{Save, record};
 use crate::{Result, Tensor, TensorError, backend, rules};
 
@@ -85,14 +83,5 @@ impl Tensor {
             rules::layer_norm(save, eps, (has_w, has_b), stats)
         });
         y.reshape(self.shape())
-    }
-}
-
-/// The dtype the statistics are kept in for a tensor of `dtype`.
-pub(crate) fn stats_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
     }
 }

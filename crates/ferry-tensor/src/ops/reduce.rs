@@ -3,7 +3,7 @@
 use ferry_memory::DType;
 
 use crate::autograd::{record, try_record};
-use crate::ops::ReduceOp;
+use crate::op::ReduceOp;
 use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {

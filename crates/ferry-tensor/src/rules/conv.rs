@@ -7,7 +7,7 @@ use ferry_graph::InputGrads;
 use smallvec::smallvec;
 
 use crate::autograd::{Rule, Save, Saved};
-use crate::ops::conv::{self, Geometry};
+use crate::op::conv::Geometry;
 use crate::{Result, Tensor, backend};
 
 /// conv2d over `geo` in `groups`, with or without a bias; `save` names the inputs kept.
@@ -23,20 +23,14 @@ pub(crate) fn conv2d(
 /// im2col over `geo`: its gradient folds the columns back (col2im).
 pub(crate) fn im2col(geo: &Geometry) -> Rule<Vec<usize>> {
     Rule::new(Save::NOTHING, geo.to_vec(), |_, geo, g, _| {
-        Ok(smallvec![Some(conv::col2im(
-            g,
-            &Geometry::from_slice(geo)
-        )?)])
+        Ok(smallvec![Some(g.col2im(&Geometry::from_slice(geo))?)])
     })
 }
 
 /// col2im over `geo`: its gradient unfolds again (im2col).
 pub(crate) fn col2im(geo: &Geometry) -> Rule<Vec<usize>> {
     Rule::new(Save::NOTHING, geo.to_vec(), |_, geo, g, _| {
-        Ok(smallvec![Some(conv::im2col(
-            g,
-            &Geometry::from_slice(geo)
-        )?)])
+        Ok(smallvec![Some(g.im2col(&Geometry::from_slice(geo))?)])
     })
 }
 
@@ -51,38 +45,47 @@ fn conv2d_backward(
     let groups = *groups;
     let cgk = geo.c / groups * geo.k();
     let o = g.shape()[1];
-    // cuDNN's passes are not differentiable ops: with create_graph the composed path runs.
-    let cudnn = backend::native_convolution(g) && !ferry_graph::is_grad_enabled();
+    // A native pass where the device has one; its passes are not differentiable ops, so with
+    // create_graph the composed path runs.
+    let native = |pass, first: &Tensor, second: &Tensor| -> Result<Option<Tensor>> {
+        if ferry_graph::is_grad_enabled() {
+            return Ok(None);
+        }
+        backend::convolution(pass, &geo, groups, o, first, second)
+    };
     // g as [N, G, O/G, L]
     let gg = g.reshape(&[geo.n, groups, o / groups, geo.l()])?;
-    let dx = if wanted[0] && cudnn {
+    let dx = if wanted[0] {
         let w = saved.input(1)?;
-        let pass = ConvPass::BackwardData;
-        Some(backend::convolution(pass, &geo, groups, o, g, &w)?)
-    } else if wanted[0] {
-        let w = saved.input(1)?.reshape(&[groups, o / groups, cgk])?;
-        let dcols = w
-            .t()?
-            .matmul(&gg)?
-            .reshape(&[geo.n, geo.c * geo.k(), geo.l()])?;
-        Some(conv::col2im(&dcols, &geo)?)
+        match native(ConvPass::BackwardData, g, &w)? {
+            Some(dx) => Some(dx),
+            None => {
+                let w = w.reshape(&[groups, o / groups, cgk])?;
+                let dcols = w
+                    .t()?
+                    .matmul(&gg)?
+                    .reshape(&[geo.n, geo.c * geo.k(), geo.l()])?;
+                Some(dcols.col2im(&geo)?)
+            }
+        }
     } else {
         None
     };
-    let dw = if wanted[1] && cudnn {
+    let dw = if wanted[1] {
         let x = saved.input(0)?;
-        let pass = ConvPass::BackwardFilter;
-        Some(backend::convolution(pass, &geo, groups, o, &x, g)?)
-    } else if wanted[1] {
-        let x = saved.input(0)?;
-        let cols = conv::im2col(&x, &geo)?.reshape(&[geo.n, groups, cgk, geo.l()])?;
-        let per_image = gg.matmul(&cols.t()?)?; // [N, G, O/G, CgK]
-        let cg = geo.c / groups;
-        Some(
-            per_image
-                .sum_axis(0, false)?
-                .reshape(&[o, cg, geo.kh, geo.kw])?,
-        )
+        match native(ConvPass::BackwardFilter, &x, g)? {
+            Some(dw) => Some(dw),
+            None => {
+                let cols = x.im2col(&geo)?.reshape(&[geo.n, groups, cgk, geo.l()])?;
+                let per_image = gg.matmul(&cols.t()?)?; // [N, G, O/G, CgK]
+                let cg = geo.c / groups;
+                Some(
+                    per_image
+                        .sum_axis(0, false)?
+                        .reshape(&[o, cg, geo.kh, geo.kw])?,
+                )
+            }
+        }
     } else {
         None
     };

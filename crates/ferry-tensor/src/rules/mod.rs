@@ -10,6 +10,7 @@
 //! `create_graph` the backward records its own graph: every rule is itself differentiable.
 //! Composite ops (mean, cross-entropy's pieces, ...) are built from these and need no rule.
 
+mod activation;
 mod conv;
 mod index;
 mod norm;
@@ -24,7 +25,7 @@ use smallvec::smallvec;
 
 use crate::autograd::{Rule, Save};
 use crate::layout::Shape;
-use crate::ops::{BinaryOp, UnaryOp};
+use crate::op::{BinaryOp, UnaryOp};
 use crate::{Result, Tensor};
 
 impl Tensor {
@@ -129,7 +130,7 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Rule<(BinaryOp, Sh
                 }
                 // r = a h(x): dr/da = h(x) (the same fused kernel), dr/dx = a h'(x)
                 BinaryOp::SiluBackward | BinaryOp::GeluBackward | BinaryOp::GeluTanhBackward => {
-                    use crate::ops::activation as act;
+                    use activation as act;
                     let x = saved.input(1)?;
                     let da = want(wanted[0], || match op {
                         BinaryOp::SiluBackward => g.silu_backward(&x),
@@ -371,11 +372,11 @@ pub(crate) fn cast(from: DType) -> Rule<DType> {
 pub(crate) fn softmax(log: bool) -> Rule<bool> {
     Rule::new(Save::OUTPUT, log, |saved, &log, g, _| {
         let y = saved.output()?;
-        if !ferry_graph::is_grad_enabled() && y.device().is_cuda() && g.dtype() == y.dtype() {
-            // One fused kernel on a GPU; composed (and so differentiable) otherwise.
-            return Ok(smallvec![Some(crate::backend::softmax_backward(
-                &y, g, log
-            )?)]);
+        // One fused kernel where the device has one; composed (and so differentiable) otherwise.
+        if !ferry_graph::is_grad_enabled()
+            && let Some(dx) = crate::backend::softmax_backward(&y, g, log)?
+        {
+            return Ok(smallvec![Some(dx)]);
         }
         let dx = if log {
             g.sub(&y.exp()?.mul(&g.sum_axis(-1, true)?)?)?
@@ -391,15 +392,16 @@ pub(crate) fn softmax(log: bool) -> Rule<bool> {
 pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Rule<usize> {
     Rule::new(Save::NOTHING, logp.shape()[1], |saved, &classes, g, _| {
         let targets = saved.aux()?;
-        if ferry_graph::is_grad_enabled() {
-            // A gradient of the gradient: composed from recorded ops.
-            let one_hot = Tensor::one_hot(&targets, classes, g.dtype())?;
-            let scale = g.div_scalar(-(targets.numel() as f64))?;
-            return Ok(smallvec![Some(one_hot.mul(&scale)?)]);
+        // One fused kernel where the device has one; composed from recorded ops for a gradient
+        // of the gradient.
+        if !ferry_graph::is_grad_enabled()
+            && let Some(dx) = crate::backend::nll_backward(&targets, g, classes)?
+        {
+            return Ok(smallvec![Some(dx)]);
         }
-        Ok(smallvec![Some(crate::backend::nll_backward(
-            &targets, g, classes
-        )?)])
+        let one_hot = Tensor::one_hot(&targets, classes, g.dtype())?;
+        let scale = g.div_scalar(-(targets.numel() as f64))?;
+        Ok(smallvec![Some(one_hot.mul(&scale)?)])
     })
     .with_aux(targets.clone())
 }

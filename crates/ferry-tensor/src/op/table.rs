@@ -1,4 +1,4 @@
-//! What the op table in `ops` expands to. Rows are read once and give, per family: the enum,
+//! What the op table in `op` expands to. Rows are read once and give, per family: the enum,
 //! `name()`, `code()`, a compile-time check that codes are unique, the CPU dispatch (`dispatch`,
 //! which hands a loop the op's function once per call) and, for all families together, the
 //! CUDA C text `cuda_op_table!()` that cuda/kernels.rs puts in front of every kernel module:
@@ -55,16 +55,16 @@ macro_rules! op_table {
             )*
         }
     ) => {
-        $crate::ops::table::op_enum! {
+        $crate::op::table::op_enum! {
             $(#[$u_meta])* $Unary { $($(#[$u_doc])* $u_op $(($u_s))? => $u_name, $u_code;)* }
         }
-        $crate::ops::table::op_enum! {
+        $crate::op::table::op_enum! {
             $(#[$b_meta])* $Binary { $($(#[$b_doc])* $b_op => $b_name, $b_code;)* }
         }
-        $crate::ops::table::op_enum! {
+        $crate::op::table::op_enum! {
             $(#[$c_meta])* $Cmp { $($(#[$c_doc])* $c_op => $c_name, $c_code;)* }
         }
-        $crate::ops::table::op_enum! {
+        $crate::op::table::op_enum! {
             $(#[$r_meta])* $Reduce { $($(#[$r_doc])* $r_op => $r_name, $r_code;)* }
         }
 
@@ -73,7 +73,7 @@ macro_rules! op_table {
             pub(crate) fn dispatch<T, L>(self, l: L) -> L::Output
             where
                 T: ferry_memory::Element + num_traits::Float,
-                L: $crate::ops::UnaryLoop<T>,
+                L: $crate::op::UnaryLoop<T>,
             {
                 match self {
                     $($Unary::$u_op $(($u_s))? => {
@@ -86,7 +86,7 @@ macro_rules! op_table {
             /// The scalar the CUDA kernel receives (0 for ops without one).
             pub(crate) fn scalar(self) -> f64 {
                 match self {
-                    $($Unary::$u_op $(($u_s))? => $crate::ops::table::scalar_or_zero!($($u_s)?),)*
+                    $($Unary::$u_op $(($u_s))? => $crate::op::table::scalar_or_zero!($($u_s)?),)*
                 }
             }
         }
@@ -96,7 +96,7 @@ macro_rules! op_table {
             pub(crate) fn dispatch<T, L>(self, l: L) -> L::Output
             where
                 T: ferry_memory::Element + num_traits::Float,
-                L: $crate::ops::BinaryLoop<T, T>,
+                L: $crate::op::BinaryLoop<T, T>,
             {
                 match self {
                     $($Binary::$b_op => l.run(|$b_x: T, $b_y: T| -> T { $b_cpu }),)*
@@ -109,7 +109,7 @@ macro_rules! op_table {
             pub(crate) fn dispatch<T, L>(self, l: L) -> L::Output
             where
                 T: ferry_memory::Element,
-                L: $crate::ops::BinaryLoop<T, bool>,
+                L: $crate::op::BinaryLoop<T, bool>,
             {
                 match self {
                     $($Cmp::$c_op => l.run(|$c_x: T, $c_y: T| -> bool { $c_cpu }),)*
@@ -121,7 +121,7 @@ macro_rules! op_table {
         macro_rules! cuda_op_table {
             () => {
                 concat!(
-                    "// Generated from ferry-tensor's op table (src/ops/mod.rs); do not edit.\n",
+                    "// Generated from ferry-tensor's op table (src/op/mod.rs); do not edit.\n",
                     "// family: unary\n",
                     "template <typename A>\n",
                     "__device__ __forceinline__ ",
@@ -195,14 +195,14 @@ macro_rules! op_enum {
     ) => {
         $(#[$meta])*
         pub enum $Enum {
-            $($(#[$doc])* $op $(($crate::ops::table::scalar_type!($s)))?,)*
+            $($(#[$doc])* $op $(($crate::op::table::scalar_type!($s)))?,)*
         }
 
         impl $Enum {
             /// Every op of the family (scalars at 0).
             #[cfg(test)]
             pub(crate) const ALL: &[$Enum] =
-                &[$($Enum::$op $(($crate::ops::table::scalar_or_zero!(0.0, $s)))?),*];
+                &[$($Enum::$op $(($crate::op::table::scalar_or_zero!(0.0, $s)))?),*];
 
             /// The op's name in graphs and errors.
             pub fn name(self) -> &'static str {
@@ -219,7 +219,7 @@ macro_rules! op_enum {
             }
         }
 
-        const _: () = $crate::ops::table::assert_unique(&[$($code),*]);
+        const _: () = $crate::op::table::assert_unique(&[$($code),*]);
     };
 }
 
