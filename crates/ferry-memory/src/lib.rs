@@ -2,7 +2,12 @@
 //! device memory, caching allocators, streams, events and kernel loading.
 //!
 //! This crate owns every raw pointer in ferry and every `unsafe` block that touches memory or
-//! the driver; the crates above it see safe types only. It knows nothing of tensors or autograd.
+//! the driver; the crates above it see safe types only. The one other crate with `unsafe` code
+//! is ferry-py, at its boundary with PyTorch: DLPack capsules (raw pointers taken in and handed
+//! out, wrapped here by [`HostBuffer::from_external`] and its device twin) and torch's CUDA
+//! streams borrowed by handle ([`cuda::CudaDevice::borrow_stream`], an `unsafe fn` whose
+//! promise, a live stream kept alive by torch, ferry-py keeps). It knows nothing of tensors or
+//! autograd.
 //!
 //! Key decision: CUDA support is always compiled (cudarc loads the driver dynamically), and
 //! whether a GPU is there is decided at run time. Nothing touches cudarc before
