@@ -284,9 +284,11 @@ fn copies_across_the_boundary_outside_ferry_transfer_are_the_ones_the_guide_list
             "`crates/ferry/src/optim/offload.rs`",
         ),
     ];
-    let guide = read("docs/guide/03-device-moves.md");
-    for (_, named) in LISTED {
-        assert!(guide.contains(named), "guide/03 no longer names {named}");
+    for page in ["docs/guide/03-device-moves.md", "docs/transfer-methods.md"] {
+        let text = read(page);
+        for (_, named) in LISTED {
+            assert!(text.contains(named), "{page} no longer names {named}");
+        }
     }
     // Library crates above ferry-memory (which defines the copies), ferry-transfer excepted.
     let libraries = [
@@ -381,4 +383,114 @@ fn the_readme_quick_start_is_complete() {
         before.contains("torch") && before.contains("GPU"),
         "the line before the Python one-liner should say it needs torch and a GPU: {before}"
     );
+}
+
+/// The layers transfer-methods.md lists are ferry-transfer's modules, every one and no other.
+#[test]
+fn the_transfer_layers_the_docs_list_are_the_crates_modules() {
+    let page = read("docs/transfer-methods.md");
+    let section = page
+        .split("## Layers of ferry-transfer")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("docs/transfer-methods.md has a section on ferry-transfer's layers");
+    let mut listed: Vec<String> = section
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .flat_map(|l| l.split('`').skip(1).step_by(2).map(str::to_string))
+        .filter(|name| name.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        .collect();
+    listed.sort();
+    let mut modules: Vec<String> = std::fs::read_dir(root().join("crates/ferry-transfer/src"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+        .map(|p| p.file_stem().unwrap().to_str().unwrap().to_string())
+        .filter(|m| m != "lib")
+        .collect();
+    modules.sort();
+    assert_eq!(
+        listed, modules,
+        "docs/transfer-methods.md's layers and crates/ferry-transfer/src differ"
+    );
+}
+
+/// ferry's crate docs name every public module the crate has (as an intra-doc link, which
+/// `cargo doc` with warnings denied resolves).
+#[test]
+fn ferrys_crate_docs_name_every_public_module() {
+    let lib = read("crates/ferry/src/lib.rs");
+    let docs: String = lib
+        .lines()
+        .filter_map(|l| l.strip_prefix("//!"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let modules: Vec<&str> = lib
+        .lines()
+        .filter_map(|l| l.strip_prefix("pub mod "))
+        .map(|rest| rest.trim_end_matches([';', ' ', '{']))
+        .collect();
+    assert!(modules.len() >= 10, "{modules:?}");
+    for module in modules {
+        assert!(
+            docs.contains(&format!("[`{module}`]")),
+            "crates/ferry/src/lib.rs's docs do not name its module `{module}`"
+        );
+    }
+}
+
+/// The README's thread count for OffloadAdamW's CPU step is the code's: all cores but one.
+#[test]
+fn the_readme_gives_the_offload_step_its_real_thread_count() {
+    let pipeline = read("crates/ferry/src/optim/offload/pipeline.rs");
+    let threads = pipeline
+        .split("fn step_threads")
+        .nth(1)
+        .expect("OffloadAdamW's step_threads");
+    let body = threads.split("\n}\n").next().unwrap();
+    assert!(
+        body.contains("available_parallelism") && body.contains("saturating_sub(1)"),
+        "step_threads no longer takes one core fewer than the machine has: update README.md"
+    );
+    assert!(body.contains("FERRY_OFFLOAD_THREADS"));
+    let readme = read("README.md")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        readme.contains("all cores but one") && readme.contains("`FERRY_OFFLOAD_THREADS`"),
+        "README.md no longer says OffloadAdamW steps on all cores but one"
+    );
+}
+
+/// ferry-py's `unsafe` is at its boundary with PyTorch only: DLPack (dlpack.rs) and torch's
+/// streams borrowed by handle (`borrow_stream`), as README.md and ferry-memory's docs say.
+#[test]
+fn ferry_pys_unsafe_code_is_where_the_docs_say() {
+    let mut borrowed = 0;
+    for (path, text) in sources() {
+        if !path.starts_with("crates/ferry-py/src/") || path.ends_with("/dlpack.rs") {
+            continue;
+        }
+        for line in text.lines().filter(|l| l.contains("unsafe")) {
+            let line = line.trim();
+            if line.starts_with("//") {
+                continue;
+            }
+            assert!(
+                line.contains("unsafe { ") && line.contains("borrow_stream("),
+                "{path}: `{line}` is unsafe code outside ferry-py's DLPack module and its \
+                 borrowed streams; say so in README.md and crates/ferry-memory/src/lib.rs"
+            );
+            borrowed += 1;
+        }
+    }
+    assert!(borrowed >= 1, "no borrowed stream found: update the docs");
+    for page in ["README.md", "crates/ferry-memory/src/lib.rs"] {
+        let text = read(page).split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            text.contains("DLPack") && text.contains("borrowed by handle"),
+            "{page} no longer says where ferry-py's unsafe code is"
+        );
+    }
 }

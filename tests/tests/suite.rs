@@ -71,6 +71,8 @@ mod transfer_docs;
 mod guide;
 // Constants, methods, rule files, boundary copies and the quick start the docs state, as coded.
 mod doc_facts;
+// Every table of measured figures in docs/ names its date, commit and machine right above it.
+mod doc_tables;
 // gradgradcheck of every op on both devices, Hessian-vector products, autograd::grad's options.
 mod higher_order;
 // Gradient hooks observe and replace, retain_grad, post-accumulate hooks filling buckets.

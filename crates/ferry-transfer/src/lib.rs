@@ -36,7 +36,7 @@
 //!    a move, so both sit above the raw copies);
 //! 4. `chunked`, `pending`, `batched`, `streaming`, `prefetch`: the move methods and the device
 //!    loader;
-//! 5. `moves`: the user-facing trait (and `offload`, should the offload copies live here).
+//! 5. `moves`: the user-facing trait.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -82,7 +82,6 @@ mod layering {
         ("streaming", 4),
         ("prefetch", 4),
         ("moves", 5),
-        ("offload", 5),
     ];
 
     /// The source without comments and without its `#[cfg(test)]` tail (tests may use
@@ -199,6 +198,14 @@ mod layering {
         }
         assert!(checked >= 11, "read only {checked} modules from {dir}");
         assert!(problems.is_empty(), "{}", problems.join("\n"));
+        // The table (and the crate docs) name no module the crate does not have.
+        for (name, _) in LAYERS {
+            let file = format!("{dir}/{name}.rs");
+            assert!(
+                std::path::Path::new(&file).exists(),
+                "LAYERS names `{name}`, which is no module of this crate"
+            );
+        }
     }
 
     #[test]

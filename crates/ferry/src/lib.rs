@@ -1,10 +1,22 @@
 //! ferry: an autograd-aware tensor runtime whose device moves are correct and fast.
 //!
-//! This is the crate users depend on. It re-exports the tensor, graph, memory and CUDA-library
-//! layers under one roof; each layer lives in its own crate (memory <- cuda, graph <- tensor <-
-//! transfer <- ferry) so that unsafe code, the graph engine and device moves each sit in one place. Of its own it
-//! adds what sits at the edge of ferry: ndarray and `.npy` interop ([`to_ndarray`],
-//! [`from_ndarray`], [`save_npy`], [`load_npy`]) and memory statistics ([`cuda`], [`host`]).
+//! This is the crate users depend on. It re-exports the tensor, graph, memory, CUDA-library and
+//! transfer layers under one roof; each layer lives in its own crate (memory <- cuda, graph <-
+//! tensor <- transfer <- ferry) so that unsafe code, the graph engine and device moves each sit
+//! in one place. Of its own it holds what a training program builds on those layers:
+//!
+//! - [`nn`]: the [`Module`](nn::Module) trait, layers, initialisers and losses; [`models`]:
+//!   the ready-made networks the CLI trains and benches;
+//! - [`optim`]: optimizers, their steps over host memory and the optimizer offload,
+//!   learning-rate schedules, gradient clipping and a moving average of the weights;
+//! - [`train`]: the [`Trainer`](train::Trainer) loop; [`checkpoint`]: safetensors files,
+//!   written through bounded staging, durably and in the background;
+//! - [`distributed`]: process groups and data parallelism; [`amp`]: mixed precision;
+//! - [`autograd`]: gradients beyond `backward`, grad modes, activation offload; [`debug`]: the
+//!   graph-leak watch;
+//! - [`prelude`]: the names most programs need;
+//! - at the edge of ferry: ndarray and `.npy` interop ([`to_ndarray`], [`from_ndarray`],
+//!   [`save_npy`], [`load_npy`]) and memory statistics ([`cuda`], [`host`]).
 //!
 //! ```
 //! use ferry::prelude::*;

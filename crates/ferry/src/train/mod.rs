@@ -65,6 +65,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod checkpointing;
 mod error;
 mod history;
 mod mark;
@@ -86,14 +87,15 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ferry_tensor::{Device, Tensor, rng_state, set_rng_state};
+use ferry_tensor::{Device, Tensor, set_rng_state};
 use ferry_transfer::{DEFAULT_IN_FLIGHT, DeviceLoader, DeviceMove};
 
 use crate::debug::GraphWatch;
 use crate::distributed::{DataParallel, DdpOptions, ProcessGroup, ReduceOp};
 use crate::nn::Module;
 use crate::optim::{Ema, LrSchedule, Optimizer};
-use run_dir::{RunDir, RunState};
+use checkpointing::Checkpointing;
+use run_dir::RunState;
 
 /// How a run with a checkpoint directory begins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -234,26 +236,16 @@ impl Trainer {
                 "checkpoints inside epochs (checkpoint_every) do not combine with data parallelism yet: each replica's dropout stream would have to be saved too; checkpoint at epoch ends, or train on one device".into(),
             ));
         }
-        let run_dir = self.dir.as_deref().map(RunDir::create).transpose()?;
-        let mut resumed = None;
-        match (&run_dir, self.start) {
-            (None, _) => {}
-            (Some(dir), Start::Fresh) => dir.check_empty()?,
-            (Some(dir), Start::Overwrite) if lead => dir.clear()?,
-            (Some(_), Start::Overwrite) => {}
-            // Every replica reads the same checkpoint: models and optimizers start equal.
-            (Some(dir), Start::Resume) => resumed = dir.resume(model, opt, ema.as_deref_mut())?,
-        }
-        // Resumed from an epoch's end: its export may be an earlier epoch's (a kill between
-        // the epoch's two files), and nothing else rewrites it if no epoch is left to train.
-        // Its header says which epoch it holds: rewritten only when that is not this one.
-        if let (Some(dir), Some(r), true) = (&run_dir, &resumed, lead)
-            && r.within.is_none()
-            && !r.history.is_empty()
-            && !dir.export_is_of(r.history.len())
-        {
-            dir.export(&*model, ema.as_deref(), r.history.len())?;
-        }
+        let (mut checkpoints, resumed) = Checkpointing::open(
+            self.dir.as_deref(),
+            self.keep,
+            self.every,
+            self.start,
+            lead,
+            model,
+            opt,
+            ema.as_deref_mut(),
+        )?;
         let (mut history, skipped, mut within) = resumed
             .as_ref()
             .map_or((Vec::new(), Vec::new(), None), |r: &Resumed| {
@@ -281,10 +273,7 @@ impl Trainer {
         }
         let (mut data_wait, mut loop_time) = (Duration::ZERO, Duration::ZERO);
         // Parameters and their leaves are in the baseline; every step must give back what it made.
-        let params = model.parameters();
-        let watch = GraphWatch::new(&params);
-        // The last checkpoint's files, written while training goes on.
-        let mut writing = None;
+        let watch = GraphWatch::new(&model.parameters());
         for epoch in done + 1..=self.epochs {
             if lead {
                 observer.epoch_started(epoch, self.epochs);
@@ -303,24 +292,8 @@ impl Trainer {
                 set_rng_state(&at.rng);
                 [loss_sum, correct, seen] = at.sums;
             }
-            // Whole batch sizes, in order: a replica's loss is weighted by its share of each.
             let wholes = RefCell::new(VecDeque::new());
-            let host =
-                task.batches(epoch, seed)
-                    .skip(skip)
-                    .map(|batch| -> ferry_tensor::Result<_> {
-                        let (x, y) = batch?;
-                        let rows = x.shape()[0];
-                        wholes.borrow_mut().push_back(rows);
-                        if world == 1 {
-                            return Ok((x, y));
-                        }
-                        let r = share(rows, rank, world);
-                        Ok((
-                            x.narrow(0, r.start, r.len())?,
-                            y.narrow(0, r.start, r.len())?,
-                        ))
-                    });
+            let host = replica_batches(task.batches(epoch, seed).skip(skip), rank, world, &wholes);
             let mut loader = DeviceLoader::from_results(host, self.device).in_flight(self.prefetch);
             for (k, batch) in (skip..).zip(loader.by_ref()) {
                 let (x, y) = batch?;
@@ -344,25 +317,9 @@ impl Trainer {
                         accuracy: correct / seen,
                     });
                 }
-                let taken = (epoch - 1) * steps + k + 1;
-                // The epoch's last step is followed by the epoch's own checkpoint.
-                let due = self.every > 0 && taken.is_multiple_of(self.every) && k + 1 < steps;
-                if let (Some(dir), true) = (&run_dir, due) {
-                    let at = MidEpoch {
-                        epoch,
-                        steps: k + 1,
-                        sums: [loss_sum, correct, seen],
-                        rng: rng_state(),
-                    };
-                    let state = RunState {
-                        model: &*model,
-                        opt: &*opt,
-                        ema: ema.as_deref(),
-                    };
-                    dir.next(&mut writing, self.keep, |d| {
-                        d.save_within(&at, state, &history)
-                    })?;
-                }
+                let state = RunState::new(&*model, &*opt, ema.as_deref());
+                let sums = [loss_sum, correct, seen];
+                checkpoints.on_step_end(epoch, k + 1, steps, sums, state, &history)?;
             }
             if let Some(ddp) = &ddp {
                 [loss_sum, correct, seen] = totals(ddp.group(), [loss_sum, correct, seen])?;
@@ -381,16 +338,8 @@ impl Trainer {
                 test_accuracy: evaluate(model, ema.as_deref_mut(), task)?,
             };
             history.push(stats);
-            if let Some(dir) = &run_dir {
-                let state = RunState {
-                    model: &*model,
-                    opt: &*opt,
-                    ema: ema.as_deref(),
-                };
-                dir.next(&mut writing, self.keep, |d| {
-                    d.save_epoch(epoch, state, &history)
-                })?;
-            }
+            let state = RunState::new(&*model, &*opt, ema.as_deref());
+            checkpoints.on_epoch_end(epoch, state, &history)?;
             observer
                 .epoch_ended(&EpochEnd {
                     epoch,
@@ -401,9 +350,7 @@ impl Trainer {
                 })
                 .map_err(TrainError::Observer)?;
         }
-        if let (Some(dir), Some(last)) = (&run_dir, writing) {
-            dir.finish(last, self.keep)?;
-        }
+        checkpoints.finish()?;
         let summary = TrainSummary {
             trained_now: history.len().saturating_sub(done),
             test_accuracy: evaluate(model, ema, task)?,
@@ -466,6 +413,29 @@ fn evaluate(
     Ok(match ema {
         Some(ema) => ema.with_averages(|| task.evaluate(model))??,
         None => task.evaluate(model)?,
+    })
+}
+
+/// This replica's share of each of `batches` (the whole of each on one device), each whole
+/// batch's rows pushed to `wholes` in order: a replica's loss is weighted by its share of each.
+fn replica_batches<'a>(
+    batches: impl Iterator<Item = ferry_tensor::Result<HostBatch>> + 'a,
+    rank: usize,
+    world: usize,
+    wholes: &'a RefCell<VecDeque<usize>>,
+) -> impl Iterator<Item = ferry_tensor::Result<HostBatch>> + 'a {
+    batches.map(move |batch| {
+        let (x, y) = batch?;
+        let rows = x.shape()[0];
+        wholes.borrow_mut().push_back(rows);
+        if world == 1 {
+            return Ok((x, y));
+        }
+        let r = share(rows, rank, world);
+        Ok((
+            x.narrow(0, r.start, r.len())?,
+            y.narrow(0, r.start, r.len())?,
+        ))
     })
 }
 

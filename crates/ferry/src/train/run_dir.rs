@@ -33,6 +33,12 @@ pub(super) struct RunState<'a> {
     pub ema: Option<&'a Ema>,
 }
 
+impl<'a> RunState<'a> {
+    pub fn new(model: &'a dyn Module, opt: &'a dyn Optimizer, ema: Option<&'a Ema>) -> Self {
+        Self { model, opt, ema }
+    }
+}
+
 /// Where a resumed run starts.
 #[derive(Debug, Clone)]
 pub struct Resumed {
