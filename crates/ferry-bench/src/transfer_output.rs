@@ -60,7 +60,7 @@ pub fn print_header(info: &RunSetup) {
          tensors, {} MB of f32",
         info.device,
         BIG_BYTES / 1_000_000,
-        resnet50::RESNET50_STATE_DICT.len(),
+        resnet50::state_dict().len(),
         significant(resnet50::float_bytes() as f64 / 1e6),
     );
     info.print_sampling(
@@ -184,7 +184,7 @@ pub fn to_json(info: &RunSetup, measured: &[CaseResult<'_>], link: LinkSpeed) ->
             "host_to_device": link.host_to_device,
         },
         "resnet50_state_dict": {
-            "tensors": resnet50::RESNET50_STATE_DICT.len(),
+            "tensors": resnet50::state_dict().len(),
             "float_bytes": resnet50::float_bytes(),
             "total_bytes": resnet50::total_bytes(),
         },
