@@ -20,7 +20,6 @@ use std::sync::Barrier;
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
-use ferry::memory::cuda::CudaDevice;
 use ferry::prelude::*;
 use serde_json::Value;
 
@@ -322,7 +321,7 @@ pub fn run(args: AutogradArgs) -> Result<(), Box<dyn Error>> {
     let selected = chains::select(&args.chains)?;
     let wants = |s: Section| args.sections.contains(&s);
     let device = Device::Cuda(0);
-    let cuda = CudaDevice::get(0)
+    let cuda = crate::harness::cuda_device(0)
         .map(|dev| format!("{} ({})", dev.device(), dev.info().name))
         .map_err(|e| e.to_string());
     let mut torch = args.pytorch.side("autograd.py", "column");

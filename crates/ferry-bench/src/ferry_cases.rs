@@ -172,7 +172,7 @@ pub fn run_first_cpu_child(command: &mut Command, program: &Path) -> BenchResult
 
 /// In the child: start CUDA, make the tensor, synchronize, then time one `cpu()`.
 pub fn first_cpu_in_this_process() -> BenchResult<f64> {
-    let dev = CudaDevice::get(0)?;
+    let dev = crate::harness::cuda_device(0)?;
     let src = Tensor::randn(&[SIDE, SIDE], DType::F32, dev.device())?;
     dev.synchronize()?;
     let start = Instant::now();

@@ -215,7 +215,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     if let Some(options) = args.sweep_options() {
         return offload_sweep::run(options);
     }
-    let Some(dev) = harness::cuda_device(0, |err| {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| {
         format!(
             "ferry bench offload needs a CUDA device (it measures device memory and copies to \
              pinned host memory): {err}"

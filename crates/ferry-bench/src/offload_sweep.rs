@@ -39,7 +39,7 @@ use crate::harness;
 const LINK_BYTES: usize = 1 << 30;
 
 pub fn run(options: SweepOptions) -> Result<(), Box<dyn Error>> {
-    let Some(dev) = harness::cuda_device(0, |err| {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| {
         format!(
             "ferry bench offload --sweep needs a CUDA device (it times copies to pinned host \
              memory and measures device memory): {err}"

@@ -166,7 +166,7 @@ fn ratio(x: Option<f64>) -> String {
 }
 
 pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
-    let Some(dev) = harness::cuda_device(0, |err| {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| {
         format!("ferry bench pipeline needs a CUDA device (frames are produced on the GPU): {err}")
     }) else {
         return Ok(());

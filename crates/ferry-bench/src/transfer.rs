@@ -77,7 +77,7 @@ pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
     }
     let all = cases();
     let selected = select(&all, &args.cases)?;
-    let Some(dev) = harness::cuda_device(0, |err| format!("{NO_CUDA_DEVICE}: {err}")) else {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| format!("{NO_CUDA_DEVICE}: {err}")) else {
         return Ok(());
     };
     let mut torch = args.run.pytorch.side("transfer.py", "column");
