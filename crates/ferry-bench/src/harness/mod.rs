@@ -15,6 +15,7 @@ use serde_json::Value;
 
 use pytorch::PyTorchArgs;
 
+pub mod goal;
 pub mod measure;
 pub mod pytorch;
 pub mod report;
