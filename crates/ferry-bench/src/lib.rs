@@ -27,9 +27,6 @@ pub use harness::report::print_table;
 pub use harness::run_info::RunInfo;
 
 mod autograd;
-mod autograd_chains;
-mod autograd_json;
-mod autograd_output;
 mod checkpoint;
 mod ddp;
 mod ferry_cases;

@@ -15,6 +15,16 @@ pub enum Bound {
     AtLeast(f64),
 }
 
+impl std::fmt::Display for Bound {
+    /// `<= 3`, `>= 0.75`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bound::AtMost(b) => write!(f, "<= {b}"),
+            Bound::AtLeast(b) => write!(f, ">= {b}"),
+        }
+    }
+}
+
 /// One goal: its line's text, the figure it judges (named as the JSON names it) and the bound.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Goal {
@@ -108,6 +118,10 @@ mod tests {
         };
         assert_eq!(at_most.verdict(Some(1.0)), Verdict::Met);
         assert_eq!(at_most.verdict(Some(1.01)), Verdict::Missed);
+        assert_eq!(
+            (at_most.bound.to_string(), AT_LEAST.bound.to_string()),
+            ("<= 1".into(), ">= 0.9".into())
+        );
     }
 
     #[test]
