@@ -29,25 +29,14 @@ pub use harness::run_info::RunInfo;
 mod autograd;
 mod checkpoint;
 mod ddp;
-mod ferry_cases;
 mod harness;
 mod offload;
-mod offload_goals;
-mod offload_grid;
 mod offload_optim;
-mod offload_sweep;
-mod offload_sweep_case;
-mod offload_sweep_output;
 mod optim;
 mod peer;
 mod pipeline;
-mod pipeline_stages;
-mod pipeline_trace;
-mod resnet50;
 mod train;
 mod transfer;
-mod transfer_cases;
-mod transfer_output;
 
 /// `ferry bench`: which benchmark to run, with its flags.
 #[derive(Debug, Args)]

@@ -6,9 +6,9 @@ use serde_json::{Value, json};
 use crate::harness::RunSetup;
 use crate::{Measured, RunInfo};
 
+use super::cases::{Case, LINK_IDS, Link};
 use super::ferry_cases::{BIG_BYTES, SIDE, SMALL_REPS};
 use super::resnet50;
-use super::transfer_cases::{Case, LINK_IDS, Link};
 use crate::harness::report::{format_ratio, print_table, significant};
 
 /// A case's samples on each side, or why a side has none.
@@ -195,7 +195,7 @@ pub fn to_json(info: &RunSetup, measured: &[CaseResult<'_>], link: LinkSpeed) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transfer_cases::cases;
+    use crate::transfer::cases::cases;
     use serde_json::json;
 
     fn result<'a>(case: &'a Case, ferry: &[f64], pytorch: &[f64]) -> CaseResult<'a> {

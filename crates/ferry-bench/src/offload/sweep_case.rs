@@ -3,8 +3,8 @@
 
 use ferry::autograd::OffloadStats;
 
-use super::offload_goals::{Bound, Link, activation_bytes, peak_goal, peak_reduction, step_goal};
-use super::offload_grid::SweepCase;
+use super::goals::{Bound, Link, activation_bytes, peak_goal, peak_reduction, step_goal};
+use super::grid::SweepCase;
 use crate::Measured;
 
 /// One timed step.

@@ -4,9 +4,9 @@
 use ferry::autograd::OffloadStats;
 use serde_json::{Value, json};
 
-use super::offload_goals::{Link, MAX_STEP_OVER_BOUND, MIN_PEAK_REDUCTION, verdict};
-use super::offload_grid::SweepOptions;
-use super::offload_sweep_case::{CaseRun, LinkRun, Row, RowKind, Summary};
+use super::goals::{Link, MAX_STEP_OVER_BOUND, MIN_PEAK_REDUCTION, verdict};
+use super::grid::SweepOptions;
+use super::sweep_case::{CaseRun, LinkRun, Row, RowKind, Summary};
 use crate::RunInfo;
 use crate::harness::report::{print_table, significant};
 
@@ -284,8 +284,8 @@ pub fn json(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::offload_grid::SweepCase;
-    use crate::offload_sweep_case::Sample;
+    use crate::offload::grid::SweepCase;
+    use crate::offload::sweep_case::Sample;
 
     #[test]
     fn a_failed_row_keeps_its_samples_beside_its_error_in_the_json() {

@@ -91,7 +91,7 @@ mod tests {
     /// python/transfer.py must move the very same tensors, or the ratio compares two workloads.
     #[test]
     fn agrees_with_the_pytorch_script() {
-        let script = include_str!("../python/transfer.py");
+        let script = include_str!("../../python/transfer.py");
         let parsed: Vec<(String, Vec<usize>)> = script
             .lines()
             .filter_map(|line| {
