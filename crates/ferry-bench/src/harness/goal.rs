@@ -15,6 +15,15 @@ pub enum Bound {
     AtLeast(f64),
 }
 
+impl Bound {
+    /// The number the figure is held to.
+    pub fn value(self) -> f64 {
+        match self {
+            Bound::AtMost(b) | Bound::AtLeast(b) => b,
+        }
+    }
+}
+
 impl std::fmt::Display for Bound {
     /// `<= 3`, `>= 0.75`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
