@@ -20,17 +20,21 @@ use std::sync::Barrier;
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
-use ferry::memory::cuda::CudaDevice;
 use ferry::prelude::*;
 use serde_json::Value;
 
-use super::autograd_chains::{self as chains, Chain, ChainBytes};
-use super::autograd_json::to_json;
-use super::autograd_output::{
-    MemoryRow, OPS_PER_STEP, OverheadRow, Reading, Report, ScalingRow, print_header, print_results,
-};
 use crate::harness;
 use crate::harness::pytorch::{PyTorchArgs, PyTorchSide};
+use chains::{Chain, ChainBytes};
+use output::{
+    MemoryRow, OPS_PER_STEP, OverheadRow, Reading, Report, ScalingRow, print_header, print_results,
+    to_json,
+};
+
+mod chains;
+mod output;
+#[cfg(test)]
+mod tests;
 
 /// Steps per round of the per-op row: ferry's (as in `autograd_overhead`), PyTorch's.
 const FERRY_OVERHEAD_STEPS: u32 = 5_000;
@@ -322,7 +326,7 @@ pub fn run(args: AutogradArgs) -> Result<(), Box<dyn Error>> {
     let selected = chains::select(&args.chains)?;
     let wants = |s: Section| args.sections.contains(&s);
     let device = Device::Cuda(0);
-    let cuda = CudaDevice::get(0)
+    let cuda = crate::harness::cuda_device(0)
         .map(|dev| format!("{} ({})", dev.device(), dev.info().name))
         .map_err(|e| e.to_string());
     let mut torch = args.pytorch.side("autograd.py", "column");
@@ -371,152 +375,4 @@ pub fn run(args: AutogradArgs) -> Result<(), Box<dyn Error>> {
         harness::write_json(path, &doc, "row")?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use std::path::Path;
-
-    use clap::Parser;
-
-    use super::*;
-    use crate::harness::pytorch::PyTorch;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: AutogradArgs,
-    }
-
-    fn parse(args: &[&str]) -> Result<AutogradArgs, clap::Error> {
-        Cli::try_parse_from(std::iter::once("autograd").chain(args.iter().copied())).map(|c| c.args)
-    }
-
-    #[test]
-    fn arguments_default_to_everything_and_lists_parse() {
-        let args = parse(&[]).unwrap();
-        assert!(!args.pytorch.compare_pytorch && args.json.is_none());
-        assert_eq!(
-            args.sections,
-            [Section::Memory, Section::Threads, Section::Overhead]
-        );
-        assert_eq!(args.thread_counts(), [1, 2, 4, 8, 16]);
-        assert_eq!((args.rounds, args.warmup), (9, 2));
-        assert_eq!(args.pytorch.python, "python3");
-
-        let args = parse(&[
-            "--compare-pytorch",
-            "--json",
-            "out.json",
-            "--sections",
-            "threads,overhead",
-            "--threads",
-            "8,2,8",
-            "--chains",
-            "views,tanh",
-            "--rounds",
-            "3",
-        ])
-        .unwrap();
-        assert!(args.pytorch.compare_pytorch);
-        assert_eq!(args.json.as_deref(), Some(Path::new("out.json")));
-        assert_eq!(args.sections, [Section::Threads, Section::Overhead]);
-        // 1 is always run: efficiency is measured against it.
-        assert_eq!(args.thread_counts(), [1, 2, 8]);
-        assert_eq!(args.chains, ["views", "tanh"]);
-        assert_eq!(args.rounds, 3);
-
-        for bad in [
-            &["--rounds", "0"][..],
-            &["--threads", "0"],
-            &["--sections", "gpu"],
-            &["--warmup", "-1"],
-        ] {
-            assert!(parse(bad).is_err(), "{bad:?} was accepted");
-        }
-    }
-
-    #[test]
-    fn rounds_keep_timed_samples_and_end_at_the_first_failure() {
-        let mut rounds = start_rounds(true);
-        record(&mut rounds, Reading::Got(5.0), false);
-        record(&mut rounds, Reading::Got(1.0), true);
-        record(&mut rounds, Reading::Got(2.0), true);
-        assert_eq!(rounds, Reading::Got(vec![1.0, 2.0]));
-        record(&mut rounds, Reading::Failed("boom".into()), true);
-        record(&mut rounds, Reading::Got(3.0), true);
-        assert_eq!(rounds, Reading::Failed("boom".into()));
-
-        let mut absent = start_rounds(false);
-        record(&mut absent, Reading::Got(1.0), true);
-        assert_eq!(absent, Reading::Skipped);
-    }
-
-    #[test]
-    fn ferry_threads_run_every_round_together() {
-        let mut turns = Vec::new();
-        let samples = ferry_scaling(3, 20, 1, 2, |round| turns.push(round)).unwrap();
-        assert_eq!(turns, [0, 1, 2], "PyTorch's turn comes after every round");
-        assert_eq!(samples.len(), 2);
-        assert!(samples.iter().all(|s| s.is_finite() && *s > 0.0));
-        let model = SmallModel::new().unwrap();
-        let us = model.round_us_per_op(50).unwrap();
-        assert!(us > 0.0 && us.is_finite());
-        // Gradients accumulated over every step: 50 steps of d/dx (relu(x*y + x)).
-        assert_eq!(model.x.grad().unwrap().shape(), [SMALL, SMALL]);
-    }
-
-    /// A stand-in for autograd.py (`sh -u script --serve` runs it), speaking its protocol;
-    /// `threads 4` fails.
-    fn fake_server(dir: &Path) -> PathBuf {
-        crate::harness::pytorch::fake_script(
-            dir,
-            r#"echo '{"ready": true, "torch": "2.11.0", "cuda": "13.0", "device": "Fake GPU"}'
-while read kind a b; do
-  case "$kind" in
-    quit) exit 0 ;;
-    memory) echo '{"case": "'$a'", "retained_bytes": 800, "backward_peak_bytes": 1600, "after_drop_bytes": 0}' ;;
-    overhead) if [ "$a" = 0 ]; then echo '{"ms": 0.02, "threads": 16}'; else echo '{"ms": 0.01, "threads": 1}'; fi ;;
-    threads) if [ "$a" = 4 ]; then echo '{"error": "RuntimeError: boom"}'; else echo "{\"steps_per_s\": $((a * 1000))}"; fi ;;
-  esac
-done
-"#,
-        )
-    }
-
-    #[test]
-    fn pytorch_rounds_interleave_and_each_side_keeps_its_errors() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut torch = PyTorchSide {
-            torch: Some(PyTorch::start("sh", &fake_server(dir.path())).unwrap()),
-            ..PyTorchSide::default()
-        };
-        let row = measure_overhead(&mut torch, 1, 3);
-        assert_eq!(row.ferry.get().unwrap().len(), 3);
-        // 0.01 ms a step of four ops: 2.5 µs an op.
-        assert_eq!(row.pytorch_one, Reading::Got(vec![2.5; 3]));
-        assert_eq!(row.pytorch_default, Reading::Got(vec![5.0; 3]));
-        assert_eq!(row.default_threads, Some(16));
-
-        let row = measure_scaling(2, &mut torch, 0, 2);
-        assert_eq!(row.pytorch, Reading::Got(vec![2000.0; 2]));
-        assert_eq!(row.ferry.get().unwrap().len(), 2);
-        let row = measure_scaling(4, &mut torch, 0, 2);
-        assert_eq!(row.pytorch, Reading::Failed("RuntimeError: boom".into()));
-        assert_eq!(row.ferry.get().unwrap().len(), 2);
-
-        // ferry's side needs a CUDA device (the CPU has no allocator statistics); PyTorch's
-        // answer is read whatever ferry's did.
-        let row = measure_memory(&chains::CHAINS[0], Device::Cpu, &mut torch);
-        assert!(matches!(row.ferry, Reading::Failed(_)));
-        let bytes = row.pytorch.get().unwrap();
-        assert_eq!((bytes.retained, bytes.backward_peak), (800, 1600));
-        assert!(torch.note.is_none() && torch.torch.as_mut().unwrap().is_alive());
-
-        let mut absent = PyTorchSide::default();
-        assert_eq!(
-            measure_overhead(&mut absent, 0, 1).pytorch_one,
-            Reading::Skipped
-        );
-    }
 }

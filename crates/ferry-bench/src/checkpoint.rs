@@ -351,7 +351,7 @@ fn pytorch_round(torch: &mut PyTorch, rows: &mut [Row], timed: bool) {
 }
 
 pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
-    let Some(dev) = harness::cuda_device(0, |err| {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| {
         format!(
             "{NO_CUDA_DEVICE}: {err}\n`ferry bench checkpoint` saves and loads a GPU state dict, \
              so it needs a GPU; nothing was measured"
@@ -502,7 +502,7 @@ mod tests {
 
     #[test]
     fn without_a_gpu_it_says_so_and_succeeds() {
-        if CudaDevice::get(0).is_ok() {
+        if crate::harness::cuda_device(0).is_ok() {
             return; // the GPU machine runs the real thing
         }
         let args = CheckpointArgs {

@@ -32,7 +32,7 @@ use crate::Measured;
 use crate::harness;
 use crate::harness::pytorch::{self, PyTorchArgs};
 use crate::harness::report::significant;
-use output::{print_results, samples_per_s, to_json};
+use output::{print_results, to_json};
 
 mod output;
 #[cfg(test)]
@@ -142,7 +142,7 @@ impl Row {
     /// Samples a second over all replicas at the median step time.
     pub fn samples_per_s(&self, batch: usize) -> Option<f64> {
         self.median_ms()
-            .map(|ms| samples_per_s(self.replicas, batch, ms))
+            .map(|ms| (self.replicas * batch) as f64 / (ms / 1e3))
     }
 }
 
@@ -189,7 +189,7 @@ fn replica(cfg: &Config, device: Device, group: Option<ProcessGroup>) -> ferry::
     };
     let mut opt = Adam::new(model.parameters(), LR)?;
     let cuda = match device {
-        Device::Cuda(ordinal) => Some(CudaDevice::get(ordinal)?),
+        Device::Cuda(ordinal) => Some(crate::harness::cuda_device(ordinal)?),
         Device::Cpu => None,
     };
     let mut step_ms = Vec::with_capacity(cfg.steps as usize);
@@ -440,8 +440,8 @@ pub fn run(args: DdpArgs) -> Result<(), Box<dyn Error>> {
         let found = cuda::devices().map(|d| d.len()).map_err(|e| e.to_string());
         match gpus_available(found, distributed::nccl_present()) {
             Ok(n) => {
-                let name =
-                    CudaDevice::get(0).map_or_else(|e| e.to_string(), |d| d.info().name.clone());
+                let name = crate::harness::cuda_device(0)
+                    .map_or_else(|e| e.to_string(), |d| d.info().name.clone());
                 (format!("{n} x {name}"), n)
             }
             Err(why) => {

@@ -27,30 +27,16 @@ pub use harness::report::print_table;
 pub use harness::run_info::RunInfo;
 
 mod autograd;
-mod autograd_chains;
-mod autograd_json;
-mod autograd_output;
 mod checkpoint;
 mod ddp;
-mod ferry_cases;
 mod harness;
 mod offload;
-mod offload_goals;
-mod offload_grid;
 mod offload_optim;
-mod offload_sweep;
-mod offload_sweep_case;
-mod offload_sweep_output;
 mod optim;
 mod peer;
 mod pipeline;
-mod pipeline_stages;
-mod pipeline_trace;
-mod resnet50;
 mod train;
 mod transfer;
-mod transfer_cases;
-mod transfer_output;
 
 /// `ferry bench`: which benchmark to run, with its flags.
 #[derive(Debug, Args)]

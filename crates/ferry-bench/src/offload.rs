@@ -12,7 +12,7 @@
 //! allocates them alike). Rounds alternate ferry's rows and PyTorch's; the table shows medians
 //! of step time and the largest peak seen.
 //!
-//! `--sweep` runs `offload_sweep` instead: many such MLPs and ferry's GPT blocks, each judged
+//! `--sweep` runs `sweep` instead: many such MLPs and ferry's GPT blocks, each judged
 //! against the link bound and the peak goal.
 
 use std::error::Error;
@@ -25,13 +25,18 @@ use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::{Device, Tensor};
 use serde_json::{Value, json};
 
-use super::offload_grid::{self, DEFAULT_GRID, SweepCase, SweepOptions};
-use super::offload_sweep;
-use super::offload_sweep_output::stats_json;
 use crate::harness;
 use crate::harness::measure::median;
 use crate::harness::pytorch::{PyTorch, PyTorchArgs};
 use crate::harness::report::{print_table, significant};
+use grid::{DEFAULT_GRID, SweepCase, SweepOptions};
+use sweep_output::stats_json;
+
+mod goals;
+mod grid;
+mod sweep;
+mod sweep_case;
+mod sweep_output;
 
 #[derive(Args, Debug)]
 pub struct OffloadArgs {
@@ -64,7 +69,7 @@ pub struct OffloadArgs {
     sweep: bool,
     /// The sweep's cases, comma-separated: LAYERSxWIDTH@BATCH for an MLP,
     /// gpt:BLOCKSxWIDTH@BATCHxTOKENS for ferry's GPT [default: DEFAULT_GRID in
-    /// crates/ferry-bench/src/offload_grid.rs, six MLPs from 4x1024@8192 to 16x4096@16384 and
+    /// crates/ferry-bench/src/offload/grid.rs, six MLPs from 4x1024@8192 to 16x4096@16384 and
     /// two GPTs].
     #[arg(long, requires = "sweep", value_parser = parse_grid)]
     grid: Option<Grid>,
@@ -75,7 +80,7 @@ pub struct OffloadArgs {
 struct Grid(Vec<SweepCase>);
 
 fn parse_grid(spec: &str) -> Result<Grid, String> {
-    offload_grid::parse_grid(spec).map(Grid)
+    grid::parse_grid(spec).map(Grid)
 }
 
 impl OffloadArgs {
@@ -83,7 +88,7 @@ impl OffloadArgs {
         self.sweep.then(|| SweepOptions {
             grid: match &self.grid {
                 Some(Grid(cases)) => cases.clone(),
-                None => offload_grid::parse_grid(DEFAULT_GRID).expect("the default grid parses"),
+                None => grid::parse_grid(DEFAULT_GRID).expect("the default grid parses"),
             },
             samples: self.samples,
             warmup: self.warmup,
@@ -101,7 +106,7 @@ struct Model {
 
 impl Model {
     fn new(args: &OffloadArgs, device: Device) -> ferry::Result<Self> {
-        let (x, ws) = offload_sweep::mlp(args.layers, args.width, args.batch, device)?;
+        let (x, ws) = sweep::mlp(args.layers, args.width, args.batch, device)?;
         Ok(Self { x, ws })
     }
 }
@@ -213,9 +218,9 @@ fn cell(value: Option<String>, row: &Row) -> String {
 
 pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     if let Some(options) = args.sweep_options() {
-        return offload_sweep::run(options);
+        return sweep::run(options);
     }
-    let Some(dev) = harness::cuda_device(0, |err| {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| {
         format!(
             "ferry bench offload needs a CUDA device (it measures device memory and copies to \
              pinned host memory): {err}"

@@ -330,7 +330,7 @@ fn to_json(r: &Run) -> serde_json::Value {
 }
 
 pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
-    let Some(dev) = harness::cuda_device(0, |err| {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| {
         format!(
             "{NO_CUDA_DEVICE} ({err}): ferry bench offload-optim trains on a GPU; nothing to measure here"
         )
@@ -533,7 +533,7 @@ mod tests {
         else {
             panic!("not the offload-optim bench")
         };
-        if ferry::memory::cuda::CudaDevice::get(0).is_err() {
+        if crate::harness::cuda_device(0).is_err() {
             super::run(args).unwrap();
         }
     }

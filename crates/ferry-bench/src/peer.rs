@@ -200,7 +200,10 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
         let doc = json!({ "bench": "peer", "skipped": why, "cases": [] });
         return harness::skip(&why, args.run.json.as_deref(), &doc);
     }
-    let devs = [CudaDevice::get(0)?, CudaDevice::get(1)?];
+    let devs = [
+        crate::harness::cuda_device(0)?,
+        crate::harness::cuda_device(1)?,
+    ];
     let mut torch = args.run.pytorch.side("peer.py", "columns");
     let mut notes: Vec<String> = torch.note.take().into_iter().collect();
     println!(

@@ -20,12 +20,14 @@ use clap::Args;
 use ferry::{DType, Device, Result, Tensor};
 use serde_json::{Value, json};
 
-use super::pipeline_stages::{FRAME, Fixture};
-use super::pipeline_trace;
 use crate::Measured;
 use crate::harness;
 use crate::harness::pytorch::{PyTorch, PyTorchArgs};
 use crate::harness::report::{print_table, significant};
+use stages::{FRAME, Fixture};
+
+mod stages;
+mod trace;
 
 /// The speedup over serial the reference article reports for its pipeline.
 const ARTICLE_SPEEDUP: f64 = 0.30;
@@ -166,7 +168,7 @@ fn ratio(x: Option<f64>) -> String {
 }
 
 pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
-    let Some(dev) = harness::cuda_device(0, |err| {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| {
         format!("ferry bench pipeline needs a CUDA device (frames are produced on the GPU): {err}")
     }) else {
         return Ok(());
@@ -211,10 +213,10 @@ pub fn run(args: PipelineArgs) -> Result<(), Box<dyn Error>> {
         // Once right after a PyTorch sample (if any), once on a quiet host.
         if let Some(torch) = torch.torch() {
             torch.sample(&format!("pipelined {frames} {} {depth}", args.host_passes))?;
-            pipeline_trace::trace(&fx, "right after a PyTorch sample")?;
+            trace::trace(&fx, "right after a PyTorch sample")?;
         }
         std::thread::sleep(SETTLE);
-        pipeline_trace::trace(&fx, "after a pause")?;
+        trace::trace(&fx, "after a pause")?;
     }
     drop(fx);
 

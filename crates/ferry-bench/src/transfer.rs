@@ -10,12 +10,17 @@ use std::error::Error;
 
 use clap::Args;
 
-use super::ferry_cases::{self as ferry_side, BenchResult, Fixture};
-use super::transfer_cases::{Case, cases, select};
-use super::transfer_output::{CaseResult, LinkSpeed, print_header, print_results, to_json};
 use crate::Measured;
 use crate::harness::pytorch::PyTorch;
 use crate::harness::{self, NO_CUDA_DEVICE, RunSetup, SampledArgs};
+use cases::{Case, cases, select};
+use ferry_cases::{self as ferry_side, BenchResult, Fixture};
+use output::{CaseResult, LinkSpeed, print_header, print_results, to_json};
+
+mod cases;
+mod ferry_cases;
+mod output;
+mod resnet50;
 
 #[derive(Args, Debug)]
 pub struct TransferArgs {
@@ -77,7 +82,7 @@ pub fn run(args: TransferArgs) -> Result<(), Box<dyn Error>> {
     }
     let all = cases();
     let selected = select(&all, &args.cases)?;
-    let Some(dev) = harness::cuda_device(0, |err| format!("{NO_CUDA_DEVICE}: {err}")) else {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| format!("{NO_CUDA_DEVICE}: {err}")) else {
         return Ok(());
     };
     let mut torch = args.run.pytorch.side("transfer.py", "column");

@@ -6,15 +6,22 @@ use serde_json::{Value, json};
 use crate::RunInfo;
 
 use super::{Config, Row};
-use crate::harness::report::{Verdict, format_ratio, print_table, significant};
+use crate::harness::goal::{Bound, Goal, Judged, goals_json, print_goals};
+use crate::harness::report::{format_ratio, print_table, significant};
 
-/// The goal for scaling efficiency on two GPUs.
-const EFFICIENCY_GOAL: f64 = 0.9;
-
-/// Samples a second of `replicas` replicas of `batch` samples each, `ms` a step.
-pub(super) fn samples_per_s(replicas: usize, batch: usize, ms: f64) -> f64 {
-    (replicas * batch) as f64 / (ms / 1e3)
-}
+/// The two goals: efficiency >= 0.9 and ferry's two-GPU step no slower than PyTorch's.
+const GOALS: [Goal; 2] = [
+    Goal {
+        name: "scaling efficiency on 2 GPUs >= 0.9",
+        metric: "ferry_scaling_efficiency",
+        bound: Bound::AtLeast(0.9),
+    },
+    Goal {
+        name: "2-GPU step time <= PyTorch DDP's",
+        metric: "ddp_2 median_ms, ferry / PyTorch",
+        bound: Bound::AtMost(1.0),
+    },
+];
 
 /// Two-replica samples/s over twice the one-GPU (plain) samples/s.
 pub(super) fn scaling_efficiency(rows: &[Row], batch: usize) -> Option<f64> {
@@ -27,45 +34,26 @@ pub(super) fn find<'a>(rows: &'a [Row], id: &str) -> Option<&'a Row> {
     rows.iter().find(|r| r.id == id)
 }
 
-/// One goal line: what, the figure, met/MISSED/?.
-#[derive(Debug, Clone, PartialEq)]
-pub(super) struct Goal {
-    pub(super) name: &'static str,
-    pub(super) figure: String,
-    pub(super) verdict: Verdict,
-}
-
-/// The two goals: efficiency >= 0.9 and ferry's two-GPU step no slower than PyTorch's.
-pub(super) fn goals(ferry: &[Row], torch: Option<&[Row]>, batch: usize) -> Vec<Goal> {
-    let met = |ok: bool| if ok { Verdict::Met } else { Verdict::Missed };
+/// [`GOALS`] judged on ferry's rows and PyTorch's.
+pub(super) fn goals(ferry: &[Row], torch: Option<&[Row]>, batch: usize) -> Vec<Judged> {
     let efficiency = scaling_efficiency(ferry, batch);
     let ours = find(ferry, "ddp_2").and_then(Row::median_ms);
     let theirs = torch
         .and_then(|rows| find(rows, "ddp_2"))
         .and_then(Row::median_ms);
+    let step = match (ours, theirs) {
+        (Some(f), Some(t)) => format!(
+            "{} ms vs {} ms ({})",
+            significant(f),
+            significant(t),
+            format_ratio(f, t)
+        ),
+        (Some(f), None) => format!("{} ms vs -", significant(f)),
+        _ => "-".into(),
+    };
     vec![
-        Goal {
-            name: "scaling efficiency on 2 GPUs >= 0.9",
-            figure: efficiency.map_or("-".into(), significant),
-            verdict: efficiency.map_or(Verdict::Unknown, |e| met(e >= EFFICIENCY_GOAL)),
-        },
-        Goal {
-            name: "2-GPU step time <= PyTorch DDP's",
-            figure: match (ours, theirs) {
-                (Some(f), Some(t)) => format!(
-                    "{} ms vs {} ms ({})",
-                    significant(f),
-                    significant(t),
-                    format_ratio(f, t)
-                ),
-                (Some(f), None) => format!("{} ms vs -", significant(f)),
-                _ => "-".into(),
-            },
-            verdict: match (ours, theirs) {
-                (Some(f), Some(t)) => met(f <= t),
-                _ => Verdict::Unknown,
-            },
-        },
+        GOALS[0].judge(efficiency, efficiency.map_or("-".into(), significant)),
+        GOALS[1].judge(ours.zip(theirs).map(|(f, t)| f / t), step),
     ]
 }
 
@@ -127,10 +115,6 @@ pub(super) fn to_json(
     } else {
         goals(ferry, torch.map(|(_, r)| r.as_slice()), batch)
     };
-    let goal_rows: Vec<Value> = judged
-        .iter()
-        .map(|g| json!({ "goal": g.name, "figure": g.figure, "met": g.verdict.as_bool() }))
-        .collect();
     RunInfo::stamp(json!({
         "bench": "ddp",
         "device": device,
@@ -148,7 +132,7 @@ pub(super) fn to_json(
             "rows": rows.iter().map(|r| row_json(r, batch)).collect::<Vec<_>>(),
             "scaling_efficiency": scaling_efficiency(rows, batch),
         })),
-        "goals": goal_rows,
+        "goals": goals_json(&judged),
         "notes": notes,
     }))
 }
@@ -189,14 +173,7 @@ pub(super) fn print_results(cfg: &Config, ferry: &[Row], torch: Option<&(String,
     } else {
         goals(ferry, torch_rows, batch)
     };
-    for goal in judged {
-        println!(
-            "goal: {}: {} {}",
-            goal.name,
-            goal.figure,
-            goal.verdict.label()
-        );
-    }
+    print_goals(&judged);
     let sides = [("ferry", Some(ferry)), ("PyTorch", torch_rows)];
     for (side, rows) in sides {
         for row in rows.unwrap_or_default() {

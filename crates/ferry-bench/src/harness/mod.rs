@@ -9,11 +9,13 @@ use std::fmt::Display;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
+use ferry::memory::MemoryError;
 use ferry::memory::cuda::CudaDevice;
 use serde_json::Value;
 
 use pytorch::PyTorchArgs;
 
+pub mod goal;
 pub mod measure;
 pub mod pytorch;
 pub mod report;
@@ -79,13 +81,18 @@ impl RunSetup {
     }
 }
 
+/// cuda:`ordinal`: the one place the benches ask for a GPU.
+pub fn cuda_device(ordinal: usize) -> Result<CudaDevice, MemoryError> {
+    CudaDevice::get(ordinal)
+}
+
 /// cuda:`ordinal`, or `None` once `why_not` has been printed: a bench on a machine without the
 /// GPU it needs says so and succeeds, so a run over every bench reaches the end.
-pub fn cuda_device(
+pub fn cuda_device_or_say(
     ordinal: usize,
     why_not: impl FnOnce(&dyn Display) -> String,
 ) -> Option<CudaDevice> {
-    CudaDevice::get(ordinal)
+    cuda_device(ordinal)
         .map_err(|err| println!("{}", why_not(&err)))
         .ok()
 }
@@ -223,7 +230,7 @@ mod tests {
     #[test]
     fn without_the_gpu_the_reason_names_the_error() {
         let mut said = None;
-        let dev = cuda_device(4096, |err| {
+        let dev = cuda_device_or_say(4096, |err| {
             said = Some(err.to_string());
             format!("{NO_CUDA_DEVICE}: {err}")
         });

@@ -147,7 +147,7 @@ pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
         }
         Device::Cuda(ordinal) => {
             let why_not = |err: &dyn std::fmt::Display| format!("{NO_CUDA_DEVICE}: {err}");
-            let Some(dev) = harness::cuda_device(ordinal, why_not) else {
+            let Some(dev) = harness::cuda_device_or_say(ordinal, why_not) else {
                 return Ok(());
             };
             format!("{} ({})", dev.device(), dev.info().name)

@@ -61,7 +61,7 @@ impl FerryRun {
     pub(crate) fn new(case: &Case, device: Device) -> Result<Self, Box<dyn Error>> {
         let (widths, batch) = (case.widths, case.batch);
         let cuda = match device {
-            Device::Cuda(ordinal) => Some(CudaDevice::get(ordinal)?),
+            Device::Cuda(ordinal) => Some(crate::harness::cuda_device(ordinal)?),
             Device::Cpu => None,
         };
         ferry::manual_seed(0);

@@ -4,9 +4,9 @@
 use ferry::autograd::OffloadStats;
 use serde_json::{Value, json};
 
-use super::offload_goals::{Link, MAX_STEP_OVER_BOUND, MIN_PEAK_REDUCTION, verdict};
-use super::offload_grid::SweepOptions;
-use super::offload_sweep_case::{CaseRun, LinkRun, Row, RowKind, Summary};
+use super::goals::{Link, PEAK_GOAL, STEP_GOAL, verdict};
+use super::grid::SweepOptions;
+use super::sweep_case::{CaseRun, LinkRun, Row, RowKind, Summary};
 use crate::RunInfo;
 use crate::harness::report::{print_table, significant};
 
@@ -166,10 +166,11 @@ pub fn print_results(runs: &[CaseRun], link: Option<Link>) {
         format!("{passed} of {} judged", judged.len())
     };
     println!(
-        "goals: step <= {MAX_STEP_OVER_BOUND}x its bound in {}; peak lower by >= {}% of the \
-         saved activations in {} ({} cases)",
+        "goals: step <= {}x its bound in {}; peak lower by >= {}% of the saved activations in \
+         {} ({} cases)",
+        STEP_GOAL.bound.value(),
         tally(|s| s.step_met),
-        100.0 * MIN_PEAK_REDUCTION,
+        100.0 * PEAK_GOAL.bound.value(),
         tally(|s| s.peak_met),
         runs.len(),
     );
@@ -264,8 +265,8 @@ pub fn json(
         "warmup": options.warmup,
         "min_bytes": options.min_bytes,
         "goals": {
-            "max_step_over_bound": MAX_STEP_OVER_BOUND,
-            "min_peak_reduction_of_activations": MIN_PEAK_REDUCTION,
+            "max_step_over_bound": STEP_GOAL.bound.value(),
+            "min_peak_reduction_of_activations": PEAK_GOAL.bound.value(),
         },
         "link": {
             "bytes": link.bytes,
@@ -284,8 +285,8 @@ pub fn json(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::offload_grid::SweepCase;
-    use crate::offload_sweep_case::Sample;
+    use crate::offload::grid::SweepCase;
+    use crate::offload::sweep_case::Sample;
 
     #[test]
     fn a_failed_row_keeps_its_samples_beside_its_error_in_the_json() {

@@ -6,9 +6,9 @@ use serde_json::{Value, json};
 use crate::harness::RunSetup;
 use crate::{Measured, RunInfo};
 
+use super::cases::{Case, LINK_IDS, Link};
 use super::ferry_cases::{BIG_BYTES, SIDE, SMALL_REPS};
 use super::resnet50;
-use super::transfer_cases::{Case, LINK_IDS, Link};
 use crate::harness::report::{format_ratio, print_table, significant};
 
 /// A case's samples on each side, or why a side has none.
@@ -60,7 +60,7 @@ pub fn print_header(info: &RunSetup) {
          tensors, {} MB of f32",
         info.device,
         BIG_BYTES / 1_000_000,
-        resnet50::RESNET50_STATE_DICT.len(),
+        resnet50::state_dict().len(),
         significant(resnet50::float_bytes() as f64 / 1e6),
     );
     info.print_sampling(
@@ -184,7 +184,7 @@ pub fn to_json(info: &RunSetup, measured: &[CaseResult<'_>], link: LinkSpeed) ->
             "host_to_device": link.host_to_device,
         },
         "resnet50_state_dict": {
-            "tensors": resnet50::RESNET50_STATE_DICT.len(),
+            "tensors": resnet50::state_dict().len(),
             "float_bytes": resnet50::float_bytes(),
             "total_bytes": resnet50::total_bytes(),
         },
@@ -195,7 +195,7 @@ pub fn to_json(info: &RunSetup, measured: &[CaseResult<'_>], link: LinkSpeed) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transfer_cases::cases;
+    use crate::transfer::cases::cases;
     use serde_json::json;
 
     fn result<'a>(case: &'a Case, ferry: &[f64], pytorch: &[f64]) -> CaseResult<'a> {

@@ -12,7 +12,7 @@ use std::time::Instant;
 use ferry::memory::cuda::Event;
 use ferry::{Device, DeviceMove, Result};
 
-use super::pipeline_stages::{Fixture, process, produce};
+use super::stages::{Fixture, process, produce};
 use crate::harness::measure::median;
 use crate::harness::report::{print_table, significant};
 

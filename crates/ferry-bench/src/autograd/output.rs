@@ -1,15 +1,34 @@
-//! What `ferry bench autograd` reports: its rows on both sides and the four tables.
+//! What `ferry bench autograd` reports: its rows on both sides, the four tables and the JSON
+//! file (every row as one object: both sides with every round, units, the goal, the verdict).
 
 use std::collections::BTreeSet;
 
-use super::autograd_chains::{Chain, ChainBytes, SIDE};
+use serde_json::{Value, json};
+
+use super::chains::{Chain, ChainBytes, SIDE};
+use crate::RunInfo;
+use crate::harness::goal::{Bound, Goal};
 use crate::harness::measure::median;
 use crate::harness::report::{Verdict, format_ratio, print_table, significant};
 
+/// The goals, as data. ferry keeps no more after the forward than PyTorch does (bytes over
+/// PyTorch's at most 0); throughput(N) >= 0.75 x N x throughput(1) ...
+const MEMORY_GOAL: Goal = Goal {
+    name: "<= PyTorch",
+    metric: "retained_bytes over PyTorch's",
+    bound: Bound::AtMost(0.0),
+};
+const SCALING_GOAL: Goal = Goal {
+    name: "efficiency",
+    metric: "steps/s(N) / (N x steps/s(1))",
+    bound: Bound::AtLeast(0.75),
+};
 /// The per-op goal from issue 10, in µs per op on the H200 host.
-pub const OVERHEAD_GOAL_US: f64 = 3.0;
-/// The thread-scaling goal: throughput(N) >= this x N x throughput(1) ...
-pub const SCALING_GOAL: f64 = 0.75;
+const OVERHEAD_GOAL: Goal = Goal {
+    name: "per-op",
+    metric: "us/op",
+    bound: Bound::AtMost(3.0),
+};
 /// ... for N up to this many threads.
 pub const SCALING_GOAL_UP_TO: usize = 8;
 /// Ops in the CPU step (mul, add, relu, sum).
@@ -73,11 +92,8 @@ pub struct MemoryRow {
 impl MemoryRow {
     /// The goal: ferry keeps no more after the forward than PyTorch does.
     pub fn verdict(&self) -> Verdict {
-        match (self.ferry.get(), self.pytorch.get()) {
-            (Some(f), Some(p)) if f.retained <= p.retained => Verdict::Met,
-            (Some(_), Some(_)) => Verdict::Missed,
-            _ => Verdict::Unknown,
-        }
+        let over = |(f, p): (&ChainBytes, &ChainBytes)| (f.retained - p.retained) as f64;
+        MEMORY_GOAL.verdict(self.ferry.get().zip(self.pytorch.get()).map(over))
     }
 }
 
@@ -109,11 +125,9 @@ pub fn efficiencies(
 
 /// Judged for 2..=8 threads, and only where the machine has a core for each thread.
 pub fn scaling_verdict(threads: usize, efficiency: Option<f64>, cores: usize) -> Verdict {
-    match efficiency {
+    match threads {
         _ if threads == 1 || threads > SCALING_GOAL_UP_TO || threads > cores => Verdict::NoTarget,
-        Some(e) if e >= SCALING_GOAL => Verdict::Met,
-        Some(_) => Verdict::Missed,
-        None => Verdict::Unknown,
+        _ => SCALING_GOAL.verdict(efficiency),
     }
 }
 
@@ -122,7 +136,7 @@ pub fn scaling_goal(threads: usize, cores: usize) -> String {
         1 => "reference".into(),
         n if n > SCALING_GOAL_UP_TO => "-".into(),
         n if n > cores => format!("not judged: {cores} cores"),
-        _ => format!(">= {SCALING_GOAL}"),
+        _ => SCALING_GOAL.bound.to_string(),
     }
 }
 
@@ -138,11 +152,7 @@ pub struct OverheadRow {
 
 impl OverheadRow {
     pub fn verdict(&self) -> Verdict {
-        match self.ferry.median() {
-            Some(us) if us <= OVERHEAD_GOAL_US => Verdict::Met,
-            Some(_) => Verdict::Missed,
-            None => Verdict::Unknown,
-        }
+        OVERHEAD_GOAL.verdict(self.ferry.median())
     }
 }
 
@@ -242,7 +252,7 @@ pub fn overhead_rows(row: &OverheadRow) -> Vec<Vec<String>> {
         cell(&row.pytorch_one, us),
         cell(&row.pytorch_default, us),
         ratio(row.ferry.median(), row.pytorch_one.median()),
-        format!("<= {OVERHEAD_GOAL_US} µs"),
+        format!("{} µs", OVERHEAD_GOAL.bound),
         row.verdict().label().to_string(),
     ]]
 }
@@ -356,8 +366,9 @@ fn print_notes(report: &Report) {
     }
     if !report.scaling.is_empty() {
         println!(
-            "efficiency: steps/s(N) / (N x steps/s(1)); goal >= {SCALING_GOAL} up to \
-             {SCALING_GOAL_UP_TO} threads, judged where the machine has a core per thread."
+            "efficiency: steps/s(N) / (N x steps/s(1)); goal {} up to {SCALING_GOAL_UP_TO} \
+             threads, judged where the machine has a core per thread.",
+            SCALING_GOAL.bound
         );
         if report.pytorch.is_some() {
             println!(
@@ -416,168 +427,114 @@ fn print_notes(report: &Report) {
     }
 }
 
-#[cfg(test)]
-pub mod tests {
-    use super::*;
-    use crate::autograd_chains::CHAINS;
-
-    const MIB: i64 = 1 << 20;
-
-    fn bytes(retained: i64, backward_peak: i64, saved: Option<usize>) -> ChainBytes {
-        ChainBytes {
-            retained,
-            backward_peak,
-            after_drop: 0,
-            saved,
-        }
+fn side_json<T>(reading: &Reading<T>, value: impl Fn(&T) -> Value) -> Value {
+    match reading {
+        Reading::Got(v) => value(v),
+        Reading::Failed(err) => json!({ "error": err }),
+        Reading::Skipped => json!({ "skipped": true }),
     }
+}
 
-    fn scaling(threads: usize, ferry: &[f64], pytorch: Reading<Vec<f64>>) -> ScalingRow {
-        ScalingRow {
-            threads,
-            ferry: Reading::Got(ferry.to_vec()),
-            pytorch,
-        }
+fn rounds_json(samples: &Vec<f64>, unit: &str) -> Value {
+    json!({ "median": median(samples), "rounds": samples, "unit": unit })
+}
+
+/// Every row as one JSON object with a `section`, both sides, units, the goal and whether it
+/// was met (null where it cannot be judged).
+pub fn rows_json(report: &Report) -> Vec<Value> {
+    let mut rows = Vec::new();
+    for r in &report.memory {
+        let expected = (r.chain.expected)(SIDE);
+        let bytes = |b: &ChainBytes| {
+            json!({
+                "retained_bytes": b.retained,
+                "backward_peak_bytes": b.backward_peak,
+                "after_drop_bytes": b.after_drop,
+                "saved_bytes": b.saved,
+            })
+        };
+        rows.push(json!({
+            "section": "memory",
+            "id": r.chain.id,
+            "forward": r.chain.forward,
+            "unit": "bytes",
+            "expected_bytes": expected,
+            "ferry": side_json(&r.ferry, bytes),
+            "pytorch": side_json(&r.pytorch, bytes),
+            "ratio": r.ferry.get().zip(r.pytorch.get())
+                .map(|(f, p)| f.retained as f64 / p.retained as f64),
+            "goal": "retained_bytes <= PyTorch's",
+            "met": r.verdict().as_bool(),
+        }));
+        rows.push(json!({
+            "section": "backward_peak",
+            "id": r.chain.id,
+            "unit": "bytes",
+            "ferry": side_json(&r.ferry, |b| json!({ "backward_peak_bytes": b.backward_peak })),
+            "pytorch": side_json(&r.pytorch, |b| json!({ "backward_peak_bytes": b.backward_peak })),
+            "ratio": r.ferry.get().zip(r.pytorch.get())
+                .map(|(f, p)| f.backward_peak as f64 / p.backward_peak as f64),
+            "goal": Value::Null,
+            "met": Value::Null,
+        }));
     }
-
-    /// A made-up H200 run: every section, both sides, one failure of each kind.
-    pub fn report() -> Report {
-        let memory = vec![
-            MemoryRow {
-                chain: &CHAINS[0],
-                ferry: Reading::Got(bytes(800 * MIB, 2000 * MIB, Some(400 << 20))),
-                pytorch: Reading::Got(bytes(800 * MIB, 1600 * MIB, None)),
-            },
-            MemoryRow {
-                chain: &CHAINS[2],
-                ferry: Reading::Got(bytes(1300 * MIB, 3200 * MIB, Some(800 << 20))),
-                pytorch: Reading::Got(bytes(1200 * MIB, 2000 * MIB, None)),
-            },
-            MemoryRow {
-                chain: &CHAINS[4],
-                ferry: Reading::Failed("out of memory".into()),
-                pytorch: Reading::Got(bytes(800 * MIB, 1600 * MIB, None)),
-            },
-        ];
-        Report {
-            cuda: Ok("cuda:0 (test)".into()),
-            cores: 16,
-            rounds: 3,
-            warmup: 1,
-            pytorch: Some("2.11.0 (CUDA 13.0) on Fake GPU".into()),
-            pytorch_note: None,
-            memory,
-            scaling: vec![
-                scaling(1, &[1e4, 1.1e4, 0.9e4], Reading::Got(vec![5e3; 3])),
-                scaling(4, &[3e4; 3], Reading::Failed("RuntimeError: boom".into())),
-                scaling(8, &[5e4; 3], Reading::Got(vec![5e3; 3])),
-                scaling(16, &[6e4; 3], Reading::Skipped),
-            ],
-            overhead: Some(OverheadRow {
-                ferry: Reading::Got(vec![2.5, 2.0, 3.5]),
-                pytorch_one: Reading::Got(vec![20.0, 22.5, 25.0]),
-                pytorch_default: Reading::Failed("killed".into()),
-                default_threads: Some(16),
+    let ferry_eff = efficiencies(&report.scaling, |r| &r.ferry);
+    let torch_eff = efficiencies(&report.scaling, |r| &r.pytorch);
+    for (r, (fe, te)) in report
+        .scaling
+        .iter()
+        .zip(ferry_eff.into_iter().zip(torch_eff))
+    {
+        let verdict = scaling_verdict(r.threads, fe, report.cores);
+        let side = |reading: &Reading<Vec<f64>>, eff: Option<f64>| {
+            side_json(reading, |s| {
+                let mut v = rounds_json(s, "steps/s");
+                v["efficiency"] = json!(eff);
+                v
+            })
+        };
+        rows.push(json!({
+            "section": "thread_scaling",
+            "id": format!("threads_{}", r.threads),
+            "threads": r.threads,
+            "unit": "steps/s",
+            "ferry": side(&r.ferry, fe),
+            "pytorch": side(&r.pytorch, te),
+            "goal": (r.threads <= SCALING_GOAL_UP_TO).then(|| scaling_goal(r.threads, report.cores)),
+            "met": verdict.as_bool(),
+        }));
+    }
+    if let Some(r) = &report.overhead {
+        let us = |s: &Vec<f64>| rounds_json(s, "us/op");
+        rows.push(json!({
+            "section": "op_overhead",
+            "id": "mul_add_relu_sum",
+            "unit": "us/op",
+            "ferry": side_json(&r.ferry, us),
+            "pytorch": side_json(&r.pytorch_one, us),
+            "pytorch_default_threads": side_json(&r.pytorch_default, |s| {
+                let mut v = us(s);
+                v["threads"] = json!(r.default_threads);
+                v
             }),
-        }
+            "ratio": r.ferry.median().zip(r.pytorch_one.median()).map(|(f, p)| f / p),
+            "goal": format!("{} us/op", OVERHEAD_GOAL.bound),
+            "met": r.verdict().as_bool(),
+        }));
     }
+    rows
+}
 
-    #[test]
-    fn efficiency_is_throughput_over_n_times_one_thread() {
-        assert_eq!(efficiency(30_000.0, 4, 10_000.0), 0.75);
-        assert_eq!(efficiency(10_000.0, 1, 10_000.0), 1.0);
-        // Sixteen threads doing one thread's work: 1/16.
-        assert_eq!(efficiency(10_000.0, 16, 10_000.0), 0.0625);
-        let rows = report().scaling;
-        let eff = efficiencies(&rows, |r| &r.ferry);
-        assert_eq!(eff, [Some(1.0), Some(0.75), Some(0.625), Some(0.375)]);
-        // PyTorch failed at 4 threads and was not asked at 16.
-        let eff = efficiencies(&rows, |r| &r.pytorch);
-        assert_eq!(eff, [Some(1.0), None, Some(0.125), None]);
-        // Without a one-thread row nothing can be said.
-        assert!(
-            efficiencies(&rows[1..], |r| &r.ferry)
-                .iter()
-                .all(Option::is_none)
-        );
-    }
-
-    #[test]
-    fn scaling_is_judged_from_two_to_eight_threads_on_enough_cores() {
-        assert_eq!(scaling_verdict(1, Some(1.0), 16), Verdict::NoTarget);
-        assert_eq!(scaling_verdict(2, Some(0.75), 16), Verdict::Met);
-        assert_eq!(scaling_verdict(8, Some(0.74), 16), Verdict::Missed);
-        assert_eq!(scaling_verdict(8, None, 16), Verdict::Unknown);
-        assert_eq!(scaling_verdict(16, Some(0.1), 16), Verdict::NoTarget);
-        // A 2-core machine cannot show 4 threads scaling.
-        assert_eq!(scaling_verdict(4, Some(0.3), 2), Verdict::NoTarget);
-        assert_eq!(scaling_goal(4, 2), "not judged: 2 cores");
-        assert_eq!(scaling_goal(4, 16), ">= 0.75");
-    }
-
-    #[test]
-    fn tables_show_mib_ratios_goals_and_verdicts() {
-        let r = report();
-        let memory = memory_rows(&r.memory);
-        assert_eq!(
-            memory[0],
-            [
-                "elementwise",
-                "800",
-                "400",
-                "800",
-                "1.00",
-                "800",
-                "<= PyTorch",
-                "met"
-            ]
-        );
-        assert_eq!(memory[1][..5], ["tanh", "1300", "800", "1200", "1.08"]);
-        assert_eq!(memory[1][7], "MISSED");
-        assert_eq!(
-            memory[2],
-            [
-                "softmax",
-                "error",
-                "error",
-                "800",
-                "-",
-                "800",
-                "<= PyTorch",
-                "?"
-            ]
-        );
-        let backward = backward_rows(&r.memory);
-        assert_eq!(backward[0], ["elementwise", "2000", "1600", "1.25"]);
-        assert_eq!(backward[2], ["softmax", "error", "1600", "-"]);
-
-        let threads = scaling_rows(&r.scaling, r.cores);
-        assert_eq!(
-            threads[0],
-            ["1", "10000", "1.00", "5000", "1.00", "reference", ""]
-        );
-        assert_eq!(
-            threads[1],
-            ["4", "30000", "0.75", "error", "-", ">= 0.75", "met"]
-        );
-        assert_eq!(
-            threads[2][1..],
-            ["50000", "0.62", "5000", "0.12", ">= 0.75", "MISSED"]
-        );
-        assert_eq!(threads[3][3..], ["-", "-", "-", ""]);
-
-        let overhead = overhead_rows(r.overhead.as_ref().unwrap());
-        assert_eq!(
-            overhead[0],
-            [
-                "mul_add_relu_sum",
-                "2.50",
-                "22.5",
-                "error",
-                "0.111",
-                "<= 3 µs",
-                "met"
-            ]
-        );
-    }
+pub fn to_json(report: &Report) -> Value {
+    RunInfo::stamp(json!({
+        "benchmark": "ferry bench autograd",
+        "cuda_device": report.cuda.as_ref().ok(),
+        "cuda_error": report.cuda.as_ref().err(),
+        "cpu_cores": report.cores,
+        "rounds": report.rounds,
+        "warmup": report.warmup,
+        "pytorch": report.pytorch,
+        "pytorch_note": report.pytorch_note,
+        "rows": rows_json(report),
+    }))
 }

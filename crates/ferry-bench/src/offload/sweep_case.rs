@@ -3,8 +3,8 @@
 
 use ferry::autograd::OffloadStats;
 
-use super::offload_goals::{Bound, Link, activation_bytes, peak_goal, peak_reduction, step_goal};
-use super::offload_grid::SweepCase;
+use super::goals::{Bound, Link, PEAK_GOAL, STEP_GOAL, activation_bytes, peak_reduction};
+use super::grid::SweepCase;
 use crate::Measured;
 
 /// One timed step.
@@ -244,8 +244,8 @@ impl Summary {
             peak_without,
             peak_with,
             reduction,
-            step_met: step_goal(step_over_bound),
-            peak_met: peak_goal(reduction),
+            step_met: STEP_GOAL.verdict(step_over_bound).as_bool(),
+            peak_met: PEAK_GOAL.verdict(reduction).as_bool(),
         }
     }
 }

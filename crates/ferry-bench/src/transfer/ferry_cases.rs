@@ -14,7 +14,7 @@ use ferry::move_state_dict;
 use ferry::prelude::*;
 use ferry::tensor::Buffer;
 
-use super::resnet50::{RESNET50_STATE_DICT, is_counter};
+use super::resnet50::{self, is_counter};
 
 pub type BenchResult<T> = Result<T, Box<dyn Error>>;
 
@@ -76,15 +76,15 @@ impl Fixture {
         }
         let pinned = PinnedPool::global()?.alloc(BIG_BYTES)?;
         let device_scratch = dev.alloc(BIG_BYTES, dev.default_stream())?;
-        let state_dict = RESNET50_STATE_DICT
-            .iter()
-            .map(|&(name, shape)| {
-                let t = if is_counter(name) {
-                    Tensor::zeros(shape, DType::I64, gpu)?
+        let state_dict = resnet50::state_dict()
+            .into_iter()
+            .map(|(name, shape)| {
+                let t = if is_counter(&name) {
+                    Tensor::zeros(&shape, DType::I64, gpu)?
                 } else {
-                    Tensor::randn(shape, DType::F32, gpu)?
+                    Tensor::randn(&shape, DType::F32, gpu)?
                 };
-                Ok((name.to_string(), t))
+                Ok((name, t))
             })
             .collect::<ferry::Result<Vec<_>>>()?;
         let small = SMALL_BYTES
@@ -172,7 +172,7 @@ pub fn run_first_cpu_child(command: &mut Command, program: &Path) -> BenchResult
 
 /// In the child: start CUDA, make the tensor, synchronize, then time one `cpu()`.
 pub fn first_cpu_in_this_process() -> BenchResult<f64> {
-    let dev = CudaDevice::get(0)?;
+    let dev = crate::harness::cuda_device(0)?;
     let src = Tensor::randn(&[SIDE, SIDE], DType::F32, dev.device())?;
     dev.synchronize()?;
     let start = Instant::now();

@@ -1,10 +1,10 @@
 //! `ferry bench offload --sweep`: ferry's activation offload across model sizes, each case
 //! judged against the link bound on its step and the share of its saved activations taken off
-//! its peak (the goals in `offload_goals`).
+//! its peak (the goals in `goals`).
 //!
 //! First the link is timed: ferry's own copy of 1 GiB between a device buffer and a pinned
 //! buffer on a copy stream, each way alone and both ways at once, median of `--samples`. Then
-//! for each case (`offload_grid`), four rows, each from an empty device cache and each
+//! for each case (`grid`), four rows, each from an empty device cache and each
 //! `--warmup` untimed steps then `--samples` timed ones (a step: forward, loss, backward, the
 //! gradients cleared before it):
 //!
@@ -29,9 +29,9 @@ use ferry::models::{Gpt, GptConfig};
 use ferry::nn::Module;
 use ferry::{DType, Device, Tensor};
 
-use super::offload_grid::{SweepCase, SweepOptions, VOCAB};
-use super::offload_sweep_case::{CaseRun, LinkRun, Row, RowKind, Sample};
-use super::offload_sweep_output as output;
+use super::grid::{SweepCase, SweepOptions, VOCAB};
+use super::sweep_case::{CaseRun, LinkRun, Row, RowKind, Sample};
+use super::sweep_output as output;
 use crate::Measured;
 use crate::harness;
 
@@ -39,7 +39,7 @@ use crate::harness;
 const LINK_BYTES: usize = 1 << 30;
 
 pub fn run(options: SweepOptions) -> Result<(), Box<dyn Error>> {
-    let Some(dev) = harness::cuda_device(0, |err| {
+    let Some(dev) = harness::cuda_device_or_say(0, |err| {
         format!(
             "ferry bench offload --sweep needs a CUDA device (it times copies to pinned host \
              memory and measures device memory): {err}"

@@ -220,7 +220,7 @@ mod tests {
     /// Every id ferry runs must be one python/transfer.py answers, or the PyTorch column is empty.
     #[test]
     fn every_case_exists_in_the_pytorch_script() {
-        let script = include_str!("../python/transfer.py");
+        let script = include_str!("../../python/transfer.py");
         for case in cases() {
             let registered = format!("\"{}\":", case.id);
             assert!(

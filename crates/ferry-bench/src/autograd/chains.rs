@@ -230,7 +230,7 @@ mod tests {
     /// python/autograd.py must build the same chains at the same size.
     #[test]
     fn the_chains_match_autograd_py() {
-        let script = include_str!("../python/autograd.py");
+        let script = include_str!("../../python/autograd.py");
         assert!(script.contains(&format!("SIDE = {}_{:03}", SIDE / 1000, SIDE % 1000)));
         for chain in &CHAINS {
             let entry = format!("\"{0}\": {0},", chain.id);
