@@ -25,6 +25,7 @@ use clap::{Args, Subcommand};
 pub use harness::measure::Measured;
 pub use harness::report::print_table;
 pub use harness::run_info::RunInfo;
+pub use harness::{cuda_device, without_cuda};
 
 mod autograd;
 mod autograd_chains;
