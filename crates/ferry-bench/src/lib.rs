@@ -9,7 +9,8 @@
 //! ([`RunInfo`]). A bench module is its cases and its output. `ferry methods` times and prints
 //! with the same [`Measured`] and [`print_table`]. It does not own the models it times (they
 //! come from [`ferry::models`]) nor the `ferry` binary (ferry-cli parses the command line and
-//! calls [`run`]).
+//! calls [`run`]). The benches are the default feature `benches`: without it the crate is the
+//! harness alone, what `ferry methods` measures and prints with.
 //!
 //! The key design decision: PyTorch runs as a long-lived child (`script.py --serve`) answering
 //! one JSON line per request, so ferry's and PyTorch's samples interleave in one process pair on
@@ -17,9 +18,13 @@
 //! never the end of the benchmark.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+// Without the benches, harness items only they use are unused.
+#![cfg_attr(not(feature = "benches"), allow(dead_code, unused_imports))]
 
+#[cfg(feature = "benches")]
 use std::error::Error;
 
+#[cfg(feature = "benches")]
 use clap::{Args, Subcommand};
 
 pub use harness::measure::Measured;
@@ -27,39 +32,28 @@ pub use harness::report::print_table;
 pub use harness::run_info::RunInfo;
 pub use harness::{cuda_device, without_cuda};
 
-mod autograd;
-mod autograd_chains;
-mod autograd_json;
-mod autograd_output;
-mod checkpoint;
-mod ddp;
-mod ferry_cases;
 mod harness;
-mod offload;
-mod offload_goals;
-mod offload_grid;
-mod offload_optim;
-mod offload_sweep;
-mod offload_sweep_case;
-mod offload_sweep_output;
-mod optim;
-mod peer;
-mod pipeline;
-mod pipeline_stages;
-mod pipeline_trace;
-mod resnet50;
-mod train;
-mod transfer;
-mod transfer_cases;
-mod transfer_output;
+
+/// Declares the bench modules: compiled only with the `benches` feature.
+macro_rules! benches {
+    ($($name:ident)*) => { $(#[cfg(feature = "benches")] mod $name;)* };
+}
+benches! {
+    autograd autograd_chains autograd_json autograd_output checkpoint ddp ferry_cases offload
+    offload_goals offload_grid offload_optim offload_sweep offload_sweep_case offload_sweep_output
+    optim peer pipeline pipeline_stages pipeline_trace resnet50 train transfer transfer_cases
+    transfer_output
+}
 
 /// `ferry bench`: which benchmark to run, with its flags.
+#[cfg(feature = "benches")]
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     #[command(subcommand)]
     command: BenchCommand,
 }
 
+#[cfg(feature = "benches")]
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
     /// Device transfers (400 MB, a resnet50 state dict, small tensors) against the link's limit
@@ -102,6 +96,7 @@ enum BenchCommand {
 
 /// Runs the chosen benchmark: prints its table (and writes its JSON with `--json`). Without
 /// the GPU(s) a benchmark needs, it says so and returns `Ok`.
+#[cfg(feature = "benches")]
 pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
     match args.command {
         BenchCommand::Transfer(args) => transfer::run(args),
@@ -118,6 +113,7 @@ pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
 }
 
 /// Parses a whole `ferry bench ...` command line as the binary does, for the benches' tests.
+#[cfg(feature = "benches")]
 #[cfg(test)]
 fn parse_bench(command: &str) -> Result<BenchCommand, clap::Error> {
     use clap::Parser;
