@@ -19,7 +19,7 @@ Requests (`--serve`):
   threads N STEPS     N Python threads, each stepping its own 64x64 model STEPS times (intra-op
                       threads 1); answers {"steps_per_s": all threads' steps / wall seconds}
 
-The chains, their ids and SIDE match crates/ferry-bench/src/autograd_chains.rs (a Rust test
+The chains, their ids and SIDE match crates/ferry-bench/src/autograd/chains.rs (a Rust test
 checks the ids and SIDE). Needs only torch; the memory rows need a GPU, the others do not.
 """
 
@@ -196,13 +196,6 @@ def describe(torch):
     return info
 
 
-def count(text, what, zero_ok=False):
-    value = int(text)
-    if value < 0 or (value == 0 and not zero_ok):
-        raise ValueError(f"{what} must be {'>= 0' if zero_ok else '>= 1'}, got {value}")
-    return value
-
-
 def answer(cpu, line):
     """The reply to one request line; raises ValueError for a malformed one."""
     torch = cpu.torch
@@ -211,9 +204,10 @@ def answer(cpu, line):
     if kind == "memory" and len(args) == 1 and args[0] in CHAINS:
         return {"case": args[0], **measure_memory(torch, args[0])}
     if kind == "overhead" and len(args) == 2:
-        return cpu.overhead(count(args[0], "threads", zero_ok=True), count(args[1], "steps"))
+        return cpu.overhead(harness.count(args[0], "threads", zero_ok=True),
+                            harness.count(args[1], "steps"))
     if kind == "threads" and len(args) == 2:
-        return cpu.threads(count(args[0], "thread count"), count(args[1], "steps"))
+        return cpu.threads(harness.count(args[0], "thread count"), harness.count(args[1], "steps"))
     raise ValueError(
         f"unknown request {line.strip()!r}: expected `memory CHAIN` (one of "
         f"{', '.join(CHAINS)}), `overhead THREADS STEPS` or `threads N STEPS`"

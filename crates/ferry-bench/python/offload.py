@@ -72,20 +72,10 @@ class Bench:
 
     def measure_saved(self):
         """Bytes of the distinct storages autograd saves for backward, in an untimed pass."""
-        torch = self.torch
-        storages = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = self.forward()
-        del loss
+        saved, _ = harness.saved_storages(self.torch, self.forward)
         for w in self.ws:
             w.grad = None
-        return sum(storages.values())
+        return saved
 
     def step(self, mode, batch, width, layers):
         torch = self.torch
@@ -109,18 +99,11 @@ class Bench:
         return {"ms": ms, "peak_bytes": peak, "saved_bytes": self.saved_bytes}
 
 
-def positive(text, what):
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}")
-    return value
-
-
 def answer(bench, line):
     parts = line.split()
     if len(parts) == 5 and parts[0] == "step" and parts[1] in MODES:
         names = ("batch", "width", "layers")
-        batch, width, layers = (positive(v, n) for v, n in zip(parts[2:], names))
+        batch, width, layers = (harness.count(v, n) for v, n in zip(parts[2:], names))
         return {"mode": parts[1], **bench.step(parts[1], batch, width, layers)}
     raise ValueError(
         f"unknown request {line.strip()!r}: expected `step MODE BATCH WIDTH LAYERS` with MODE "

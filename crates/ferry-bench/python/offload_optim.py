@@ -24,58 +24,12 @@ import argparse
 import gc
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  (the shared helpers, beside this script)
 
 VOCAB = 256
 LR = 1e-4
-
-
-class SimpleOffload:
-    """Optimizer offload written the simple way: nothing overlaps the step."""
-
-    def __init__(self, torch, params):
-        self.torch = torch
-        self.params = list(params)
-        self.master = [p.detach().to("cpu", torch.float32).pin_memory() for p in self.params]
-        self.grads = [torch.empty_like(m).pin_memory() for m in self.master]
-        self.opt = torch.optim.AdamW(self.master, lr=LR, fused=True)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def step(self):
-        for p, g in zip(self.params, self.grads):
-            g.copy_(p.grad, non_blocking=True)
-        self.torch.cuda.synchronize()
-        for m, g in zip(self.master, self.grads):
-            m.grad = g
-        self.opt.step()
-        for p, m in zip(self.params, self.master):
-            p.detach().copy_(m, non_blocking=True)
-
-
-def optimizers(torch):
-    """(row name, maker over parameters); a note when torchao is missing."""
-    rows = [
-        ("AdamW on the GPU (fused)", lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True)),
-        ("simple offload", lambda ps: SimpleOffload(torch, ps)),
-    ]
-    try:
-        from torchao.optim import CPUOffloadOptimizer
-    except ImportError as err:
-        return rows, f"torchao is not importable ({err}): its rows are left out"
-    rows += [
-        ("torchao CPUOffloadOptimizer",
-         lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, lr=LR, fused=True)),
-        ("torchao, offload_gradients=True",
-         lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, offload_gradients=True, lr=LR,
-                                        fused=True)),
-    ]
-    return rows, None
 
 
 def run_row(torch, gpt, args, make):
@@ -87,23 +41,18 @@ def run_row(torch, gpt, args, make):
     n = args.batch * args.seq
     ids = torch.tensor([(i * 2_654_435_761) % VOCAB for i in range(n + 1)], dtype=torch.int64)
     x, y = ids[:n].view(args.batch, args.seq).cuda(), ids[1:].cuda()
-    times = []
+
+    def step():
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), y)
+        loss.backward()
+        opt.step()
+
     try:
-        for i in range(args.warmup + args.samples):
-            if i == args.warmup:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            opt.zero_grad()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(x)
-                loss = torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), y)
-            loss.backward()
-            opt.step()
-            torch.cuda.synchronize()
-            if i >= args.warmup:
-                times.append((time.perf_counter() - start) * 1e3)
-        return {"ms": times, "peak_bytes": torch.cuda.max_memory_allocated(), "params": params}
+        times, peak = harness.timed_steps(torch, step, args.warmup, args.samples)
+        return {"ms": times, "peak_bytes": peak, "params": params}
     except torch.OutOfMemoryError as err:
         return {"error": f"out of GPU memory ({err})", "params": params}
     finally:
@@ -120,7 +69,7 @@ def main():
     args = parser.parse_args()
     torch = harness.require_torch()
     gpt = harness.load_gpt()
-    rows, note = optimizers(torch)
+    rows, note = harness.optimizer_rows(torch, LR)
     out = {"torch": torch.__version__, "rows": []}
     if note:
         out["note"] = note

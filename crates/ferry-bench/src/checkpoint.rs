@@ -24,9 +24,9 @@ use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::{DType, Device, Tensor};
 use serde_json::Value;
 
+use crate::harness;
 use crate::harness::measure::median;
 use crate::harness::pytorch::{PyTorch, PyTorchArgs};
-use crate::harness::{self, NO_CUDA_DEVICE};
 use output::{print_rows, to_json};
 
 mod asynchronous;
@@ -352,9 +352,10 @@ fn pytorch_round(torch: &mut PyTorch, rows: &mut [Row], timed: bool) {
 
 pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
     let Some(dev) = harness::cuda_device_or_say(0, |err| {
-        format!(
-            "{NO_CUDA_DEVICE}: {err}\n`ferry bench checkpoint` saves and loads a GPU state dict, \
-             so it needs a GPU; nothing was measured"
+        harness::without_cuda(
+            err,
+            "`ferry bench checkpoint` saves and loads a GPU state dict, so it needs a GPU; \
+             nothing was measured",
         )
     }) else {
         return Ok(());

@@ -9,7 +9,8 @@
 //! ([`RunInfo`]). A bench module is its cases and its output. `ferry methods` times and prints
 //! with the same [`Measured`] and [`print_table`]. It does not own the models it times (they
 //! come from [`ferry::models`]) nor the `ferry` binary (ferry-cli parses the command line and
-//! calls [`run`]).
+//! calls [`run`]). The benches are the default feature `benches`: without it the crate is the
+//! harness alone, what `ferry methods` measures and prints with.
 //!
 //! The key design decision: PyTorch runs as a long-lived child (`script.py --serve`) answering
 //! one JSON line per request, so ferry's and PyTorch's samples interleave in one process pair on
@@ -17,34 +18,39 @@
 //! never the end of the benchmark.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+// Without the benches, harness items only they use are unused.
+#![cfg_attr(not(feature = "benches"), allow(dead_code, unused_imports))]
 
+#[cfg(feature = "benches")]
 use std::error::Error;
 
+#[cfg(feature = "benches")]
 use clap::{Args, Subcommand};
 
 pub use harness::measure::Measured;
 pub use harness::report::print_table;
 pub use harness::run_info::RunInfo;
+pub use harness::{cuda_device, cuda_device_or_say, without_cuda};
 
-mod autograd;
-mod checkpoint;
-mod ddp;
 mod harness;
-mod offload;
-mod offload_optim;
-mod optim;
-mod peer;
-mod pipeline;
-mod train;
-mod transfer;
+
+/// Declares the bench modules: compiled only with the `benches` feature.
+macro_rules! benches {
+    ($($name:ident)*) => { $(#[cfg(feature = "benches")] mod $name;)* };
+}
+benches! {
+    autograd checkpoint ddp offload offload_optim optim peer pipeline train transfer
+}
 
 /// `ferry bench`: which benchmark to run, with its flags.
+#[cfg(feature = "benches")]
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     #[command(subcommand)]
     command: BenchCommand,
 }
 
+#[cfg(feature = "benches")]
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
     /// Device transfers (400 MB, a resnet50 state dict, small tensors) against the link's limit
@@ -87,6 +93,7 @@ enum BenchCommand {
 
 /// Runs the chosen benchmark: prints its table (and writes its JSON with `--json`). Without
 /// the GPU(s) a benchmark needs, it says so and returns `Ok`.
+#[cfg(feature = "benches")]
 pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
     match args.command {
         BenchCommand::Transfer(args) => transfer::run(args),
@@ -103,6 +110,7 @@ pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
 }
 
 /// Parses a whole `ferry bench ...` command line as the binary does, for the benches' tests.
+#[cfg(feature = "benches")]
 #[cfg(test)]
 fn parse_bench(command: &str) -> Result<BenchCommand, clap::Error> {
     use clap::Parser;

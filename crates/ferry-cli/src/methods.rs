@@ -13,9 +13,12 @@ use ferry::memory::cuda::{CudaDevice, PinnedPool, Stream};
 use ferry::prelude::*;
 use ferry::tensor::{Buffer, Storage};
 use ferry::{ChunkPlan, TransferPath, TransferReport, move_state_dict};
-use ferry_bench::{Measured, print_table};
+use ferry_bench::{Measured, cuda_device_or_say, print_table, without_cuda};
 
 mod peer;
+
+/// What a run without a GPU shows instead.
+const HOST_ROWS: &str = "showing the rows that run on the host";
 
 /// Tensors in the state-dict row: the source split along axis 0 into this many pieces.
 const STATE_DICT_TENSORS: usize = 64;
@@ -344,21 +347,18 @@ pub fn run(args: MethodsArgs) -> Result<(), Box<dyn Error>> {
         args.repeat
     );
     let gpu = match args.device {
-        Device::Cuda(ordinal) => match CudaDevice::get(ordinal) {
-            Ok(dev) => Some(dev),
-            Err(err) if ordinal > 0 && CudaDevice::get(0).is_ok() => {
-                println!("the peer rows (cuda:0 -> cuda:{ordinal}) need two GPUs: {err}");
-                println!("showing the rows of cuda:0");
-                CudaDevice::get(0).ok()
-            }
-            Err(err) => {
-                println!("no CUDA device: {err}");
-                println!("showing the rows that run on the host");
-                None
-            }
-        },
+        Device::Cuda(ordinal) if ordinal > 0 && CudaDevice::get(0).is_ok() => {
+            cuda_device_or_say(ordinal, |err| {
+                format!(
+                    "the peer rows (cuda:0 -> cuda:{ordinal}) need two GPUs: {err}\n\
+                     showing the rows of cuda:0"
+                )
+            })
+            .or_else(|| CudaDevice::get(0).ok())
+        }
+        Device::Cuda(ordinal) => cuda_device_or_say(ordinal, |err| without_cuda(err, HOST_ROWS)),
         Device::Cpu => {
-            println!("device cpu: showing the rows that run on the host");
+            println!("device cpu: {HOST_ROWS}");
             None
         }
     };

@@ -1,11 +1,41 @@
-"""The models benchmark's tables, from figures made up here: they need torch and ferry only, so
-they run in CI (the rest of the benchmark's tests need transformers and timm)."""
+"""The bench harness and the models benchmark's tables, from figures made up here: they need
+torch and ferry only, so they run in CI (the rest of the benchmark's tests need transformers and
+timm)."""
+
+import math
+import statistics
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
-from ferry import bench_models  # noqa: E402
+from ferry import bench_harness, bench_models  # noqa: E402
+
+
+def test_the_harness_tables_medians_and_saved_activations():
+    assert bench_harness.table(["a", "b"], [["1", ""]]) == ["| a | b |", "|---|---|", "| 1 | |"]
+    assert bench_harness.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert math.isnan(bench_harness.median([], empty=math.nan))
+    with pytest.raises(statistics.StatisticsError):
+        bench_harness.median([])
+    x = torch.ones(1000, requires_grad=True)
+    # tanh saves its output (4000 bytes); x * 2 saves nothing (the factor is a Python scalar).
+    assert bench_harness.saved_storages(torch, lambda: (x * 2).tanh().sum()) == (4000, 1)
+    assert bench_harness.saved_storages(torch, lambda: x.tanh().sum(), lambda t: False) == (0, 0)
+
+
+def test_timed_steps_synchronize_after_each_and_reset_the_peak_after_the_warmup(monkeypatch):
+    calls = []
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda name=name: calls.append(name))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 7)
+    times, peak = bench_harness.timed_steps(torch, lambda: calls.append("step"), 1, 2)
+    assert len(times) == 2 and peak == 7
+    assert calls == ["step", "synchronize", "synchronize", "reset_peak_memory_stats", "step",
+                     "synchronize", "step", "synchronize"]
+    rows, note = bench_harness.optimizer_rows(torch, 1e-3)
+    assert [name for name, _ in rows[:2]] == ["AdamW on the GPU (fused)", "simple offload"]
+    assert (note is None) == (len(rows) == 4)
 
 
 def test_the_table_says_whether_the_goals_are_met():

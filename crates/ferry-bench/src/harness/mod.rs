@@ -97,6 +97,12 @@ pub fn cuda_device_or_say(
         .ok()
 }
 
+/// What a command without a GPU prints: "no CUDA device: <the driver's error>", then on a line
+/// of its own what it does instead (shows the rows that run on the host, or measures nothing).
+pub fn without_cuda(err: &dyn Display, instead: &str) -> String {
+    format!("{NO_CUDA_DEVICE}: {err}\n{instead}")
+}
+
 /// `--cases` (or `--chains`): the entries of `table` whose ids are in `ids`, in table order, all
 /// of them for none. An unknown id is an error listing the known ones, so a typo is not a run of
 /// nothing.
@@ -225,6 +231,14 @@ mod tests {
         // A file that cannot be written is an error, not a silent skip.
         let missing = dir.path().join("no/such/dir/x.json");
         assert!(skip("why", Some(&missing), &doc).is_err());
+    }
+
+    #[test]
+    fn without_a_gpu_the_reason_comes_first_then_what_runs_instead() {
+        assert_eq!(
+            without_cuda(&"no driver", "showing the rows that run on the host"),
+            "no CUDA device: no driver\nshowing the rows that run on the host"
+        );
     }
 
     #[test]

@@ -16,15 +16,15 @@ offload).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import statistics
 import sys
 
 import torch
 
 import ferry
 
-from . import bench_models, bench_optim
+from . import bench_harness, bench_models, bench_optim
 
 MB = 1 << 20
 
@@ -129,7 +129,7 @@ def _offload_rows(gb: float, samples: int, warmup: int):
     model = torch.nn.Sequential(*blocks).cuda()
     x = torch.randn(batch, width, device="cuda")
     scopes = [
-        ("no offload", lambda: _NoScope()),
+        ("no offload", contextlib.nullcontext),
         ("torch save_on_cpu(pin_memory=True)",
          lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)),
         ("ferry.offload_saved()", lambda: ferry.offload_saved()),
@@ -153,7 +153,7 @@ def _offload_rows(gb: float, samples: int, warmup: int):
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             base_reserved = torch.cuda.memory_reserved()
-            ms = _time(lambda: step(scope))
+            ms = bench_harness.synced_ms(torch, lambda: step(scope))
             # Reserved as well as allocated: a block freed while a side-stream copy still reads
             # it leaves the allocated count at once but cannot be reused until the copy is done.
             peak = torch.cuda.max_memory_allocated() - base
@@ -164,18 +164,6 @@ def _offload_rows(gb: float, samples: int, warmup: int):
                 reserved[what].append(peak_reserved / (1 << 30))
     saved = layers * batch * width * 4
     return saved, [(w, times[w], peaks[w], reserved[w]) for w, _ in scopes]
-
-
-class _NoScope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-# Milliseconds from issue to usable result, the device synchronized on both sides.
-_time = bench_models._wall_ms
 
 
 def main(argv=None) -> int:
@@ -218,27 +206,26 @@ def main(argv=None) -> int:
         samples = {"pytorch": [], "ferry": []}
         for i in range(args.warmup + args.samples):
             for side, fn in (("ferry", ferry_fn), ("pytorch", torch_fn)):
-                ms = _time(fn)
+                ms = bench_harness.synced_ms(torch, fn)
                 if i >= args.warmup:
                     samples[side].append(ms)
-        f, p = statistics.median(samples["ferry"]), statistics.median(samples["pytorch"])
-        rows.append((what, p, f, f / p, p / f))
+        f, p = bench_harness.median(samples["ferry"]), bench_harness.median(samples["pytorch"])
+        rows.append((what, p, f))
         record["cases"][case_id] = {"what": what, **samples, "median_ms": {"pytorch": p, "ferry": f}}
     print(f"ferry {ferry.__version__} against torch {torch.__version__} on {record['device']}, "
           f"medians of {args.samples}")
-    print(f"| case | PyTorch ms | ferry ms | ferry / PyTorch | speedup |")
-    print("|---|---|---|---|---|")
-    for what, p, f, ratio, speedup in rows:
-        print(f"| {what} | {p:.3g} | {f:.3g} | {ratio:.3f} | {speedup:.1f}x |")
+    print("\n".join(bench_harness.table(
+        ["case", "PyTorch ms", "ferry ms", "ferry / PyTorch", "speedup"],
+        [[what, f"{p:.3g}", f"{f:.3g}", f"{f / p:.3f}", f"{p / f:.1f}x"] for what, p, f in rows])))
     if args.offload_gb > 0:
         saved, offload = _offload_rows(args.offload_gb, args.samples, args.warmup)
         # Each row: median time, and the highest peak of the samples (what a user must provision);
         # every sample's figures go to the JSON file.
         record["offload"] = {"saved_bytes": saved, "rows": {
-            what: {"ms": t, "median_ms": statistics.median(t), "peak_allocated_gib": max(peak),
+            what: {"ms": t, "median_ms": bench_harness.median(t), "peak_allocated_gib": max(peak),
                    "peak_reserved_gib": max(res), "peak_allocated_gib_samples": peak,
                    "peak_reserved_gib_samples": res} for what, t, peak, res in offload}}
-        rows = [(what, statistics.median(t), max(peak), min(peak), max(res))
+        rows = [(what, bench_harness.median(t), max(peak), min(peak), max(res))
                 for what, t, peak, res in offload]
         plain_ms, plain_peak, _, plain_res = rows[0][1], rows[0][2], rows[0][3], rows[0][4]
         print()
@@ -246,13 +233,12 @@ def main(argv=None) -> int:
               f"activations, medians of {args.samples}; peaks over the step (the highest of the "
               "samples, and the lowest), above what was allocated (reserved) before it, after "
               "empty_cache")
-        print("| scope | ms/step | vs no offload | peak allocated GiB | lowest sample | lower by "
-              "| peak reserved GiB | lower by |")
-        print("|---|---|---|---|---|---|---|---|")
-        for what, ms, peak, lowest, res in rows:
-            print(f"| {what} | {ms:.3g} | {ms / plain_ms:.2f}x | {peak:.2f} | {lowest:.2f} | "
-                  f"{(plain_peak - peak) / plain_peak:.0%} | {res:.2f} | "
-                  f"{(plain_res - res) / plain_res:.0%} |")
+        print("\n".join(bench_harness.table(
+            ["scope", "ms/step", "vs no offload", "peak allocated GiB", "lowest sample", "lower by",
+             "peak reserved GiB", "lower by"],
+            [[what, f"{ms:.3g}", f"{ms / plain_ms:.2f}x", f"{peak:.2f}", f"{lowest:.2f}",
+              f"{(plain_peak - peak) / plain_peak:.0%}", f"{res:.2f}",
+              f"{(plain_res - res) / plain_res:.0%}"] for what, ms, peak, lowest, res in rows])))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(record, out, indent=1)

@@ -18,13 +18,14 @@ import datetime
 import json
 import math
 import os
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
 import ferry
+
+from . import bench_harness
 
 GIB = 1 << 30
 MODELS = ("gpt2", "gpt2-b8", "llama", "vit")
@@ -163,22 +164,13 @@ def saved_activations(work: Workload) -> tuple[int, int]:
     """(bytes, storages) of the activations a step saves for backward on the model's device: the
     unique storages of saved tensors made by a recorded op (they or their base have a grad_fn),
     what an offload scope could move. Parameters and the batch are not counted."""
-    storages = {}
 
-    def pack(t):
+    def counted(t):
         base = t._base if t._base is not None else t
-        if t.device.type == work.device.type and base.grad_fn is not None:
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
+        return t.device.type == work.device.type and base.grad_fn is not None
 
     work.model.zero_grad(set_to_none=True)
-    # The forward alone: backward saves nothing (no create_graph), and the graph holds every
-    # saved tensor until it is dropped, so no address is reused while counting.
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = work.loss()
-    del loss
-    return sum(storages.values()), len(storages)
+    return bench_harness.saved_storages(torch, work.loss, counted)
 
 
 def gradients(work: Workload, scope_factory=contextlib.nullcontext) -> list:
@@ -208,18 +200,7 @@ def gradient_difference(a: list, b: list) -> tuple[float, float]:
 
 
 def _median(xs):
-    return statistics.median(xs) if xs else math.nan
-
-
-def _wall_ms(fn) -> float:
-    """Milliseconds from issue to usable result; what ``fn`` returned is dropped first."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    elapsed = (time.perf_counter() - start) * 1e3
-    del out
-    return elapsed
+    return bench_harness.median(xs, empty=math.nan)
 
 
 def link_bandwidth(samples: int = 7) -> dict:
@@ -375,7 +356,7 @@ def measure_state_dicts(work: Workload, link: dict, samples: int, warmup: int) -
                 # .cpu() is the slow reference (seconds for a large model): a few samples.
                 if way == "cpu" and i >= warmup + CPU_SAMPLES:
                     continue
-                elapsed = _wall_ms(fn)
+                elapsed = bench_harness.synced_ms(torch, fn)
                 if i >= warmup:
                     ms[way].append(elapsed)
         nbytes = sum(v.numel() * v.element_size() for v in sd.values())
@@ -430,39 +411,39 @@ def _offload_table(r: dict) -> list:
         lines.append(f"OOM after the rows below ({r['oom']}).")
     # The peak is the highest of the samples (what a user must provision); the last step's
     # beside it shows where a scope that learns across steps (a memory target) has got to.
-    lines += ["", "| scope | ms/step | vs no offload | forward ms | backward ms | peak GiB | "
-              "last step's peak GiB | peak lowered by (of saved) |",
-              "|---|---|---|---|---|---|---|---|"]
     plain = r["rows"]["no offload"]
     plain_ms = _median(plain["ms"])
     plain_peak = max(plain["peak_bytes"], default=math.nan)
+    cells = []
     for label, run in r["rows"].items():
         if run["status"] != "ok":
-            lines.append(f"| {label} | {run['status']} | | | | | | |")
+            cells.append([label, run["status"]] + [""] * 6)
             continue
         ms, peak = _median(run["ms"]), max(run["peak_bytes"])
-        lines.append(f"| {label} | {ms:.0f} | {ms / plain_ms:.2f}x | {_median(run['forward_ms']):.0f} "
-                     f"| {_median(run['backward_ms']):.0f} | {gib(peak)} | "
-                     f"{gib(run['peak_bytes'][-1])} | "
-                     f"{(plain_peak - peak) / r['saved_bytes']:.0%} |")
-    return lines + [""]
+        cells.append([label, f"{ms:.0f}", f"{ms / plain_ms:.2f}x",
+                      f"{_median(run['forward_ms']):.0f}", f"{_median(run['backward_ms']):.0f}", gib(peak), gib(run["peak_bytes"][-1]),
+                      f"{(plain_peak - peak) / r['saved_bytes']:.0%}"])
+    header = ["scope", "ms/step", "vs no offload", "forward ms", "backward ms", "peak GiB",
+              "last step's peak GiB", "peak lowered by (of saved)"]
+    return lines + [""] + bench_harness.table(header, cells) + [""]
 
 
 def _state_dict_table(rows: list) -> list:
-    lines = ["| state dict | tensors | MiB | ferry ms | non_blocking ms | .cpu() ms | ferry / "
-             "non_blocking (sample pairs p10-p90) | link share ferry / non_blocking / .cpu() | "
-             "goal |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
         m, s = r["median_ms"], r["link_share"]
         met = s["ferry"] >= LINK_SHARE_GOAL and m["ferry"] <= m["non_blocking"]
         pairs = sorted(f / n for f, n in zip(r["ms"]["ferry"], r["ms"]["non_blocking"]))
         p10, p90 = pairs[len(pairs) // 10], pairs[min(len(pairs) - 1, 9 * len(pairs) // 10)]
-        lines.append(f"| {r['model']} | {r['tensors']} | {r['bytes'] / (1 << 20):.0f} | "
-                     f"{m['ferry']:.2f} | {m['non_blocking']:.2f} | {m['cpu']:.0f} | "
-                     f"{m['ferry'] / m['non_blocking']:.3f} ({p10:.3f}-{p90:.3f}) | {s['ferry']:.0%} / "
-                     f"{s['non_blocking']:.0%} / {s['cpu']:.0%} | {'met' if met else 'not met'} |")
-    return lines
+        cells.append([r["model"], str(r["tensors"]), f"{r['bytes'] / (1 << 20):.0f}",
+                      f"{m['ferry']:.2f}", f"{m['non_blocking']:.2f}", f"{m['cpu']:.0f}",
+                      f"{m['ferry'] / m['non_blocking']:.3f} ({p10:.3f}-{p90:.3f})",
+                      f"{s['ferry']:.0%} / {s['non_blocking']:.0%} / {s['cpu']:.0%}",
+                      "met" if met else "not met"])
+    return bench_harness.table(
+        ["state dict", "tensors", "MiB", "ferry ms", "non_blocking ms", ".cpu() ms",
+         "ferry / non_blocking (sample pairs p10-p90)", "link share ferry / non_blocking / .cpu()",
+         "goal"], cells)
 
 
 def _free_memory() -> None:

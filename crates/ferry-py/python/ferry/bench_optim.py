@@ -12,80 +12,27 @@ from __future__ import annotations
 
 import gc
 import json
-import statistics
-import time
 
 import torch
 
 import ferry
 
-from . import bench_models
+from . import bench_harness, bench_models
 
 GIB = 1 << 30
 GOAL = 0.85  # of AdamW on the GPU's throughput
 
 
-class SimpleOffload:
-    """The simple optimizer offload: after backward, every gradient to pinned host memory, torch's
-    fused CPU AdamW on fp32 host copies of the weights, the weights back; nothing overlaps."""
-
-    def __init__(self, params, lr):
-        self.params = list(params)
-        self.host = [p.detach().to("cpu", torch.float32).pin_memory() for p in self.params]
-        self.grads = [torch.empty_like(h).pin_memory() for h in self.host]
-        self.opt = torch.optim.AdamW(self.host, lr=lr, fused=True)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def step(self):
-        for p, g in zip(self.params, self.grads):
-            g.copy_(p.grad, non_blocking=True)
-        torch.cuda.synchronize()
-        for h, g in zip(self.host, self.grads):
-            h.grad = g
-        self.opt.step()
-        for p, h in zip(self.params, self.host):
-            p.detach().copy_(h, non_blocking=True)
-
-
 def _optimizers(lr):
-    """(row name, maker of the optimizer over a model's parameters), in the order they run."""
-    rows = [
-        ("AdamW on the GPU (fused)", lambda ps: torch.optim.AdamW(ps, lr=lr, fused=True)),
+    """(row name, maker of the optimizer over a model's parameters), in the order they run: the
+    shared rows with ferry's after the first (AdamW on the GPU); a note when torchao is missing."""
+    rows, note = bench_harness.optimizer_rows(torch, lr)
+    rows[1:1] = [
         ("ferry OffloadAdamW", lambda ps: ferry.optim.OffloadAdamW(ps, lr=lr)),
         ("ferry OffloadAdamW, delayed update",
          lambda ps: ferry.optim.OffloadAdamW(ps, lr=lr, delayed_update=True)),
     ]
-    try:
-        from torchao.optim import CPUOffloadOptimizer
-    except ImportError:
-        CPUOffloadOptimizer = None
-    if CPUOffloadOptimizer is not None:
-        rows.append(("torchao CPUOffloadOptimizer", lambda ps: CPUOffloadOptimizer(
-            ps, torch.optim.AdamW, lr=lr, fused=True)))
-        rows.append(("torchao, offload_gradients=True", lambda ps: CPUOffloadOptimizer(
-            ps, torch.optim.AdamW, offload_gradients=True, lr=lr, fused=True)))
-    rows.append(("simple offload", lambda ps: SimpleOffload(ps, lr)))
-    return rows, CPUOffloadOptimizer is not None
-
-
-def _steps(work, opt, warmup, samples):
-    """Per-step times (ms) and the peak GPU memory allocated over the timed steps (bytes)."""
-    times = []
-    for i in range(warmup + samples):
-        if i == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        opt.zero_grad()
-        work.loss().backward()
-        opt.step()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return times, torch.cuda.max_memory_allocated()
+    return rows, note
 
 
 def run(args) -> int:
@@ -100,15 +47,15 @@ def run(args) -> int:
     params = work.parameters
     samples = 5 if args.samples is None else args.samples
     warmup = 2 if args.warmup is None else args.warmup
-    rows, have_torchao = _optimizers(lr=1e-4)
+    rows, note = _optimizers(lr=1e-4)
     if args.optimizer_rows:
         # The first row (AdamW on the GPU) is the baseline: always there.
         wanted = [w.strip() for w in args.optimizer_rows.split(",")]
         rows = rows[:1] + [r for r in rows[1:] if any(w in r[0] for w in wanted)]
     print(f"optimizer offload: {work.what}; {params / 1e9:.2f} B parameters; {work.batch} at "
           f"batch {batch}; medians of {samples} steps after {warmup}")
-    if not have_torchao:
-        print("torchao is not installed: its rows are left out (pip install torchao)")
+    if note:
+        print(f"{note} (pip install torchao)")
     record = {"model": work.what, "parameters": params, "batch": batch, "rows": {}}
     results = []
     for name, make in rows:
@@ -116,7 +63,8 @@ def run(args) -> int:
             work = fresh()
         opt = make(work.model.parameters())
         try:
-            times, peak = _steps(work, opt, warmup, samples)
+            step = lambda: (opt.zero_grad(), work.loss().backward(), opt.step())  # noqa: E731
+            times, peak = bench_harness.timed_steps(torch, step, warmup, samples)
         except torch.OutOfMemoryError as err:
             print(f"{name}: out of GPU memory ({err})")
             times, peak = [], None
@@ -130,15 +78,15 @@ def run(args) -> int:
         record["rows"][name] = {"ms": times, "peak_allocated_gib": None if peak is None else peak / GIB,
                                 **extra}
         if times:
-            results.append((name, statistics.median(times), min(times), max(times), peak))
+            results.append((name, bench_harness.median(times), min(times), max(times), peak))
     if not results:
         return 1
     base = results[0][1]
-    print("| optimizer | ms/step | fastest - slowest | throughput vs AdamW on the GPU | "
-          "peak allocated GiB |")
-    print("|---|---|---|---|---|")
-    for name, ms, low, high, peak in results:
-        print(f"| {name} | {ms:.0f} | {low:.0f} - {high:.0f} | {base / ms:.1%} | {peak / GIB:.2f} |")
+    print("\n".join(bench_harness.table(
+        ["optimizer", "ms/step", "fastest - slowest", "throughput vs AdamW on the GPU",
+         "peak allocated GiB"],
+        [[name, f"{ms:.0f}", f"{low:.0f} - {high:.0f}", f"{base / ms:.1%}", f"{peak / GIB:.2f}"]
+         for name, ms, low, high, peak in results])))
     for name, ms, _, _, peak in results:
         if name.startswith("ferry"):
             share = base / ms
