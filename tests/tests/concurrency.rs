@@ -8,8 +8,8 @@ use std::sync::Barrier;
 use ferry::debug::GraphWatch;
 use ferry::{DeviceMove, Graph, GraphStats};
 use ferry_graph::pruned_on_this_thread;
-use ferry_tensor::{DType, Device, Result, Tensor};
-use ferry_tests::device_test;
+use ferry_tensor::{Conv2dOptions, DType, Device, Result, Tensor};
+use ferry_tests::{device_test, randn};
 
 const THREADS: usize = 8;
 const STEPS: usize = 40;
@@ -159,6 +159,59 @@ fn one_model_per_thread(device: Device) -> Result<()> {
 device_test!(
     each_thread_counts_its_own_graph_exactly,
     one_model_per_thread
+);
+
+/// Threads calling the device's libraries at once (products through cuBLAS, the fused linear
+/// through cuBLASLt, convolutions through cuDNN where it loads, each on a handle of the device's
+/// pool) get what one thread alone gets, step after step, forward and backward.
+fn library_calls_from_many_threads(device: Device) -> Result<()> {
+    let f32s = |shape: &[usize]| randn(device, shape)?.to_dtype(DType::F32);
+    let (x, w, b) = (f32s(&[48, 96])?, f32s(&[80, 96])?, f32s(&[80])?);
+    let (img, filt) = (f32s(&[2, 3, 12, 12])?, f32s(&[4, 3, 3, 3])?);
+    let step = || -> Result<Vec<Vec<f32>>> {
+        let (x, w, img) = (x.with_grad()?, w.with_grad()?, img.with_grad()?);
+        let product = x.matmul(&w.t()?)?;
+        let fused = x.linear_relu(&w, Some(&b))?;
+        let conv = img.conv2d(&filt, None, Conv2dOptions::default().padding(1))?;
+        product
+            .sum()?
+            .add(&fused.sum()?)?
+            .add(&conv.sum()?)?
+            .backward()?;
+        [
+            product,
+            fused,
+            conv,
+            x.grad().unwrap(),
+            w.grad().unwrap(),
+            img.grad().unwrap(),
+        ]
+        .iter()
+        .map(|t| t.to_vec::<f32>())
+        .collect()
+    };
+    let alone = step()?;
+    on_threads(|thread| {
+        for round in 0..STEPS {
+            let got = step()?;
+            for (i, (a, e)) in got.iter().zip(&alone).enumerate() {
+                let worst = a
+                    .iter()
+                    .zip(e)
+                    .map(|(a, e)| (a - e).abs() / e.abs().max(1.0))
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst <= 1e-5,
+                    "thread {thread}, round {round}, result {i}: off by {worst} from one thread's"
+                );
+            }
+        }
+        Ok(())
+    })
+}
+device_test!(
+    threads_calling_the_libraries_at_once_get_one_threads_results,
+    library_calls_from_many_threads
 );
 
 fn transfer_reports(device: Device) -> Result<()> {

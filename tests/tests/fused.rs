@@ -25,13 +25,30 @@ fn assert_rel(what: &str, a: &[f64], e: &[f64], tol: f64) {
     );
 }
 
+/// A test input: the base drawn at random, and the view of it the op is given.
+type View = fn(&Tensor) -> Result<Tensor>;
+
 /// `linear` and `linear_relu` in f32 (fused on a GPU) against f64 (composed), values and the
-/// gradients of input, weight and bias, for a matrix input and a 3-D one.
+/// gradients of input, weight and bias: a matrix input and a 3-D one, contiguous, transposed,
+/// at an offset and strided, with the weight as it is and as a transposed view.
 fn linear_matches_composed(device: Device) -> Result<()> {
-    for shape in [vec![37, 29], vec![3, 5, 29]] {
-        let x64 = randn(device, &shape)?;
-        let w64 = randn(device, &[19, 29])?;
+    let inputs: [(Vec<usize>, View); 5] = [
+        (vec![37, 29], |t| Ok(t.clone())),
+        (vec![3, 5, 29], |t| Ok(t.clone())),
+        (vec![29, 37], |t| t.t()),
+        (vec![40, 29], |t| t.narrow(0, 3, 37)),
+        (vec![3, 5, 40], |t| t.narrow(2, 4, 29)),
+    ];
+    let weights: [(Vec<usize>, View); 2] =
+        [(vec![19, 29], |t| Ok(t.clone())), (vec![29, 19], |t| t.t())];
+    for ((base, view), (wbase, wview)) in inputs
+        .iter()
+        .flat_map(|i| weights.iter().map(move |w| (i, w)))
+    {
+        let x64 = randn(device, base)?;
+        let w64 = randn(device, wbase)?;
         let b64 = randn(device, &[19])?;
+        let shape = view(&x64)?.shape().to_vec();
         let mut out_shape = shape.clone();
         *out_shape.last_mut().unwrap() = 19;
         let g64 = randn(device, &out_shape)?;
@@ -40,10 +57,11 @@ fn linear_matches_composed(device: Device) -> Result<()> {
                 let x = x64.to_dtype(dtype)?.with_grad()?;
                 let w = w64.to_dtype(dtype)?.with_grad()?;
                 let b = b64.to_dtype(dtype)?.with_grad()?;
+                let (xv, wv) = (view(&x)?, wview(&w)?);
                 let y = if relu {
-                    x.linear_relu(&w, Some(&b))?
+                    xv.linear_relu(&wv, Some(&b))?
                 } else {
-                    x.linear(&w, Some(&b))?
+                    xv.linear(&wv, Some(&b))?
                 };
                 assert_eq!(y.shape(), &out_shape[..]);
                 y.mul(&g64.to_dtype(dtype)?)?.sum()?.backward()?;
@@ -59,7 +77,12 @@ fn linear_matches_composed(device: Device) -> Result<()> {
                 .iter()
                 .zip(got.iter().zip(&exact))
             {
-                assert_rel(&format!("{shape:?} relu={relu} {what}"), a, e, 1e-5);
+                assert_rel(
+                    &format!("{base:?} as {shape:?}, weight {wbase:?} relu={relu} {what}"),
+                    a,
+                    e,
+                    1e-5,
+                );
             }
         }
     }

@@ -382,9 +382,11 @@ impl BlasLt for CudaDevice {
             .map_err(failed("cublasLtMatmul"))
         });
         // Later uses of the workspace on other streams (by the next call to lease this handle)
-        // wait for this product.
+        // wait for this product: noted even when the profiler's closing record failed, since
+        // the product was queued by then.
+        let noted = state.workspace.queued_on(stream);
         queued?;
-        state.workspace.queued_on(stream)?;
+        noted?;
         Ok(())
     }
 }

@@ -386,6 +386,9 @@ impl Dnn for CudaDevice {
         for buffer in [first.buffer, second.buffer, &*out.buffer, &workspace] {
             buffer.record_stream(stream);
         }
+        // Ordering a buffer on the host (where an event could not be waited on) may have made
+        // another GPU's context current.
+        self.bind()?;
         let (one32, zero32) = (1.0f32, 0.0f32);
         let (one64, zero64) = (1.0f64, 0.0f64);
         let (alpha, beta): (*const c_void, *const c_void) = if spec.dtype == DType::F64 {

@@ -5,12 +5,13 @@
 //! This crate owns every raw pointer to memory in ferry and every `unsafe` block that touches
 //! memory or the driver; the crates above it see safe types only, and ferry-cuda hands the
 //! libraries it calls the device addresses of buffers ([`cuda::DeviceBuffer::device_ptr`],
-//! [`cuda::DeviceBuffer::range`]) after their extents are checked. The one other crate with
-//! `unsafe` code of its own is ferry-py, at its boundary with PyTorch: DLPack capsules (raw
-//! pointers taken in and handed out, wrapped here by [`HostBuffer::from_external`] and its device
-//! twin) and torch's CUDA streams borrowed by handle ([`cuda::CudaDevice::borrow_stream`], an
-//! `unsafe fn` whose promise, a live stream kept alive by torch, ferry-py keeps). It knows
-//! nothing of tensors, autograd, or the CUDA libraries.
+//! [`cuda::DeviceBuffer::range`]) after their extents are checked. The other crates with
+//! `unsafe` code of their own are ferry-cuda (its calls into the CUDA libraries) and ferry-py,
+//! at its boundary with PyTorch: DLPack capsules (raw pointers taken in and handed out, wrapped
+//! here by [`HostBuffer::from_external`] and its device twin) and torch's CUDA streams
+//! borrowed by handle ([`cuda::CudaDevice::borrow_stream`], an `unsafe fn` whose promise, a
+//! live stream kept alive by torch, ferry-py keeps). It knows nothing of tensors, autograd, or
+//! the CUDA libraries.
 //!
 //! Key decision: CUDA support is always compiled (cudarc loads the driver dynamically), and
 //! whether a GPU is there is decided at run time. Nothing touches cudarc before

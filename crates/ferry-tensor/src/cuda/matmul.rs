@@ -160,10 +160,15 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: &Tensor, relu: bool) -> Resul
     let rows = x.numel() / k;
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("a linear input has an axis") = n;
-    let rows_layout = Layout::contiguous(&[rows, k]);
-    let x = match x.layout().reshape_view(&[rows, k]) {
-        Some(layout) => x.with_layout(layout),
-        None => super::contiguous(x)?.with_layout(rows_layout),
+    // A matrix is read in place as it is (transposed or strided, where cuBLAS can); more axes
+    // are flattened into rows, by a view where the layout allows.
+    let x = if x.ndim() == 2 {
+        x.clone()
+    } else {
+        match x.layout().reshape_view(&[rows, k]) {
+            Some(layout) => x.with_layout(layout),
+            None => super::contiguous(x)?.with_layout(Layout::contiguous(&[rows, k])),
+        }
     };
     let wt = w.with_layout(w.layout().transpose(0, 1));
     let (lhs, rhs) = (
