@@ -28,8 +28,17 @@ def _bench_harness():
     path = _REPO / "crates" / "ferry-py" / "python" / "ferry" / "bench_harness.py"
     if path.is_file():
         return _load("ferry_bench_harness", path)
-    from ferry import bench_harness
+    try:
+        from ferry import bench_harness
+    except ImportError as err:
+        # The Rust side reads JSON lines: say why this script cannot serve, where it reads.
+        import json
+        import sys
 
+        print(json.dumps({"error": f"the bench harness is not at {path} and ferry is not "
+                                   f"installed ({err}): run the script from ferry's source tree"}),
+              flush=True)
+        sys.exit(1)
     return bench_harness
 
 
