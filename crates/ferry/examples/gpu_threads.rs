@@ -1,8 +1,10 @@
 //! Threads sharing one GPU: each thread trains its own small MLP (three `Linear` layers, so each
 //! step runs cuBLASLt's fused forward and cuBLAS's backward products) and the table gives the
 //! steps per second of all threads together and the efficiency against one thread (N threads'
-//! steps/s over N times one thread's). Launch-bound on purpose: the matrices are small, so what
-//! threads wait for is the host side (library handles, locks), not the GPU's arithmetic.
+//! steps/s over N times one thread's). The matrices are small, so a step's host side (launches,
+//! library handles, locks) weighs about as much as its arithmetic; every thread's kernels still go
+//! to the device's one default stream. With `cpu` for the device the same steps run on host
+//! threads, for comparison.
 //!
 //! The work can be narrowed to find what threads wait for: `linear` (the default, above),
 //! `matmul` (products through cuBLAS only, no fused forward, no optimizer), `pointwise`
@@ -40,59 +42,57 @@ enum Work {
     Pointwise,
 }
 
-/// One thread's work for a round: `steps` steps, then a read of the last result, which waits
-/// for the thread's last kernels.
-fn run(work: Work, device: Device, steps: usize, start: &Barrier) -> ferry::Result<f64> {
+/// One step of a thread's work, owning what it steps.
+type Step = Box<dyn FnMut() -> ferry::Result<Tensor>>;
+
+/// A thread's step: a model of its own trained with SGD (`Linear`), or the products or the
+/// pointwise ops over leaves of its own, forward and backward.
+fn step_of(work: Work, device: Device) -> ferry::Result<Step> {
     match work {
-        Work::Linear => train(device, steps, start),
+        Work::Linear => {
+            let model = model(device)?;
+            let mut opt = Sgd::new(model.parameters(), 1e-3)?;
+            let x = Tensor::randn(&[BATCH, WIDTH], DType::F32, device)?;
+            let y = Tensor::zeros(&[BATCH], DType::I64, device)?;
+            Ok(Box::new(move || {
+                opt.zero_grad();
+                let loss = nn::cross_entropy(&model.forward(&x)?, &y)?;
+                loss.backward()?;
+                opt.step()?;
+                Ok(loss)
+            }))
+        }
         Work::Matmul | Work::Pointwise => {
             let a = Tensor::randn(&[BATCH, WIDTH], DType::F32, device)?.with_grad()?;
             let w = Tensor::randn(&[WIDTH, WIDTH], DType::F32, device)?.with_grad()?;
-            let step = || -> ferry::Result<Tensor> {
+            Ok(Box::new(move || {
                 let y = match work {
                     Work::Matmul => a.matmul(&w)?.matmul(&w)?.sum()?,
                     _ => a.mul(&a)?.add(&a)?.relu()?.sum()?,
                 };
                 y.backward()?;
                 Ok(y)
-            };
-            step()?.item()?;
-            start.wait();
-            let mut last = None;
-            for _ in 0..steps {
-                last = Some(step()?);
-            }
-            match last {
-                Some(y) => y.item(),
-                None => Ok(0.0),
-            }
+            }))
         }
     }
 }
 
-/// `steps` training steps of a model of the thread's own.
-fn train(device: Device, steps: usize, start: &Barrier) -> ferry::Result<f64> {
-    let model = model(device)?;
-    let mut opt = Sgd::new(model.parameters(), 1e-3)?;
-    let x = Tensor::randn(&[BATCH, WIDTH], DType::F32, device)?;
-    let y = Tensor::zeros(&[BATCH], DType::I64, device)?;
-    let mut step = || -> ferry::Result<Tensor> {
-        opt.zero_grad();
-        let loss = nn::cross_entropy(&model.forward(&x)?, &y)?;
-        loss.backward()?;
-        opt.step()?;
-        Ok(loss)
-    };
-    step()?.item()?; // first use: kernels compiled, handles made, blocks cached
+/// One thread's part of a round: its step made and taken once untimed (kernels compiled,
+/// handles made, blocks cached), then `steps` steps once every thread is ready, then a read of
+/// the last result, which waits for the thread's last kernels. A thread meets the others at
+/// `start` even when it failed before, so none is left waiting for it.
+fn run(work: Work, device: Device, steps: usize, start: &Barrier) -> ferry::Result<f64> {
+    let ready = step_of(work, device).and_then(|mut step| {
+        step()?.item()?;
+        Ok(step)
+    });
     start.wait();
+    let mut step = ready?;
     let mut last = None;
     for _ in 0..steps {
         last = Some(step()?);
     }
-    match last {
-        Some(loss) => loss.item(),
-        None => Ok(0.0),
-    }
+    last.map_or(Ok(0.0), |result| result.item())
 }
 
 /// All threads' steps per second in one round of `threads` threads.
@@ -134,10 +134,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             return Err(format!("unknown work `{other}`: linear, matmul or pointwise").into());
         }
     };
-    if !device.is_cuda() {
-        println!("gpu_threads measures threads sharing a GPU: pass a CUDA device (cuda:0)");
-        return Ok(());
-    }
     let one = {
         let mut rates: Vec<f64> = (0..ROUNDS)
             .map(|_| round(work, device, 1, steps))
