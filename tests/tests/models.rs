@@ -69,3 +69,77 @@ fn the_digits_cnn_trains_alike_on_both_devices() {
         Ok(())
     });
 }
+
+/// The largest difference between `got` and `want` over the largest magnitude in `want`.
+fn relative_gap(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, w| m.max(w.abs())).max(1e-6) as f64;
+    let gap = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+    gap as f64 / scale
+}
+
+/// ferry's Llama loads what transformers' `save_pretrained` writes and computes its logits:
+/// float32 to float32 rounding on each device, bfloat16 within bfloat16's (the models and
+/// their logits come from tests/torch/llama_reference.py, in both its variants).
+#[test]
+#[ignore = "needs Python with torch and transformers (the GPU machine has them)"]
+fn llama_logits_equal_transformers() {
+    use ferry::models::Llama;
+    use ferry::prelude::*;
+
+    let cuda = ferry::memory::cuda::CudaDevice::get(0).is_ok();
+    let devices: &[Device] = if cuda {
+        &[Device::Cpu, Device::Cuda(0)]
+    } else {
+        println!("no CUDA device: comparing on the CPU only");
+        &[Device::Cpu]
+    };
+    for variant in ["plain", "tied-llama3"] {
+        let dir = std::env::temp_dir().join(format!(
+            "ferry-llama-reference-{variant}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let script = ferry_tests::repo_root().join("tests/torch/llama_reference.py");
+        let out = std::process::Command::new("python3")
+            .arg(&script)
+            .arg(&dir)
+            .arg(variant)
+            .output()
+            .expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        println!("{variant}: {}", String::from_utf8_lossy(&out.stdout).trim());
+        let ids = ferry::load_npy(dir.join("ids.npy")).unwrap();
+        for &device in devices {
+            for (sub, tolerance) in [("", 1e-5), ("bf16", 3e-2)] {
+                let files = dir.join(sub);
+                let want = ferry::load_npy(files.join("logits.npy"))
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                let model = Llama::from_pretrained(&files, device).unwrap();
+                let got = model
+                    .forward(&ids.to(device).unwrap())
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                let gap = relative_gap(&got, &want);
+                let dtype = if sub.is_empty() { "f32" } else { sub };
+                println!(
+                    "{variant} {dtype} on {device}: largest gap {gap:.2e} of the largest logit"
+                );
+                assert!(gap <= tolerance, "{variant} {dtype} on {device}: {gap:e}");
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

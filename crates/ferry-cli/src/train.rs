@@ -53,6 +53,9 @@ pub enum Task {
     /// A character-level GPT on Cicero's De finibus, book I (Latin, public domain, 49 KB, from
     /// the lipsum crate); prints samples at the end.
     Gpt,
+    /// A character-level Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention:
+    /// `ferry::models::Llama`) on the same text, sized by the same flags and --kv-heads.
+    Llama,
 }
 
 /// `ferry train`.
@@ -120,19 +123,22 @@ pub struct TrainArgs {
     /// --device.
     #[arg(long, value_delimiter = ',', num_args = 1..)]
     pub devices: Vec<Device>,
-    /// gpt: characters of context.
+    /// gpt, llama: characters of context.
     #[arg(long, default_value_t = 64)]
     pub context: usize,
-    /// gpt: width of the embeddings and blocks.
+    /// gpt, llama: width of the embeddings and blocks.
     #[arg(long, default_value_t = 128)]
     pub width: usize,
-    /// gpt: transformer blocks.
+    /// gpt, llama: transformer blocks.
     #[arg(long, default_value_t = 4)]
     pub layers: usize,
-    /// gpt: attention heads per block.
+    /// gpt, llama: attention heads per block.
     #[arg(long, default_value_t = 4)]
     pub heads: usize,
-    /// gpt: training steps per epoch (each epoch ends with validation and a checkpoint).
+    /// llama: key/value heads per block, dividing --heads [default: half of --heads].
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// gpt, llama: training steps per epoch (each epoch ends with validation and a checkpoint).
     #[arg(long, default_value_t = 100)]
     pub steps_per_epoch: usize,
     /// Checkpoints to keep: after each one is written, older ones beyond the newest N are
@@ -184,7 +190,7 @@ impl TrainArgs {
     pub fn batch(&self) -> usize {
         self.batch_size.unwrap_or(match self.task {
             Task::DigitsCnn => 16,
-            Task::Digits | Task::Gpt => 32,
+            Task::Digits | Task::Gpt | Task::Llama => 32,
         })
     }
 
@@ -230,7 +236,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     if args.batch() == 0 {
         return Err("--batch-size must be at least 1".into());
     }
-    if args.task == Task::Gpt {
+    if matches!(args.task, Task::Gpt | Task::Llama) {
         return gpt::train(args);
     }
     let gz = match &args.data {

@@ -1,9 +1,11 @@
-//! `ferry train gpt`: a small character-level GPT on Cicero's *De finibus bonorum et malorum*,
+//! `ferry train gpt` and `ferry train llama`: a small character-level GPT or Llama on Cicero's *De finibus bonorum et malorum*,
 //! book I (Latin, public domain), as the `lipsum` crate ships it (`lipsum::LIBER_PRIMUS`,
 //! 49 KB): nothing is copied into this repository.
 //!
 //! The model is [`ferry::models::Gpt`] (GPT-2's shape at a small size, `--layers` pre-norm
-//! blocks); tests/torch/gpt.py builds the same model in PyTorch for the loss comparison.
+//! blocks; tests/torch/gpt.py builds the same model in PyTorch for the loss comparison) or
+//! [`ferry::models::Llama`] of the same width, depth and heads (its MLP 8/3 as wide, rounded
+//! up to a multiple of 8; `--kv-heads` key/value heads).
 //!
 //! Text: characters, the first 90% for training, the last 10% for validation. A step trains on
 //! `--batch-size` windows of `--context` characters drawn at random (seeded per epoch); an
@@ -12,7 +14,7 @@
 
 use std::error::Error;
 
-use ferry::models::{Gpt, GptConfig};
+use ferry::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use ferry::nn::Module;
 use ferry::optim::{AdamW, Constant, Cosine, LrSchedule, OffloadAdamW, Optimizer};
 use ferry::prelude::*;
@@ -90,14 +92,16 @@ pub fn loss_and_correct(
 
 /// `len` characters sampled from `model` after `prompt` (temperature `temperature`, seeded).
 pub fn sample(
-    model: &Gpt,
+    model: &dyn Module,
+    context: usize,
     corpus: &Corpus,
     prompt: &str,
     len: usize,
     temperature: f64,
     seed: u64,
 ) -> Result<String, Box<dyn Error>> {
-    let (device, config) = (model.device(), model.config());
+    let device = model.parameters()[0].device();
+    let vocab = corpus.chars.len();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut ids: Vec<i64> = prompt
         .chars()
@@ -108,12 +112,12 @@ pub fn sample(
     }
     let start = ids.len();
     for _ in 0..len {
-        let window = &ids[ids.len().saturating_sub(config.context)..];
+        let window = &ids[ids.len().saturating_sub(context)..];
         let x = Tensor::from_vec(window.to_vec(), &[1, window.len()])?.to(device)?;
         let logits = with_no_grad(|| model.forward(&x))?;
         let last = logits
             .narrow(1, window.len() - 1, 1)?
-            .reshape(&[config.vocab])?
+            .reshape(&[vocab])?
             .to_vec_f64()?;
         let max = last.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let weights: Vec<f64> = last
@@ -192,6 +196,41 @@ fn schedule(args: &TrainArgs, lr: f64) -> ferry::Result<Box<dyn LrSchedule>> {
     })
 }
 
+/// A model and the name `ferry train` calls it by.
+type Named = (Box<dyn Module>, &'static str);
+
+/// The model `ferry train` was asked for, sized by the flags, with its name.
+fn model(args: &TrainArgs, vocab: usize, device: Device) -> Result<Named, Box<dyn Error>> {
+    if args.task != super::Task::Llama {
+        let config = GptConfig {
+            vocab,
+            context: args.context,
+            width: args.width,
+            layers: args.layers,
+            heads: args.heads,
+        };
+        return Ok((Box::new(Gpt::new(config, device)?), "gpt"));
+    }
+    let kv_heads = args.kv_heads.unwrap_or(if args.heads.is_multiple_of(2) {
+        args.heads / 2
+    } else {
+        args.heads
+    });
+    let mlp = (args.width * 8 / 3).div_ceil(8) * 8;
+    let config = LlamaConfig {
+        max_position_embeddings: args.context,
+        ..LlamaConfig::new(vocab, args.width, mlp, args.layers, args.heads, kv_heads)
+    };
+    if let Err(why) = config.check() {
+        return Err(format!(
+            "llama of --width {} --heads {} --kv-heads {kv_heads}: {why}",
+            args.width, args.heads
+        )
+        .into());
+    }
+    Ok((Box::new(Llama::new(config, device)?), "llama"))
+}
+
 /// `ferry train gpt`: trains (or resumes) the character-level GPT, checkpointing and redrawing
 /// the curves each epoch (`--steps-per-epoch` steps), and prints samples at the end.
 pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
@@ -200,13 +239,6 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     }
     let device = args.devices.first().copied().unwrap_or(args.device);
     let corpus = Corpus::new(CORPUS);
-    let config = GptConfig {
-        vocab: corpus.chars.len(),
-        context: args.context,
-        width: args.width,
-        layers: args.layers,
-        heads: args.heads,
-    };
     let out = args.out_dir();
     std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
     // The text, for tests/torch/gpt.py (the PyTorch twin of this model).
@@ -215,7 +247,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
         .map_err(|e| format!("cannot write {}: {e}", corpus_file.display()))?;
     let lr = args.lr.unwrap_or(3e-3);
     ferry::manual_seed(args.seed);
-    let mut model = Gpt::new(config, device)?;
+    let (mut model, name) = model(args, corpus.chars.len(), device)?;
     if let Some(bytes) = args.device_budget {
         let Device::Cuda(ordinal) = device else {
             return Err("--device-budget caps a GPU's allocator: give a --device cuda:N".into());
@@ -247,7 +279,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     super::say(
         args,
         &format!(
-            "gpt: {} parameters, {} characters ({} distinct) of {CORPUS_SOURCE}",
+            "{name}: {} parameters, {} characters ({} distinct) of {CORPUS_SOURCE}",
             model.num_parameters(),
             corpus.ids.len(),
             corpus.chars.len()
@@ -257,7 +289,7 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
         corpus: &corpus,
         split: corpus.ids.len() * 9 / 10,
         batch: args.batch(),
-        context: config.context,
+        context: args.context,
         steps: args.steps_per_epoch.max(1),
         device,
     };
@@ -274,11 +306,19 @@ pub(super) fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     let mut report = Report::new(args, &line);
     let summary = super::trainer(args, device)
         .schedule(schedule(args, lr)?, Every::Step)
-        .fit(&mut model, opt.as_mut(), None, &task, &mut report)
+        .fit(model.as_mut(), opt.as_mut(), None, &task, &mut report)
         .map_err(super::explain)?;
     if !args.quiet {
         for seed in 0..2 {
-            let text = sample(&model, &corpus, "Non eram nescius, ", 160, 0.8, seed)?;
+            let text = sample(
+                model.as_ref(),
+                args.context,
+                &corpus,
+                "Non eram nescius, ",
+                160,
+                0.8,
+                seed,
+            )?;
             println!("sample {}: Non eram nescius, {text}", seed + 1);
         }
     }
@@ -342,7 +382,7 @@ mod tests {
         // ln(vocab) at the start; a model that learned character frequencies is well below.
         assert!((first - (config.vocab as f64).ln()).abs() < 0.3, "{first}");
         assert!(last < first - 0.8, "{first} -> {last}");
-        let text = sample(&model, &corpus, "Non eram", 20, 1.0, 0).unwrap();
+        let text = sample(&model, 16, &corpus, "Non eram", 20, 1.0, 0).unwrap();
         assert_eq!(text.chars().count(), 20);
     }
 }

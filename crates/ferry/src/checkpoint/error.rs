@@ -75,6 +75,15 @@ pub enum CheckpointError {
         /// What the parser found.
         reason: String,
     },
+    /// A model directory's configuration (transformers' `config.json`, a shard index) is
+    /// missing or describes what ferry cannot build.
+    #[error("{}: {message}", path.display())]
+    Config {
+        /// The file, or the directory lacking it.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        message: String,
+    },
     /// A tensor of a dtype ferry has no counterpart for.
     #[error(
         "{}: tensor {key:?} has dtype {dtype}, which ferry does not support (F32, F64, F16, BF16, I64, U8): convert it before saving, e.g. `t.float()` in PyTorch",

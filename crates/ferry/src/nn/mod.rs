@@ -39,6 +39,8 @@ mod layer_norm;
 mod linear;
 mod loss;
 mod pool;
+mod rms_norm;
+mod rotary;
 mod sequential;
 mod state;
 
@@ -51,6 +53,8 @@ pub use init::Init;
 pub use linear::Linear;
 pub use loss::{cross_entropy, mse};
 pub use pool::{AvgPool2d, Flatten, MaxPool2d};
+pub use rms_norm::RmsNorm;
+pub use rotary::{RopeScaling, Rotary};
 pub use sequential::Sequential;
 pub use state::{assign_state, check_state};
 pub use {embedding::Embedding, layer_norm::LayerNorm};

@@ -1,0 +1,314 @@
+//! Llama: transformers' `LlamaForCausalLM`, with its parameter names, so its checkpoints load
+//! as they are ([`Llama::from_pretrained`]).
+
+use ferry_tensor::{DType, Device, Result, Tensor, TensorError};
+
+use crate::nn::{Embedding, Linear, Module, RmsNorm, Rotary, scaled_dot_product_attention};
+
+mod config;
+mod pretrained;
+
+pub use config::LlamaConfig;
+
+/// What a parameter is, so a fresh model knows how to draw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A projection or embedding matrix: N(0, 0.02), transformers' `initializer_range`.
+    Matrix,
+    /// A projection's bias: zeros.
+    Bias,
+    /// An RMSNorm's scale: ones.
+    Scale,
+}
+
+/// Where a model's parameters come from while it is built: drawn fresh, or taken from a
+/// checkpoint by name.
+type Source<'a> = dyn FnMut(&str, &[usize], Kind) -> Result<Tensor> + 'a;
+
+/// One decoder layer: pre-norm grouped-query attention with rotary positions, then a pre-norm
+/// SiLU-gated MLP, each added to the residual stream.
+struct Layer {
+    input_layernorm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_layernorm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+/// A Llama decoder with its language-model head: token embedding, `num_hidden_layers` layers
+/// (RMSNorm, grouped-query causal attention with rotary embeddings, residual; RMSNorm,
+/// `down(silu(gate(x)) * up(x))`, residual), a final RMSNorm and the head (the embedding
+/// itself when `tie_word_embeddings`).
+///
+/// Parameter names are transformers' (`model.layers.0.self_attn.q_proj.weight`,
+/// `lm_head.weight`), so [`Module::state_dict`] saves a file transformers loads and
+/// [`Llama::from_pretrained`] reads a directory `save_pretrained` wrote.
+///
+/// ```
+/// use ferry::models::{Llama, LlamaConfig};
+/// use ferry::prelude::*;
+///
+/// let config = LlamaConfig::new(32, 16, 32, 2, 4, 2);
+/// let llama = Llama::new(config, Device::Cpu)?;
+/// let ids = Tensor::from_vec(vec![1i64, 5, 7], &[1, 3])?;
+/// assert_eq!(llama.forward(&ids)?.shape(), &[1, 3, 32]);
+/// # Ok::<(), ferry::TensorError>(())
+/// ```
+pub struct Llama {
+    config: LlamaConfig,
+    embed_tokens: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+    rotary: Rotary,
+}
+
+impl Llama {
+    /// A freshly initialized `f32` model on `device`, drawn as transformers draws one (weights
+    /// from N(0, 0.02), biases zero, norms one), in a fixed order, so a seed fixes it.
+    pub fn new(config: LlamaConfig, device: Device) -> Result<Self> {
+        Self::build(config, &mut |_, shape, kind| match kind {
+            Kind::Matrix => Tensor::randn(shape, DType::F32, device)?.mul_scalar(0.02),
+            Kind::Bias => Tensor::zeros(shape, DType::F32, device),
+            Kind::Scale => Tensor::ones(shape, DType::F32, device),
+        })
+    }
+
+    /// The model, each parameter from `source` by name, shape and kind, in a fixed order.
+    fn build(config: LlamaConfig, source: &mut Source<'_>) -> Result<Self> {
+        config
+            .check()
+            .map_err(|message| TensorError::InvalidArgument {
+                op: "Llama",
+                message,
+            })?;
+        let c = &config;
+        let (h, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let (ab, mb) = (c.attention_bias, c.mlp_bias);
+        let embed_tokens = Embedding::from_weight(source(
+            "model.embed_tokens.weight",
+            &[c.vocab_size, h],
+            Kind::Matrix,
+        )?)?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for n in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{n}");
+            layers.push(Layer {
+                input_layernorm: norm(source, &format!("{p}.input_layernorm"), c)?,
+                q_proj: linear(source, &format!("{p}.self_attn.q_proj"), [h, q], ab)?,
+                k_proj: linear(source, &format!("{p}.self_attn.k_proj"), [h, kv], ab)?,
+                v_proj: linear(source, &format!("{p}.self_attn.v_proj"), [h, kv], ab)?,
+                o_proj: linear(source, &format!("{p}.self_attn.o_proj"), [q, h], ab)?,
+                post_attention_layernorm: norm(
+                    source,
+                    &format!("{p}.post_attention_layernorm"),
+                    c,
+                )?,
+                gate_proj: linear(source, &format!("{p}.mlp.gate_proj"), [h, i], mb)?,
+                up_proj: linear(source, &format!("{p}.mlp.up_proj"), [h, i], mb)?,
+                down_proj: linear(source, &format!("{p}.mlp.down_proj"), [i, h], mb)?,
+            });
+        }
+        let norm = norm(source, "model.norm", c)?;
+        let lm_head = match c.tie_word_embeddings {
+            true => None,
+            false => Some(linear(source, "lm_head", [h, c.vocab_size], false)?),
+        };
+        let rotary = Rotary::new(hd, c.rope_theta, c.rope_scaling)?;
+        Ok(Self {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary,
+        })
+    }
+
+    /// The size it was built with.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Where its parameters are.
+    pub fn device(&self) -> Device {
+        self.embed_tokens.weight().device()
+    }
+
+    /// The hidden states after the final norm, `[B, T, hidden_size]`, for `ids` (`i64`, `[B,
+    /// T]`).
+    pub fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
+        let shape = ids.shape();
+        let max = self.config.max_position_embeddings;
+        if shape.len() != 2 || ids.dtype() != DType::I64 || shape[1] > max {
+            return Err(TensorError::InvalidArgument {
+                op: "Llama::forward",
+                message: format!(
+                    "the input must be i64 token ids [batch, positions] with at most {max} \
+                     positions; got {} {shape:?}",
+                    ids.dtype()
+                ),
+            });
+        }
+        let mut x = self.embed_tokens.forward(ids)?;
+        let (cos, sin) = self.rotary.tables(0, shape[1], x.dtype(), x.device())?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &self.config, &self.rotary, &cos, &sin)?;
+        }
+        self.norm.forward(&x)
+    }
+}
+
+impl Layer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        c: &LlamaConfig,
+        rotary: &Rotary,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, t) = (x.shape()[0], x.shape()[1]);
+        let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let h = self.input_layernorm.forward(x)?;
+        let split = |proj: &Linear, n: usize| -> Result<Tensor> {
+            proj.forward(&h)?
+                .reshape(&[b, t, n, hd])?
+                .permute(&[0, 2, 1, 3])
+        };
+        let q = rotary.apply(&split(&self.q_proj, heads)?, cos, sin)?;
+        let k = rotary.apply(&split(&self.k_proj, kv_heads)?, cos, sin)?;
+        let v = split(&self.v_proj, kv_heads)?;
+        let group = heads / kv_heads;
+        let y =
+            scaled_dot_product_attention(&q, &repeat_kv(&k, group)?, &repeat_kv(&v, group)?, true)?;
+        let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, heads * hd])?;
+        let x = x.add(&self.o_proj.forward(&y)?)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        let gated = self
+            .gate_proj
+            .forward(&h)?
+            .silu()?
+            .mul(&self.up_proj.forward(&h)?)?;
+        x.add(&self.down_proj.forward(&gated)?)
+    }
+
+    fn modules(&self) -> [(&'static str, &dyn Module); 9] {
+        [
+            ("input_layernorm", &self.input_layernorm),
+            ("self_attn.q_proj", &self.q_proj),
+            ("self_attn.k_proj", &self.k_proj),
+            ("self_attn.v_proj", &self.v_proj),
+            ("self_attn.o_proj", &self.o_proj),
+            ("post_attention_layernorm", &self.post_attention_layernorm),
+            ("mlp.gate_proj", &self.gate_proj),
+            ("mlp.up_proj", &self.up_proj),
+            ("mlp.down_proj", &self.down_proj),
+        ]
+    }
+
+    fn modules_mut(&mut self) -> [(&'static str, &mut dyn Module); 9] {
+        [
+            ("input_layernorm", &mut self.input_layernorm),
+            ("self_attn.q_proj", &mut self.q_proj),
+            ("self_attn.k_proj", &mut self.k_proj),
+            ("self_attn.v_proj", &mut self.v_proj),
+            ("self_attn.o_proj", &mut self.o_proj),
+            (
+                "post_attention_layernorm",
+                &mut self.post_attention_layernorm,
+            ),
+            ("mlp.gate_proj", &mut self.gate_proj),
+            ("mlp.up_proj", &mut self.up_proj),
+            ("mlp.down_proj", &mut self.down_proj),
+        ]
+    }
+}
+
+/// A projection from `inp` to `out` features named `name` (`name.weight`, `name.bias`).
+fn linear(
+    source: &mut Source<'_>,
+    name: &str,
+    [inp, out]: [usize; 2],
+    bias: bool,
+) -> Result<Linear> {
+    let weight = source(&format!("{name}.weight"), &[out, inp], Kind::Matrix)?;
+    let bias = match bias {
+        true => Some(source(&format!("{name}.bias"), &[out], Kind::Bias)?),
+        false => None,
+    };
+    Linear::from_tensors(weight, bias)
+}
+
+/// An RMSNorm over the hidden size named `name` (`name.weight`).
+fn norm(source: &mut Source<'_>, name: &str, c: &LlamaConfig) -> Result<RmsNorm> {
+    let weight = source(&format!("{name}.weight"), &[c.hidden_size], Kind::Scale)?;
+    RmsNorm::from_weight(weight, c.rms_norm_eps)
+}
+
+/// Each of `x`'s key/value heads (`[B, kv_heads, T, d]`) repeated `group` times in place, for
+/// the query heads that share it: `[B, kv_heads × group, T, d]`.
+fn repeat_kv(x: &Tensor, group: usize) -> Result<Tensor> {
+    if group == 1 {
+        return Ok(x.clone());
+    }
+    let s = x.shape();
+    let (b, n, t, d) = (s[0], s[1], s[2], s[3]);
+    x.unsqueeze(2)?
+        .broadcast_to(&[b, n, group, t, d])?
+        .reshape(&[b, n * group, t, d])
+}
+
+impl Module for Llama {
+    /// `input`: `i64` token ids `[B, T]`; returns logits `[B, T, vocab_size]`.
+    fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        let x = self.hidden_states(input)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&x),
+            None => x.linear(self.embed_tokens.weight(), None),
+        }
+    }
+
+    fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        self.embed_tokens
+            .visit_parameters(&format!("{prefix}model.embed_tokens."), f);
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (name, module) in layer.modules() {
+                module.visit_parameters(&format!("{prefix}model.layers.{i}.{name}."), f);
+            }
+        }
+        self.norm
+            .visit_parameters(&format!("{prefix}model.norm."), f);
+        if let Some(head) = &self.lm_head {
+            head.visit_parameters(&format!("{prefix}lm_head."), f);
+        }
+    }
+
+    fn visit_parameters_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, &mut Tensor) -> Result<()>,
+    ) -> Result<()> {
+        self.embed_tokens
+            .visit_parameters_mut(&format!("{prefix}model.embed_tokens."), f)?;
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            for (name, module) in layer.modules_mut() {
+                module.visit_parameters_mut(&format!("{prefix}model.layers.{i}.{name}."), f)?;
+            }
+        }
+        self.norm
+            .visit_parameters_mut(&format!("{prefix}model.norm."), f)?;
+        match &mut self.lm_head {
+            Some(head) => head.visit_parameters_mut(&format!("{prefix}lm_head."), f),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
