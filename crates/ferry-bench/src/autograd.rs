@@ -572,20 +572,17 @@ fn report(run: &Run) -> Report {
         for r in &run.memory {
             let chain = r.chain;
             notes.push(format!("  {}: {}; keeps {}", chain.id, chain.forward, chain.keeps));
-            if let Some(Err(e)) = &r.ferry {
-                errors.insert(format!("{} (ferry): {e}", chain.id));
-            }
+            let id = chain.id;
+            match &r.ferry {
+                Some(Err(e)) => errors.insert(format!("{id} (ferry): {e}")),
+                Some(Ok(b)) if b.after_drop != 0 => errors.insert(format!(
+                    "{id}: ferry still had {} bytes allocated after dropping everything",
+                    b.after_drop
+                )),
+                _ => false,
+            };
             if let Some(Err(e)) = &r.pytorch {
                 errors.insert(format!("PyTorch: {e}"));
-            }
-            if let Some(Ok(b)) = &r.ferry
-                && b.after_drop != 0
-            {
-                let leaked = b.after_drop;
-                errors.insert(format!(
-                    "{}: ferry still had {leaked} bytes allocated after dropping everything",
-                    chain.id
-                ));
             }
         }
     }
@@ -621,16 +618,15 @@ fn report(run: &Run) -> Report {
              op, median of {rounds} rounds"
         );
         report.table("op_overhead", Some(heading), overhead_table(row));
-        let pytorch = match (&run.pytorch, row.default_threads) {
-            (Some(_), Some(n)) => format!(
+        let default = row.default_threads.map_or(String::new(), |n| {
+            format!("; its default is {n} threads")
+        });
+        let pytorch = run.pytorch.as_ref().map_or(String::new(), |_| {
+            format!(
                 "; PyTorch runs from Python (its dispatch included), ratio against its 1-thread \
-                 column; its default is {n} threads"
-            ),
-            (Some(_), None) => "; PyTorch runs from Python (its dispatch included), ratio \
-                                against its 1-thread column"
-                .into(),
-            (None, _) => String::new(),
-        };
+                 column{default}"
+            )
+        });
         notes.push(format!("per-op goal: the H200 host's{pytorch}."));
         errors.extend(row.ferry.error.as_ref().map(|e| format!("overhead (ferry): {e}")));
         for side in &row.pytorch {

@@ -12,7 +12,7 @@ use std::time::Instant;
 use clap::Args;
 use ferry::memory::cuda::{self, CudaDevice};
 use ferry::{DType, DeviceMove, MoveOptions, Tensor, TransferPath};
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::Measured;
 use crate::harness::pytorch::PyTorch;
@@ -42,8 +42,7 @@ struct Case {
     to: usize,
 }
 
-/// What one case measured: ferry's samples and PyTorch's per mode (in `TORCH_MODES` order;
-/// an error of the script is recorded on both).
+/// What one case measured: ferry's samples and PyTorch's per mode (in `TORCH_MODES` order).
 struct CaseResult {
     case: Case,
     path: Option<TransferPath>,
@@ -107,34 +106,21 @@ fn measure(
     for round in 0..warmup + samples {
         let timed = round >= warmup;
         if !m.ferry.is_failed() {
-            match ferry_sample(&x, to, from) {
-                Ok((ms, path)) => {
-                    m.path = Some(path);
-                    if timed {
-                        m.ferry.push(ms);
-                    }
-                }
-                Err(err) => m.ferry.fail(err.to_string()),
-            }
+            let sample = ferry_sample(&x, to, from).map(|(ms, path)| {
+                m.path = Some(path);
+                ms
+            });
+            m.ferry.record(sample, timed);
         }
         for (i, mode) in TORCH_MODES.iter().enumerate() {
-            let Some(t) = torch.as_deref_mut() else { break };
-            if m.torch[0].is_failed() {
+            let failed = m.torch[0].is_failed();
+            let Some(t) = torch.as_deref_mut().filter(|_| !failed) else {
                 break;
-            }
-            let failure = match t.request(&request(&m.case, mode)) {
-                Ok(reply) => match reply.get("ms").and_then(Value::as_f64) {
-                    Some(ms) if timed => {
-                        m.torch[i].push(ms);
-                        None
-                    }
-                    Some(_) => None,
-                    None => Some(format!("the script answered {reply}")),
-                },
-                Err(err) => Some(err),
             };
-            if let Some(err) = failure {
-                m.torch.iter_mut().for_each(|side| side.fail(err.clone()));
+            match t.sample(&request(&m.case, mode)) {
+                Ok(ms) => _ = m.torch[i].record(Ok::<_, String>(ms), timed),
+                // An error of the script is recorded on both modes.
+                Err(err) => m.torch.iter_mut().for_each(|side| side.fail(err.clone())),
             }
         }
     }
@@ -323,13 +309,9 @@ mod tests {
         let mut table = Table::new(&HEADER);
         push_row(&mut table, &m);
         let cells = &table.texts()[0];
-        assert_eq!(cells[0], "400 MB");
-        assert_eq!(cells[1], "cuda:1 -> cuda:0");
-        assert_eq!(cells[2], "2.00 ms");
-        assert_eq!(cells[3], "200"); // 400 MB in 2 ms
-        assert_eq!(cells[8], "0.500");
-        assert_eq!(cells[9], "-"); // no non_blocking samples
-        assert_eq!(cells[10], "direct");
+        // 400 MB in 2 ms; no non_blocking samples.
+        assert_eq!(cells[..4], ["400 MB", "cuda:1 -> cuda:0", "2.00 ms", "200"]);
+        assert_eq!(cells[8..], ["0.500", "-", "direct"]);
         let doc = &table.json()[0];
         assert_eq!(doc["size"], 400_000_000);
         assert_eq!(doc["ferry_to"]["samples_ms"], json!([1.0, 2.0, 9.0]));
