@@ -444,6 +444,13 @@ fn backward_table(rows: &[MemoryRow]) -> Table {
     table
 }
 
+/// A side's rounds (not milliseconds: steps/s or µs/op): the median shown by `format`.
+fn rounds(side: &Measured, format: impl Fn(f64) -> String) -> Cell {
+    let (median, rounds, error) = (side.complete_median(), &side.samples_ms, &side.error);
+    let value = json!({ "median": median, "rounds": rounds, "error": error });
+    Cell::text(side.median_cell(format)).recorded(value)
+}
+
 /// throughput(N) / (N x throughput(1)): 1 is perfect scaling, 1/N is none at all.
 fn efficiency(throughput: f64, threads: usize, one_thread: f64) -> f64 {
     throughput / (threads as f64 * one_thread)
@@ -486,7 +493,7 @@ fn scaling_table(rows: &[ScalingRow], cores: usize) -> Table {
     ]);
     let ferry = efficiencies(rows, |r| &r.ferry);
     let torch = efficiencies(rows, |r| &r.pytorch);
-    let steps = |m: &Measured| Cell::median_shown(m, |s| format!("{s:.0}"));
+    let steps = |m: &Measured| rounds(m, |s| format!("{s:.0}"));
     let eff = |e: Option<f64>| Cell::shown(e, |e| format!("{e:.2}"));
     for (r, (&fe, &te)) in rows.iter().zip(ferry.iter().zip(&torch)) {
         let cells = vec![
@@ -517,9 +524,9 @@ fn overhead_table(row: &OverheadRow) -> Table {
     table.push_with(
         vec![
             Cell::text("mul_add_relu_sum"),
-            Cell::median(&row.ferry),
-            Cell::median(one),
-            Cell::median(default),
+            rounds(&row.ferry, significant),
+            rounds(one, significant),
+            rounds(default, significant),
             Cell::ratio(row.ferry.complete_median(), one.complete_median()),
             Cell::text(format!("{} µs", OVERHEAD_GOAL.bound)),
             Cell::verdict(OVERHEAD_GOAL.verdict(row.ferry.complete_median())),

@@ -273,17 +273,17 @@ fn json_has_every_row_with_both_sides_goals_and_verdicts() {
     let four = &doc["thread_scaling"][1];
     assert_eq!(four["threads"], 4);
     assert_eq!(four["ferry_efficiency"], 0.75);
-    assert_eq!(four["ferry_steps_per_s"]["samples_ms"], json!([3e4, 3e4, 3e4]));
+    assert_eq!(four["ferry_steps_per_s"]["rounds"], json!([3e4, 3e4, 3e4]));
     assert_eq!(four["pytorch_steps_per_s"]["error"], "RuntimeError: boom");
     assert_eq!(four["met"], true);
     let sixteen = &doc["thread_scaling"][3];
-    assert_eq!(sixteen["pytorch_steps_per_s"]["median_ms"], Value::Null);
+    assert_eq!(sixteen["pytorch_steps_per_s"]["median"], Value::Null);
     assert_eq!((&sixteen["goal"], &sixteen["met"]), (&json!("-"), &Value::Null));
 
     let overhead = &doc["op_overhead"][0];
     assert_eq!(overhead["unit"], "us/op");
-    assert_eq!(overhead["ferry"]["median_ms"], 2.5);
-    assert_eq!(overhead["pytorch_1_thread"]["median_ms"], 22.5);
+    assert_eq!(overhead["ferry"]["median"], 2.5);
+    assert_eq!(overhead["pytorch_1_thread"]["median"], 22.5);
     assert_eq!(overhead["pytorch_default"]["error"], "killed");
     assert_eq!(overhead["pytorch_default_threads"], 16);
     assert_eq!(overhead["met"], true);

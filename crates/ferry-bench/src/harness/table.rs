@@ -285,16 +285,6 @@ impl Report {
 
 // Added for the autograd, train and peer benches.
 
-impl Cell {
-    /// [`Cell::median`] shown by `format` ("error" after a failure, "-" when not run).
-    pub fn median_shown(side: &Measured, format: impl Fn(f64) -> String) -> Self {
-        Self {
-            text: side.median_cell(format),
-            ..Self::median(side)
-        }
-    }
-}
-
 impl Measured {
     /// One round's result: its sample kept when `timed`, its error recorded; a side that has
     /// failed takes no more rounds. Whether the round succeeded.
