@@ -12,13 +12,13 @@ use std::time::Instant;
 use clap::Args;
 use ferry::memory::cuda::{self, CudaDevice};
 use ferry::{DType, DeviceMove, MoveOptions, Tensor, TransferPath};
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::Measured;
-use crate::harness;
-use crate::harness::SampledArgs;
 use crate::harness::pytorch::PyTorch;
-use crate::harness::report::{format_ratio, print_table, significant};
+use crate::harness::report::significant;
+use crate::harness::table::{Cell, Report, Table};
+use crate::harness::{self, SampledArgs};
 
 /// Sizes moved by default, in bytes: 4 MiB, 64 MiB, 400 MB (the transfer bench's tensor), 1 GiB.
 const SIZES: [usize; 4] = [4 << 20, 64 << 20, 400_000_000, 1 << 30];
@@ -42,8 +42,7 @@ struct Case {
     to: usize,
 }
 
-/// What one case measured: ferry's samples and PyTorch's per mode (in `TORCH_MODES` order;
-/// an error of the script is recorded on both).
+/// What one case measured: ferry's samples and PyTorch's per mode (in `TORCH_MODES` order).
 struct CaseResult {
     case: Case,
     path: Option<TransferPath>,
@@ -107,91 +106,72 @@ fn measure(
     for round in 0..warmup + samples {
         let timed = round >= warmup;
         if !m.ferry.is_failed() {
-            match ferry_sample(&x, to, from) {
-                Ok((ms, path)) => {
-                    m.path = Some(path);
-                    if timed {
-                        m.ferry.push(ms);
-                    }
-                }
-                Err(err) => m.ferry.fail(err.to_string()),
-            }
+            let sample = ferry_sample(&x, to, from).map(|(ms, path)| {
+                m.path = Some(path);
+                ms
+            });
+            m.ferry.record(sample, timed);
         }
         for (i, mode) in TORCH_MODES.iter().enumerate() {
-            let Some(t) = torch.as_deref_mut() else { break };
-            if m.torch[0].is_failed() {
+            let failed = m.torch[0].is_failed();
+            let Some(t) = torch.as_deref_mut().filter(|_| !failed) else {
                 break;
-            }
-            let failure = match t.request(&request(&m.case, mode)) {
-                Ok(reply) => match reply.get("ms").and_then(Value::as_f64) {
-                    Some(ms) if timed => {
-                        m.torch[i].push(ms);
-                        None
-                    }
-                    Some(_) => None,
-                    None => Some(format!("the script answered {reply}")),
-                },
-                Err(err) => Some(err),
             };
-            if let Some(err) = failure {
-                m.torch.iter_mut().for_each(|side| side.fail(err.clone()));
+            match t.sample(&request(&m.case, mode)) {
+                Ok(ms) => _ = m.torch[i].record(Ok::<_, String>(ms), timed),
+                // An error of the script is recorded on both modes.
+                Err(err) => m.torch.iter_mut().for_each(|side| side.fail(err.clone())),
             }
         }
     }
     Ok(m)
 }
 
-/// The table's cells for one case.
-fn row(m: &CaseResult) -> Vec<String> {
-    let time = |v: Option<f64>| v.map_or("-".into(), |ms| format!("{} ms", significant(ms)));
-    let rate = |v: Option<f64>| v.map_or("-".into(), |ms| significant(gb_per_s(m.case.bytes, ms)));
-    let ferry = m.ferry.median();
-    let [to, nb] = [m.torch[0].median(), m.torch[1].median()];
-    let ratio = |torch: Option<f64>| match (ferry, torch) {
-        (Some(f), Some(t)) => format_ratio(f, t),
-        _ => "-".into(),
-    };
-    vec![
-        format!("{} MB", significant(m.case.bytes as f64 / 1e6)),
-        format!("cuda:{} -> cuda:{}", m.case.from, m.case.to),
-        time(ferry),
-        rate(ferry),
-        time(to),
-        rate(to),
-        time(nb),
-        rate(nb),
-        ratio(to),
-        ratio(nb),
-        match m.path {
-            Some(TransferPath::Peer { direct: true, .. }) => "direct".into(),
-            Some(TransferPath::Peer { direct: false, .. }) => "staged".into(),
-            Some(other) => format!("{other:?}"),
-            None => "-".into(),
-        },
-    ]
-}
+const HEADER: [&str; 11] = [
+    "size",
+    "direction",
+    "ferry .to",
+    "ferry GB/s",
+    "torch .to",
+    "torch GB/s",
+    "torch non_blocking",
+    "non_blocking GB/s",
+    "ferry/torch",
+    "ferry/nb",
+    "ferry path",
+];
 
-fn to_json(measured: &[CaseResult], torch: Option<&str>, notes: &[String]) -> Value {
-    let cases: Vec<Value> = measured
-        .iter()
-        .map(|m| {
-            json!({
-                "bytes": m.case.bytes,
-                "from": format!("cuda:{}", m.case.from),
-                "to": format!("cuda:{}", m.case.to),
-                "path": m.path.map(|p| format!("{p:?}")),
-                "ferry_ms": m.ferry.samples_ms,
-                "ferry_median_ms": m.ferry.median(),
-                "ferry_error": m.ferry.error,
-                "pytorch_to_ms": m.torch[0].samples_ms,
-                "pytorch_to_median_ms": m.torch[0].median(),
-                "pytorch_non_blocking_ms": m.torch[1].samples_ms,
-                "pytorch_non_blocking_median_ms": m.torch[1].median(),
-                "pytorch_error": m.torch[0].error,
-            })
-        })
-        .collect();
-    json!({ "bench": "peer", "pytorch": torch, "notes": notes, "cases": cases })
+/// The table's row for one case: medians (of the samples taken), rates, ratios and the path.
+fn push_row(table: &mut Table, m: &CaseResult) {
+    let time = |side: &Measured| {
+        let (samples_ms, median_ms, error) = (&side.samples_ms, side.median(), &side.error);
+        Cell::ms(median_ms).recorded(json!({ "samples_ms": samples_ms, "median_ms": median_ms, "error": error }))
+    };
+    let rate = |ms: Option<f64>| Cell::number(ms.map(|ms| gb_per_s(m.case.bytes, ms)));
+    let (ferry, to, nb) = (m.ferry.median(), m.torch[0].median(), m.torch[1].median());
+    let path = match m.path {
+        Some(TransferPath::Peer { direct: true, .. }) => "direct".into(),
+        Some(TransferPath::Peer { direct: false, .. }) => "staged".into(),
+        Some(other) => format!("{other:?}"),
+        None => "-".into(),
+    };
+    let size = Cell::text(format!("{} MB", significant(m.case.bytes as f64 / 1e6)));
+    table.push_with(
+        vec![
+            size.recorded(json!(m.case.bytes)),
+            Cell::text(format!("cuda:{} -> cuda:{}", m.case.from, m.case.to)),
+            time(&m.ferry),
+            rate(ferry),
+            time(&m.torch[0]),
+            rate(to),
+            time(&m.torch[1]),
+            rate(nb),
+            Cell::ratio(ferry, to),
+            Cell::ratio(ferry, nb),
+            Cell::text(path),
+        ],
+        json!({ "path_taken": m.path.map(|p| format!("{p:?}")) }),
+    );
 }
 
 pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
@@ -200,26 +180,16 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
         let doc = json!({ "bench": "peer", "skipped": why, "cases": [] });
         return harness::skip(&why, args.run.json.as_deref(), &doc);
     }
-    let devs = [
-        crate::harness::cuda_device(0)?,
-        crate::harness::cuda_device(1)?,
-    ];
+    let devs = [harness::cuda_device(0)?, harness::cuda_device(1)?];
     let mut torch = args.run.pytorch.side("peer.py", "columns");
     let mut notes: Vec<String> = torch.note.take().into_iter().collect();
-    println!(
-        "ferry bench peer: {} and {}, {} sample(s) after {} warm-up round(s) per case and side",
-        devs[0].info().name,
-        devs[1].info().name,
-        args.run.samples,
-        args.run.warmup
-    );
-    torch.print_label();
     let sizes = if args.sizes.is_empty() {
         SIZES.to_vec()
     } else {
         args.sizes.clone()
     };
-    let mut measured = Vec::new();
+    let mut table = Table::new(&HEADER);
+    let mut errors = Vec::new();
     for &bytes in &sizes {
         if bytes < 4 {
             notes.push(format!("size {bytes} skipped: at least 4 bytes (one f32)"));
@@ -228,58 +198,36 @@ pub fn run(args: PeerArgs) -> Result<(), Box<dyn Error>> {
         for (from, to) in [(0, 1), (1, 0)] {
             eprintln!("measuring {bytes} bytes cuda:{from} -> cuda:{to} ...");
             let case = Case { bytes, from, to };
-            let m = measure(
-                case,
-                &devs,
-                torch.torch(),
-                args.run.warmup,
-                args.run.samples,
-            )?;
+            let (warmup, samples) = (args.run.warmup, args.run.samples);
+            let m = measure(case, &devs, torch.torch(), warmup, samples)?;
             if let Some(err) = &m.torch[0].error
                 && torch.forget_if_ended()
             {
                 notes.push(format!("the PyTorch script ended: {err}"));
             }
-            measured.push(m);
-        }
-    }
-    let header = [
-        "size",
-        "direction",
-        "ferry .to",
-        "GB/s",
-        "torch .to",
-        "GB/s",
-        "torch non_blocking",
-        "GB/s",
-        "ferry/torch",
-        "ferry/nb",
-        "ferry path",
-    ];
-    let rows: Vec<Vec<String>> = measured.iter().map(row).collect();
-    print_table(&header, &rows);
-    println!(
-        "medians; ratios below 1: ferry faster. Each sample synchronizes both GPUs before and \
-         after the move. path: direct = peer access (NVLink/PCIe), staged = through host memory"
-    );
-    for m in &measured {
-        for (side, err) in [("ferry", &m.ferry.error), ("PyTorch", &m.torch[0].error)] {
-            if let Some(err) = err {
-                println!(
-                    "{} bytes cuda:{} -> cuda:{}, {side}: {err}",
-                    m.case.bytes, m.case.from, m.case.to
-                );
+            for (side, err) in [("ferry", &m.ferry.error), ("PyTorch", &m.torch[0].error)] {
+                if let Some(err) = err {
+                    errors.push(format!("{bytes} bytes cuda:{from} -> cuda:{to}, {side}: {err}"));
+                }
             }
+            push_row(&mut table, &m);
         }
     }
-    for note in &notes {
-        println!("{note}");
-    }
-    if let Some(path) = &args.run.json {
-        let doc = to_json(&measured, torch.label.as_deref(), &notes);
-        harness::write_json(path, &doc, "sample")?;
-    }
-    Ok(())
+    let (a, b) = (&devs[0].info().name, &devs[1].info().name);
+    let (samples, warmup) = (args.run.samples, args.run.warmup);
+    let label = torch.label.as_ref().map_or(String::new(), |l| format!("\nPyTorch {l}"));
+    let title = format!(
+        "ferry bench peer: {a} and {b}, {samples} sample(s) after {warmup} warm-up round(s) per \
+         case and side{label}"
+    );
+    let mut report = Report::new("peer", title).with_facts(json!({ "pytorch": torch.label }));
+    report.table("cases", None, table);
+    report.note(
+        "medians; ratios below 1: ferry faster. Each sample synchronizes both GPUs before and \
+         after the move. path: direct = peer access (NVLink/PCIe), staged = through host memory",
+    );
+    errors.into_iter().chain(notes).for_each(|n| report.note(n));
+    report.finish(args.run.json.as_deref())
 }
 
 #[cfg(test)]
@@ -358,13 +306,17 @@ mod tests {
             ferry: Measured::from_samples(vec![1.0, 2.0, 9.0]),
             torch: [Measured::from_samples(vec![4.0]), Measured::new()],
         };
-        let cells = row(&m);
-        assert_eq!(cells[0], "400 MB");
-        assert_eq!(cells[1], "cuda:1 -> cuda:0");
-        assert_eq!(cells[2], "2.00 ms");
-        assert_eq!(cells[3], "200"); // 400 MB in 2 ms
-        assert_eq!(cells[8], "0.500");
-        assert_eq!(cells[9], "-"); // no non_blocking samples
-        assert_eq!(cells[10], "direct");
+        let mut table = Table::new(&HEADER);
+        push_row(&mut table, &m);
+        let cells = &table.texts()[0];
+        // 400 MB in 2 ms; no non_blocking samples.
+        assert_eq!(cells[..4], ["400 MB", "cuda:1 -> cuda:0", "2.00 ms", "200"]);
+        assert_eq!(cells[8..], ["0.500", "-", "direct"]);
+        let doc = &table.json()[0];
+        assert_eq!(doc["size"], 400_000_000);
+        assert_eq!(doc["ferry_to"]["samples_ms"], json!([1.0, 2.0, 9.0]));
+        assert_eq!(doc["torch_to"]["median_ms"], 4.0);
+        assert_eq!(doc["ferry_gb_per_s"], 200.0);
+        assert_eq!(doc["ferry_per_torch"], 0.5);
     }
 }

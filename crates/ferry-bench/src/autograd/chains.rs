@@ -38,6 +38,10 @@ fn square(n: usize) -> usize {
     n * n * 4
 }
 
+fn held(inputs: Vec<Tensor>, output: Tensor) -> ferry::Result<Held> {
+    Ok(Held { inputs, output })
+}
+
 fn leaf(shape: &[usize], device: Device) -> ferry::Result<Tensor> {
     Tensor::randn(shape, DType::F32, device)?.with_grad()
 }
@@ -45,10 +49,7 @@ fn leaf(shape: &[usize], device: Device) -> ferry::Result<Tensor> {
 fn elementwise(device: Device, n: usize) -> ferry::Result<Held> {
     let x = leaf(&[n, n], device)?;
     let output = x.mul_scalar(2.0)?.add_scalar(1.0)?.add(&x)?.exp()?;
-    Ok(Held {
-        inputs: vec![x],
-        output,
-    })
+    held(vec![x], output)
 }
 
 fn linear_relu(device: Device, n: usize) -> ferry::Result<Held> {
@@ -58,66 +59,45 @@ fn linear_relu(device: Device, n: usize) -> ferry::Result<Held> {
     let (w2, b2) = (leaf(&[width, width], device)?, leaf(&[width], device)?);
     let h = x.matmul(&w1)?.add(&b1)?.relu()?;
     let output = h.matmul(&w2)?.add(&b2)?.relu()?;
-    Ok(Held {
-        inputs: vec![x, w1, b1, w2, b2],
-        output,
-    })
+    held(vec![x, w1, b1, w2, b2], output)
 }
 
 fn tanh(device: Device, n: usize) -> ferry::Result<Held> {
     let x = leaf(&[n, n], device)?;
     let output = x.tanh()?.mul_scalar(2.0)?.tanh()?;
-    Ok(Held {
-        inputs: vec![x],
-        output,
-    })
+    held(vec![x], output)
 }
 
 fn silu(device: Device, n: usize) -> ferry::Result<Held> {
     let x = leaf(&[n, n], device)?;
     let output = x.mul(&x.sigmoid()?)?;
-    Ok(Held {
-        inputs: vec![x],
-        output,
-    })
+    held(vec![x], output)
 }
 
 fn softmax(device: Device, n: usize) -> ferry::Result<Held> {
     let x = leaf(&[n, n], device)?;
     let output = x.softmax(-1)?;
-    Ok(Held {
-        inputs: vec![x],
-        output,
-    })
+    held(vec![x], output)
 }
 
 fn cross_entropy(device: Device, n: usize) -> ferry::Result<Held> {
     let x = leaf(&[n, n], device)?;
     let targets = Tensor::arange(0.0, n as f64, DType::I64, device)?;
     let output = x.cross_entropy(&targets)?;
-    Ok(Held {
-        inputs: vec![x, targets],
-        output,
-    })
+    held(vec![x, targets], output)
 }
 
 fn views(device: Device, n: usize) -> ferry::Result<Held> {
     let (x, w) = (leaf(&[n, n], device)?, leaf(&[n / 2, n], device)?);
     let view = x.reshape(&[2 * n, n / 2])?.t()?.narrow(1, 0, n)?;
     let output = view.mul(&w)?;
-    Ok(Held {
-        inputs: vec![x, w],
-        output,
-    })
+    held(vec![x, w], output)
 }
 
 fn device_move(device: Device, n: usize) -> ferry::Result<Held> {
     let x = leaf(&[n, n], device)?;
     let output = x.exp()?.cpu()?.tanh()?.to(device)?;
-    Ok(Held {
-        inputs: vec![x],
-        output,
-    })
+    held(vec![x], output)
 }
 
 pub const CHAINS: [Chain; 8] = [

@@ -5,13 +5,9 @@ use std::path::Path;
 
 use clap::Parser;
 
-use serde_json::json;
-
-use super::chains::{CHAINS, SIDE};
-use super::output::*;
+use super::chains::CHAINS;
 use super::*;
 use crate::harness::pytorch::PyTorch;
-use crate::harness::report::Verdict;
 
 #[derive(Parser)]
 struct Cli {
@@ -27,28 +23,15 @@ fn parse(args: &[&str]) -> Result<AutogradArgs, clap::Error> {
 fn arguments_default_to_everything_and_lists_parse() {
     let args = parse(&[]).unwrap();
     assert!(!args.pytorch.compare_pytorch && args.json.is_none());
-    assert_eq!(
-        args.sections,
-        [Section::Memory, Section::Threads, Section::Overhead]
-    );
+    let all = [Section::Memory, Section::Threads, Section::Overhead];
+    assert_eq!(args.sections, all);
     assert_eq!(args.thread_counts(), [1, 2, 4, 8, 16]);
     assert_eq!((args.rounds, args.warmup), (9, 2));
     assert_eq!(args.pytorch.python, "python3");
 
-    let args = parse(&[
-        "--compare-pytorch",
-        "--json",
-        "out.json",
-        "--sections",
-        "threads,overhead",
-        "--threads",
-        "8,2,8",
-        "--chains",
-        "views,tanh",
-        "--rounds",
-        "3",
-    ])
-    .unwrap();
+    let line = "--compare-pytorch --json out.json --sections threads,overhead --threads 8,2,8 \
+                --chains views,tanh --rounds 3";
+    let args = parse(&line.split_whitespace().collect::<Vec<_>>()).unwrap();
     assert!(args.pytorch.compare_pytorch);
     assert_eq!(args.json.as_deref(), Some(Path::new("out.json")));
     assert_eq!(args.sections, [Section::Threads, Section::Overhead]);
@@ -57,30 +40,24 @@ fn arguments_default_to_everything_and_lists_parse() {
     assert_eq!(args.chains, ["views", "tanh"]);
     assert_eq!(args.rounds, 3);
 
-    for bad in [
-        &["--rounds", "0"][..],
-        &["--threads", "0"],
-        &["--sections", "gpu"],
-        &["--warmup", "-1"],
-    ] {
-        assert!(parse(bad).is_err(), "{bad:?} was accepted");
+    for bad in ["--rounds 0", "--threads 0", "--sections gpu", "--warmup -1"] {
+        let bad: Vec<&str> = bad.split(' ').collect();
+        assert!(parse(&bad).is_err(), "{bad:?} was accepted");
     }
 }
 
 #[test]
 fn rounds_keep_timed_samples_and_end_at_the_first_failure() {
-    let mut rounds = start_rounds(true);
-    record(&mut rounds, Reading::Got(5.0), false);
-    record(&mut rounds, Reading::Got(1.0), true);
-    record(&mut rounds, Reading::Got(2.0), true);
-    assert_eq!(rounds, Reading::Got(vec![1.0, 2.0]));
-    record(&mut rounds, Reading::Failed("boom".into()), true);
-    record(&mut rounds, Reading::Got(3.0), true);
-    assert_eq!(rounds, Reading::Failed("boom".into()));
-
-    let mut absent = start_rounds(false);
-    record(&mut absent, Reading::Got(1.0), true);
-    assert_eq!(absent, Reading::Skipped);
+    let mut rounds = Measured::new();
+    assert!(rounds.record(Ok::<_, String>(5.0), false));
+    rounds.record(Ok::<_, String>(1.0), true);
+    rounds.record(Ok::<_, String>(2.0), true);
+    assert_eq!(rounds.samples_ms, [1.0, 2.0]);
+    assert!(!rounds.record(Err("boom"), true));
+    assert!(!rounds.record(Ok::<_, String>(3.0), true));
+    assert_eq!(rounds.samples_ms, [1.0, 2.0]);
+    assert_eq!(rounds.error.as_deref(), Some("boom"));
+    assert_eq!(rounds.complete_median(), None);
 }
 
 #[test]
@@ -123,76 +100,77 @@ fn pytorch_rounds_interleave_and_each_side_keeps_its_errors() {
         ..PyTorchSide::default()
     };
     let row = measure_overhead(&mut torch, 1, 3);
-    assert_eq!(row.ferry.get().unwrap().len(), 3);
+    assert_eq!(row.ferry.samples_ms.len(), 3);
     // 0.01 ms a step of four ops: 2.5 µs an op.
-    assert_eq!(row.pytorch_one, Reading::Got(vec![2.5; 3]));
-    assert_eq!(row.pytorch_default, Reading::Got(vec![5.0; 3]));
+    assert_eq!(row.pytorch[0].samples_ms, [2.5; 3]);
+    assert_eq!(row.pytorch[1].samples_ms, [5.0; 3]);
     assert_eq!(row.default_threads, Some(16));
 
     let row = measure_scaling(2, &mut torch, 0, 2);
-    assert_eq!(row.pytorch, Reading::Got(vec![2000.0; 2]));
-    assert_eq!(row.ferry.get().unwrap().len(), 2);
+    assert_eq!(row.pytorch.samples_ms, [2000.0; 2]);
+    assert_eq!(row.ferry.samples_ms.len(), 2);
     let row = measure_scaling(4, &mut torch, 0, 2);
-    assert_eq!(row.pytorch, Reading::Failed("RuntimeError: boom".into()));
-    assert_eq!(row.ferry.get().unwrap().len(), 2);
+    assert_eq!(row.pytorch.error.as_deref(), Some("RuntimeError: boom"));
+    assert!(row.pytorch.samples_ms.is_empty());
+    assert_eq!(row.ferry.samples_ms.len(), 2);
 
     // ferry's side needs a CUDA device (the CPU has no allocator statistics); PyTorch's
     // answer is read whatever ferry's did.
-    let row = measure_memory(&chains::CHAINS[0], Device::Cpu, &mut torch);
-    assert!(matches!(row.ferry, Reading::Failed(_)));
-    let bytes = row.pytorch.get().unwrap();
+    let row = measure_memory(&CHAINS[0], Device::Cpu, &mut torch);
+    assert!(matches!(row.ferry, Some(Err(_))));
+    let bytes = row.pytorch.unwrap().unwrap();
     assert_eq!((bytes.retained, bytes.backward_peak), (800, 1600));
     assert!(torch.note.is_none() && torch.torch.as_mut().unwrap().is_alive());
 
-    let mut absent = PyTorchSide::default();
-    assert_eq!(
-        measure_overhead(&mut absent, 0, 1).pytorch_one,
-        Reading::Skipped
-    );
+    let absent = measure_overhead(&mut PyTorchSide::default(), 0, 1).pytorch;
+    assert!(absent[0].samples_ms.is_empty() && !absent[0].is_failed());
 }
 
 // The tables and the JSON file, from a made-up run.
 
 const MIB: i64 = 1 << 20;
 
-fn bytes(retained: i64, backward_peak: i64, saved: Option<usize>) -> ChainBytes {
-    ChainBytes {
+fn bytes(retained: i64, backward_peak: i64, saved: Option<usize>) -> Bytes {
+    Some(Ok(ChainBytes {
         retained,
         backward_peak,
         after_drop: 0,
         saved,
-    }
+    }))
 }
 
-fn scaling(threads: usize, ferry: &[f64], pytorch: Reading<Vec<f64>>) -> ScalingRow {
+fn scaling(threads: usize, ferry: &[f64], pytorch: Measured) -> ScalingRow {
+    let ferry = Measured::from_samples(ferry.to_vec());
     ScalingRow {
         threads,
-        ferry: Reading::Got(ferry.to_vec()),
+        ferry,
         pytorch,
     }
 }
 
 /// A made-up H200 run: every section, both sides, one failure of each kind.
-fn report() -> Report {
+fn made_up() -> Run {
     let memory = vec![
         MemoryRow {
             chain: &CHAINS[0],
-            ferry: Reading::Got(bytes(800 * MIB, 2000 * MIB, Some(400 << 20))),
-            pytorch: Reading::Got(bytes(800 * MIB, 1600 * MIB, None)),
+            ferry: bytes(800 * MIB, 2000 * MIB, Some(400 << 20)),
+            pytorch: bytes(800 * MIB, 1600 * MIB, None),
         },
         MemoryRow {
             chain: &CHAINS[2],
-            ferry: Reading::Got(bytes(1300 * MIB, 3200 * MIB, Some(800 << 20))),
-            pytorch: Reading::Got(bytes(1200 * MIB, 2000 * MIB, None)),
+            ferry: bytes(1300 * MIB, 3200 * MIB, Some(800 << 20)),
+            pytorch: bytes(1200 * MIB, 2000 * MIB, None),
         },
         MemoryRow {
             chain: &CHAINS[4],
-            ferry: Reading::Failed("out of memory".into()),
-            pytorch: Reading::Got(bytes(800 * MIB, 1600 * MIB, None)),
+            ferry: Some(Err("out of memory".into())),
+            pytorch: bytes(800 * MIB, 1600 * MIB, None),
         },
     ];
-    Report {
+    let torch = |samples: &[f64]| Measured::from_samples(samples.to_vec());
+    Run {
         cuda: Ok("cuda:0 (test)".into()),
+        memory_asked: true,
         cores: 16,
         rounds: 3,
         warmup: 1,
@@ -200,15 +178,14 @@ fn report() -> Report {
         pytorch_note: None,
         memory,
         scaling: vec![
-            scaling(1, &[1e4, 1.1e4, 0.9e4], Reading::Got(vec![5e3; 3])),
-            scaling(4, &[3e4; 3], Reading::Failed("RuntimeError: boom".into())),
-            scaling(8, &[5e4; 3], Reading::Got(vec![5e3; 3])),
-            scaling(16, &[6e4; 3], Reading::Skipped),
+            scaling(1, &[1e4, 1.1e4, 0.9e4], torch(&[5e3; 3])),
+            scaling(4, &[3e4; 3], Measured::failed("RuntimeError: boom")),
+            scaling(8, &[5e4; 3], torch(&[5e3; 3])),
+            scaling(16, &[6e4; 3], Measured::new()),
         ],
         overhead: Some(OverheadRow {
-            ferry: Reading::Got(vec![2.5, 2.0, 3.5]),
-            pytorch_one: Reading::Got(vec![20.0, 22.5, 25.0]),
-            pytorch_default: Reading::Failed("killed".into()),
+            ferry: torch(&[2.5, 2.0, 3.5]),
+            pytorch: [torch(&[20.0, 22.5, 25.0]), Measured::failed("killed")],
             default_threads: Some(16),
         }),
     }
@@ -220,18 +197,15 @@ fn efficiency_is_throughput_over_n_times_one_thread() {
     assert_eq!(efficiency(10_000.0, 1, 10_000.0), 1.0);
     // Sixteen threads doing one thread's work: 1/16.
     assert_eq!(efficiency(10_000.0, 16, 10_000.0), 0.0625);
-    let rows = report().scaling;
+    let rows = made_up().scaling;
     let eff = efficiencies(&rows, |r| &r.ferry);
     assert_eq!(eff, [Some(1.0), Some(0.75), Some(0.625), Some(0.375)]);
     // PyTorch failed at 4 threads and was not asked at 16.
     let eff = efficiencies(&rows, |r| &r.pytorch);
     assert_eq!(eff, [Some(1.0), None, Some(0.125), None]);
     // Without a one-thread row nothing can be said.
-    assert!(
-        efficiencies(&rows[1..], |r| &r.ferry)
-            .iter()
-            .all(Option::is_none)
-    );
+    let eff = efficiencies(&rows[1..], |r| &r.ferry);
+    assert!(eff.iter().all(Option::is_none));
 }
 
 #[test]
@@ -249,117 +223,71 @@ fn scaling_is_judged_from_two_to_eight_threads_on_enough_cores() {
 
 #[test]
 fn tables_show_mib_ratios_goals_and_verdicts() {
-    let r = report();
-    let memory = memory_rows(&r.memory);
-    assert_eq!(
-        memory[0],
-        [
-            "elementwise",
-            "800",
-            "400",
-            "800",
-            "1.00",
-            "800",
-            "<= PyTorch",
-            "met"
-        ]
-    );
+    let run = made_up();
+    let memory = memory_table(&run.memory).texts();
+    let row = ["elementwise", "800", "400", "800", "1.00", "800", "<= PyTorch", "met"];
+    assert_eq!(memory[0], row);
     assert_eq!(memory[1][..5], ["tanh", "1300", "800", "1200", "1.08"]);
     assert_eq!(memory[1][7], "MISSED");
-    assert_eq!(
-        memory[2],
-        [
-            "softmax",
-            "error",
-            "error",
-            "800",
-            "-",
-            "800",
-            "<= PyTorch",
-            "?"
-        ]
-    );
-    let backward = backward_rows(&r.memory);
+    let row = ["softmax", "error", "error", "800", "-", "800", "<= PyTorch", "?"];
+    assert_eq!(memory[2], row);
+    let backward = backward_table(&run.memory).texts();
     assert_eq!(backward[0], ["elementwise", "2000", "1600", "1.25"]);
     assert_eq!(backward[2], ["softmax", "error", "1600", "-"]);
 
-    let threads = scaling_rows(&r.scaling, r.cores);
-    assert_eq!(
-        threads[0],
-        ["1", "10000", "1.00", "5000", "1.00", "reference", ""]
-    );
-    assert_eq!(
-        threads[1],
-        ["4", "30000", "0.75", "error", "-", ">= 0.75", "met"]
-    );
-    assert_eq!(
-        threads[2][1..],
-        ["50000", "0.62", "5000", "0.12", ">= 0.75", "MISSED"]
-    );
+    let threads = scaling_table(&run.scaling, run.cores).texts();
+    let row = ["1", "10000", "1.00", "5000", "1.00", "reference", ""];
+    assert_eq!(threads[0], row);
+    let row = ["4", "30000", "0.75", "error", "-", ">= 0.75", "met"];
+    assert_eq!(threads[1], row);
+    let row = ["50000", "0.62", "5000", "0.12", ">= 0.75", "MISSED"];
+    assert_eq!(threads[2][1..], row);
     assert_eq!(threads[3][3..], ["-", "-", "-", ""]);
 
-    let overhead = overhead_rows(r.overhead.as_ref().unwrap());
-    assert_eq!(
-        overhead[0],
-        [
-            "mul_add_relu_sum",
-            "2.50",
-            "22.5",
-            "error",
-            "0.111",
-            "<= 3 µs",
-            "met"
-        ]
-    );
+    let overhead = overhead_table(run.overhead.as_ref().unwrap()).texts();
+    let row = ["mul_add_relu_sum", "2.50", "22.5", "error", "0.111", "<= 3 µs", "met"];
+    assert_eq!(overhead[0], row);
 }
 
 #[test]
-fn json_has_every_row_with_both_sides_units_goals_and_verdicts() {
-    let r = report();
-    let doc = to_json(&r);
-    assert_eq!(doc["benchmark"], "ferry bench autograd");
+fn json_has_every_row_with_both_sides_goals_and_verdicts() {
+    let doc = report(&made_up()).json();
+    assert_eq!(doc["bench"], "autograd");
     assert_eq!(doc["cuda_device"], "cuda:0 (test)");
     assert_eq!(doc["cpu_cores"], 16);
-    let rows = doc["rows"].as_array().unwrap();
-    // Two rows per chain (memory, backward_peak), one per thread count, one overhead row.
-    assert_eq!(rows.len(), 2 * 3 + 4 + 1);
-    for row in rows {
-        for key in ["section", "id", "unit", "ferry", "pytorch", "goal", "met"] {
-            assert!(row.get(key).is_some(), "{row} lacks {key}");
-        }
-    }
-
-    let elementwise = &rows[0];
-    assert_eq!(elementwise["section"], "memory");
+    let memory = doc["memory"].as_array().unwrap();
+    assert_eq!(memory.len(), 3);
+    let elementwise = &memory[0];
     assert_eq!(elementwise["unit"], "bytes");
-    assert_eq!(elementwise["ferry"]["retained_bytes"], 800 * MIB);
-    assert_eq!(elementwise["ferry"]["saved_bytes"], 400 * MIB);
-    assert_eq!(elementwise["pytorch"]["saved_bytes"], Value::Null);
-    assert_eq!(elementwise["expected_bytes"], 2 * SIDE * SIDE * 4);
+    assert_eq!(elementwise["ferry"], 800 * MIB);
+    assert_eq!(elementwise["saved"], 400 * MIB);
+    assert_eq!(elementwise["ferry_after_drop"], 0);
+    assert_eq!(elementwise["expected"], 2 * SIDE * SIDE * 4);
     assert_eq!(elementwise["met"], true);
-    assert_eq!(rows[1]["section"], "backward_peak");
-    assert_eq!(rows[1]["ratio"], 1.25);
-    assert_eq!(rows[1]["met"], Value::Null);
-    assert_eq!(rows[2]["met"], false);
-    assert_eq!(rows[4]["ferry"]["error"], "out of memory");
+    assert_eq!(doc["backward_peak"][0]["ratio"], 1.25);
+    assert_eq!(doc["backward_peak"][0]["pytorch"], 1600 * MIB);
+    assert_eq!(memory[1]["met"], false);
+    assert_eq!(memory[2]["ferry"]["error"], "out of memory");
+    assert_eq!(memory[2]["met"], Value::Null);
 
-    let four = &rows[7];
-    assert_eq!(
-        (four["section"].as_str(), four["threads"].as_u64()),
-        (Some("thread_scaling"), Some(4))
-    );
-    assert_eq!(four["ferry"]["efficiency"], 0.75);
-    assert_eq!(four["ferry"]["rounds"], json!([3e4, 3e4, 3e4]));
-    assert_eq!(four["pytorch"]["error"], "RuntimeError: boom");
+    let four = &doc["thread_scaling"][1];
+    assert_eq!(four["threads"], 4);
+    assert_eq!(four["ferry_efficiency"], 0.75);
+    assert_eq!(four["ferry_steps_per_s"]["rounds"], json!([3e4, 3e4, 3e4]));
+    assert_eq!(four["pytorch_steps_per_s"]["error"], "RuntimeError: boom");
     assert_eq!(four["met"], true);
-    assert_eq!(rows[9]["pytorch"]["skipped"], true);
-    assert_eq!(rows[9]["goal"], Value::Null);
+    let sixteen = &doc["thread_scaling"][3];
+    assert_eq!(sixteen["pytorch_steps_per_s"]["median"], Value::Null);
+    assert_eq!((&sixteen["goal"], &sixteen["met"]), (&json!("-"), &Value::Null));
 
-    let overhead = &rows[10];
-    assert_eq!(overhead["section"], "op_overhead");
+    let overhead = &doc["op_overhead"][0];
     assert_eq!(overhead["unit"], "us/op");
     assert_eq!(overhead["ferry"]["median"], 2.5);
-    assert_eq!(overhead["pytorch"]["median"], 22.5);
-    assert_eq!(overhead["pytorch_default_threads"]["error"], "killed");
+    assert_eq!(overhead["pytorch_1_thread"]["median"], 22.5);
+    assert_eq!(overhead["pytorch_default"]["error"], "killed");
+    assert_eq!(overhead["pytorch_default_threads"], 16);
     assert_eq!(overhead["met"], true);
+    let notes = doc["notes"].as_array().unwrap();
+    assert!(notes.contains(&json!("error: softmax (ferry): out of memory")));
+    assert!(notes.contains(&json!("error: PyTorch overhead: killed")));
 }

@@ -283,6 +283,28 @@ impl Report {
     }
 }
 
+// Added for the autograd, train and peer benches.
+
+impl Measured {
+    /// One round's result: its sample kept when `timed`, its error recorded; a side that has
+    /// failed takes no more rounds. Whether the round succeeded.
+    pub fn record<E: ToString>(&mut self, round: Result<f64, E>, timed: bool) -> bool {
+        match round {
+            _ if self.is_failed() => false,
+            Ok(x) => {
+                if timed {
+                    self.push(x);
+                }
+                true
+            }
+            Err(err) => {
+                self.fail(err.to_string());
+                false
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::goal::{Bound, Goal};

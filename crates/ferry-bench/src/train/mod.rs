@@ -14,30 +14,28 @@
 //! both frameworks' steps stand on (the same cuBLAS kernels), so it says how much of a step is
 //! left to win.
 //!
-//! `ferry train`'s step also counts correct predictions (argmax, compare, sum), which
-//! PyTorch's step would not do, so the step timed here is its loss-only core.
-
-//!
-//! The modules: `cases` (the table of cases and the phases of a step), `step` (ferry's side of
-//! a case: building it, timing rounds, profiling phases), `profile` (where a step's time goes)
-//! and `output` (tables and JSON); this file measures and runs them.
+//! `ferry train`'s step also counts correct predictions, which PyTorch's would not do, so the
+//! step timed here is its loss-only core. Modules: `cases` (the cases and a step's phases),
+//! `step` (ferry's side of a case), `profile` (where a step's time goes).
 
 mod cases;
-mod output;
 mod profile;
 mod step;
 
-pub use cases::{CASES, Case, LR};
+pub use cases::LR;
 
 use std::error::Error;
 use std::path::PathBuf;
 
-use crate::Measured;
-use crate::harness::pytorch::{PyTorch, PyTorchArgs, PyTorchSide};
-use crate::harness::{self, NO_CUDA_DEVICE, RunSetup};
 use clap::Args;
 use ferry::prelude::*;
-use output::{CaseResult, print_header, print_results, to_json};
+use serde_json::json;
+
+use crate::Measured;
+use crate::harness::pytorch::{PyTorch, PyTorchArgs, PyTorchSide};
+use crate::harness::table::{Cell, Report, Table};
+use crate::harness::{self, NO_CUDA_DEVICE};
+use cases::{CASES, Case};
 use step::FerryRun;
 
 #[derive(Args, Debug)]
@@ -73,14 +71,24 @@ fn request(case: &Case, steps: u32) -> String {
     format!("{} {steps}", case.id)
 }
 
+/// A case's rounds on each side (ms per step, a round a sample), or why a side has none.
+#[derive(Debug)]
+struct CaseResult<'a> {
+    case: &'a Case,
+    steps: u32,
+    ferry: Measured,
+    /// ferry's loss after its last round: finite if the steps computed something sane.
+    final_loss: Option<f64>,
+    pytorch: Measured,
+}
+
 /// Warm-up rounds, then timed rounds; each round runs ferry's, then PyTorch's.
 fn measure<'a>(
     case: &'a Case,
     device: Device,
     steps: u32,
     mut torch: Option<&mut PyTorch>,
-    warmup: u32,
-    rounds: u32,
+    (warmup, rounds): (u32, u32),
     profile: bool,
 ) -> CaseResult<'a> {
     let mut m = CaseResult {
@@ -95,22 +103,13 @@ fn measure<'a>(
         .ok();
     for round in 0..warmup + rounds {
         let timed = round >= warmup;
-        if let Some(run) = ferry.as_mut() {
-            match run.round_ms_per_step(steps) {
-                Ok(ms) if timed => m.ferry.push(ms),
-                Ok(_) => {}
-                Err(err) => {
-                    m.ferry.fail(err.to_string());
-                    ferry = None;
-                }
-            }
+        if let Some(run) = ferry.as_mut()
+            && !m.ferry.record(run.round_ms_per_step(steps), timed)
+        {
+            ferry = None;
         }
         if let (Some(torch), false) = (torch.as_deref_mut(), m.pytorch.is_failed()) {
-            match torch.sample(&request(case, steps)) {
-                Ok(ms) if timed => m.pytorch.push(ms),
-                Ok(_) => {}
-                Err(err) => m.pytorch.fail(err),
-            }
+            m.pytorch.record(torch.sample(&request(case, steps)), timed);
         }
         if ferry.is_none() && (torch.is_none() || m.pytorch.is_failed()) {
             break;
@@ -140,7 +139,7 @@ fn select(ids: &[String]) -> Result<Vec<&'static Case>, String> {
 
 pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
     let selected = select(&args.cases)?;
-    let device_name = match args.device {
+    let device = match args.device {
         Device::Cpu => {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             format!("cpu ({threads} threads)")
@@ -159,40 +158,97 @@ pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
     } else {
         args.pytorch.side("train.py", "column")
     };
-    let mut info = RunSetup {
-        device: device_name,
-        on_gpu,
-        samples: args.rounds,
-        warmup: args.warmup,
-        pytorch: torch.label.clone(),
-        pytorch_note: torch.note.clone(),
-    };
-    print_header(&info);
     let mut measured = Vec::new();
     for case in selected {
         let steps = args
             .steps
             .unwrap_or(if on_gpu { case.steps } else { case.cpu_steps });
         eprintln!("measuring {} ({steps} step(s) a round) ...", case.id);
-        let m = measure(
-            case,
-            args.device,
-            steps,
-            torch.torch(),
-            args.warmup,
-            args.rounds,
-            args.profile,
-        );
+        let rounds = (args.warmup, args.rounds);
+        let m = measure(case, args.device, steps, torch.torch(), rounds, args.profile);
         if let Some(note) = torch.ended_during(case.id, &m.pytorch) {
-            info.pytorch_note = Some(note);
+            torch.note = Some(note);
         }
         measured.push(m);
     }
-    print_results(&measured, &info);
-    if let Some(path) = &args.json {
-        harness::write_json(path, &to_json(&info, &measured), "round")?;
+    let pytorch = torch.label.as_ref().map_or(String::new(), |p| {
+        format!("; PyTorch {p}, eager, rounds alternating with ferry's")
+    });
+    let (rounds, warmup) = (args.rounds, args.warmup);
+    let title = format!(
+        "ferry bench train on {device}: fp32; a step = zero_grad, forward, cross-entropy, \
+         backward, Adam (lr {LR}) step\nmedian ms/step of {rounds} rounds after {warmup} warm-up \
+         rounds per case{pytorch}{}",
+        torch.note.as_ref().map_or(String::new(), |n| format!("\n{n}"))
+    );
+    let report = Report::new("train", title).with_facts(json!({
+        "device": device,
+        "optimizer": format!("Adam lr {LR}"),
+        "rounds": rounds,
+        "warmup": warmup,
+        "pytorch": torch.label,
+        "pytorch_note": torch.note,
+    }));
+    report_cases(report, &measured, on_gpu).finish(args.json.as_deref())
+}
+
+/// A row per case: medians, ratio, target and verdict, judged only on a GPU (the targets are
+/// the H200's).
+fn cases_table(measured: &[CaseResult<'_>], on_gpu: bool) -> Table {
+    let mut table = Table::new(&[
+        "case",
+        "ferry ms/step",
+        "PyTorch ms/step",
+        "ratio",
+        "target",
+        "met",
+    ]);
+    for m in measured {
+        let (ferry, pytorch) = (m.ferry.complete_median(), m.pytorch.complete_median());
+        let verdict = ferry.filter(|_| on_gpu).map(|f| m.case.target.verdict(f, None, pytorch));
+        let cells = vec![
+            Cell::text(m.case.id),
+            Cell::median(&m.ferry),
+            Cell::median(&m.pytorch),
+            Cell::ratio(ferry, pytorch),
+            Cell::text(m.case.target.describe()),
+            verdict.map_or(Cell::number(None), Cell::verdict),
+        ];
+        let (widths, batch) = (m.case.widths, m.case.batch);
+        let extra = json!({ "widths": widths, "batch": batch, "steps_per_round": m.steps,
+                            "final_loss": m.final_loss });
+        table.push_with(cells, extra);
     }
-    Ok(())
+    table
+}
+
+/// The table of cases and the notes under it.
+fn report_cases(mut report: Report, measured: &[CaseResult<'_>], on_gpu: bool) -> Report {
+    report.table("cases", None, cases_table(measured, on_gpu));
+    report.note("ratio: ferry / PyTorch (below 1, ferry is faster).");
+    if !on_gpu {
+        report.note(
+            "targets: the issues' (6 for the MLPs, 13 for the CNN and the GPT), for cuda:0 on \
+             the H200; not judged on the CPU.",
+        );
+    }
+    report.note("what ran:");
+    for m in measured {
+        let loss = m.final_loss.map_or(String::new(), |l| {
+            format!("; ferry's loss after: {l:.4}")
+        });
+        let plural = if m.steps == 1 { "" } else { "s" };
+        let (id, what, steps) = (m.case.id, m.case.describe(), m.steps);
+        report.note(format!("  {id}: {what}, {steps} step{plural} a round{loss}"));
+    }
+    for m in measured {
+        for (side, error) in [("ferry", &m.ferry.error), ("PyTorch", &m.pytorch.error)] {
+            if let Some(e) = error {
+                report.note(format!("error: {} ({side}): {e}", m.case.id));
+            }
+        }
+    }
+    report
 }
 
 #[cfg(test)]
@@ -263,7 +319,7 @@ done
     fn rounds_alternate_and_each_side_keeps_its_own_errors() {
         let dir = tempfile::tempdir().unwrap();
         let mut torch = PyTorch::start("sh", &fake_server(dir.path())).unwrap();
-        let m = measure(&TINY, Device::Cpu, 3, Some(&mut torch), 1, 4, false);
+        let m = measure(&TINY, Device::Cpu, 3, Some(&mut torch), (1, 4), false);
         assert_eq!(m.pytorch.samples_ms, [3.0; 4]);
         assert_eq!(m.ferry.samples_ms.len(), 4);
         assert!(!m.ferry.is_failed() && !m.pytorch.is_failed());
@@ -273,9 +329,57 @@ done
             id: "broken",
             ..TINY
         };
-        let m = measure(&broken, Device::Cpu, 2, Some(&mut torch), 0, 3, false);
+        let m = measure(&broken, Device::Cpu, 2, Some(&mut torch), (0, 3), false);
         assert_eq!(m.ferry.samples_ms.len(), 3);
         assert_eq!(m.pytorch.error.as_deref(), Some("CUDA out of memory"));
         assert!(torch.is_alive());
+    }
+
+    fn result(case: &'static Case, ferry: &[f64], pytorch: &[f64]) -> CaseResult<'static> {
+        CaseResult {
+            case,
+            steps: case.steps,
+            ferry: Measured::from_samples(ferry.to_vec()),
+            final_loss: Some(2.3),
+            pytorch: Measured::from_samples(pytorch.to_vec()),
+        }
+    }
+
+    /// What the H200 run will print and save, from made-up rounds.
+    #[test]
+    fn rows_and_json_carry_medians_ratios_and_verdicts() {
+        let mut runs = vec![
+            result(&CASES[0], &[0.25, 0.31, 0.28], &[0.9, 0.95, 0.935]),
+            result(&CASES[1], &[3.0, 2.9, 3.1], &[2.82, 2.8, 2.9]),
+        ];
+        let rows = cases_table(&runs, true).texts();
+        let row = ["digits_mlp", "0.280", "0.935", "0.299", "<= 0.3 ms", "met"];
+        assert_eq!(rows[0], row);
+        // 3.0 > 0.9 x 2.82 = 2.538.
+        let row = ["3.00", "2.82", "1.06", "<= 0.9x PyTorch", "MISSED"];
+        assert_eq!(rows[1][1..], row);
+        // On the CPU nothing is judged.
+        assert_eq!(cases_table(&runs, false).texts()[0][5], "-");
+        let report = |runs: &[CaseResult<'_>]| {
+            report_cases(Report::new("train", "test"), runs, true).json()
+        };
+        let doc = report(&runs);
+        let small = &doc["cases"][0];
+        assert_eq!(small["case"], "digits_mlp");
+        assert_eq!(small["ferry_ms_per_step"]["samples_ms"], json!([0.25, 0.31, 0.28]));
+        assert_eq!(small["ferry_ms_per_step"]["median_ms"], json!(0.28));
+        assert_eq!(small["pytorch_ms_per_step"]["median_ms"], json!(0.935));
+        assert_eq!((&small["target"], &small["met"]), (&json!("<= 0.3 ms"), &json!(true)));
+        assert_eq!(small["steps_per_round"], json!(200));
+        assert!((small["ratio"].as_f64().unwrap() - 0.28 / 0.935).abs() < 1e-12);
+        assert_eq!(doc["cases"][1]["widths"], json!([1024, 4096, 4096, 10]));
+        assert_eq!(doc["cases"][1]["met"], json!(false));
+        assert_eq!(doc["notes"][2], "  digits_mlp: MLP 64-128-10, batch 64, 200 steps a round; ferry's loss after: 2.3000");
+
+        runs[1].pytorch.fail("the PyTorch script exited without answering");
+        let rows = cases_table(&runs, true).texts();
+        assert_eq!(rows[1][1..], ["3.00", "error", "-", "<= 0.9x PyTorch", "?"]);
+        let doc = report(&runs);
+        assert_eq!(doc["cases"][1]["met"], serde_json::Value::Null);
     }
 }

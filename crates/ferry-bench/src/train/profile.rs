@@ -19,7 +19,7 @@ use ferry::prelude::*;
 
 use super::cases::{Case, PHASES, Phase};
 use super::step::FerryRun;
-use crate::harness::report::print_table;
+use crate::harness::table::{Cell, Table};
 
 /// Products the GPU runs ahead of each host-ahead step (about 2.6 ms each on an H200 in f32).
 const HEAD_START: usize = 3;
@@ -86,40 +86,21 @@ pub(crate) fn profile(case: &Case, run: &mut FerryRun, steps: u32) -> Result<(),
     let (_, ahead) = timed?;
 
     println!();
-    println!(
-        "profile of {} ({}; {steps} steps each view, means per step):",
-        case.id,
-        case.describe()
-    );
-    let ms = |v: f64| format!("{v:.3}");
-    let mut rows: Vec<Vec<String>> = PHASES
-        .iter()
-        .map(|p| {
-            let i = *p as usize;
-            vec![
-                p.label().to_string(),
-                ms(host[i]),
-                ms(as_run[i]),
-                ms(ahead[i]),
-            ]
-        })
-        .collect();
-    let sum = |v: &[f64; 5]| v.iter().sum::<f64>();
-    rows.push(vec![
-        "step".into(),
-        ms(sum(&host)),
-        ms(sum(&as_run)),
-        ms(sum(&ahead)),
+    let (id, what) = (case.id, case.describe());
+    println!("profile of {id} ({what}; {steps} steps each view, means per step):");
+    let ms = |v: f64| Cell::text(format!("{v:.3}"));
+    let mut phases = Table::new(&[
+        "phase",
+        "host ms (as run)",
+        "GPU ms (as run)",
+        "GPU ms (host ahead)",
     ]);
-    print_table(
-        &[
-            "phase",
-            "host ms (as run)",
-            "GPU ms (as run)",
-            "GPU ms (host ahead)",
-        ],
-        &rows,
-    );
+    for (i, phase) in PHASES.iter().enumerate() {
+        phases.push(vec![Cell::text(phase.label()), ms(host[i]), ms(as_run[i]), ms(ahead[i])]);
+    }
+    let sum = |v: &[f64; 5]| ms(v.iter().sum());
+    phases.push(vec![Cell::text("step"), sum(&host), sum(&as_run), sum(&ahead)]);
+    phases.print();
     let head = format!("gemm {HEAD_START_SIDE}x{HEAD_START_SIDE}x{HEAD_START_SIDE}");
     let kernels: Vec<_> = kernels
         .into_iter()
@@ -127,38 +108,29 @@ pub(crate) fn profile(case: &Case, run: &mut FerryRun, steps: u32) -> Result<(),
         .collect();
     let total: f64 = kernels.iter().map(|k| k.total_ms).sum();
     let n = f64::from(steps);
-    let mut rows: Vec<Vec<String>> = kernels
-        .iter()
-        .take(30)
-        .map(|k| {
-            vec![
-                k.name.clone(),
-                format!("{:.1}", k.launches as f64 / n),
-                format!("{:.1}", k.total_ms * 1e3 / n),
-                format!("{:.1}%", 100.0 * k.total_ms / total.max(f64::MIN_POSITIVE)),
-            ]
-        })
-        .collect();
+    let mut table = Table::new(&["kernel (host ahead)", "launches/step", "µs/step", "share"]);
+    let mut row = |name: String, launches: Option<u64>, ms: f64| {
+        let share = match name.as_str() {
+            "all" => "100%".into(),
+            _ => format!("{:.1}%", 100.0 * ms / total.max(f64::MIN_POSITIVE)),
+        };
+        table.push(vec![
+            Cell::text(name),
+            Cell::text(launches.map_or(String::new(), |l| format!("{:.1}", l as f64 / n))),
+            Cell::text(format!("{:.1}", ms * 1e3 / n)),
+            Cell::text(share),
+        ]);
+    };
+    for k in kernels.iter().take(30) {
+        row(k.name.clone(), Some(k.launches), k.total_ms);
+    }
     if kernels.len() > 30 {
         let rest: f64 = kernels[30..].iter().map(|k| k.total_ms).sum();
-        rows.push(vec![
-            format!("{} more", kernels.len() - 30),
-            String::new(),
-            format!("{:.1}", rest * 1e3 / n),
-            format!("{:.1}%", 100.0 * rest / total.max(f64::MIN_POSITIVE)),
-        ]);
+        row(format!("{} more", kernels.len() - 30), None, rest);
     }
     let launches: u64 = kernels.iter().map(|k| k.launches).sum();
-    rows.push(vec![
-        "all".into(),
-        format!("{:.1}", launches as f64 / n),
-        format!("{:.1}", total * 1e3 / n),
-        "100%".into(),
-    ]);
+    row("all".into(), Some(launches), total);
     println!();
-    print_table(
-        &["kernel (host ahead)", "launches/step", "µs/step", "share"],
-        &rows,
-    );
+    table.print();
     Ok(())
 }
