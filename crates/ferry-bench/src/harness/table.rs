@@ -283,6 +283,25 @@ impl Report {
     }
 }
 
+// Helpers of the checkpoint, ddp, pipeline and transfer benches.
+
+impl Cell {
+    /// [`Cell::median`] with the median shown by `format` (a unit, fixed decimals).
+    pub fn median_shown(side: &Measured, format: impl Fn(f64) -> String) -> Self {
+        Self {
+            text: side.median_cell(format),
+            ..Self::median(side)
+        }
+    }
+}
+
+impl super::RunSetup {
+    /// [`super::RunSetup::print_sampling`]'s first line, for a report's title.
+    pub fn sampling_line(&self, medians: &str, pytorch_how: &str) -> String {
+        self.sampling(medians, pytorch_how)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::goal::{Bound, Goal};
