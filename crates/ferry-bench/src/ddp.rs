@@ -30,11 +30,11 @@ use serde_json::{Value, json};
 use super::train::LR;
 use crate::Measured;
 use crate::harness;
+use crate::harness::goal::{Bound, Goal, Judged};
 use crate::harness::pytorch::{self, PyTorchArgs};
-use crate::harness::report::significant;
-use output::{print_results, to_json};
+use crate::harness::report::{format_ratio, significant};
+use crate::harness::table::{Cell, Report, Table};
 
-mod output;
 #[cfg(test)]
 mod tests;
 
@@ -450,36 +450,178 @@ pub fn run(args: DdpArgs) -> Result<(), Box<dyn Error>> {
             }
         }
     };
+    let ferry = measure(&cfg, gpus);
+    let mut torch = Err(None);
+    if args.pytorch.compare_pytorch {
+        eprintln!("running {}/ddp.py ...", pytorch::SCRIPT_DIR);
+        let (python, script) = (&args.pytorch.python, &args.pytorch.pytorch_script);
+        torch = pytorch::locate_script(script.as_deref(), "ddp.py")
+            .and_then(|script| run_pytorch(python, &script, &pytorch_args(&cfg, args.bucket_mib)))
+            .map_err(Some);
+    }
     let widths: Vec<String> = cfg.widths.iter().map(usize::to_string).collect();
-    println!(
+    let mut title = format!(
         "ferry bench ddp: MLP {} (fp32, Adam), batch {} per replica, buckets {} MiB, on {device}",
         widths.join("-"),
         cfg.batch,
         significant(args.bucket_mib)
     );
-    let ferry = measure(&cfg, gpus);
-    let mut notes = Vec::new();
-    let mut torch = None;
-    if args.pytorch.compare_pytorch {
-        eprintln!("running {}/ddp.py ...", pytorch::SCRIPT_DIR);
-        let (python, script) = (&args.pytorch.python, &args.pytorch.pytorch_script);
-        match pytorch::locate_script(script.as_deref(), "ddp.py")
-            .and_then(|script| run_pytorch(python, &script, &pytorch_args(&cfg, args.bucket_mib)))
-        {
-            Ok(t) => {
-                println!("{}", t.0);
-                torch = Some(t);
+    if let Ok((label, _)) = &torch {
+        title = format!("{title}\n{label}");
+    }
+    let mut report = report(&cfg, &device, torch.as_ref().ok(), &ferry, title);
+    if let Err(Some(err)) = &torch {
+        report.note(format!("no PyTorch column: {err}"));
+    }
+    report.finish(args.json.as_deref())
+}
+
+/// The issue's two goals: efficiency >= 0.9 and ferry's two-GPU step no slower than PyTorch's.
+const GOALS: [Goal; 2] = [
+    Goal {
+        name: "scaling efficiency on 2 GPUs >= 0.9",
+        metric: "ferry_scaling_efficiency",
+        bound: Bound::AtLeast(0.9),
+    },
+    Goal {
+        name: "2-GPU step time <= PyTorch DDP's",
+        metric: "ddp_2 median_ms, ferry / PyTorch",
+        bound: Bound::AtMost(1.0),
+    },
+];
+
+/// Two-replica samples/s over twice the one-GPU (plain) samples/s.
+fn scaling_efficiency(rows: &[Row], batch: usize) -> Option<f64> {
+    let one = find(rows, "plain_1")?.samples_per_s(batch)?;
+    let two = find(rows, "ddp_2")?.samples_per_s(batch)?;
+    Some(two / (2.0 * one))
+}
+
+fn find<'a>(rows: &'a [Row], id: &str) -> Option<&'a Row> {
+    rows.iter().find(|r| r.id == id)
+}
+
+/// [`GOALS`] judged on ferry's rows and PyTorch's.
+fn goals(ferry: &[Row], torch: Option<&[Row]>, batch: usize) -> Vec<Judged> {
+    let efficiency = scaling_efficiency(ferry, batch);
+    let ours = find(ferry, "ddp_2").and_then(Row::median_ms);
+    let theirs = torch.and_then(|rows| find(rows, "ddp_2")?.median_ms());
+    let step = match (ours, theirs) {
+        (Some(f), Some(t)) => format!(
+            "{} ms vs {} ms ({})",
+            significant(f),
+            significant(t),
+            format_ratio(f, t)
+        ),
+        (Some(f), None) => format!("{} ms vs -", significant(f)),
+        _ => "-".into(),
+    };
+    vec![
+        GOALS[0].judge(efficiency, efficiency.map_or("-".into(), significant)),
+        GOALS[1].judge(ours.zip(theirs).map(|(f, t)| f / t), step),
+    ]
+}
+
+/// A side's step time: the median shown, every step recorded.
+fn step_cell(row: Option<&Row>) -> Cell {
+    let median = row.and_then(Row::median_ms);
+    Cell::ms(median).recorded(row.map_or(Value::Null, |r| {
+        json!({ "samples_ms": r.steps.samples_ms, "median_ms": median, "error": r.steps.error })
+    }))
+}
+
+/// ferry's rows, PyTorch's beside them.
+fn table(ferry: &[Row], torch: Option<&[Row]>, batch: usize) -> Table {
+    let mut table = Table::new(&[
+        "row",
+        "replicas",
+        "ferry step",
+        "samples/s",
+        "PyTorch step",
+        "samples/s",
+        "ferry/PyTorch",
+        "buckets (in backward)",
+        "replicas equal",
+    ]);
+    for ours in ferry {
+        let theirs = torch.and_then(|rows| find(rows, ours.id));
+        let rates = [Some(ours), theirs].map(|r| r.and_then(|r| r.samples_per_s(batch)));
+        let (f, t) = (ours.median_ms(), theirs.and_then(Row::median_ms));
+        let equal = ours.max_weight_diff.map(|d| d == 0.0);
+        table.push_with(
+            vec![
+                Cell::text(ours.id),
+                Cell::count(ours.replicas as u64),
+                step_cell(Some(ours)),
+                Cell::number(rates[0]),
+                step_cell(theirs),
+                Cell::number(rates[1]),
+                Cell::ratio(f, t),
+                Cell::text(ours.buckets.map_or("-".into(), |(all, early)| {
+                    format!("{all} ({early})")
+                }))
+                .recorded(json!(ours.buckets.map(|b| json!({ "all": b.0, "in_backward": b.1 })))),
+                Cell::text(match ours.max_weight_diff {
+                    Some(0.0) => "yes".into(),
+                    Some(d) => format!("NO (max diff {d:e})"),
+                    None => "-".into(),
+                })
+                .recorded(json!(equal)),
+            ],
+            json!({
+                "samples_per_s": { "ferry": rates[0], "pytorch": rates[1] },
+                "final_loss": { "ferry": ours.final_loss, "pytorch": theirs.and_then(|r| r.final_loss) },
+                "max_weight_diff": ours.max_weight_diff,
+            }),
+        );
+    }
+    table
+}
+
+fn report(
+    cfg: &Config,
+    device: &str,
+    torch: Option<&(String, Vec<Row>)>,
+    ferry: &[Row],
+    title: String,
+) -> Report {
+    let batch = cfg.batch;
+    let torch_rows = torch.map(|(_, rows)| rows.as_slice());
+    let torch_efficiency = torch_rows.and_then(|rows| scaling_efficiency(rows, batch));
+    let mut report = Report::new("ddp", title).with_facts(json!({
+        "device": device,
+        "host": cfg.host,
+        "widths": cfg.widths,
+        "batch_per_replica": batch,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "bucket_bytes": cfg.bucket_bytes,
+        "pytorch": torch.map(|(label, _)| label),
+        "ferry_scaling_efficiency": scaling_efficiency(ferry, batch),
+        "pytorch_scaling_efficiency": torch_efficiency,
+    }));
+    report.table("rows", None, table(ferry, torch_rows, batch));
+    report.note(format!(
+        "medians over {} steps after {} warm-up steps, each step synchronized and timed alone, \
+         the slowest replica's time per step; batch {batch} per replica; ratio below 1: ferry \
+         faster; buckets: all-reduced in the last step (started by backward itself)",
+        cfg.steps, cfg.warmup
+    ));
+    if let Some(e) = torch_efficiency {
+        report.note(format!("PyTorch DDP scaling efficiency: {}", significant(e)));
+    }
+    // The goals are for GPUs; --host checks the path, not the speed.
+    if cfg.host {
+        report.note("goals: judged on GPUs only (--host checks the data-parallel path, not speed)");
+    } else {
+        report.goals(goals(ferry, torch_rows, batch));
+    }
+    for (side, rows) in [("ferry", Some(ferry)), ("PyTorch", torch_rows)] {
+        for row in rows.unwrap_or_default() {
+            if let Some(err) = &row.steps.error {
+                report.note(format!("{} ({side}): {err}", row.id));
             }
-            Err(err) => notes.push(format!("no PyTorch column: {err}")),
         }
     }
-    print_results(&cfg, &ferry, torch.as_ref());
-    for note in &notes {
-        println!("{note}");
-    }
-    if let Some(path) = &args.json {
-        let doc = to_json(&cfg, &device, &ferry, torch.as_ref(), &notes);
-        harness::write_json(path, &doc, "step")?;
-    }
-    Ok(())
+    report
 }
