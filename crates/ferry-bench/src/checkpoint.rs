@@ -1,25 +1,15 @@
-//! `ferry bench checkpoint`: a GPU state dict (10 GiB by default) saved and loaded by ferry
-//! through bounded staging and, with --compare-pytorch, by `torch.save` / `torch.load` and
-//! safetensors' `save_file` / `load_file(device="cuda")` (python/checkpoint.py), interleaved
-//! round by round in one run.
-//!
-//! Each round: ferry saves (durably: fsync, rename, directory fsync) and loads its file back
-//! onto the GPU, then deletes it; then PyTorch saves and loads each of its files and deletes
-//! them. One file of the dict's size is on disk at a time. Loads read a file that was just
-//! written, so from the page cache, on both sides alike.
-//!
-//! Memory, per sample: ferry's extra device and host memory are its own counters
-//! (`CheckpointReport`); the device allocator's and pinned pool's peaks over what they held
-//! before, and the growth of the resident set, are measured too, the same way as on PyTorch's
-//! side (`torch.cuda.max_memory_allocated()` over the baseline, /proc/self/status VmHWM over
-//! VmRSS). Loaded tensors are the result, not extra: their bytes are taken off.
+//! `ferry bench checkpoint`: a GPU state dict saved (durably) and loaded by ferry through bounded
+//! staging and, with --compare-pytorch, by torch.save/load and safetensors (python/checkpoint.py),
+//! round by round, one file on disk at a time, loads from the page cache on both sides. Memory
+//! per sample: ferry's own counters, the pools' peaks and the resident set's growth over a
+//! baseline, as PyTorch's side measures it; loaded tensors are the result, not extra.
 
 use std::error::Error;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
-use ferry::checkpoint::{self, LoadOptions, SaveOptions};
+use ferry::checkpoint::{self, CheckpointReport, LoadOptions, SaveOptions};
 use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::{DType, Device, Tensor};
 use serde_json::{Value, json};
@@ -202,6 +192,27 @@ impl Baseline {
         })
     }
 
+    /// The sample of a call that took `ms` and reported `report`; `results` bytes of the
+    /// device allocator's growth are the call's result, not extra.
+    fn sample(
+        &self,
+        ms: f64,
+        report: &CheckpointReport,
+        results: usize,
+        dev: &CudaDevice,
+        pool: &PinnedPool,
+    ) -> Sample {
+        let (allocator, pinned, resident) = self.growth(dev, pool);
+        Sample {
+            ms,
+            extra_device: Some(report.peak_extra_device_bytes as f64),
+            extra_host: Some(report.peak_extra_host_bytes as f64),
+            resident,
+            allocator: Some((allocator - results as f64).max(0.0)),
+            pinned: Some(pinned),
+        }
+    }
+
     /// (device allocator, pinned pool, resident) growth since the baseline.
     fn growth(&self, dev: &CudaDevice, pool: &PinnedPool) -> (f64, f64, Option<f64>) {
         let device = dev
@@ -239,16 +250,7 @@ fn ferry_round(
             staging_bytes: staging,
         },
     )?;
-    let ms = t0.elapsed().as_secs_f64() * 1e3;
-    let (allocator, pinned, resident) = base.growth(dev, pool);
-    let save = Sample {
-        ms,
-        extra_device: Some(report.peak_extra_device_bytes as f64),
-        extra_host: Some(report.peak_extra_host_bytes as f64),
-        resident,
-        allocator: Some(allocator),
-        pinned: Some(pinned),
-    };
+    let save = base.sample(t0.elapsed().as_secs_f64() * 1e3, &report, 0, dev, pool);
 
     let base = Baseline::take(dev, pool)?;
     let t0 = Instant::now();
@@ -260,19 +262,11 @@ fn ferry_round(
         },
     )?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
-    let (allocator, pinned, resident) = base.growth(dev, pool);
     let results: usize = loaded
         .iter()
         .map(|(_, t)| CudaDevice::block_size(t.nbytes()))
         .sum();
-    let load = Sample {
-        ms,
-        extra_device: Some(report.peak_extra_device_bytes as f64),
-        extra_host: Some(report.peak_extra_host_bytes as f64),
-        resident,
-        allocator: Some((allocator - results as f64).max(0.0)),
-        pinned: Some(pinned),
-    };
+    let load = base.sample(ms, &report, results, dev, pool);
     check_loaded(dict, &loaded)?;
     drop(loaded);
     std::fs::remove_file(path)?;

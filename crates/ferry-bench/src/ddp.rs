@@ -1,19 +1,8 @@
-//! `ferry bench ddp`: data-parallel training steps of the wide MLP (1024-4096-4096-10, fp32,
-//! Adam) on one GPU alone, with [`DataParallel`] on one GPU (its overhead) and on two GPUs, and,
-//! with --compare-pytorch, PyTorch's DistributedDataParallel (python/ddp.py, one process per
-//! GPU) the same three ways.
-//!
-//! Weak scaling: every replica trains on `--batch` samples of its own a step. A step is
-//! zero_grad, forward, cross-entropy, backward, [`DataParallel::finish`] (DDP rows), Adam step,
-//! then a synchronize of the replica's device; each step is timed on its own. After `--warmup`
-//! untimed steps come `--steps` timed ones; a row's step time is the median over steps of the
-//! slowest replica's time for that step. Scaling efficiency is the two-GPU samples/s over twice
-//! the one-GPU (plain) samples/s. After the last step every replica's weights are read back and
-//! compared with rank 0's: the column `replicas equal` says whether data parallelism kept them
-//! identical.
-//!
-//! `--host` runs the same loop on the CPU with [`ProcessGroup::host`] (threads as ranks) and a
-//! small MLP, so the whole path runs without a GPU.
+//! `ferry bench ddp`: training steps of the wide MLP (1024-4096-4096-10, fp32, Adam) on one GPU,
+//! with [`DataParallel`] on one and on two GPUs and, with --compare-pytorch, PyTorch's DDP
+//! (python/ddp.py) the same three ways. Weak scaling (`--batch` per replica); a row's step is
+//! the median over steps of the slowest replica; after the last step the replicas' weights are
+//! compared with rank 0's. `--host` runs it on the CPU ([`ProcessGroup::host`], a small MLP).
 
 use std::error::Error;
 use std::path::PathBuf;
@@ -77,20 +66,15 @@ pub struct DdpArgs {
     host: bool,
 }
 
-/// What every row runs: the model, the batch per replica, how many steps, the bucket size.
+/// What every row runs: the MLP's widths (input first), the batch per replica, the timed and
+/// untimed steps, [`DdpOptions::bucket_bytes`], and whether ranks are host threads (`--host`).
 #[derive(Debug, Clone, Copy)]
 pub struct Config {
-    /// Layer widths, input first: Linear layers between neighbours, ReLU between Linears.
     pub widths: &'static [usize],
-    /// Samples per replica per step.
     pub batch: usize,
-    /// Timed steps per row.
     pub steps: u32,
-    /// Untimed steps per row before them.
     pub warmup: u32,
-    /// [`DdpOptions::bucket_bytes`].
     pub bucket_bytes: usize,
-    /// Threads as ranks, CPU tensors (`--host`); else NCCL, one GPU per rank.
     pub host: bool,
 }
 
@@ -388,16 +372,11 @@ fn parse_pytorch(doc: &Value) -> Result<(String, Vec<Row>), String> {
 
 /// The script's arguments for the same rows as ferry's.
 fn pytorch_args(cfg: &Config, bucket_mib: f64) -> Vec<String> {
-    vec![
-        "--batch".into(),
-        cfg.batch.to_string(),
-        "--steps".into(),
-        cfg.steps.to_string(),
-        "--warmup".into(),
-        cfg.warmup.to_string(),
-        "--bucket-mib".into(),
-        bucket_mib.to_string(),
-    ]
+    let (batch, steps, warmup) = (cfg.batch, cfg.steps, cfg.warmup);
+    format!("--batch {batch} --steps {steps} --warmup {warmup} --bucket-mib {bucket_mib}")
+        .split(' ')
+        .map(String::from)
+        .collect()
 }
 
 /// Runs ddp.py once (it starts one process per GPU itself) and reads its rows.

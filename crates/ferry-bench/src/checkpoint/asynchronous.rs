@@ -1,13 +1,8 @@
-//! `ferry bench checkpoint --async`: a GPT of about 1B parameters trains with AdamW on the
-//! GPU and is checkpointed (model and optimizer state in one file) by `save_async` while it
-//! trains, once per snapshot memory mode. Per save: the stall on the training thread (building
-//! the state dict and the call), the steps that overlap the save against steps without one,
-//! the snapshot's rate against the link's device-to-host rate and the write's against the
-//! disk's sequential write rate, both measured in the same run, and the extra memory. With
-//! --compare-pytorch, python/checkpoint_async.py trains the same GPT in PyTorch afterwards and
-//! checkpoints it the two ways PyTorch programs do (torch.save from the GPU; a pinned snapshot,
-//! then torch.save on a thread) and, where the ferry wheel is installed, by `ferry.save_async`
-//! from PyTorch, measured the same way: rows below ferry's, against the same link and disk.
+//! `ferry bench checkpoint --async`: a GPT of about 1B parameters trains with AdamW while
+//! `save_async` checkpoints it, once per snapshot memory mode: the stall, the steps beside the
+//! save against steps without one, the snapshot's rate against the link and the write's against
+//! the disk, both measured in this run. With --compare-pytorch, python/checkpoint_async.py's
+//! saves of the same GPT afterwards, as rows below ferry's.
 
 use std::error::Error;
 use std::io::Write;

@@ -1,6 +1,4 @@
-//! `ferry bench pipeline`'s stages and rows, ferry's side: the frames, the GPU and host work on
-//! them, and one run of each row. Below both the bench and its `--trace`, which time the same
-//! runs.
+//! ferry's side of `ferry bench pipeline`: the frames, the GPU and host work, one run of each row.
 
 use std::collections::VecDeque;
 use std::hint::black_box;
