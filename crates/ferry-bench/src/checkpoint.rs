@@ -629,23 +629,9 @@ mod tests {
         if crate::harness::cuda_device(0).is_ok() {
             return; // the GPU machine runs the real thing
         }
-        let args = CheckpointArgs {
-            pytorch: PyTorchArgs {
-                compare_pytorch: true,
-                ..PyTorchArgs::default()
-            },
-            json: None,
-            gb: 0.25,
-            staging_mib: 256,
-            samples: 1,
-            warmup: 0,
-            dir: None,
-            asynchronous: false,
-            layers: 2,
-            width: 256,
-            batch: 1,
-            seq: 64,
-            bound_mib: 64,
+        let command = "ferry bench checkpoint --compare-pytorch --gb 0.25 --samples 1 --warmup 0";
+        let Ok(crate::BenchCommand::Checkpoint(args)) = crate::parse_bench(command) else {
+            panic!("`{command}` does not parse");
         };
         assert!(run(args).is_ok());
     }
