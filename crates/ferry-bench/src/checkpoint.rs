@@ -1,36 +1,27 @@
-//! `ferry bench checkpoint`: a GPU state dict (10 GiB by default) saved and loaded by ferry
-//! through bounded staging and, with --compare-pytorch, by `torch.save` / `torch.load` and
-//! safetensors' `save_file` / `load_file(device="cuda")` (python/checkpoint.py), interleaved
-//! round by round in one run.
-//!
-//! Each round: ferry saves (durably: fsync, rename, directory fsync) and loads its file back
-//! onto the GPU, then deletes it; then PyTorch saves and loads each of its files and deletes
-//! them. One file of the dict's size is on disk at a time. Loads read a file that was just
-//! written, so from the page cache, on both sides alike.
-//!
-//! Memory, per sample: ferry's extra device and host memory are its own counters
-//! (`CheckpointReport`); the device allocator's and pinned pool's peaks over what they held
-//! before, and the growth of the resident set, are measured too, the same way as on PyTorch's
-//! side (`torch.cuda.max_memory_allocated()` over the baseline, /proc/self/status VmHWM over
-//! VmRSS). Loaded tensors are the result, not extra: their bytes are taken off.
+//! `ferry bench checkpoint`: a GPU state dict saved (durably) and loaded by ferry through bounded
+//! staging and, with --compare-pytorch, by torch.save/load and safetensors (python/checkpoint.py),
+//! round by round, one file on disk at a time, loads from the page cache on both sides. Memory
+//! per sample: ferry's own counters, the pools' peaks and the resident set's growth over a
+//! baseline, as PyTorch's side measures it; loaded tensors are the result, not extra.
 
 use std::error::Error;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
-use ferry::checkpoint::{self, LoadOptions, SaveOptions};
+use ferry::checkpoint::{self, CheckpointReport, LoadOptions, SaveOptions};
 use ferry::memory::cuda::{CudaDevice, PinnedPool};
 use ferry::{DType, Device, Tensor};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::harness;
+use crate::harness::goal::{Bound, Goal};
 use crate::harness::measure::median;
 use crate::harness::pytorch::{PyTorch, PyTorchArgs};
-use output::{print_rows, to_json};
+use crate::harness::report::significant;
+use crate::harness::table::{Cell, Report, Table};
 
 mod asynchronous;
-mod output;
 
 #[derive(Args, Debug)]
 pub struct CheckpointArgs {
@@ -121,6 +112,19 @@ struct Sample {
     pinned: Option<f64>,
 }
 
+impl Sample {
+    fn json(&self) -> Value {
+        json!({
+            "ms": self.ms,
+            "extra_device_bytes": self.extra_device,
+            "extra_host_bytes": self.extra_host,
+            "resident_growth_bytes": self.resident,
+            "device_allocator_growth_bytes": self.allocator,
+            "pinned_pool_growth_bytes": self.pinned,
+        })
+    }
+}
+
 /// A row of the table: its samples, or why it has none.
 struct Row {
     id: &'static str,
@@ -188,6 +192,27 @@ impl Baseline {
         })
     }
 
+    /// The sample of a call that took `ms` and reported `report`; `results` bytes of the
+    /// device allocator's growth are the call's result, not extra.
+    fn sample(
+        &self,
+        ms: f64,
+        report: &CheckpointReport,
+        results: usize,
+        dev: &CudaDevice,
+        pool: &PinnedPool,
+    ) -> Sample {
+        let (allocator, pinned, resident) = self.growth(dev, pool);
+        Sample {
+            ms,
+            extra_device: Some(report.peak_extra_device_bytes as f64),
+            extra_host: Some(report.peak_extra_host_bytes as f64),
+            resident,
+            allocator: Some((allocator - results as f64).max(0.0)),
+            pinned: Some(pinned),
+        }
+    }
+
     /// (device allocator, pinned pool, resident) growth since the baseline.
     fn growth(&self, dev: &CudaDevice, pool: &PinnedPool) -> (f64, f64, Option<f64>) {
         let device = dev
@@ -225,16 +250,7 @@ fn ferry_round(
             staging_bytes: staging,
         },
     )?;
-    let ms = t0.elapsed().as_secs_f64() * 1e3;
-    let (allocator, pinned, resident) = base.growth(dev, pool);
-    let save = Sample {
-        ms,
-        extra_device: Some(report.peak_extra_device_bytes as f64),
-        extra_host: Some(report.peak_extra_host_bytes as f64),
-        resident,
-        allocator: Some(allocator),
-        pinned: Some(pinned),
-    };
+    let save = base.sample(t0.elapsed().as_secs_f64() * 1e3, &report, 0, dev, pool);
 
     let base = Baseline::take(dev, pool)?;
     let t0 = Instant::now();
@@ -246,19 +262,11 @@ fn ferry_round(
         },
     )?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
-    let (allocator, pinned, resident) = base.growth(dev, pool);
     let results: usize = loaded
         .iter()
         .map(|(_, t)| CudaDevice::block_size(t.nbytes()))
         .sum();
-    let load = Sample {
-        ms,
-        extra_device: Some(report.peak_extra_device_bytes as f64),
-        extra_host: Some(report.peak_extra_host_bytes as f64),
-        resident,
-        allocator: Some((allocator - results as f64).max(0.0)),
-        pinned: Some(pinned),
-    };
+    let load = base.sample(ms, &report, results, dev, pool);
     check_loaded(dict, &loaded)?;
     drop(loaded);
     std::fs::remove_file(path)?;
@@ -381,7 +389,7 @@ pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
             )),
         }
     });
-    println!(
+    let mut title = format!(
         "checkpoint of {:.2} GiB ({} tensors) on {} ({}); ferry's staging bound {} MiB; files in {}",
         bytes as f64 / f64::from(1 << 30),
         dict.len(),
@@ -390,9 +398,11 @@ pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
         args.staging_mib,
         dir.display()
     );
-    torch.print_label();
-    println!(
-        "{} round(s) after {} warm-up; times are medians, memory the largest of the samples",
+    if let Some(label) = &torch.label {
+        title += &format!("\nPyTorch {label}");
+    }
+    title += &format!(
+        "\n{} round(s) after {} warm-up; times are medians, memory the largest of the samples",
         args.samples, args.warmup
     );
 
@@ -429,24 +439,107 @@ pub fn run(args: CheckpointArgs) -> Result<(), Box<dyn Error>> {
         }
     }
     drop(torch.torch.take());
-    print_rows(&rows, bytes, staging);
-    if let Some(note) = &torch.note {
-        println!("note: {note}");
-    }
-    if let Some(file) = &args.json {
-        let doc = to_json(
-            &args,
-            &dev,
-            &rows,
-            bytes,
-            dict.len(),
-            staging,
-            torch.label,
-            torch.note,
+    let mut report = report(title, &rows, bytes, staging, torch.note.as_deref());
+    report = report.with_facts(json!({
+        "device": format!("{} ({})", dev.device(), dev.info().name),
+        "gb": args.gb,
+        "bytes": bytes,
+        "tensors": dict.len(),
+        "staging_bytes": staging,
+        "samples": args.samples,
+        "warmup": args.warmup,
+        "pytorch": torch.label,
+    }));
+    report.finish(args.json.as_deref())
+}
+
+fn mb(bytes: Option<f64>) -> Cell {
+    Cell::shown(bytes, |b| significant(b / 1e6))
+}
+
+/// ferry's save and load (the first two rows) are held to the staging bound: extra device and
+/// host memory each within it.
+const MEMORY_GOALS: [(&str, &str); 2] = [
+    (
+        "ferry save: extra device and host memory each <= the staging bound",
+        "rows[ferry_save]: the larger of extra device and host bytes",
+    ),
+    (
+        "ferry load: extra device and host memory each <= the staging bound",
+        "rows[ferry_load]: the larger of extra device and host bytes",
+    ),
+];
+
+fn report(title: String, rows: &[Row], bytes: usize, staging: usize, note: Option<&str>) -> Report {
+    let ferry_ms = |save: bool| rows[usize::from(!save)].median_ms();
+    let mut table = Table::new(&[
+        "case",
+        "ms",
+        "GB/s",
+        "extra device MB",
+        "extra host MB",
+        "resident growth MB",
+        "ferry / this",
+    ]);
+    for r in rows {
+        let ms = r.median_ms();
+        let versus = match r.id.starts_with("ferry") {
+            true => None,
+            false => ferry_ms(r.save).zip(ms).map(|(f, p)| f / p),
+        };
+        let samples: Vec<Value> = r.samples.iter().map(Sample::json).collect();
+        table.push_with(
+            vec![
+                Cell::text(r.name),
+                Cell::number(ms),
+                Cell::number(ms.map(|ms| bytes as f64 / ms / 1e6)),
+                mb(r.most(|s| s.extra_device)),
+                mb(r.most(|s| s.extra_host)),
+                mb(r.most(|s| s.resident)),
+                Cell::number(versus),
+            ],
+            json!({
+                "id": r.id,
+                "kind": if r.save { "save" } else { "load" },
+                "samples": samples,
+                "error": r.error,
+            }),
         );
-        harness::write_json(file, &doc, "sample")?;
     }
-    Ok(())
+    let mut report = Report::new("checkpoint", title);
+    report.table("rows", None, table);
+    let bound = staging as f64;
+    for (r, (name, metric)) in rows.iter().zip(MEMORY_GOALS) {
+        let (dev, host) = (r.most(|s| s.extra_device), r.most(|s| s.extra_host));
+        let bound = Bound::AtMost(bound);
+        let goal = Goal { name, metric, bound };
+        let shown = format!(
+            "device {} MB, host {} MB (bound {} MB)",
+            mb(dev).as_text(),
+            mb(host).as_text(),
+            significant(staging as f64 / 1e6)
+        );
+        report.goals([goal.judge(dev.zip(host).map(|(d, h)| d.max(h)), shown)]);
+        report.note(format!(
+            "{}: measured by the pools: device allocator +{} MB, pinned pool +{} MB",
+            r.name,
+            mb(r.most(|s| s.allocator)).as_text(),
+            mb(r.most(|s| s.pinned)).as_text(),
+        ));
+    }
+    for r in rows {
+        if let Some(e) = &r.error {
+            report.note(format!("{}: error: {e}", r.name));
+        }
+    }
+    report.note(
+        "ferry's save includes fsync of the file and its directory and the rename; compare it \
+         with the `+ fsync` rows. Loads read files just written (page cache) on both sides.",
+    );
+    if let Some(note) = note {
+        report.note(format!("note: {note}"));
+    }
+    report
 }
 
 #[cfg(test)]
@@ -480,6 +573,36 @@ mod tests {
 
     /// The Python script builds the same dict: same count rule, same side, same extra tensors.
     #[test]
+    fn rows_memory_goals_and_json_come_from_one_report() {
+        let sample = |ms, device, host| Sample {
+            ms,
+            extra_device: Some(device),
+            extra_host: Some(host),
+            ..Sample::default()
+        };
+        let mut rows = vec![
+            Row::new("ferry_save", "ferry save_with (durable)", true),
+            Row::new("ferry_load", "ferry load_to(cuda)", false),
+            Row::new("torch_save", "torch.save", true),
+        ];
+        rows[0].samples = vec![sample(2000.0, 1e8, 2e8), sample(1000.0, 1e8, 2.5e8)];
+        rows[1].samples = vec![sample(500.0, 3e8, 0.0)];
+        rows[2].samples = vec![sample(3000.0, 0.0, 4e9)];
+        let report = report("t".into(), &rows, 10_000_000_000, 256 << 20, None);
+        let table = report.json();
+        assert_eq!(table["rows"][0]["gb_per_s"], json!(6.666666666666667));
+        assert_eq!(table["rows"][2]["ferry_per_this"], json!(0.5));
+        assert_eq!(table["rows"][0]["samples"][1]["extra_host_bytes"], json!(2.5e8));
+        let goals: Vec<String> = report.judged().iter().map(|j| j.line()).collect();
+        assert_eq!(
+            goals[0],
+            "goal: ferry save: extra device and host memory each <= the staging bound: \
+             device 100 MB, host 250 MB (bound 268 MB) met"
+        );
+        assert!(goals[1].ends_with("device 300 MB, host 0 MB (bound 268 MB) MISSED"));
+    }
+
+    #[test]
     fn the_python_script_builds_the_same_dict() {
         let script = include_str!("../python/checkpoint.py");
         for needle in [
@@ -506,23 +629,9 @@ mod tests {
         if crate::harness::cuda_device(0).is_ok() {
             return; // the GPU machine runs the real thing
         }
-        let args = CheckpointArgs {
-            pytorch: PyTorchArgs {
-                compare_pytorch: true,
-                ..PyTorchArgs::default()
-            },
-            json: None,
-            gb: 0.25,
-            staging_mib: 256,
-            samples: 1,
-            warmup: 0,
-            dir: None,
-            asynchronous: false,
-            layers: 2,
-            width: 256,
-            batch: 1,
-            seq: 64,
-            bound_mib: 64,
+        let command = "ferry bench checkpoint --compare-pytorch --gb 0.25 --samples 1 --warmup 0";
+        let Ok(crate::BenchCommand::Checkpoint(args)) = crate::parse_bench(command) else {
+            panic!("`{command}` does not parse");
         };
         assert!(run(args).is_ok());
     }

@@ -1,19 +1,8 @@
-//! `ferry bench ddp`: data-parallel training steps of the wide MLP (1024-4096-4096-10, fp32,
-//! Adam) on one GPU alone, with [`DataParallel`] on one GPU (its overhead) and on two GPUs, and,
-//! with --compare-pytorch, PyTorch's DistributedDataParallel (python/ddp.py, one process per
-//! GPU) the same three ways.
-//!
-//! Weak scaling: every replica trains on `--batch` samples of its own a step. A step is
-//! zero_grad, forward, cross-entropy, backward, [`DataParallel::finish`] (DDP rows), Adam step,
-//! then a synchronize of the replica's device; each step is timed on its own. After `--warmup`
-//! untimed steps come `--steps` timed ones; a row's step time is the median over steps of the
-//! slowest replica's time for that step. Scaling efficiency is the two-GPU samples/s over twice
-//! the one-GPU (plain) samples/s. After the last step every replica's weights are read back and
-//! compared with rank 0's: the column `replicas equal` says whether data parallelism kept them
-//! identical.
-//!
-//! `--host` runs the same loop on the CPU with [`ProcessGroup::host`] (threads as ranks) and a
-//! small MLP, so the whole path runs without a GPU.
+//! `ferry bench ddp`: training steps of the wide MLP (1024-4096-4096-10, fp32, Adam) on one GPU,
+//! with [`DataParallel`] on one and on two GPUs and, with --compare-pytorch, PyTorch's DDP
+//! (python/ddp.py) the same three ways. Weak scaling (`--batch` per replica); a row's step is
+//! the median over steps of the slowest replica; after the last step the replicas' weights are
+//! compared with rank 0's. `--host` runs it on the CPU ([`ProcessGroup::host`], a small MLP).
 
 use std::error::Error;
 use std::path::PathBuf;
@@ -30,11 +19,11 @@ use serde_json::{Value, json};
 use super::train::LR;
 use crate::Measured;
 use crate::harness;
+use crate::harness::goal::{Bound, Goal, Judged};
 use crate::harness::pytorch::{self, PyTorchArgs};
-use crate::harness::report::significant;
-use output::{print_results, to_json};
+use crate::harness::report::{format_ratio, significant};
+use crate::harness::table::{Cell, Report, Table};
 
-mod output;
 #[cfg(test)]
 mod tests;
 
@@ -77,20 +66,15 @@ pub struct DdpArgs {
     host: bool,
 }
 
-/// What every row runs: the model, the batch per replica, how many steps, the bucket size.
+/// What every row runs: the MLP's widths (input first), the batch per replica, the timed and
+/// untimed steps, [`DdpOptions::bucket_bytes`], and whether ranks are host threads (`--host`).
 #[derive(Debug, Clone, Copy)]
 pub struct Config {
-    /// Layer widths, input first: Linear layers between neighbours, ReLU between Linears.
     pub widths: &'static [usize],
-    /// Samples per replica per step.
     pub batch: usize,
-    /// Timed steps per row.
     pub steps: u32,
-    /// Untimed steps per row before them.
     pub warmup: u32,
-    /// [`DdpOptions::bucket_bytes`].
     pub bucket_bytes: usize,
-    /// Threads as ranks, CPU tensors (`--host`); else NCCL, one GPU per rank.
     pub host: bool,
 }
 
@@ -388,16 +372,11 @@ fn parse_pytorch(doc: &Value) -> Result<(String, Vec<Row>), String> {
 
 /// The script's arguments for the same rows as ferry's.
 fn pytorch_args(cfg: &Config, bucket_mib: f64) -> Vec<String> {
-    vec![
-        "--batch".into(),
-        cfg.batch.to_string(),
-        "--steps".into(),
-        cfg.steps.to_string(),
-        "--warmup".into(),
-        cfg.warmup.to_string(),
-        "--bucket-mib".into(),
-        bucket_mib.to_string(),
-    ]
+    let (batch, steps, warmup) = (cfg.batch, cfg.steps, cfg.warmup);
+    format!("--batch {batch} --steps {steps} --warmup {warmup} --bucket-mib {bucket_mib}")
+        .split(' ')
+        .map(String::from)
+        .collect()
 }
 
 /// Runs ddp.py once (it starts one process per GPU itself) and reads its rows.
@@ -450,36 +429,178 @@ pub fn run(args: DdpArgs) -> Result<(), Box<dyn Error>> {
             }
         }
     };
+    let ferry = measure(&cfg, gpus);
+    let mut torch = Err(None);
+    if args.pytorch.compare_pytorch {
+        eprintln!("running {}/ddp.py ...", pytorch::SCRIPT_DIR);
+        let (python, script) = (&args.pytorch.python, &args.pytorch.pytorch_script);
+        torch = pytorch::locate_script(script.as_deref(), "ddp.py")
+            .and_then(|script| run_pytorch(python, &script, &pytorch_args(&cfg, args.bucket_mib)))
+            .map_err(Some);
+    }
     let widths: Vec<String> = cfg.widths.iter().map(usize::to_string).collect();
-    println!(
+    let mut title = format!(
         "ferry bench ddp: MLP {} (fp32, Adam), batch {} per replica, buckets {} MiB, on {device}",
         widths.join("-"),
         cfg.batch,
         significant(args.bucket_mib)
     );
-    let ferry = measure(&cfg, gpus);
-    let mut notes = Vec::new();
-    let mut torch = None;
-    if args.pytorch.compare_pytorch {
-        eprintln!("running {}/ddp.py ...", pytorch::SCRIPT_DIR);
-        let (python, script) = (&args.pytorch.python, &args.pytorch.pytorch_script);
-        match pytorch::locate_script(script.as_deref(), "ddp.py")
-            .and_then(|script| run_pytorch(python, &script, &pytorch_args(&cfg, args.bucket_mib)))
-        {
-            Ok(t) => {
-                println!("{}", t.0);
-                torch = Some(t);
+    if let Ok((label, _)) = &torch {
+        title = format!("{title}\n{label}");
+    }
+    let mut report = report(&cfg, &device, torch.as_ref().ok(), &ferry, title);
+    if let Err(Some(err)) = &torch {
+        report.note(format!("no PyTorch column: {err}"));
+    }
+    report.finish(args.json.as_deref())
+}
+
+/// The issue's two goals: efficiency >= 0.9 and ferry's two-GPU step no slower than PyTorch's.
+const GOALS: [Goal; 2] = [
+    Goal {
+        name: "scaling efficiency on 2 GPUs >= 0.9",
+        metric: "ferry_scaling_efficiency",
+        bound: Bound::AtLeast(0.9),
+    },
+    Goal {
+        name: "2-GPU step time <= PyTorch DDP's",
+        metric: "ddp_2 median_ms, ferry / PyTorch",
+        bound: Bound::AtMost(1.0),
+    },
+];
+
+/// Two-replica samples/s over twice the one-GPU (plain) samples/s.
+fn scaling_efficiency(rows: &[Row], batch: usize) -> Option<f64> {
+    let one = find(rows, "plain_1")?.samples_per_s(batch)?;
+    let two = find(rows, "ddp_2")?.samples_per_s(batch)?;
+    Some(two / (2.0 * one))
+}
+
+fn find<'a>(rows: &'a [Row], id: &str) -> Option<&'a Row> {
+    rows.iter().find(|r| r.id == id)
+}
+
+/// [`GOALS`] judged on ferry's rows and PyTorch's.
+fn goals(ferry: &[Row], torch: Option<&[Row]>, batch: usize) -> Vec<Judged> {
+    let efficiency = scaling_efficiency(ferry, batch);
+    let ours = find(ferry, "ddp_2").and_then(Row::median_ms);
+    let theirs = torch.and_then(|rows| find(rows, "ddp_2")?.median_ms());
+    let step = match (ours, theirs) {
+        (Some(f), Some(t)) => format!(
+            "{} ms vs {} ms ({})",
+            significant(f),
+            significant(t),
+            format_ratio(f, t)
+        ),
+        (Some(f), None) => format!("{} ms vs -", significant(f)),
+        _ => "-".into(),
+    };
+    vec![
+        GOALS[0].judge(efficiency, efficiency.map_or("-".into(), significant)),
+        GOALS[1].judge(ours.zip(theirs).map(|(f, t)| f / t), step),
+    ]
+}
+
+/// A side's step time: the median shown, every step recorded.
+fn step_cell(row: Option<&Row>) -> Cell {
+    let median = row.and_then(Row::median_ms);
+    Cell::ms(median).recorded(row.map_or(Value::Null, |r| {
+        json!({ "samples_ms": r.steps.samples_ms, "median_ms": median, "error": r.steps.error })
+    }))
+}
+
+/// ferry's rows, PyTorch's beside them.
+fn table(ferry: &[Row], torch: Option<&[Row]>, batch: usize) -> Table {
+    let mut table = Table::new(&[
+        "row",
+        "replicas",
+        "ferry step",
+        "samples/s",
+        "PyTorch step",
+        "samples/s",
+        "ferry/PyTorch",
+        "buckets (in backward)",
+        "replicas equal",
+    ]);
+    for ours in ferry {
+        let theirs = torch.and_then(|rows| find(rows, ours.id));
+        let rates = [Some(ours), theirs].map(|r| r.and_then(|r| r.samples_per_s(batch)));
+        let (f, t) = (ours.median_ms(), theirs.and_then(Row::median_ms));
+        let equal = ours.max_weight_diff.map(|d| d == 0.0);
+        table.push_with(
+            vec![
+                Cell::text(ours.id),
+                Cell::count(ours.replicas as u64),
+                step_cell(Some(ours)),
+                Cell::number(rates[0]),
+                step_cell(theirs),
+                Cell::number(rates[1]),
+                Cell::ratio(f, t),
+                Cell::text(ours.buckets.map_or("-".into(), |(all, early)| {
+                    format!("{all} ({early})")
+                }))
+                .recorded(json!(ours.buckets.map(|b| json!({ "all": b.0, "in_backward": b.1 })))),
+                Cell::text(match ours.max_weight_diff {
+                    Some(0.0) => "yes".into(),
+                    Some(d) => format!("NO (max diff {d:e})"),
+                    None => "-".into(),
+                })
+                .recorded(json!(equal)),
+            ],
+            json!({
+                "samples_per_s": { "ferry": rates[0], "pytorch": rates[1] },
+                "final_loss": { "ferry": ours.final_loss, "pytorch": theirs.and_then(|r| r.final_loss) },
+                "max_weight_diff": ours.max_weight_diff,
+            }),
+        );
+    }
+    table
+}
+
+fn report(
+    cfg: &Config,
+    device: &str,
+    torch: Option<&(String, Vec<Row>)>,
+    ferry: &[Row],
+    title: String,
+) -> Report {
+    let batch = cfg.batch;
+    let torch_rows = torch.map(|(_, rows)| rows.as_slice());
+    let torch_efficiency = torch_rows.and_then(|rows| scaling_efficiency(rows, batch));
+    let mut report = Report::new("ddp", title).with_facts(json!({
+        "device": device,
+        "host": cfg.host,
+        "widths": cfg.widths,
+        "batch_per_replica": batch,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "bucket_bytes": cfg.bucket_bytes,
+        "pytorch": torch.map(|(label, _)| label),
+        "ferry_scaling_efficiency": scaling_efficiency(ferry, batch),
+        "pytorch_scaling_efficiency": torch_efficiency,
+    }));
+    report.table("rows", None, table(ferry, torch_rows, batch));
+    report.note(format!(
+        "medians over {} steps after {} warm-up steps, each step synchronized and timed alone, \
+         the slowest replica's time per step; batch {batch} per replica; ratio below 1: ferry \
+         faster; buckets: all-reduced in the last step (started by backward itself)",
+        cfg.steps, cfg.warmup
+    ));
+    if let Some(e) = torch_efficiency {
+        report.note(format!("PyTorch DDP scaling efficiency: {}", significant(e)));
+    }
+    // The goals are for GPUs; --host checks the path, not the speed.
+    if cfg.host {
+        report.note("goals: judged on GPUs only (--host checks the data-parallel path, not speed)");
+    } else {
+        report.goals(goals(ferry, torch_rows, batch));
+    }
+    for (side, rows) in [("ferry", Some(ferry)), ("PyTorch", torch_rows)] {
+        for row in rows.unwrap_or_default() {
+            if let Some(err) = &row.steps.error {
+                report.note(format!("{} ({side}): {err}", row.id));
             }
-            Err(err) => notes.push(format!("no PyTorch column: {err}")),
         }
     }
-    print_results(&cfg, &ferry, torch.as_ref());
-    for note in &notes {
-        println!("{note}");
-    }
-    if let Some(path) = &args.json {
-        let doc = to_json(&cfg, &device, &ferry, torch.as_ref(), &notes);
-        harness::write_json(path, &doc, "step")?;
-    }
-    Ok(())
+    report
 }

@@ -1,13 +1,8 @@
-//! `ferry bench checkpoint --async`: a GPT of about 1B parameters trains with AdamW on the
-//! GPU and is checkpointed (model and optimizer state in one file) by `save_async` while it
-//! trains, once per snapshot memory mode. Per save: the stall on the training thread (building
-//! the state dict and the call), the steps that overlap the save against steps without one,
-//! the snapshot's rate against the link's device-to-host rate and the write's against the
-//! disk's sequential write rate, both measured in the same run, and the extra memory. With
-//! --compare-pytorch, python/checkpoint_async.py trains the same GPT in PyTorch afterwards and
-//! checkpoints it the two ways PyTorch programs do (torch.save from the GPU; a pinned snapshot,
-//! then torch.save on a thread) and, where the ferry wheel is installed, by `ferry.save_async`
-//! from PyTorch, measured the same way: rows below ferry's, against the same link and disk.
+//! `ferry bench checkpoint --async`: a GPT of about 1B parameters trains with AdamW while
+//! `save_async` checkpoints it, once per snapshot memory mode: the stall, the steps beside the
+//! save against steps without one, the snapshot's rate against the link and the write's against
+//! the disk, both measured in this run. With --compare-pytorch, python/checkpoint_async.py's
+//! saves of the same GPT afterwards, as rows below ferry's.
 
 use std::error::Error;
 use std::io::Write;
@@ -26,7 +21,7 @@ use serde_json::{Value, json};
 use super::CheckpointArgs;
 use crate::harness::measure::median;
 use crate::harness::pytorch;
-use crate::harness::report::print_table;
+use crate::harness::table::{Cell, Report, Table};
 
 const VOCAB: usize = 256;
 const LINK_BYTES: usize = 1 << 30;
@@ -256,6 +251,7 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
     let device = dev.device();
     let staging = usize::try_from(args.staging_mib << 20)?;
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let mut lines = Vec::new();
     let path = dir.join(format!(
         "ferry-bench-async-{}.safetensors",
         std::process::id()
@@ -276,7 +272,7 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
     // of the two measurements around it.
     let mut disks = vec![disk_write(&dir, disk_bytes)?];
     let drain = drain_rate()?;
-    println!(
+    lines.push(format!(
         "checkpoint while training: GPT {} layers x {} wide ({:.2} B parameters), batch {} x {}, \
          bf16 autocast, AdamW on {} ({}); checkpoint {:.2} GiB (model + optimizer state) in {}",
         args.layers,
@@ -288,8 +284,8 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
         dev.info().name,
         gib(bytes),
         dir.display()
-    );
-    println!(
+    ));
+    lines.push(format!(
         "measured in this run: link device->host {:.1} GB/s (pinned, 1 GiB); disk sequential \
          write {:.2} GB/s ({:.1} GiB, 4 MiB writes, fdatasync every 256 MiB beside them, fsync); \
          drain pinned -> host pool by all cores {:.1} GB/s (1 GiB in 64 MiB pieces)",
@@ -297,7 +293,7 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
         gb(disks[0]),
         gib(disk_bytes),
         gb(drain)
-    );
+    ));
     let mut baseline = Vec::new();
     for _ in 0..BASELINE_STEPS {
         baseline.push(trainer.step(dev)?);
@@ -333,12 +329,12 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
             measured.mode = format!("{} ({round})", measured.mode);
             if runs.is_empty() {
                 let verified = checkpoint::verify(&path)?;
-                println!(
+                lines.push(format!(
                     "the first file verifies: {} tensors, {:.2} GiB, checksummed: {}",
                     verified.tensors,
                     gib(verified.bytes),
                     verified.checksummed
-                );
+                ));
             }
             let _ = std::fs::remove_file(&path);
             runs.push(measured);
@@ -353,11 +349,14 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
     let after: Vec<f64> = (0..BASELINE_STEPS)
         .map(|_| trainer.step(dev))
         .collect::<ferry::Result<_>>()?;
-    println!(
+    lines.push(format!(
         "step without a save: median {base:.1} ms before the saves, {:.1} ms after",
         median(&after).unwrap_or(f64::NAN)
-    );
-    let mut rows: Vec<Vec<String>> = runs.iter().map(|m| ferry_row(m, base, link)).collect();
+    ));
+    let mut table = Table::new(&HEADER);
+    for m in &runs {
+        table.push_with(texts(ferry_row(m, base, link)), to_json(m, base));
+    }
     let torch = match args.pytorch.compare_pytorch {
         true => Some(pytorch_saves(args, &dir)),
         false => None,
@@ -374,7 +373,7 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
     let (slowest, fastest) = disks.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &d| {
         (lo.min(d), hi.max(d))
     });
-    println!(
+    lines.push(format!(
         "disk sequential write before each mode and after the last (PyTorch's included): {} \
          GB/s, their mean {:.2} (the slowest {:.0}% of the fastest); each save's write column \
          is of the mean of the two measurements around its mode",
@@ -385,50 +384,48 @@ pub fn run(args: &CheckpointArgs, dev: &CudaDevice) -> Result<(), Box<dyn Error>
             .join(", "),
         gb(disk),
         100.0 * slowest / fastest
-    );
+    ));
     match &torch {
         Some(Ok(doc)) => {
             let torch_base = doc["baseline_median_ms"].as_f64().unwrap_or(f64::NAN);
-            println!(
+            lines.push(format!(
                 "PyTorch {} (same GPT, AdamW fused, bf16 autocast): checkpoint {:.2} GiB, step \
                  without a save: median {torch_base:.1} ms before the saves, {:.1} ms after",
                 doc["torch"].as_str().unwrap_or("?"),
                 doc["bytes"].as_f64().unwrap_or(f64::NAN) / f64::from(1 << 30),
                 doc["after_median_ms"].as_f64().unwrap_or(f64::NAN),
-            );
+            ));
             let saves = doc["saves"].as_array().map_or(&[][..], Vec::as_slice);
             let bytes = doc["bytes"].as_f64().unwrap_or(f64::NAN);
-            rows.extend(
-                saves
-                    .iter()
-                    .map(|save| pytorch_row(save, bytes, torch_base, link, torch_disk)),
-            );
+            for save in saves {
+                let row = pytorch_row(save, bytes, torch_base, link, torch_disk);
+                table.push_with(texts(row), save.clone());
+            }
         }
-        Some(Err(err)) => println!("no PyTorch rows: {err}"),
+        Some(Err(err)) => lines.push(format!("no PyTorch rows: {err}")),
         None => {}
     }
-    print_rows(&rows);
-    if let Some(file) = &args.json {
-        let doc = json!({
-            "bench": "checkpoint --async",
-            "device": dev.info().name,
-            "params": params,
-            "bytes": bytes,
-            "link_d2h_bytes_per_sec": link,
-            "disk_write_bytes_per_sec": disk,
-            "disk_writes_bytes_per_sec": disks,
-            "baseline_step_ms": baseline,
-            "after_step_ms": after,
-            "saves": runs.iter().map(|m| to_json(m, base)).collect::<Vec<Value>>(),
-            "pytorch": match &torch {
-                Some(Ok(doc)) => doc.clone(),
-                Some(Err(err)) => json!({ "error": err }),
-                None => Value::Null,
-            },
-        });
-        crate::harness::write_json(file, &doc, "save")?;
-    }
-    Ok(())
+    let mut report = Report::new("checkpoint --async", lines.join("\n")).with_facts(json!({
+        "device": dev.info().name,
+        "params": params,
+        "bytes": bytes,
+        "link_d2h_bytes_per_sec": link,
+        "disk_write_bytes_per_sec": disk,
+        "disk_writes_bytes_per_sec": disks,
+        "baseline_step_ms": baseline,
+        "after_step_ms": after,
+        "pytorch": match &torch {
+            Some(Ok(doc)) => doc.clone(),
+            Some(Err(err)) => json!({ "error": err }),
+            None => Value::Null,
+        },
+    }));
+    report.table("saves", None, table);
+    report.note(
+        "goals: stall <= 10 ms; steps during the save <= 1.03x; pinned <= 256 MiB (pageable and \
+         bounded modes); snapshot >= 80% of the link; write >= 90% of the disk",
+    );
+    report.finish(args.json.as_deref())
 }
 
 /// PyTorch's saves of the same GPT (python/checkpoint_async.py): its JSON document.
@@ -534,24 +531,22 @@ fn ferry_row(m: &Measured, base: f64, link: f64) -> Vec<String> {
     ]
 }
 
-fn print_rows(rows: &[Vec<String>]) {
-    let header = [
-        "snapshot memory",
-        "stall ms",
-        "steps during",
-        "their mean / no save",
-        "first / no save",
-        "snapshot s (DMA wait, copy)",
-        "snapshot GB/s (of link)",
-        "write GB/s (of disk)",
-        "extra host GiB",
-        "pinned MiB",
-    ];
-    print_table(&header, rows);
-    println!(
-        "goals: stall <= 10 ms; steps during the save <= 1.03x; pinned <= 256 MiB (pageable and \
-         bounded modes); snapshot >= 80% of the link; write >= 90% of the disk"
-    );
+const HEADER: [&str; 10] = [
+    "snapshot memory",
+    "stall ms",
+    "steps during",
+    "their mean / no save",
+    "first / no save",
+    "snapshot s (DMA wait, copy)",
+    "snapshot GB/s (of link)",
+    "write GB/s (of disk)",
+    "extra host GiB",
+    "pinned MiB",
+];
+
+/// A row's cells: their text, its figures recorded beside them unrounded.
+fn texts(row: Vec<String>) -> Vec<Cell> {
+    row.into_iter().map(Cell::text).collect()
 }
 
 fn to_json(m: &Measured, base: f64) -> Value {

@@ -1,7 +1,6 @@
 //! `ferry bench ddp`'s CPU tests: the figures, the table, the script's protocol, and the
 //! whole data-parallel path on host ranks.
 
-use super::output::{cells, goals, scaling_efficiency};
 use super::*;
 use crate::harness::report::Verdict;
 
@@ -74,6 +73,10 @@ fn goals_are_met_or_missed_on_the_right_side_of_the_line() {
 
 #[test]
 fn table_cells_show_ratios_and_whether_replicas_agree() {
+    let cells = |ours: &Row, theirs: Option<&Row>, batch| {
+        let theirs = theirs.map(|t| vec![t.clone()]);
+        table(std::slice::from_ref(ours), theirs.as_deref(), batch).texts()[0].clone()
+    };
     let mut ours = row("ddp_2", 2, &[12.0, 11.0, 10.0]);
     let theirs = row("ddp_2", 2, &[22.0]);
     let c = cells(&ours, Some(&theirs), 1000);
@@ -300,11 +303,12 @@ fn host_replicas_end_with_identical_weights() {
     ));
     run(args).unwrap();
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    assert_eq!(doc["ferry"][2]["replicas_equal"], json!(true), "{doc}");
-    assert_eq!(doc["ferry"][2]["step_ms"].as_array().unwrap().len(), 2);
+    assert_eq!(doc["rows"][2]["replicas_equal"], json!(true), "{doc}");
+    let steps = &doc["rows"][2]["ferry_step"]["samples_ms"];
+    assert_eq!(steps.as_array().unwrap().len(), 2);
     assert!(doc["ferry_scaling_efficiency"].as_f64().is_some(), "{doc}");
     assert_eq!(doc["goals"], json!([]), "goals are for GPUs");
-    assert_eq!(doc["ferry"][0]["replicas_equal"], Value::Null);
+    assert_eq!(doc["rows"][0]["replicas_equal"], Value::Null);
 }
 
 /// The same path over NCCL: on one GPU `plain_1` and `ddp_1` run, on two `ddp_2` too, and its

@@ -47,6 +47,24 @@ impl Measured {
         self.error.get_or_insert_with(|| error.into());
     }
 
+    /// One round's result: its sample kept when `timed`, its error recorded; a side that has
+    /// failed takes no more rounds. Whether the round succeeded.
+    pub fn record<E: ToString>(&mut self, round: Result<f64, E>, timed: bool) -> bool {
+        match round {
+            _ if self.is_failed() => false,
+            Ok(x) => {
+                if timed {
+                    self.push(x);
+                }
+                true
+            }
+            Err(err) => {
+                self.fail(err.to_string());
+                false
+            }
+        }
+    }
+
     /// Whether an error was recorded.
     pub fn is_failed(&self) -> bool {
         self.error.is_some()

@@ -62,16 +62,10 @@ pub struct RunSetup {
 }
 
 impl RunSetup {
-    /// The header's line on sampling: `medians` (what they are of), then PyTorch's version and
-    /// `pytorch_how` when it runs, else the note saying why it does not.
-    pub fn print_sampling(&self, medians: &str, pytorch_how: &str) {
-        println!("{}", self.sampling(medians, pytorch_how));
-        if let Some(note) = &self.pytorch_note {
-            println!("{note}");
-        }
-    }
-
-    fn sampling(&self, medians: &str, pytorch_how: &str) -> String {
+    /// The line on sampling for a report's title: `medians` (what they are of), then
+    /// PyTorch's version and `pytorch_how` when it runs (the note saying why it does not is the
+    /// report's to print).
+    pub fn sampling_line(&self, medians: &str, pytorch_how: &str) -> String {
         let pytorch = self
             .pytorch
             .as_ref()
@@ -185,12 +179,12 @@ mod tests {
             pytorch_note: Some("no PyTorch column: not importable".into()),
         };
         assert_eq!(
-            setup.sampling("median of 9 samples", "sampled alternately with ferry"),
+            setup.sampling_line("median of 9 samples", "sampled alternately with ferry"),
             "median of 9 samples after 2 warm-up rounds per case"
         );
         setup.pytorch = Some("2.11.0 (CUDA 13.0) on H200".into());
         assert_eq!(
-            setup.sampling("median ms/step of 9 rounds", "eager"),
+            setup.sampling_line("median ms/step of 9 rounds", "eager"),
             "median ms/step of 9 rounds after 2 warm-up rounds per case; \
              PyTorch 2.11.0 (CUDA 13.0) on H200, eager"
         );

@@ -80,6 +80,14 @@ impl Cell {
         }
     }
 
+    /// [`Cell::median`] with the median shown by `format` (a unit, fixed decimals).
+    pub fn median_shown(side: &Measured, format: impl Fn(f64) -> String) -> Self {
+        Self {
+            text: side.median_cell(format),
+            ..Self::median(side)
+        }
+    }
+
     /// A verdict: "met", "MISSED", "?" or blank; recorded as true, false or null.
     pub fn verdict(verdict: Verdict) -> Self {
         Self {
@@ -279,28 +287,6 @@ impl Report {
         match json {
             Some(path) => super::write_json(path, &self.json(), "figure"),
             None => Ok(()),
-        }
-    }
-}
-
-// Added for the autograd, train and peer benches.
-
-impl Measured {
-    /// One round's result: its sample kept when `timed`, its error recorded; a side that has
-    /// failed takes no more rounds. Whether the round succeeded.
-    pub fn record<E: ToString>(&mut self, round: Result<f64, E>, timed: bool) -> bool {
-        match round {
-            _ if self.is_failed() => false,
-            Ok(x) => {
-                if timed {
-                    self.push(x);
-                }
-                true
-            }
-            Err(err) => {
-                self.fail(err.to_string());
-                false
-            }
         }
     }
 }

@@ -1,6 +1,4 @@
-//! `ferry bench pipeline`'s stages and rows, ferry's side: the frames, the GPU and host work on
-//! them, and one run of each row. Below both the bench and its `--trace`, which time the same
-//! runs.
+//! ferry's side of `ferry bench pipeline`: the frames, the GPU and host work, one run of each row.
 
 use std::collections::VecDeque;
 use std::hint::black_box;
@@ -86,34 +84,23 @@ impl Fixture {
                 }
                 Ok(self.ms_per_frame(start))
             }
-            "pipelined" => {
+            "pipelined" | "pipelined_slots" => {
                 let start = Instant::now();
                 let mut in_flight = VecDeque::with_capacity(self.depth);
                 for i in 0..self.frames {
                     // Queued on the default stream; its move on the copy stream waits for it on
                     // the device, and the host goes on to the oldest frame meanwhile.
                     let frame = produce(&self.base, i)?;
-                    in_flight.push_back(frame.to_async(Device::Cpu, &self.copy)?);
-                    if in_flight.len() == self.depth {
-                        let (host, _) = in_flight.pop_front().expect("depth >= 2").wait()?;
-                        process(&host, self.passes)?;
-                    }
-                }
-                while let Some(pending) = in_flight.pop_front() {
-                    process(&pending.wait()?.0, self.passes)?;
-                }
-                Ok(self.ms_per_frame(start))
-            }
-            "pipelined_slots" => {
-                // Each frame is written into a slot that outlives the run, so no device buffer
-                // used by the copy stream is freed mid-run; writing a slot waits, on the device,
-                // for the move that last read it.
-                let start = Instant::now();
-                let mut in_flight = VecDeque::with_capacity(self.depth);
-                for i in 0..self.frames {
-                    let slot = &self.slots[i % self.depth];
-                    slot.assign(&produce(&self.base, i)?)?;
-                    in_flight.push_back(slot.to_async(Device::Cpu, &self.copy)?);
+                    let moved = if id == "pipelined" {
+                        frame.to_async(Device::Cpu, &self.copy)?
+                    } else {
+                        // A slot outlives the run, so no buffer the copy stream reads is freed
+                        // mid-run; writing it waits, on the device, for the move that last read it.
+                        let slot = &self.slots[i % self.depth];
+                        slot.assign(&frame)?;
+                        slot.to_async(Device::Cpu, &self.copy)?
+                    };
+                    in_flight.push_back(moved);
                     if in_flight.len() == self.depth {
                         let (host, _) = in_flight.pop_front().expect("depth >= 2").wait()?;
                         process(&host, self.passes)?;

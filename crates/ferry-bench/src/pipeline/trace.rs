@@ -1,10 +1,6 @@
-//! `ferry bench pipeline --trace`: where a frame's time goes in ferry's pipeline.
-//!
-//! One run of the `pipelined` row with timed events around each frame's work on the device (its
-//! kernels on the default stream, its copy on the copy stream) and the host's clock around each
-//! step of the loop, then two runs that leave a stage out (no host work; no GPU work, the same
-//! frame moved each time). A link that is busy end to end shows copies back to back (no gap
-//! after the previous copy); a gap says which stage the copy waited for.
+//! `ferry bench pipeline --trace`: one run of `pipelined` with timed events around each frame's
+//! kernels and copy and the host's clock around each step, then runs that leave a stage out. A
+//! copy right after the previous one means a busy link; a gap says what it waited for.
 
 use std::collections::VecDeque;
 use std::time::Instant;

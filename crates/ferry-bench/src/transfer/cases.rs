@@ -31,6 +31,13 @@ pub struct Case {
     pub run: fn(&mut Fixture) -> BenchResult<Sample>,
 }
 
+/// ferry's side of each small case, by index into SMALL_BYTES.
+const SMALL_RUNS: [fn(&mut Fixture) -> BenchResult<Sample>; 3] = [
+    |fx| ferry_side::small(fx, 0),
+    |fx| ferry_side::small(fx, 1),
+    |fx| ferry_side::small(fx, 2),
+];
+
 pub const LINK_IDS: [&str; 2] = ["link_d2h", "link_h2d"];
 
 pub fn cases() -> Vec<Case> {
@@ -39,16 +46,16 @@ pub fn cases() -> Vec<Case> {
         ms: 12.0,
         staging_bytes: STAGING_BOUND,
     };
-    let small = |id, name, bytes, run| Case {
+    let small = |id, name, which: usize| Case {
         id,
         name,
         ferry: "t.cpu(), 100 times per sample",
         pytorch: "t.cpu(), 100 times per sample",
         unit: Unit::Us,
-        bytes,
+        bytes: SMALL_BYTES[which],
         link: Link::None,
         target: Target::NoSlowerThanPyTorch,
-        run,
+        run: SMALL_RUNS[which],
     };
     let big = |id, name, ferry, pytorch, target, run| Case {
         id,
@@ -162,24 +169,9 @@ pub fn cases() -> Vec<Case> {
                 ferry_side::h2d_pageable,
             )
         },
-        small(
-            "small_4k",
-            "small cpu(): 4 KB",
-            SMALL_BYTES[0],
-            ferry_side::small_4k,
-        ),
-        small(
-            "small_64k",
-            "small cpu(): 64 KB",
-            SMALL_BYTES[1],
-            ferry_side::small_64k,
-        ),
-        small(
-            "small_1m",
-            "small cpu(): 1 MB",
-            SMALL_BYTES[2],
-            ferry_side::small_1m,
-        ),
+        small("small_4k", "small cpu(): 4 KB", 0),
+        small("small_64k", "small cpu(): 64 KB", 1),
+        small("small_1m", "small cpu(): 1 MB", 2),
     ]
 }
 

@@ -239,8 +239,8 @@ pub fn h2d_pageable(fx: &mut Fixture) -> BenchResult<Sample> {
     Ok(sample)
 }
 
-/// Mean time of one `cpu()` of a small tensor, over SMALL_REPS moves.
-fn small(fx: &mut Fixture, which: usize) -> BenchResult<Sample> {
+/// Mean time of one `cpu()` of small tensor `which`, over SMALL_REPS moves.
+pub fn small(fx: &mut Fixture, which: usize) -> BenchResult<Sample> {
     let t = &fx.small[which];
     let start = Instant::now();
     for _ in 0..SMALL_REPS {
@@ -248,16 +248,4 @@ fn small(fx: &mut Fixture, which: usize) -> BenchResult<Sample> {
         readable(&y)?;
     }
     Ok(Sample::ms(Sample::since(start).ms / SMALL_REPS as f64))
-}
-
-pub fn small_4k(fx: &mut Fixture) -> BenchResult<Sample> {
-    small(fx, 0)
-}
-
-pub fn small_64k(fx: &mut Fixture) -> BenchResult<Sample> {
-    small(fx, 1)
-}
-
-pub fn small_1m(fx: &mut Fixture) -> BenchResult<Sample> {
-    small(fx, 2)
 }
