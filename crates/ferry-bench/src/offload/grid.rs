@@ -1,22 +1,11 @@
-//! The cases of `ferry bench offload --sweep` and the options it runs with: MLPs over layers x
-//! width x batch and transformer blocks (ferry's GPT), parsed from `--grid` or taken from
-//! [`DEFAULT_GRID`].
+//! The cases of `ferry bench offload --sweep`: MLPs over layers x width x batch and
+//! transformer blocks (ferry's GPT), parsed from `--grid` or taken from [`DEFAULT_GRID`].
 //!
 //! A case is written `LxW@B` for an MLP of `L` bias-free Linear(W, W) + tanh layers at batch
 //! `B`, or `gpt:LxW@BxT` for ferry's GPT with `L` blocks of width `W` (heads of 64 channels)
 //! on `B` sequences of `T` tokens.
 
 use std::fmt;
-use std::path::PathBuf;
-
-/// What the sweep runs with (from `ferry bench offload`'s flags).
-pub struct SweepOptions {
-    pub grid: Vec<SweepCase>,
-    pub samples: u32,
-    pub warmup: u32,
-    pub min_bytes: usize,
-    pub json: Option<PathBuf>,
-}
 
 /// The default sweep: the two MLPs measured before (6 x 2048 at 8192, 1.37x; 16 x 4096 at
 /// 16384, 1.03x), sizes between them, a link-bound MLP (width 1024: less compute per byte
