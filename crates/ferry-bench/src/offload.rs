@@ -108,15 +108,7 @@ fn pytorch_step(torch: &mut PyTorch, mode: &str, args: &OffloadArgs) -> Result<S
         })
     };
     let peak = num("peak_bytes")? as u64;
-    Ok(Sample {
-        ms: num("ms")?,
-        forward_ms: None,
-        backward_ms: None,
-        peak_forward: peak,
-        peak_backward: peak,
-        saved_bytes: num("saved_bytes")? as u64,
-        stats: None,
-    })
+    Ok(Sample::whole(num("ms")?, peak, peak, num("saved_bytes")? as u64))
 }
 
 fn gib_text(bytes: u64) -> String {
@@ -241,11 +233,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
     if let Some(label) = &torch.label {
         title += &format!("\nPyTorch {label}");
     }
-    let case = SweepCase::Mlp {
-        layers: args.layers,
-        width: args.width,
-        batch: args.batch,
-    };
+    let case = SweepCase::mlp(args.layers, args.width, args.batch);
     let model = Model::new(case, dev.device())?;
     let mut rows: [Row; 4] = Default::default();
     for round in 0..args.warmup + args.samples {
@@ -391,18 +379,13 @@ mod tests {
         let mut rows: [Row; 4] = Default::default();
         for (k, ms) in [(0, 1.0), (1, 3.0), (1, 1.0), (1, 2.0)] {
             rows[k].push(Sample {
-                ms,
-                forward_ms: None,
-                backward_ms: None,
-                peak_forward: 1 << 30,
-                peak_backward: 2 << 30,
-                saved_bytes: 3 << 30,
                 stats: (k == 1).then_some(OffloadStats {
                     offloaded: 16,
                     read_in_place: 2,
                     prefetched: 15,
                     ..OffloadStats::default()
                 }),
+                ..Sample::whole(ms, 1 << 30, 2 << 30, 3 << 30)
             });
         }
         let shown = table(&rows);

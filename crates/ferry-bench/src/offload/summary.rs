@@ -114,6 +114,21 @@ pub struct Sample {
     pub stats: Option<OffloadStats>,
 }
 
+impl Sample {
+    /// A step timed whole, without an offload scope.
+    pub fn whole(ms: f64, peak_forward: u64, peak_backward: u64, saved_bytes: u64) -> Self {
+        Self {
+            ms,
+            forward_ms: None,
+            backward_ms: None,
+            peak_forward,
+            peak_backward,
+            saved_bytes,
+            stats: None,
+        }
+    }
+}
+
 /// The four ways each case is stepped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RowKind {
@@ -432,24 +447,16 @@ mod tests {
 
     fn sample(ms: f64, split: Option<(f64, f64)>, peaks: (u64, u64)) -> Sample {
         Sample {
-            ms,
             forward_ms: split.map(|s| s.0),
             backward_ms: split.map(|s| s.1),
-            peak_forward: peaks.0,
-            peak_backward: peaks.1,
-            saved_bytes: (384 + 112) * MIB,
-            stats: None,
+            ..Sample::whole(ms, peaks.0, peaks.1, (384 + 112) * MIB)
         }
     }
 
     /// 6 x 2048 at batch 8192 as the analysis models it: 64 MiB activations, 112 MiB of
     /// weights and input, five activations moved (the last read in place).
     fn mlp_6x2048() -> CaseRun {
-        let mut run = CaseRun::new(SweepCase::Mlp {
-            layers: 6,
-            width: 2048,
-            batch: 8192,
-        });
+        let mut run = CaseRun::new(SweepCase::mlp(6, 2048, 8192));
         run.caller_bytes = 112 * MIB;
         for ms in [24.4, 24.6, 24.5] {
             run.row_mut(RowKind::NoOffload)

@@ -521,11 +521,7 @@ mod tests {
 
     #[test]
     fn the_callers_bytes_are_the_weights_and_input_each_once() {
-        let case = SweepCase::Mlp {
-            layers: 3,
-            width: 8,
-            batch: 5,
-        };
+        let case = SweepCase::mlp(3, 8, 5);
         let model = Model::new(case, Device::Cpu).unwrap();
         // Three 8x8 f32 weights and a 5x8 input, as `ferry bench offload`'s caller_bytes.
         assert_eq!(model.caller_bytes(), 4 * (3 * 64 + 40));
@@ -543,12 +539,7 @@ mod tests {
 
     #[test]
     fn a_small_gpt_case_steps_on_the_cpu_and_its_parameters_get_gradients() {
-        let case = SweepCase::Gpt {
-            blocks: 1,
-            width: 64,
-            batch: 2,
-            seq: 4,
-        };
+        let case = SweepCase::gpt(1, 64, 2, 4);
         let model = Model::new(case, Device::Cpu).unwrap();
         let params = model.parameters().len();
         assert!(params > 10, "{params} parameters");
@@ -562,11 +553,7 @@ mod tests {
 
     #[test]
     fn a_failed_row_keeps_its_samples_beside_its_error_in_the_json() {
-        let mut run = CaseRun::new(SweepCase::Mlp {
-            layers: 2,
-            width: 64,
-            batch: 8,
-        });
+        let mut run = CaseRun::new(SweepCase::mlp(2, 64, 8));
         for kind in RowKind::ALL {
             for ms in [3.0, 1.0] {
                 run.row_mut(kind).push(Sample {
