@@ -291,18 +291,11 @@ fn ms_since(started: Instant) -> f64 {
     started.elapsed().as_secs_f64() * 1e3
 }
 
-/// A case's model: its parameters (wanting gradients) and its inputs.
-pub(super) enum Model {
-    Mlp {
-        x: Tensor,
-        ws: Vec<Tensor>,
-    },
-    Gpt {
-        gpt: Box<Gpt>,
-        params: Vec<Tensor>,
-        ids: Tensor,
-        targets: Tensor,
-    },
+/// A case's model: its parameters (wanting gradients), its inputs, and the GPT, if it is one.
+pub(super) struct Model {
+    params: Vec<Tensor>,
+    inputs: Vec<Tensor>,
+    gpt: Option<Box<Gpt>>,
 }
 
 impl Model {
@@ -313,10 +306,11 @@ impl Model {
                 width,
                 batch,
             } => {
-                // Square weights scaled by 1/sqrt(width) that want gradients; an input that does not.
+                // Square weights scaled by 1/sqrt(width) that want gradients; an input that
+                // does not.
                 let (batch, width) = (batch as usize, width as usize);
                 let scale = 1.0 / (width as f64).sqrt();
-                let ws = (0..layers)
+                let params = (0..layers)
                     .map(|_| {
                         Tensor::randn(&[width, width], DType::F32, device)?
                             .mul_scalar(scale)?
@@ -324,7 +318,7 @@ impl Model {
                     })
                     .collect::<ferry::Result<_>>()?;
                 let x = Tensor::randn(&[batch, width], DType::F32, device)?;
-                Ok(Model::Mlp { x, ws })
+                Ok(Model { params, inputs: vec![x], gpt: None })
             }
             SweepCase::Gpt {
                 blocks,
@@ -340,18 +334,16 @@ impl Model {
                     heads: case.heads().unwrap_or(1) as usize,
                 };
                 let gpt = Gpt::new(config, device)?;
-                let params = gpt.parameters();
                 let tokens = |shape: &[usize]| -> ferry::Result<Tensor> {
                     Tensor::rand(shape, DType::F32, device)?
                         .mul_scalar(VOCAB as f64)?
                         .to_dtype(DType::I64)
                 };
                 let (b, t) = (batch as usize, seq as usize);
-                Ok(Model::Gpt {
-                    gpt: Box::new(gpt),
-                    params,
-                    ids: tokens(&[b, t])?,
-                    targets: tokens(&[b * t])?,
+                Ok(Model {
+                    params: gpt.parameters(),
+                    inputs: vec![tokens(&[b, t])?, tokens(&[b * t])?],
+                    gpt: Some(Box::new(gpt)),
                 })
             }
         }
@@ -360,42 +352,25 @@ impl Model {
     /// The forward up to a scalar loss: `sum` of the MLP's output, the GPT's mean
     /// cross-entropy over every position.
     fn loss(&self) -> ferry::Result<Tensor> {
-        match self {
-            Model::Mlp { x, ws } => {
-                let mut h = x.clone();
-                for w in ws {
-                    h = h.matmul(w)?.tanh()?;
-                }
-                h.sum()
+        let Some(gpt) = &self.gpt else {
+            let mut h = self.inputs[0].clone();
+            for w in &self.params {
+                h = h.matmul(w)?.tanh()?;
             }
-            Model::Gpt {
-                gpt, ids, targets, ..
-            } => {
-                let logits = gpt.forward(ids)?;
-                let rows = targets.shape()[0];
-                let flat = logits.reshape(&[rows, VOCAB as usize])?;
-                ferry::nn::cross_entropy(&flat, targets)
-            }
-        }
-    }
-
-    fn parameters(&self) -> &[Tensor] {
-        match self {
-            Model::Mlp { ws, .. } => ws,
-            Model::Gpt { params, .. } => params,
-        }
+            return h.sum();
+        };
+        let (ids, targets) = (&self.inputs[0], &self.inputs[1]);
+        let logits = gpt.forward(ids)?;
+        let flat = logits.reshape(&[targets.shape()[0], VOCAB as usize])?;
+        ferry::nn::cross_entropy(&flat, targets)
     }
 
     /// Bytes the caller holds whatever offload does: parameters and inputs, each buffer once.
     /// Rules save some of them (most weights, the MLP's input); offload leaves those in place.
     fn caller_bytes(&self) -> u64 {
-        let inputs: Vec<&Tensor> = match self {
-            Model::Mlp { x, .. } => vec![x],
-            Model::Gpt { ids, targets, .. } => vec![ids, targets],
-        };
         let mut seen = Vec::new();
         let mut bytes = 0;
-        for t in self.parameters().iter().chain(inputs) {
+        for t in self.params.iter().chain(&self.inputs) {
             let key = Arc::as_ptr(t.storage()) as usize;
             if !seen.contains(&key) {
                 seen.push(key);
@@ -406,7 +381,7 @@ impl Model {
     }
 
     fn clear_grads(&self) {
-        for p in self.parameters() {
+        for p in &self.params {
             p.set_grad(None);
         }
     }
@@ -541,14 +516,14 @@ mod tests {
     fn a_small_gpt_case_steps_on_the_cpu_and_its_parameters_get_gradients() {
         let case = SweepCase::gpt(1, 64, 2, 4);
         let model = Model::new(case, Device::Cpu).unwrap();
-        let params = model.parameters().len();
+        let params = model.params.len();
         assert!(params > 10, "{params} parameters");
         let loss = model.loss().unwrap();
         assert_eq!(loss.shape(), &[] as &[usize]);
         loss.backward().unwrap();
-        assert!(model.parameters().iter().all(|p| p.grad().is_some()));
+        assert!(model.params.iter().all(|p| p.grad().is_some()));
         model.clear_grads();
-        assert!(model.parameters().iter().all(|p| p.grad().is_none()));
+        assert!(model.params.iter().all(|p| p.grad().is_none()));
     }
 
     #[test]
