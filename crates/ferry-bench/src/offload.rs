@@ -183,6 +183,9 @@ fn table(rows: &[Row; 4]) -> Table {
             false => Cell::text(x.unwrap_or_else(|| "-".into())).recorded(value),
         };
         let ratio = median(k).zip(reference).map(|(a, b)| a / b);
+        let peaks: Vec<u64> = (row.peak_forward.iter().zip(&row.peak_backward))
+            .map(|(f, b)| *f.max(b))
+            .collect();
         table.push_with(
             vec![
                 Cell::text(NAMES[k]),
@@ -193,7 +196,7 @@ fn table(rows: &[Row; 4]) -> Table {
             ],
             json!({
                 "step_ms": row.step.samples_ms,
-                "peak_bytes": row.peak_forward.iter().zip(&row.peak_backward).map(|(f, b)| f.max(b)).collect::<Vec<_>>(),
+                "peak_bytes": peaks,
                 "offload": row.stats.as_ref().map(stats_json),
                 "error": row.error(),
             }),

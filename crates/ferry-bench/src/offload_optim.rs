@@ -92,7 +92,9 @@ const TIMELINE: [&str; 10] = [
 
 fn timeline(start: Instant, backward: Instant, t: &StepTimeline, synced: f64) -> [f64; 10] {
     let ms = |at: Instant| at.saturating_duration_since(start).as_secs_f64() * 1e3;
-    let span = |s: Option<(Instant, Instant)>| s.map_or((f64::NAN, f64::NAN), |(a, b)| (ms(a), ms(b)));
+    let span = |s: Option<(Instant, Instant)>| {
+        s.map_or((f64::NAN, f64::NAN), |(a, b)| (ms(a), ms(b)))
+    };
     let (sent, landed) = (span(t.sent), span(t.landed));
     let at = |i: Option<Instant>| i.map_or(f64::NAN, ms);
     let (busy, queuing) = (t.busy.as_secs_f64() * 1e3, t.queuing.as_secs_f64() * 1e3);
@@ -306,8 +308,8 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
     }
     let text = args.text.as_deref().map(|p| read_text(p, args.seq)).transpose()?;
     if let (Some(path), Some(text)) = (&args.text, &text) {
-        let size = gib_text(text.len());
-        title.push(format!("tokens: the bytes of {} ({size}), consecutive windows", path.display()));
+        let (path, size) = (path.display(), gib_text(text.len()));
+        title.push(format!("tokens: the bytes of {path} ({size}), consecutive windows"));
     }
     if let Some(max_norm) = args.clip_grad_norm {
         title.push(format!("gradients clipped to a global norm of {max_norm} in both runs"));
@@ -320,7 +322,8 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
     let mut outcome = |offload: bool| match train(&args, text.as_deref(), &dev, offload) {
         Ok(run) => Some(run),
         Err(err) => {
-            notes.push(format!("{}: {err}", if offload { "OffloadAdamW" } else { "AdamW on the GPU" }));
+            let name = if offload { "OffloadAdamW" } else { "AdamW on the GPU" };
+            notes.push(format!("{name}: {err}"));
             // What the failed run left cached goes back, for the next run.
             let _ = dev.synchronize().and_then(|()| dev.empty_cache());
             None
@@ -343,7 +346,11 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
     ]);
     for (name, r) in [("AdamW on the GPU", &gpu), (offloaded, &off)] {
         let Some(r) = r else { continue };
-        let timelines = r.timelines.iter().map(|t| TIMELINE.iter().map(|k| k.to_string()).zip(t.map(|x| json!(x))).collect::<Map<_, _>>());
+        let timelines: Vec<Map<String, Value>> = r
+            .timelines
+            .iter()
+            .map(|t| TIMELINE.iter().map(|k| k.to_string()).zip(t.map(|x| json!(x))).collect())
+            .collect();
         runs.push_with(
             vec![
                 Cell::text(name),
@@ -354,7 +361,7 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
                 gib_cell(r.pinned),
                 gib_cell(r.host_state),
             ],
-            json!({ "losses": r.losses, "timelines": timelines.collect::<Vec<_>>(), "staging": r.staging }),
+            json!({ "losses": r.losses, "timelines": timelines, "staging": r.staging }),
         );
     }
     let mut report = Report::new("offload-optim", title.join("\n")).with_facts(json!({
@@ -364,14 +371,15 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
     report.table("runs", None, runs);
     notes.extend(off.as_ref().and_then(|r| r.staging.clone()));
     if let Some(off) = &off.as_ref().filter(|r| !r.timelines.is_empty()) {
+        let field = |i: usize| off.timelines.iter().map(|t| t[i]).collect::<Vec<_>>();
         let t: Vec<String> = (0..TIMELINE.len())
-            .map(|i| significant(median(&off.timelines.iter().map(|t| t[i]).collect::<Vec<_>>()).unwrap_or(f64::NAN)))
+            .map(|i| significant(median(&field(i)).unwrap_or(f64::NAN)))
             .collect();
         notes.push(format!(
             "one offloaded step on the host's clock, ms from the start of forward (medians): \
              forward and backward queued by {}; gradients sent {}-{}; landed {}-{}; the CPU \
-             passes {} ms, the upload thread's {} ms, the last upload queued at {}; step() returned \
-             at {}; the GPU done at {}",
+             passes {} ms, the upload thread's {} ms, the last upload queued at {}; step() \
+             returned at {}; the GPU done at {}",
             t[0], t[1], t[2], t[3], t[4], t[6], t[7], t[5], t[8], t[9]
         ));
     }
@@ -382,7 +390,8 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         report.note(note);
     }
     if args.pytorch.compare_pytorch {
-        let ferry_ms = gpu.as_ref().zip(off.as_ref()).and_then(|(g, o)| Some((g.steps.median()?, o.steps.median()?)));
+        let medians = |r: &Option<Run>| r.as_ref().and_then(|r| r.steps.median());
+        let ferry_ms = medians(&gpu).zip(medians(&off));
         match run_pytorch(&args) {
             Ok(doc) => {
                 report = report.with_facts(json!({ "pytorch": doc }));
@@ -404,7 +413,9 @@ fn compare_runs(gpu: &Run, off: &Run) -> Vec<String> {
         gpu.steps.median().unwrap_or(f64::NAN),
         off.steps.median().unwrap_or(f64::NAN),
     );
-    let relative: Vec<f64> = gpu.losses.iter().zip(&off.losses).map(|(x, y)| ((x - y) / x).abs()).collect();
+    let relative: Vec<f64> = (gpu.losses.iter().zip(&off.losses))
+        .map(|(x, y)| ((x - y) / x).abs())
+        .collect();
     let worst = |n: usize| relative[..n].iter().copied().fold(0.0f64, f64::max);
     let last = |r: &Run| r.losses.last().map_or("-".into(), |l| format!("{l:.4}"));
     let mut lines = vec![format!(
@@ -441,7 +452,8 @@ fn run_pytorch(args: &OffloadOptimArgs) -> Result<Value, String> {
     let (layers, width, batch, seq) = (args.layers, args.width, args.batch, args.seq);
     let (samples, warmup) = (args.samples, args.warmup);
     let argv = format!(
-        "--layers {layers} --width {width} --batch {batch} --seq {seq} --samples {samples} --warmup {warmup}"
+        "--layers {layers} --width {width} --batch {batch} --seq {seq} \
+         --samples {samples} --warmup {warmup}"
     );
     let argv: Vec<String> = argv.split(' ').map(String::from).collect();
     pytorch::run_once(&args.pytorch.python, &script, &argv, &[])
@@ -470,7 +482,9 @@ fn pytorch_rows(report: &mut Report, doc: &Value, ferry_ms: Option<(f64, f64)>) 
     for row in &rows {
         let ms = median_ms(row);
         let error = row.get("error").and_then(Value::as_str).unwrap_or("no samples");
-        let against = |f: fn(f64, f64) -> String| Cell::text(ms.zip(base).map_or("-".into(), |(ms, b)| f(ms, b)));
+        let against = |f: fn(f64, f64) -> String| {
+            Cell::text(ms.zip(base).map_or("-".into(), |(ms, b)| f(ms, b)))
+        };
         let peak = row.get("peak_bytes").and_then(Value::as_u64).filter(|_| ms.is_some());
         table.push_with(
             vec![
@@ -494,7 +508,8 @@ fn pytorch_rows(report: &mut Report, doc: &Value, ferry_ms: Option<(f64, f64)>) 
         .skip(1)
         .filter_map(|row| Some((name(row), median_ms(row)?)))
         .min_by(|a, b| a.1.total_cmp(&b.1));
-    if let (Some((gpu, off)), Some((torch_name, torch_ms)), Some(base)) = (ferry_ms, fastest, base) {
+    let compared = (ferry_ms, fastest, base);
+    if let (Some((gpu, off)), Some((torch_name, torch_ms)), Some(base)) = compared {
         report.note(format!(
             "ferry's offload keeps {}% of ferry's all-GPU throughput and adds {} ms to its step; \
              PyTorch's fastest offload ({torch_name}) keeps {}% of torch's and adds {} ms; the \

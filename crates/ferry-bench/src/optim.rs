@@ -314,7 +314,9 @@ pub fn run(args: OptimArgs) -> Result<(), Box<dyn Error>> {
                 per_s(theirs),
                 Cell::ratio(theirs, ours),
             ],
-            json!({ "id": case.id, "tensors": case.sizes.len(), "params": params, "bf16": case.bf16 }),
+            json!({
+                "id": case.id, "tensors": case.sizes.len(), "params": params, "bf16": case.bf16,
+            }),
         );
     }
 
