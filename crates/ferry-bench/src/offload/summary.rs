@@ -483,11 +483,7 @@ mod tests {
 
     #[test]
     fn the_summary_bounds_the_offload_step_and_shares_the_peak_drop() {
-        let link = Link {
-            d2h_bytes_per_ms: 55e6,
-            h2d_bytes_per_ms: 50e6,
-        };
-        let s = Summary::of(&mlp_6x2048(), Some(link));
+        let s = Summary::of(&mlp_6x2048(), Some(LINK));
         assert_eq!(s.step_ms, Some(24.5));
         assert_eq!((s.forward_ms, s.backward_ms), (Some(8.0), Some(16.0)));
         assert_eq!((s.offload_ms, s.moved_bytes), (Some(30.0), Some(320 * MIB)));
@@ -515,11 +511,7 @@ mod tests {
         assert_eq!(Summary::of(&run, None).step_met, None, "no link, no bound");
         run.row_mut(RowKind::Offload)
             .fail("CUDA out of memory".into());
-        let link = Link {
-            d2h_bytes_per_ms: 55e6,
-            h2d_bytes_per_ms: 50e6,
-        };
-        let s = Summary::of(&run, Some(link));
+        let s = Summary::of(&run, Some(LINK));
         assert_eq!((s.offload_ms, s.bound, s.step_met), (None, None, None));
         assert_eq!((s.peak_with, s.reduction, s.peak_met), (None, None, None));
         // The row without offload still reports.

@@ -544,11 +544,7 @@ mod tests {
         }
         run.row_mut(RowKind::Offload)
             .fail("CUDA out of memory".into());
-        let link = Link {
-            d2h_bytes_per_ms: 1.0,
-            h2d_bytes_per_ms: 1.0,
-        };
-        let summary = Summary::of(&run, Some(link));
+        let summary = Summary::of(&run, Some(Link::from_copies(1, 1.0, 1.0)));
         let (time, memory) = tables(&[run], &[summary]);
         let (doc, peaks) = (&time.json()[0], &memory.json()[0]);
         assert_eq!(doc["case"], "2x64@8");
