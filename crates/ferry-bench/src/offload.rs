@@ -297,6 +297,7 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
         .zip(rows[1].peak())
         .map(|(a, b)| a as f64 - b as f64);
     let fraction = lower.map(|l| l / freeable.max(1) as f64);
+    report = report.with_facts(json!({ "freeable_bytes": freeable }));
     let shown = lower.zip(fraction).map_or("-".into(), |(l, f)| {
         let l = gib_text(l.max(0.0) as u64);
         format!("lower by {l} ({}%) of {}", significant(100.0 * f), gib_text(freeable))
