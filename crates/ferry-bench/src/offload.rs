@@ -1,42 +1,30 @@
-//! `ferry bench offload`: activation offload on a model whose saved activations are several GB,
-//! against the same step without offload and, with --compare-pytorch, against PyTorch with and
-//! without `torch.autograd.graph.save_on_cpu(pin_memory=True)` (python/offload.py).
-//!
-//! The model is an MLP of `layers` bias-free Linear + tanh layers of `width`, at `batch` rows:
-//! each tanh output (`batch × width` f32) is saved for backward, so the saved activations are
-//! `layers × batch × width × 4` bytes (4 GiB by default); the weights and the input are saved
-//! too but belong to the caller. Backward brings the saved activations back two nodes ahead of
-//! their use, so a few layers' worth are back on the device at any time: the deeper the model,
-//! the larger the share of its activations offload frees (16 layers by default). One step is
-//! forward, `sum`, backward, with the gradients cleared before each step (so every row
-//! allocates them alike). Rounds alternate ferry's rows and PyTorch's; the table shows medians
-//! of step time and the largest peak seen.
-//!
-//! `--sweep` runs `sweep` instead: many such MLPs and ferry's GPT blocks, each judged
-//! against the link bound and the peak goal.
+//! `ferry bench offload`: activation offload on an MLP whose saved activations are several
+//! GB, against the same step without offload and, with --compare-pytorch, PyTorch with and
+//! without `torch.autograd.graph.save_on_cpu(pin_memory=True)` (python/offload.py), in
+//! alternating rounds. The MLP: `layers` bias-free Linear + tanh layers of `width` at `batch`
+//! rows, each tanh output saved (`layers x batch x width x 4` bytes, 4 GiB by default). A step
+//! is forward, `sum`, backward, gradients cleared before it. `--sweep` runs `sweep` instead.
 
 use std::error::Error;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use clap::Args;
-use ferry::autograd::{OffloadOptions, OffloadStats, offload_saved};
-use ferry::memory::cuda::{CudaDevice, PinnedPool};
-use ferry::{Device, Tensor};
+use ferry::autograd::{OffloadOptions, OffloadStats};
+use ferry::memory::cuda::PinnedPool;
 use serde_json::{Value, json};
 
 use crate::harness;
-use crate::harness::measure::median;
+use crate::harness::goal::{Bound, Goal};
 use crate::harness::pytorch::{PyTorch, PyTorchArgs};
-use crate::harness::report::{print_table, significant};
-use grid::{DEFAULT_GRID, SweepCase, SweepOptions};
-use sweep_output::stats_json;
+use crate::harness::report::significant;
+use crate::harness::table::{Cell, Report, Table, gib};
+use grid::{DEFAULT_GRID, SweepCase};
+use summary::{Row, Sample};
+use sweep::Model;
 
-mod goals;
 mod grid;
+mod summary;
 mod sweep;
-mod sweep_case;
-mod sweep_output;
 
 #[derive(Args, Debug)]
 pub struct OffloadArgs {
@@ -69,8 +57,7 @@ pub struct OffloadArgs {
     sweep: bool,
     /// The sweep's cases, comma-separated: LAYERSxWIDTH@BATCH for an MLP,
     /// gpt:BLOCKSxWIDTH@BATCHxTOKENS for ferry's GPT [default: DEFAULT_GRID in
-    /// crates/ferry-bench/src/offload/grid.rs, six MLPs from 4x1024@8192 to 16x4096@16384 and
-    /// two GPTs].
+    /// crates/ferry-bench/src/offload/grid.rs].
     #[arg(long, requires = "sweep", value_parser = parse_grid)]
     grid: Option<Grid>,
 }
@@ -84,141 +71,143 @@ fn parse_grid(spec: &str) -> Result<Grid, String> {
 }
 
 impl OffloadArgs {
-    fn sweep_options(&self) -> Option<SweepOptions> {
-        self.sweep.then(|| SweepOptions {
-            grid: match &self.grid {
-                Some(Grid(cases)) => cases.clone(),
-                None => grid::parse_grid(DEFAULT_GRID).expect("the default grid parses"),
-            },
-            samples: self.samples,
-            warmup: self.warmup,
-            min_bytes: self.min_bytes,
-            json: self.json.clone(),
-        })
-    }
-}
-
-/// The model: weights that want gradients and an input batch that does not.
-struct Model {
-    x: Tensor,
-    ws: Vec<Tensor>,
-}
-
-impl Model {
-    fn new(args: &OffloadArgs, device: Device) -> ferry::Result<Self> {
-        let (x, ws) = sweep::mlp(args.layers, args.width, args.batch, device)?;
-        Ok(Self { x, ws })
-    }
-}
-
-/// One row of the table.
-#[derive(Default)]
-struct Row {
-    name: &'static str,
-    step_ms: Vec<f64>,
-    peak_bytes: Vec<u64>,
-    saved_bytes: Option<u64>,
-    stats: Option<OffloadStats>,
-    error: Option<String>,
-}
-
-impl Row {
-    fn new(name: &'static str) -> Self {
-        Self {
-            name,
-            ..Self::default()
+    /// The sweep's cases: `--grid`'s, else the default grid.
+    fn grid(&self) -> Vec<SweepCase> {
+        match &self.grid {
+            Some(Grid(cases)) => cases.clone(),
+            None => grid::parse_grid(DEFAULT_GRID).expect("the default grid parses"),
         }
     }
-
-    fn step_ms(&self) -> Option<f64> {
-        median(&self.step_ms)
-    }
-
-    fn peak(&self) -> Option<u64> {
-        self.peak_bytes.iter().copied().max()
-    }
-
-    fn json(&self) -> Value {
-        json!({
-            "row": self.name,
-            "step_ms": self.step_ms,
-            "step_ms_median": self.step_ms(),
-            "peak_bytes": self.peak_bytes,
-            "saved_bytes": self.saved_bytes,
-            "offload": self.stats.as_ref().map(stats_json),
-            "error": self.error,
-        })
-    }
 }
+/// Peak lower by at least 70% of what offload can free.
+const PEAK_GOAL: Goal = Goal {
+    name: "peak lower by >= 70% of the saved activations",
+    metric: "peak_lower_fraction",
+    bound: Bound::AtLeast(0.7),
+};
 
-/// One ferry step: (ms, peak allocated bytes over what was allocated before, saved bytes after
-/// the forward, the scope's stats).
-fn ferry_step(
-    dev: &CudaDevice,
-    model: &Model,
-    offload: Option<OffloadOptions>,
-) -> ferry::Result<(f64, u64, u64, Option<OffloadStats>)> {
-    for w in &model.ws {
-        w.set_grad(None);
-    }
-    dev.synchronize()?;
-    let base = dev.memory_stats().allocated_bytes;
-    // The bench owns this process's statistics: resetting the peak is its to do.
-    dev.reset_peak();
-    let started = Instant::now();
-    let scope = offload.map(offload_saved);
-    let mut h = model.x.clone();
-    for w in &model.ws {
-        h = h.matmul(w)?.tanh()?;
-    }
-    let loss = h.sum()?;
-    drop(h);
-    let saved = loss.graph().map_or(0, |g| g.saved_bytes()) as u64;
-    loss.backward()?;
-    dev.synchronize()?;
-    let ms = started.elapsed().as_secs_f64() * 1e3;
-    let peak = dev.memory_stats().peak_allocated_bytes.saturating_sub(base) as u64;
-    let stats = scope.as_ref().map(|s| s.stats());
-    drop(scope);
-    Ok((ms, peak, saved, stats))
-}
+const STEP_GOAL: Goal = Goal {
+    name: "step time <= 1.2x no offload",
+    metric: "step_vs_no_offload",
+    bound: Bound::AtMost(1.2),
+};
 
-fn pytorch_step(
-    torch: &mut PyTorch,
-    mode: &str,
-    args: &OffloadArgs,
-) -> Result<(f64, u64, u64), String> {
-    let reply = torch.request(&format!(
-        "step {mode} {} {} {}",
-        args.batch, args.width, args.layers
-    ))?;
+const TORCH_GOAL: Goal = Goal {
+    name: "faster than PyTorch's save_on_cpu: ferry offload / PyTorch save_on_cpu",
+    metric: "step_vs_pytorch_save_on_cpu",
+    bound: Bound::AtMost(1.0),
+};
+
+/// PyTorch's step in `mode`: (ms, peak bytes, saved bytes).
+fn pytorch_step(torch: &mut PyTorch, mode: &str, args: &OffloadArgs) -> Result<Sample, String> {
+    let (batch, width, layers) = (args.batch, args.width, args.layers);
+    let reply = torch.request(&format!("step {mode} {batch} {width} {layers}"))?;
     let num = |key: &str| {
         reply.get(key).and_then(Value::as_f64).ok_or_else(|| {
             format!("crates/ferry-bench/python/offload.py answered {reply} without `{key}`")
         })
     };
-    Ok((
-        num("ms")?,
-        num("peak_bytes")? as u64,
-        num("saved_bytes")? as u64,
-    ))
+    let peak = num("peak_bytes")? as u64;
+    Ok(Sample::whole(num("ms")?, peak, peak, num("saved_bytes")? as u64))
 }
 
-fn gib(bytes: u64) -> String {
-    format!("{} GiB", significant(bytes as f64 / (1u64 << 30) as f64))
+fn gib_text(bytes: u64) -> String {
+    format!("{} GiB", significant(gib(bytes)))
 }
 
-fn cell(value: Option<String>, row: &Row) -> String {
-    match (&row.error, value) {
-        (Some(_), _) => "error".into(),
-        (None, Some(v)) => v,
-        (None, None) => "-".into(),
+/// The offload scope's counters, as both `ferry bench offload` and its sweep record them.
+fn stats_json(s: &OffloadStats) -> Value {
+    json!({
+        "offloaded": s.offloaded,
+        "offloaded_bytes": s.offloaded_bytes,
+        "read_in_place": s.read_in_place,
+        "read_in_place_bytes": s.read_in_place_bytes,
+        "shared": s.shared,
+        "kept_small": s.kept_small,
+        "kept_not_activation": s.kept_not_activation,
+        "kept_over_budget": s.kept_over_budget,
+        "kept_over_budget_bytes": s.kept_over_budget_bytes,
+        "kept_on_error": s.kept_on_error,
+        "prefetched": s.prefetched,
+        "fetched_on_demand": s.fetched_on_demand,
+    })
+}
+
+/// The offload scope's counters, as both benches print them.
+fn stats_note(s: &OffloadStats) -> String {
+    format!(
+        "moved {} buffers ({} GiB), {} read in place ({} GiB), {} shared, {} kept as the \
+         caller's, {} small, {} over the pinned budget ({} GiB), {} on error; prefetched {}, on \
+         demand {}",
+        s.offloaded,
+        significant(gib(s.offloaded_bytes)),
+        s.read_in_place,
+        significant(gib(s.read_in_place_bytes)),
+        s.shared,
+        s.kept_not_activation,
+        s.kept_small,
+        s.kept_over_budget,
+        significant(gib(s.kept_over_budget_bytes)),
+        s.kept_on_error,
+        s.prefetched,
+        s.fetched_on_demand,
+    )
+}
+
+/// The four rows, ferry's then PyTorch's, each without and with offload.
+const NAMES: [&str; 4] = [
+    "ferry, no offload",
+    "ferry, offload_saved",
+    "PyTorch, no offload",
+    "PyTorch, save_on_cpu(pin_memory=True)",
+];
+
+/// The rows that ran, each against its side's step without offload; all samples in the JSON.
+fn table(rows: &[Row; 4]) -> Table {
+    let mut table = Table::new(&[
+        "row",
+        "step",
+        "vs no offload",
+        "peak device memory",
+        "saved bytes",
+    ]);
+    let median = |k: usize| rows[k].step.complete_median();
+    for (k, row) in rows.iter().enumerate() {
+        if row.error().is_none() && row.step.samples_ms.is_empty() {
+            continue;
+        }
+        let reference = median(if k < 2 { 0 } else { 2 });
+        let failed = row.error().is_some();
+        let cell = |x: Option<String>, value: Value| match failed {
+            true => Cell::text("error").recorded(value),
+            false => Cell::text(x.unwrap_or_else(|| "-".into())).recorded(value),
+        };
+        let ratio = median(k).zip(reference).map(|(a, b)| a / b);
+        let peaks: Vec<u64> = (row.peak_forward.iter().zip(&row.peak_backward))
+            .map(|(f, b)| *f.max(b))
+            .collect();
+        table.push_with(
+            vec![
+                Cell::text(NAMES[k]),
+                cell(median(k).map(|ms| format!("{} ms", significant(ms))), json!(median(k))),
+                cell(ratio.map(|r| format!("{}x", significant(r))), json!(ratio)),
+                cell(row.peak().map(gib_text), json!(row.peak())),
+                cell(row.saved_bytes.map(gib_text), json!(row.saved_bytes)),
+            ],
+            json!({
+                "step_ms": row.step.samples_ms,
+                "peak_bytes": peaks,
+                "offload": row.stats.as_ref().map(stats_json),
+                "error": row.error(),
+            }),
+        );
     }
+    table
 }
 
 pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
-    if let Some(options) = args.sweep_options() {
-        return sweep::run(options);
+    if args.sweep {
+        return sweep::run(&args, &args.grid());
     }
     let Some(dev) = harness::cuda_device_or_say(0, |err| {
         format!(
@@ -233,185 +222,95 @@ pub fn run(args: OffloadArgs) -> Result<(), Box<dyn Error>> {
         min_bytes: args.min_bytes,
     };
     let mut torch = args.pytorch.side("offload.py", "rows");
-    println!(
+    let mut title = format!(
         "ferry bench offload on {} ({}): {} layers of Linear({w}, {w}) + tanh at batch {}, \
          f32; saved activations {}; pinned budget {}",
         dev.device(),
         dev.info().name,
         args.layers,
         args.batch,
-        gib(activation_bytes),
-        gib(PinnedPool::global().map_or(0, |p| p.budget()) as u64),
+        gib_text(activation_bytes),
+        gib_text(PinnedPool::global().map_or(0, |p| p.budget()) as u64),
         w = args.width,
     );
-    torch.print_label();
-    let model = Model::new(&args, dev.device())?;
-    let mut rows = [
-        Row::new("ferry, no offload"),
-        Row::new("ferry, offload_saved"),
-        Row::new("PyTorch, no offload"),
-        Row::new("PyTorch, save_on_cpu(pin_memory=True)"),
-    ];
+    if let Some(label) = &torch.label {
+        title += &format!("\nPyTorch {label}");
+    }
+    let case = SweepCase::mlp(args.layers, args.width, args.batch);
+    let model = Model::new(case, dev.device())?;
+    let mut rows: [Row; 4] = Default::default();
     for round in 0..args.warmup + args.samples {
-        let timed = round >= args.warmup;
         eprintln!("round {} of {} ...", round + 1, args.warmup + args.samples);
-        for (k, offload) in [(0, None), (1, Some(options))] {
-            if rows[k].error.is_some() {
+        for k in 0..4 {
+            if rows[k].error().is_some() {
                 continue;
             }
-            match ferry_step(&dev, &model, offload) {
-                Ok((ms, peak, saved, stats)) if timed => {
-                    let row = &mut rows[k];
-                    row.step_ms.push(ms);
-                    row.peak_bytes.push(peak);
-                    row.saved_bytes = Some(saved);
-                    row.stats = stats;
-                }
+            let sample = match (k, torch.torch()) {
+                (0 | 1, _) => sweep::step(&dev, &model, (k == 1).then_some(options), false)
+                    .map_err(|e| e.to_string()),
+                (_, Some(t)) => pytorch_step(t, ["none", "save_on_cpu"][k - 2], &args),
+                (_, None) => continue,
+            };
+            match sample {
+                Ok(sample) if round >= args.warmup => rows[k].push(sample),
                 Ok(_) => {}
-                Err(err) => rows[k].error = Some(err.to_string()),
-            }
-        }
-        if let Some(t) = torch.torch() {
-            for (k, mode) in [(2, "none"), (3, "save_on_cpu")] {
-                if rows[k].error.is_some() {
-                    continue;
-                }
-                match pytorch_step(t, mode, &args) {
-                    Ok((ms, peak, saved)) if timed => {
-                        let row = &mut rows[k];
-                        row.step_ms.push(ms);
-                        row.peak_bytes.push(peak);
-                        row.saved_bytes = Some(saved);
-                    }
-                    Ok(_) => {}
-                    Err(err) => rows[k].error = Some(err),
-                }
+                Err(err) => rows[k].fail(err),
             }
         }
     }
     drop(model);
 
-    let base_ms = rows[0].step_ms();
-    let header = [
-        "row",
-        "step",
-        "vs no offload",
-        "peak device memory",
-        "saved bytes",
-    ];
-    let table: Vec<Vec<String>> = rows
-        .iter()
-        .filter(|r| r.error.is_some() || !r.step_ms.is_empty())
-        .map(|r| {
-            let reference = if r.name.starts_with("PyTorch") {
-                rows[2].step_ms()
-            } else {
-                base_ms
-            };
-            vec![
-                r.name.to_string(),
-                cell(r.step_ms().map(|ms| format!("{} ms", significant(ms))), r),
-                cell(
-                    r.step_ms()
-                        .zip(reference)
-                        .map(|(a, b)| format!("{}x", significant(a / b))),
-                    r,
-                ),
-                cell(r.peak().map(gib), r),
-                cell(r.saved_bytes.map(gib), r),
-            ]
-        })
-        .collect();
-    println!();
-    print_table(&header, &table);
-    for r in rows.iter().filter(|r| r.error.is_some()) {
-        println!("{}: {}", r.name, r.error.as_deref().unwrap_or_default());
+    let median = |k: usize| rows[k].step.complete_median();
+    let mut report = Report::new("offload", title).with_facts(json!({
+        "device": format!("{} ({})", dev.device(), dev.info().name),
+        "pytorch": torch.label,
+        "pytorch_note": torch.note,
+        "batch": args.batch,
+        "width": args.width,
+        "layers": args.layers,
+        "min_bytes": args.min_bytes,
+        "samples": args.samples,
+        "warmup": args.warmup,
+        "activation_bytes": activation_bytes,
+    }));
+    report.table("rows", None, table(&rows));
+    for (name, row) in NAMES.iter().zip(&rows) {
+        if let Some(err) = row.error() {
+            report.note(format!("{name}: {err}"));
+        }
     }
     if let Some(note) = &torch.note {
-        println!("{note}");
+        report.note(note.clone());
     }
     if let Some(s) = rows[1].stats {
-        println!(
-            "ferry offload: {} buffers ({}) moved to pinned memory, {} shared by two rules, {} \
-             kept as the caller's, {} kept small, {} over the pinned budget ({}), {} on error; \
-             backward prefetched {} and fetched {} on demand",
-            s.offloaded,
-            gib(s.offloaded_bytes),
-            s.shared,
-            s.kept_not_activation,
-            s.kept_small,
-            s.kept_over_budget,
-            gib(s.kept_over_budget_bytes),
-            s.kept_on_error,
-            s.prefetched,
-            s.fetched_on_demand,
-        );
+        report.note(format!("ferry offload: {}", stats_note(&s)));
     }
 
-    // Goals: the saved activations (saved bytes less what the caller holds anyway) are what
-    // offload can free.
-    let caller = caller_bytes(&args);
+    // The saved activations (saved bytes less what the caller holds anyway) are what offload
+    // can free.
     let freeable = rows[1]
         .saved_bytes
-        .map(|s| s.saturating_sub(caller))
+        .map(|s| s.saturating_sub(caller_bytes(&args)))
         .unwrap_or(activation_bytes);
     let lower = rows[0]
         .peak()
         .zip(rows[1].peak())
         .map(|(a, b)| a as f64 - b as f64);
-    let slower = rows[1].step_ms().zip(base_ms).map(|(a, b)| a / b);
-    let vs_torch = rows[1].step_ms().zip(rows[3].step_ms()).map(|(a, b)| a / b);
-    let verdict = |ok: Option<bool>| match ok {
-        Some(true) => "met",
-        Some(false) => "MISSED",
-        None => "not measured",
-    };
-    println!();
-    println!(
-        "goal: peak lower by >= 70% of the saved activations ({}): lower by {} ({}) -> {}",
-        gib(freeable),
-        lower.map_or("-".into(), |l| gib(l.max(0.0) as u64)),
-        lower.map_or("-".into(), |l| format!(
-            "{}%",
-            significant(100.0 * l / freeable.max(1) as f64)
-        )),
-        verdict(lower.map(|l| l >= 0.7 * freeable as f64)),
-    );
-    println!(
-        "goal: step time <= 1.2x no offload: {} -> {}",
-        slower.map_or("-".into(), |r| format!("{}x", significant(r))),
-        verdict(slower.map(|r| r <= 1.2)),
-    );
-    println!(
-        "goal: faster than PyTorch's save_on_cpu: ferry offload / PyTorch save_on_cpu = {} -> {}",
-        vs_torch.map_or("-".into(), |r| format!("{}x", significant(r))),
-        verdict(vs_torch.map(|r| r < 1.0)),
-    );
-
-    if let Some(path) = &args.json {
-        let doc = json!({
-            "device": format!("{} ({})", dev.device(), dev.info().name),
-            "pytorch": torch.label,
-            "pytorch_note": torch.note,
-            "batch": args.batch,
-            "width": args.width,
-            "layers": args.layers,
-            "min_bytes": args.min_bytes,
-            "samples": args.samples,
-            "warmup": args.warmup,
-            "activation_bytes": activation_bytes,
-            "freeable_bytes": freeable,
-            "rows": rows.iter().map(Row::json).collect::<Vec<_>>(),
-            "goals": {
-                "peak_lower_bytes": lower,
-                "peak_lower_fraction": lower.map(|l| l / freeable.max(1) as f64),
-                "step_vs_no_offload": slower,
-                "step_vs_pytorch_save_on_cpu": vs_torch,
-            },
-        });
-        harness::write_json(path, &doc, "sample")?;
-    }
-    Ok(())
+    let fraction = lower.map(|l| l / freeable.max(1) as f64);
+    report = report.with_facts(json!({ "freeable_bytes": freeable }));
+    let shown = lower.zip(fraction).map_or("-".into(), |(l, f)| {
+        let l = gib_text(l.max(0.0) as u64);
+        format!("lower by {l} ({}%) of {}", significant(100.0 * f), gib_text(freeable))
+    });
+    let times = |r: Option<f64>| (r, r.map_or("-".into(), |r| format!("{}x", significant(r))));
+    let (slower, slower_text) = times(median(1).zip(median(0)).map(|(a, b)| a / b));
+    let (vs_torch, vs_torch_text) = times(median(1).zip(median(3)).map(|(a, b)| a / b));
+    report.goals([
+        PEAK_GOAL.judge(fraction, shown),
+        STEP_GOAL.judge(slower, slower_text),
+        TORCH_GOAL.judge(vs_torch, vs_torch_text),
+    ]);
+    report.finish(args.json.as_deref())
 }
 
 /// Bytes the caller holds that rules save too (f32): the input and every weight but the
@@ -424,7 +323,8 @@ fn caller_bytes(args: &OffloadArgs) -> u64 {
 mod tests {
     use clap::Parser;
 
-    use super::{DEFAULT_GRID, OffloadArgs, OffloadStats, Row, caller_bytes, parse_grid};
+    use super::*;
+    use grid::parse_grid;
 
     #[derive(Parser, Debug)]
     struct Command {
@@ -449,29 +349,20 @@ mod tests {
         for bad in ["--layers 0", "--batch 0", "--width -1", "--samples 0"] {
             assert!(parse(bad).is_err(), "`{bad}` was accepted");
         }
-        assert!(args.sweep_options().is_none(), "no --sweep, no sweep");
+        assert!(!args.sweep, "no --sweep, no sweep");
     }
 
     #[test]
     fn sweep_takes_the_default_grid_or_the_given_one_and_the_shared_flags() {
-        let options = parse("--sweep --samples 3 --json sweep.json")
-            .unwrap()
-            .sweep_options()
-            .unwrap();
-        assert_eq!(options.grid, parse_grid(DEFAULT_GRID).unwrap().0);
-        assert_eq!((options.samples, options.warmup), (3, 1));
-        assert_eq!(options.min_bytes, 1 << 20);
-        assert_eq!(options.json.unwrap().to_str(), Some("sweep.json"));
-        let given = parse("--sweep --grid 2x64@32,gpt:1x64@2x8")
-            .unwrap()
-            .sweep_options()
-            .unwrap();
+        let args = parse("--sweep --samples 3 --json sweep.json").unwrap();
+        assert!(args.sweep);
+        assert_eq!(args.grid(), parse_grid(DEFAULT_GRID).unwrap());
+        assert_eq!((args.samples, args.warmup), (3, 1));
+        assert_eq!(args.min_bytes, 1 << 20);
+        assert_eq!(args.json.unwrap().to_str(), Some("sweep.json"));
+        let given = parse("--sweep --grid 2x64@32,gpt:1x64@2x8").unwrap().grid();
         assert_eq!(
-            given
-                .grid
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>(),
+            given.iter().map(ToString::to_string).collect::<Vec<_>>(),
             ["2x64@32", "gpt:1x64@2x8"]
         );
         // A grid without --sweep, a bad grid, and PyTorch rows (the sweep has none) are refused.
@@ -489,22 +380,33 @@ mod tests {
     /// The offload row records the scope's counters as the sweep does, every one of them.
     #[test]
     fn a_row_records_the_scope_counters_like_the_sweep() {
-        let mut row = Row::new("ferry, offload_saved");
-        row.step_ms = vec![3.0, 1.0, 2.0];
-        row.stats = Some(OffloadStats {
-            offloaded: 16,
-            read_in_place: 2,
-            prefetched: 15,
-            ..OffloadStats::default()
-        });
-        let doc = row.json();
-        assert_eq!(doc["step_ms_median"], 2.0);
+        let mut rows: [Row; 4] = Default::default();
+        for (k, ms) in [(0, 1.0), (1, 3.0), (1, 1.0), (1, 2.0)] {
+            rows[k].push(Sample {
+                stats: (k == 1).then_some(OffloadStats {
+                    offloaded: 16,
+                    read_in_place: 2,
+                    prefetched: 15,
+                    ..OffloadStats::default()
+                }),
+                ..Sample::whole(ms, 1 << 30, 2 << 30, 3 << 30)
+            });
+        }
+        let shown = table(&rows);
+        assert_eq!(
+            shown.texts()[1],
+            ["ferry, offload_saved", "2.00 ms", "2.00x", "2.00 GiB", "3.00 GiB"]
+        );
+        let doc = &shown.json()[1];
+        assert_eq!(doc["step"], 2.0);
         assert_eq!(doc["offload"]["offloaded"], 16);
         assert_eq!(doc["offload"]["read_in_place"], 2);
         assert_eq!(doc["offload"]["prefetched"], 15);
-        assert_eq!(
-            Row::new("ferry, no offload").json()["offload"],
-            serde_json::Value::Null
-        );
+        assert_eq!(shown.json()[0]["offload"], Value::Null);
+        // A failed row shows "error" in every column; rows that did not run are left out.
+        rows[1].fail("out of memory".into());
+        let texts = table(&rows).texts();
+        assert_eq!(texts.len(), 2);
+        assert_eq!(texts[1][1..], ["error", "error", "error", "error"]);
     }
 }

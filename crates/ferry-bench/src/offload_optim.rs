@@ -1,14 +1,12 @@
 //! `ferry bench offload-optim`: ferry's GPT at about a billion parameters trained with AdamW
 //! on the GPU, then with [`OffloadAdamW`] (state in host memory, stepped on the CPU while
-//! backward runs), from the same weights on the same batches: step time, throughput, peak
-//! device memory, where the optimizer state lives, and the losses of both runs side by side.
-//!
-//! The goals (issue 26, on the H200): throughput with offload >= 90% of the all-GPU run's at a
-//! batch where forward and backward take at least as long as the CPU step; the device's peak
-//! holds no optimizer state; losses within 1e-3 relative over the compared steps.
+//! backward runs), from the same weights on the same batches: step time, throughput, device
+//! peak, where the optimizer state lives, and both runs' losses. With --compare-pytorch,
+//! python/offload_optim.py's rows follow. Goals (H200): throughput with offload >= 90% of the
+//! all-GPU run's; no optimizer state in the device's peak; losses within 1e-3 relative.
 
 use std::error::Error;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
@@ -18,14 +16,13 @@ use ferry::models::{Gpt, GptConfig};
 use ferry::nn::{Module, cross_entropy};
 use ferry::optim::{AdamW, OffloadAdamW, Optimizer, StepTimeline};
 use ferry::{DType, Device, Tensor};
-use serde_json::json;
+use serde_json::{Map, Value, json};
 
-use crate::harness::measure::Measured;
-use crate::harness::pytorch::PyTorchArgs;
-use crate::harness::report::{print_table, significant};
-use crate::harness::{self, NO_CUDA_DEVICE, run_info::RunInfo};
-
-mod pytorch;
+use crate::harness::measure::{Measured, median};
+use crate::harness::pytorch::{self, PyTorchArgs};
+use crate::harness::report::significant;
+use crate::harness::table::{Cell, Report, Table};
+use crate::harness::{self, NO_CUDA_DEVICE};
 
 #[derive(Args, Debug)]
 pub struct OffloadOptimArgs {
@@ -53,103 +50,65 @@ pub struct OffloadOptimArgs {
     /// Peak learning rate, reached by a linear warm-up over the first 20 steps (both runs).
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
-    /// The offloaded run keeps bf16 weights on the GPU (fp32 master weights on the host), as a
-    /// model that does not fit otherwise would; the all-GPU run stays fp32.
+    /// The offloaded run keeps bf16 weights on the GPU (fp32 masters on the host).
     #[arg(long)]
     offload_bf16: bool,
-    /// The offloaded run uses the delayed parameter update (OffloadAdamW::delayed_update): the
-    /// CPU's passes of a step run beside the next step's forward and backward.
+    /// The offloaded run updates its parameters a step late (OffloadAdamW::delayed_update).
     #[arg(long)]
     delayed_update: bool,
-    /// Cap ferry's device allocator at this many GiB (as FERRY_DEVICE_BUDGET does): a model
-    /// whose training state passes it fails on the GPU with the out-of-memory error and trains
-    /// with offload.
+    /// Cap ferry's device allocator at this many GiB (as FERRY_DEVICE_BUDGET does).
     #[arg(long, value_name = "GIB")]
     device_budget_gib: Option<f64>,
-    /// Train on this file's bytes (a token per byte, consecutive windows, the same in both
-    /// runs) instead of synthetic ids a model learns in a few steps: text the model cannot
-    /// memorize within the compared steps, so their losses say whether the runs agree.
+    /// Train on this file's bytes (a token each) instead of synthetic ids a model learns in a
+    /// few steps, so the compared losses say whether the runs agree.
     #[arg(long, value_name = "FILE")]
     text: Option<PathBuf>,
-    /// Clip the gradients to this global L2 norm in both runs (the offloaded run holds its
-    /// gradients until `step()` for it: OffloadAdamW::hold_gradients).
+    /// Clip the gradients to this global L2 norm in both runs (holds the offloaded gradients).
     #[arg(long, value_name = "NORM")]
     clip_grad_norm: Option<f64>,
-    /// The offloaded run holds its gradients until `step()` (the mode clipping, loss scaling
-    /// and accumulation use) even without clipping.
+    /// The offloaded run holds its gradients until `step()` even without clipping.
     #[arg(long)]
     hold_gradients: bool,
-    /// Hold the offloaded run's pinned buffers within this many GiB
-    /// (OffloadAdamW::new_within): below a landing and an upload buffer per parameter, they
-    /// are staged.
+    /// Hold the offloaded run's pinned buffers within this many GiB (OffloadAdamW::new_within).
     #[arg(long, value_name = "GIB")]
     pinned_limit_gib: Option<f64>,
     /// Write every number to this JSON file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
-    /// PyTorch's rows (python/offload_optim.py): the same GPT with torch's AdamW on the GPU,
-    /// the simple offload and torchao's CPUOffloadOptimizer, after ferry's runs.
+    /// PyTorch's rows (python/offload_optim.py), after ferry's runs.
     #[command(flatten)]
     pytorch: PyTorchArgs,
 }
 
 const VOCAB: usize = 256;
 
-/// One offloaded step on the host's clock, milliseconds from the start of its forward.
-#[derive(Debug, Clone, Copy, Default)]
-struct Timeline {
-    /// Backward queued (its call returned).
-    backward: f64,
-    sent: (f64, f64),
-    landed: (f64, f64),
-    stepped: f64,
-    busy: f64,
-    queuing: f64,
-    returned: f64,
-    /// The GPU done (after a synchronize).
-    synced: f64,
-}
+/// One offloaded step on the host's clock, ms from the start of its forward: backward queued,
+/// gradients sent and landed (first, last), the last upload queued, the CPU passes' and the
+/// upload thread's busy time, `step()` returned, the GPU done.
+const TIMELINE: [&str; 10] = [
+    "backward", "sent", "sent_end", "landed", "landed_end", "stepped", "busy", "queuing",
+    "returned", "synced",
+];
 
-impl Timeline {
-    fn of(start: Instant, backward: Instant, t: &StepTimeline, synced: f64) -> Self {
-        let ms = |at: Instant| at.saturating_duration_since(start).as_secs_f64() * 1e3;
-        let span =
-            |s: Option<(Instant, Instant)>| s.map_or((f64::NAN, f64::NAN), |(a, b)| (ms(a), ms(b)));
-        Self {
-            backward: ms(backward),
-            sent: span(t.sent),
-            landed: span(t.landed),
-            stepped: t.stepped.map_or(f64::NAN, ms),
-            busy: t.busy.as_secs_f64() * 1e3,
-            queuing: t.queuing.as_secs_f64() * 1e3,
-            returned: t.returned.map_or(f64::NAN, ms),
-            synced,
-        }
-    }
-
-    /// The median of each field over `all`.
-    fn median(all: &[Self]) -> Option<Self> {
-        let m = |f: fn(&Self) -> f64| {
-            let v: Vec<f64> = all.iter().map(f).collect();
-            crate::harness::measure::median(&v).unwrap_or(f64::NAN)
-        };
-        (!all.is_empty()).then(|| Self {
-            backward: m(|t| t.backward),
-            sent: (m(|t| t.sent.0), m(|t| t.sent.1)),
-            landed: (m(|t| t.landed.0), m(|t| t.landed.1)),
-            stepped: m(|t| t.stepped),
-            busy: m(|t| t.busy),
-            queuing: m(|t| t.queuing),
-            returned: m(|t| t.returned),
-            synced: m(|t| t.synced),
-        })
-    }
+fn timeline(start: Instant, backward: Instant, t: &StepTimeline, synced: f64) -> [f64; 10] {
+    let ms = |at: Instant| at.saturating_duration_since(start).as_secs_f64() * 1e3;
+    let span = |s: Option<(Instant, Instant)>| {
+        s.map_or((f64::NAN, f64::NAN), |(a, b)| (ms(a), ms(b)))
+    };
+    let (sent, landed) = (span(t.sent), span(t.landed));
+    let at = |i: Option<Instant>| i.map_or(f64::NAN, ms);
+    let (busy, queuing) = (t.busy.as_secs_f64() * 1e3, t.queuing.as_secs_f64() * 1e3);
+    [
+        ms(backward), sent.0, sent.1, landed.0, landed.1, at(t.stepped), busy, queuing,
+        at(t.returned), synced,
+    ]
 }
 
 struct Run {
     steps: Measured,
-    timelines: Vec<Timeline>,
+    /// How long `step()` held the training thread (for offload: waiting for the CPU's steps).
     step_calls: Measured,
+    timelines: Vec<[f64; 10]>,
     losses: Vec<f64>,
     peak: usize,
     params: usize,
@@ -166,13 +125,9 @@ fn batch(
     device: Device,
 ) -> ferry::Result<(Tensor, Tensor)> {
     let (rows, seq) = (args.batch, args.seq);
-    let (mut x, mut y) = (
-        Vec::with_capacity(rows * seq),
-        Vec::with_capacity(rows * seq),
-    );
+    let (mut x, mut y) = (Vec::new(), Vec::new());
     for row in 0..rows {
-        // Each row a window of seq + 1 tokens: its first seq are the input, its last seq the
-        // targets.
+        // A window of seq + 1 tokens: the input is its first seq, the targets its last seq.
         let window: Vec<i64> = match text {
             // Consecutive windows of the text, wrapping at its end.
             Some(text) => {
@@ -241,7 +196,6 @@ fn train(
     dev.synchronize()?;
     dev.reset_peak();
     let mut steps = Measured::new();
-    // How long `step()` held the training thread (for offload: waiting for the CPU's steps).
     let mut step_calls = Measured::new();
     let mut losses = Vec::new();
     let mut timelines = Vec::new();
@@ -280,7 +234,7 @@ fn train(
             steps.push(ms);
             step_calls.push(step_ms);
             if let Some(offload) = &offload_opt {
-                timelines.push(Timeline::of(start, stepping, &offload.last_timeline(), ms));
+                timelines.push(timeline(start, stepping, &offload.last_timeline(), ms));
             }
         }
     }
@@ -314,19 +268,25 @@ fn gib_text(bytes: usize) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
-fn to_json(r: &Run) -> serde_json::Value {
-    let timelines: Vec<_> = r
-        .timelines
-        .iter()
-        .map(|t| {
-            json!({ "backward": t.backward, "sent": [t.sent.0, t.sent.1],
-                    "landed": [t.landed.0, t.landed.1], "stepped": t.stepped, "busy": t.busy, "queuing": t.queuing,
-                    "returned": t.returned, "synced": t.synced })
-        })
-        .collect();
-    json!({ "ms": r.steps.samples_ms, "step_call_ms": r.step_calls.samples_ms,
-            "timelines": timelines, "peak": r.peak, "losses": r.losses, "pinned": r.pinned,
-            "host_state": r.host_state, "staging": r.staging })
+fn gib_cell(bytes: usize) -> Cell {
+    Cell::text(gib_text(bytes)).recorded(json!(bytes))
+}
+
+fn ms_text(ms: f64) -> String {
+    format!("{} ms", significant(ms))
+}
+
+/// `--text`'s bytes, long enough for two sequences.
+fn read_text(path: &Path, seq: usize) -> Result<Vec<u8>, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("--text {}: {e}", path.display()))?;
+    match bytes.len() > 2 * (seq + 1) {
+        true => Ok(bytes),
+        false => Err(format!(
+            "--text {}: {} bytes, too short for sequences of {seq} tokens",
+            path.display(),
+            bytes.len(),
+        )),
+    }
 }
 
 pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
@@ -337,50 +297,33 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
     }) else {
         return Ok(());
     };
-    let tokens = (args.batch * args.seq) as f64;
-    println!(
+    let mut title = vec![format!(
         "ferry bench offload-optim: GPT {} layers x {} wide, batch {} x {} tokens, bf16 autocast, \
          fp32 weights; median of {} steps after {} untimed",
         args.layers, args.width, args.batch, args.seq, args.samples, args.warmup
-    );
+    )];
     if let Some(gib) = args.device_budget_gib {
         dev.set_budget(Some(gib_bytes(gib)));
-        println!("device budget: {gib} GiB");
+        title.push(format!("device budget: {gib} GiB"));
     }
-    let text = match &args.text {
-        Some(path) => {
-            let bytes =
-                std::fs::read(path).map_err(|e| format!("--text {}: {e}", path.display()))?;
-            if bytes.len() <= 2 * (args.seq + 1) {
-                return Err(format!(
-                    "--text {}: {} bytes, too short for sequences of {} tokens",
-                    path.display(),
-                    bytes.len(),
-                    args.seq
-                )
-                .into());
-            }
-            println!(
-                "tokens: the bytes of {} ({}), consecutive windows",
-                path.display(),
-                gib_text(bytes.len())
-            );
-            Some(bytes)
-        }
-        None => None,
-    };
+    let text = args.text.as_deref().map(|p| read_text(p, args.seq)).transpose()?;
+    if let (Some(path), Some(text)) = (&args.text, &text) {
+        let (path, size) = (path.display(), gib_text(text.len()));
+        title.push(format!("tokens: the bytes of {path} ({size}), consecutive windows"));
+    }
     if let Some(max_norm) = args.clip_grad_norm {
-        println!("gradients clipped to a global norm of {max_norm} in both runs");
+        title.push(format!("gradients clipped to a global norm of {max_norm} in both runs"));
     }
-    let outcome = |offload: bool| match train(&args, text.as_deref(), &dev, offload) {
+    let offloaded = match args.delayed_update {
+        true => "OffloadAdamW, delayed update",
+        false => "OffloadAdamW",
+    };
+    let mut notes = Vec::new();
+    let mut outcome = |offload: bool| match train(&args, text.as_deref(), &dev, offload) {
         Ok(run) => Some(run),
         Err(err) => {
-            let name = if offload {
-                "OffloadAdamW"
-            } else {
-                "AdamW on the GPU"
-            };
-            println!("{name}: {err}");
+            let name = if offload { "OffloadAdamW" } else { "AdamW on the GPU" };
+            notes.push(format!("{name}: {err}"));
             // What the failed run left cached goes back, for the next run.
             let _ = dev.synchronize().and_then(|()| dev.empty_cache());
             None
@@ -391,140 +334,202 @@ pub fn run(args: OffloadOptimArgs) -> Result<(), Box<dyn Error>> {
         dev.set_budget(None);
     }
     let params = gpu.as_ref().or(off.as_ref()).map_or(0, |r| r.params);
-    println!(
+    title.push(format!(
         "{:.3} B parameters: fp32 training state (weights, gradients, Adam's moments) {}",
         params as f64 / 1e9,
         gib_text(16 * params)
-    );
-    let row = |name: &str, r: &Run| {
-        let ms = r.steps.median().unwrap_or(f64::NAN);
-        vec![
-            name.to_string(),
-            format!("{} ms", significant(ms)),
-            format!(
-                "{} ms",
-                significant(r.step_calls.median().unwrap_or(f64::NAN))
-            ),
-            significant(tokens / ms * 1e3),
-            gib_text(r.peak),
-            gib_text(r.pinned),
-            gib_text(r.host_state),
-        ]
-    };
-    let offloaded = if args.delayed_update {
-        "OffloadAdamW, delayed update"
-    } else {
-        "OffloadAdamW"
-    };
-    let rows: Vec<Vec<String>> = [("AdamW on the GPU", &gpu), (offloaded, &off)]
-        .into_iter()
-        .filter_map(|(name, r)| r.as_ref().map(|r| row(name, r)))
-        .collect();
-    print_table(
-        &[
-            "run",
-            "step",
-            "step() call",
-            "tokens/s",
-            "device peak",
-            "pinned",
-            "host state",
-        ],
-        &rows,
-    );
-    if let Some(staging) = off.as_ref().and_then(|r| r.staging.as_ref()) {
-        println!("{staging}");
+    ));
+
+    let tokens = (args.batch * args.seq) as f64;
+    let mut runs = Table::new(&[
+        "run", "step", "step() call", "tokens/s", "device peak", "pinned", "host state",
+    ]);
+    for (name, r) in [("AdamW on the GPU", &gpu), (offloaded, &off)] {
+        let Some(r) = r else { continue };
+        let timelines: Vec<Map<String, Value>> = r
+            .timelines
+            .iter()
+            .map(|t| TIMELINE.iter().map(|k| k.to_string()).zip(t.map(|x| json!(x))).collect())
+            .collect();
+        runs.push_with(
+            vec![
+                Cell::text(name),
+                Cell::median_shown(&r.steps, ms_text),
+                Cell::median_shown(&r.step_calls, ms_text),
+                Cell::number(r.steps.median().map(|ms| tokens / ms * 1e3)),
+                gib_cell(r.peak),
+                gib_cell(r.pinned),
+                gib_cell(r.host_state),
+            ],
+            json!({ "losses": r.losses, "timelines": timelines, "staging": r.staging }),
+        );
     }
-    if let Some(t) = off.as_ref().and_then(|r| Timeline::median(&r.timelines)) {
-        println!(
+    let mut report = Report::new("offload-optim", title.join("\n")).with_facts(json!({
+        "layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq,
+        "params": params, "device_budget_gib": args.device_budget_gib,
+    }));
+    report.table("runs", None, runs);
+    notes.extend(off.as_ref().and_then(|r| r.staging.clone()));
+    if let Some(off) = &off.as_ref().filter(|r| !r.timelines.is_empty()) {
+        let field = |i: usize| off.timelines.iter().map(|t| t[i]).collect::<Vec<_>>();
+        let t: Vec<String> = (0..TIMELINE.len())
+            .map(|i| significant(median(&field(i)).unwrap_or(f64::NAN)))
+            .collect();
+        notes.push(format!(
             "one offloaded step on the host's clock, ms from the start of forward (medians): \
              forward and backward queued by {}; gradients sent {}-{}; landed {}-{}; the CPU \
-             passes {} ms, the upload thread's {} ms, the last upload queued at {}; step() returned \
-             at {}; the GPU done at {}",
-            significant(t.backward),
-            significant(t.sent.0),
-            significant(t.sent.1),
-            significant(t.landed.0),
-            significant(t.landed.1),
-            significant(t.busy),
-            significant(t.queuing),
-            significant(t.stepped),
-            significant(t.returned),
-            significant(t.synced),
-        );
+             passes {} ms, the upload thread's {} ms, the last upload queued at {}; step() \
+             returned at {}; the GPU done at {}",
+            t[0], t[1], t[2], t[3], t[4], t[6], t[7], t[5], t[8], t[9]
+        ));
     }
     if let (Some(gpu), Some(off)) = (&gpu, &off) {
-        let (a, b) = (
-            gpu.steps.median().unwrap_or(f64::NAN),
-            off.steps.median().unwrap_or(f64::NAN),
-        );
-        let relative: Vec<f64> = gpu
-            .losses
-            .iter()
-            .zip(&off.losses)
-            .map(|(x, y)| ((x - y) / x).abs())
+        notes.extend(compare_runs(gpu, off));
+    }
+    for note in notes {
+        report.note(note);
+    }
+    if args.pytorch.compare_pytorch {
+        let medians = |r: &Option<Run>| r.as_ref().and_then(|r| r.steps.median());
+        let ferry_ms = medians(&gpu).zip(medians(&off));
+        match run_pytorch(&args) {
+            Ok(doc) => {
+                report = report.with_facts(json!({ "pytorch": doc }));
+                pytorch_rows(&mut report, &doc, ferry_ms);
+            }
+            Err(err) => {
+                report = report.with_facts(json!({ "pytorch": { "error": err } }));
+                report.note(format!("no PyTorch rows: {err}"));
+            }
+        }
+    }
+    report.finish(args.json.as_deref())
+}
+
+/// The throughput with offload, the device peak it saved and how far the two runs' losses
+/// differ, over the whole run and its first steps.
+fn compare_runs(gpu: &Run, off: &Run) -> Vec<String> {
+    let (a, b) = (
+        gpu.steps.median().unwrap_or(f64::NAN),
+        off.steps.median().unwrap_or(f64::NAN),
+    );
+    let relative: Vec<f64> = (gpu.losses.iter().zip(&off.losses))
+        .map(|(x, y)| ((x - y) / x).abs())
+        .collect();
+    let worst = |n: usize| relative[..n].iter().copied().fold(0.0f64, f64::max);
+    let last = |r: &Run| r.losses.last().map_or("-".into(), |l| format!("{l:.4}"));
+    let mut lines = vec![format!(
+        "throughput with offload: {}% of the all-GPU run's (goal >= 90%); device peak {} \
+         lower; losses over {} steps within {:.2e} relative (goal <= 1e-3), last {} and {}",
+        significant(100.0 * a / b),
+        gib_text(gpu.peak.saturating_sub(off.peak)),
+        gpu.losses.len().min(off.losses.len()),
+        worst(relative.len()),
+        last(gpu),
+        last(off),
+    )];
+    if !relative.is_empty() {
+        let windows: Vec<String> = [10, 50, 100, 200, 500]
+            .into_iter()
+            .filter(|&n| n < relative.len())
+            .chain([relative.len()])
+            .map(|n| {
+                let at = |r: &Run| r.losses.get(n - 1).map_or(f64::NAN, |l| *l);
+                format!("steps 1-{n}: {:.2e} (losses {:.4} / {:.4})", worst(n), at(gpu), at(off))
+            })
             .collect();
-        let worst = relative.iter().copied().fold(0.0f64, f64::max);
-        println!(
-            "throughput with offload: {}% of the all-GPU run's (goal >= 90%); device peak {} \
-             lower; losses over {} steps within {:.2e} relative (goal <= 1e-3), last {} and {}",
-            significant(100.0 * a / b),
-            gib_text(gpu.peak.saturating_sub(off.peak)),
-            gpu.losses.len().min(off.losses.len()),
-            worst,
-            gpu.losses.last().map_or("-".into(), |l| format!("{l:.4}")),
-            off.losses.last().map_or("-".into(), |l| format!("{l:.4}")),
+        lines.push(format!("worst relative loss difference, {}", windows.join("; ")));
+    }
+    lines
+}
+
+/// Runs python/offload_optim.py once: the same GPT at the same batch with torch's fused AdamW
+/// on the GPU, the simple offload and torchao's CPUOffloadOptimizer; its document, or why none.
+fn run_pytorch(args: &OffloadOptimArgs) -> Result<Value, String> {
+    eprintln!("running {}/offload_optim.py ...", pytorch::SCRIPT_DIR);
+    let script =
+        pytorch::locate_script(args.pytorch.pytorch_script.as_deref(), "offload_optim.py")?;
+    let (layers, width, batch, seq) = (args.layers, args.width, args.batch, args.seq);
+    let (samples, warmup) = (args.samples, args.warmup);
+    let argv = format!(
+        "--layers {layers} --width {width} --batch {batch} --seq {seq} \
+         --samples {samples} --warmup {warmup}"
+    );
+    let argv: Vec<String> = argv.split(' ').map(String::from).collect();
+    pytorch::run_once(&args.pytorch.python, &script, &argv, &[])
+}
+
+/// A row's median step in ms, when it ran.
+fn median_ms(row: &Value) -> Option<f64> {
+    let samples: Vec<f64> = row.get("ms")?.as_array()?.iter().filter_map(Value::as_f64).collect();
+    median(&samples)
+}
+
+/// PyTorch's rows, each against torch's AdamW on the GPU, then ferry's offloaded step
+/// (`ferry_ms`: ferry's all-GPU and offloaded medians) against PyTorch's fastest offload. The
+/// two all-GPU steps differ (their kernels), so each offload is judged against its own.
+fn pytorch_rows(report: &mut Report, doc: &Value, ferry_ms: Option<(f64, f64)>) {
+    let rows = doc.get("rows").and_then(Value::as_array).cloned().unwrap_or_default();
+    let name = |row: &Value| row.get("name").and_then(Value::as_str).unwrap_or("?").to_string();
+    let base = rows.first().and_then(median_ms);
+    let mut table = Table::new(&[
+        "run",
+        "step",
+        "of torch's AdamW on the GPU (throughput)",
+        "added to its step",
+        "device peak",
+    ]);
+    for row in &rows {
+        let ms = median_ms(row);
+        let error = row.get("error").and_then(Value::as_str).unwrap_or("no samples");
+        let against = |f: fn(f64, f64) -> String| {
+            Cell::text(ms.zip(base).map_or("-".into(), |(ms, b)| f(ms, b)))
+        };
+        let peak = row.get("peak_bytes").and_then(Value::as_u64).filter(|_| ms.is_some());
+        table.push_with(
+            vec![
+                Cell::text(name(row)),
+                ms.map_or_else(|| Cell::text(error), |ms| Cell::ms(Some(ms))),
+                against(|ms, b| format!("{}%", significant(100.0 * b / ms))),
+                against(|ms, b| ms_text(ms - b)),
+                peak.map_or_else(|| Cell::number(None), |b| gib_cell(b as usize)),
+            ],
+            row.clone(),
         );
-        if !relative.is_empty() {
-            let windows: Vec<String> = [10, 50, 100, 200, 500]
-                .into_iter()
-                .filter(|&n| n < relative.len())
-                .chain([relative.len()])
-                .map(|n| {
-                    let w = relative[..n].iter().copied().fold(0.0f64, f64::max);
-                    let at = |r: &Run| r.losses.get(n - 1).map_or(f64::NAN, |l| *l);
-                    format!(
-                        "steps 1-{n}: {w:.2e} (losses {:.4} / {:.4})",
-                        at(gpu),
-                        at(off)
-                    )
-                })
-                .collect();
-            println!("worst relative loss difference, {}", windows.join("; "));
-        }
     }
-    let torch = args.pytorch.compare_pytorch.then(|| pytorch::run(&args));
-    match &torch {
-        Some(Ok(doc)) => {
-            let medians = gpu
-                .as_ref()
-                .zip(off.as_ref())
-                .and_then(|(g, o)| Some((g.steps.median()?, o.steps.median()?)));
-            pytorch::print(doc, medians);
-        }
-        Some(Err(err)) => println!("no PyTorch rows: {err}"),
-        None => {}
+    let torch = doc.get("torch").and_then(Value::as_str).unwrap_or("?");
+    let heading = format!("PyTorch {torch}, the same GPT (tests/torch/gpt.py) at the same batch:");
+    report.table("pytorch_runs", Some(heading), table);
+    if let Some(note) = doc.get("note").and_then(Value::as_str) {
+        report.note(note);
     }
-    if let Some(path) = &args.json {
-        let doc = RunInfo::stamp(json!({
-            "bench": "offload-optim",
-            "layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq,
-            "params": params, "device_budget_gib": args.device_budget_gib,
-            "gpu": gpu.as_ref().map(to_json),
-            "offload": off.as_ref().map(to_json),
-            "pytorch": match &torch {
-                Some(Ok(doc)) => doc.clone(),
-                Some(Err(err)) => json!({ "error": err }),
-                None => serde_json::Value::Null,
-            },
-        }));
-        harness::write_json(path, &doc, "step")?;
+    let fastest = rows
+        .iter()
+        .skip(1)
+        .filter_map(|row| Some((name(row), median_ms(row)?)))
+        .min_by(|a, b| a.1.total_cmp(&b.1));
+    let compared = (ferry_ms, fastest, base);
+    if let (Some((gpu, off)), Some((torch_name, torch_ms)), Some(base)) = compared {
+        report.note(format!(
+            "ferry's offload keeps {}% of ferry's all-GPU throughput and adds {} ms to its step; \
+             PyTorch's fastest offload ({torch_name}) keeps {}% of torch's and adds {} ms; the \
+             all-GPU steps: ferry {} ms, torch {} ms",
+            significant(100.0 * gpu / off),
+            significant(off - gpu),
+            significant(100.0 * base / torch_ms),
+            significant(torch_ms - base),
+            significant(gpu),
+            significant(base)
+        ));
     }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
+    use super::*;
+
     #[test]
     fn a_machine_without_a_gpu_says_so_and_succeeds() {
         let crate::BenchCommand::OffloadOptim(args) =
@@ -534,7 +539,27 @@ mod tests {
             panic!("not the offload-optim bench")
         };
         if crate::harness::cuda_device(0).is_err() {
-            super::run(args).unwrap();
+            run(args).unwrap();
         }
+    }
+
+    #[test]
+    fn pytorch_rows_without_samples_have_no_median() {
+        assert_eq!(median_ms(&json!({ "ms": [3.0, 1.0, 2.0] })), Some(2.0));
+        assert_eq!(median_ms(&json!({ "error": "out of GPU memory" })), None);
+        assert_eq!(median_ms(&json!({ "ms": [] })), None);
+        // A document missing what it should hold shows its rows as far as they go.
+        let mut report = Report::new("offload-optim", "t");
+        let doc = json!({ "rows": [
+            { "name": "AdamW", "ms": [2.0], "peak_bytes": 1u64 << 30 },
+            { "ms": "?" },
+            { "name": "torchao", "ms": [4.0], "error": "x" },
+        ] });
+        pytorch_rows(&mut report, &doc, Some((1.0, 2.0)));
+        let rows = &report.json()["pytorch_runs"];
+        assert_eq!(rows[1]["step"], "no samples");
+        assert_eq!(rows[2]["of_torch_s_adamw_on_the_gpu_throughput"], "50.0%");
+        assert_eq!(rows[0]["device_peak"], 1u64 << 30);
+        assert_eq!(report.json()["notes"][0].as_str().unwrap().split(';').count(), 3);
     }
 }

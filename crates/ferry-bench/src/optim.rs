@@ -1,15 +1,9 @@
 //! `ferry bench optim`: ferry's CPU AdamW ([`ferry::optim::host`]) in parameters per second on
-//! one large tensor and on a real model's list of tensors, beside the host's copy bandwidth
-//! measured in the same run and, with --compare-pytorch, torch's fused CPU AdamW
-//! (python/optim.py) on the same tensors, sampled alternately. Needs no GPU.
-//!
-//! Bytes moved are counted as STREAM counts them, every byte read and every byte written once:
-//! a copy of N bytes moves 2N; an AdamW step from f32 gradients moves 28 bytes per parameter
-//! (master weight, gradient and both moments read; weight and moments written), from bf16
-//! gradients with a bf16 copy of the weights written too, 28 as well (16-bit gradient, 16-bit
-//! copy). What the bus moves is the larger of a parallel copy and AdamW's access pattern without
-//! its arithmetic (`BusPass`), both measured in the same run. The goals (issue 26, on the
-//! H200's host): at least 1.25x torch's fused step, and at least 80% of the bus.
+//! one large tensor and on a Llama's tensors, against the host's bus measured in the same run
+//! and, with --compare-pytorch, torch's fused CPU AdamW (python/optim.py), sampled alternately.
+//! Needs no GPU. Bytes count as STREAM counts them: an AdamW step moves 28 bytes a parameter
+//! (f32 gradients; or bf16 gradients and a bf16 copy written). The bus is the larger of a
+//! parallel copy and AdamW's access pattern without its arithmetic ([`BusPass`]).
 
 use std::error::Error;
 use std::path::PathBuf;
@@ -20,12 +14,13 @@ use ferry::memory::bf16;
 use ferry::memory::simd::{self, Level};
 use ferry::optim::host::{self, AdamTensor, GradSlice, ParamSlice};
 use rayon::prelude::*;
-use serde_json::{Value, json};
+use serde_json::json;
 
+use crate::harness;
 use crate::harness::measure::Measured;
-use crate::harness::pytorch::PyTorchArgs;
-use crate::harness::report::{format_ratio, print_table, significant};
-use crate::harness::{self, run_info::RunInfo};
+use crate::harness::pytorch::{PyTorch, PyTorchArgs};
+use crate::harness::report::significant;
+use crate::harness::table::{Cell, Report, Table};
 
 #[derive(Args, Debug)]
 pub struct OptimArgs {
@@ -55,63 +50,35 @@ pub struct OptimArgs {
 /// hidden 2048, intermediate 5632, 32 heads of which 4 for keys and values, vocab 32000, 19
 /// layers; python/optim.py builds it from transformers and reports its counts, which must agree.
 fn llama_shapes() -> Vec<usize> {
-    let (hidden, inter, kv, vocab, layers) = (2048, 5632, 4 * 64, 32000, 19);
-    let mut sizes = vec![vocab * hidden];
-    for _ in 0..layers {
-        sizes.extend([
-            hidden * hidden, // q
-            kv * hidden,     // k
-            kv * hidden,     // v
-            hidden * hidden, // o
-            inter * hidden,  // gate
-            inter * hidden,  // up
-            hidden * inter,  // down
-            hidden,          // input norm
-            hidden,          // post-attention norm
-        ]);
+    let (h, inter, kv, vocab) = (2048, 5632, 4 * 64, 32000);
+    let mut sizes = vec![vocab * h];
+    for _ in 0..19 {
+        // q, k, v, o, gate, up, down, the two norms.
+        sizes.extend([h * h, kv * h, kv * h, h * h, inter * h, inter * h, h * inter, h, h]);
     }
-    sizes.extend([hidden, vocab * hidden]);
+    sizes.extend([h, vocab * h]);
     sizes
 }
 
+/// `bf16`: bf16 gradients in and a bf16 copy of the weights out (offload's step), else f32 in
+/// and none out. torch's fused AdamW takes no mixed dtypes: only f32 cases have its column.
 struct Case {
     id: &'static str,
     what: String,
     sizes: Vec<usize>,
-    /// bf16 gradients in, a bf16 copy of the weights out (offload's step); else f32 in, none out.
     bf16: bool,
-    /// torch's fused AdamW has a row (it takes no mixed dtypes).
-    with_torch: bool,
 }
 
 fn cases(args: &OptimArgs) -> Vec<Case> {
-    let one = (args.million * 1_000_000) as usize;
     let llama = llama_shapes();
-    let what =
-        |n: usize, list: &[usize]| format!("Llama {:.2} B, {} tensors", n as f64 / 1e9, list.len());
-    let params: usize = llama.iter().sum();
+    let params = llama.iter().sum::<usize>() as f64;
+    let what = format!("Llama {:.2} B, {} tensors", params / 1e9, llama.len());
+    let case = |id, what, sizes, bf16| Case { id, what, sizes, bf16 };
+    let one = vec![(args.million * 1_000_000) as usize];
     vec![
-        Case {
-            id: "one",
-            what: format!("one tensor, {}M", args.million),
-            sizes: vec![one],
-            bf16: false,
-            with_torch: true,
-        },
-        Case {
-            id: "model",
-            what: what(params, &llama),
-            sizes: llama.clone(),
-            bf16: false,
-            with_torch: true,
-        },
-        Case {
-            id: "model-bf16",
-            what: format!("{}, bf16 grads and copy", what(params, &llama)),
-            sizes: llama,
-            bf16: true,
-            with_torch: false,
-        },
+        case("one", format!("one tensor, {}M", args.million), one, false),
+        case("model", what.clone(), llama.clone(), false),
+        case("model-bf16", format!("{what}, bf16 grads and copy"), llama, true),
     ]
 }
 
@@ -125,26 +92,22 @@ struct State {
     out_bf16: Vec<Vec<bf16>>,
 }
 
+/// A buffer of `v` per size, or none.
+fn filled<T: Clone>(sizes: &[usize], v: T, wanted: bool) -> Vec<Vec<T>> {
+    let all = sizes.iter().map(|&n| vec![v.clone(); n]);
+    if wanted { all.collect() } else { Vec::new() }
+}
+
 impl State {
     fn new(case: &Case) -> Self {
-        let filled = |v: f32| case.sizes.iter().map(|&n| vec![v; n]).collect::<Vec<_>>();
-        let half = |v: f32| {
-            if case.bf16 {
-                case.sizes
-                    .iter()
-                    .map(|&n| vec![bf16::from_f32(v); n])
-                    .collect()
-            } else {
-                Vec::new()
-            }
-        };
+        let (sizes, half) = (&case.sizes[..], case.bf16);
         Self {
-            master: filled(0.5),
-            exp_avg: filled(0.0),
-            exp_avg_sq: filled(0.0),
-            grad: if case.bf16 { Vec::new() } else { filled(0.01) },
-            grad_bf16: half(0.01),
-            out_bf16: half(0.0),
+            master: filled(sizes, 0.5, true),
+            exp_avg: filled(sizes, 0.0, true),
+            exp_avg_sq: filled(sizes, 0.0, true),
+            grad: filled(sizes, 0.01, !half),
+            grad_bf16: filled(sizes, bf16::from_f32(0.01), half),
+            out_bf16: filled(sizes, bf16::from_f32(0.0), half),
         }
     }
 
@@ -172,12 +135,6 @@ impl State {
         debug_assert_eq!(tensors.len(), n);
         host::adamw(&step, tensors)
     }
-}
-
-/// Bytes of host memory one case needs: 16 per parameter (weight, moments, f32 gradient; or a
-/// bf16 gradient and a bf16 copy).
-fn case_bytes(case: &Case) -> usize {
-    16 * case.sizes.iter().sum::<usize>()
 }
 
 /// MemAvailable from /proc/meminfo, where there is one.
@@ -254,17 +211,6 @@ pub fn run(args: OptimArgs) -> Result<(), Box<dyn Error>> {
     let picked = harness::select(&table, &args.cases, "case", |c| c.id)?;
     let mut side = args.pytorch.side("optim.py", "column");
     let threads = rayon::current_num_threads();
-    println!(
-        "ferry bench optim: AdamW over host memory, {threads} threads, {} vectors; median of {} \
-         steps after {} untimed",
-        Level::detect().name(),
-        args.samples,
-        args.warmup
-    );
-    side.print_label();
-    if let Some(note) = &side.note {
-        println!("{note}");
-    }
 
     // The bus: a copy (both sides, alternately) and AdamW's traffic without its arithmetic.
     let copy_bytes = (args.copy_mib as usize) << 20;
@@ -282,11 +228,7 @@ pub fn run(args: OptimArgs) -> Result<(), Box<dyn Error>> {
         if round >= args.warmup {
             copy.push(ms);
             passes.push(pass_ms);
-            match theirs {
-                Some(Ok(reply)) => torch_copy.push(reply["ms"].as_f64().unwrap_or(f64::NAN)),
-                Some(Err(err)) => torch_copy.fail(err),
-                None => {}
-            }
+            torch_copy.record(theirs.map(|r| r.map(|r| r["ms"].as_f64().unwrap_or(f64::NAN))));
         }
     }
     let pass_bytes = pass.bytes();
@@ -295,60 +237,49 @@ pub fn run(args: OptimArgs) -> Result<(), Box<dyn Error>> {
     let copied = gbs(copy_bytes as f64, copy.median().unwrap_or(f64::NAN));
     let pattern = gbs(pass_bytes, passes.median().unwrap_or(f64::NAN));
     let bus = pattern.max(2.0 * copied);
-    println!(
-        "host memory, {} MiB a stream, all cores: a copy {} GB/s copied ({} GB/s read and \
-         written{}); AdamW's pattern without arithmetic {} GB/s read and written",
-        args.copy_mib,
-        significant(copied),
-        significant(2.0 * copied),
-        torch_copy.median().map_or(String::new(), |ms| format!(
-            "; torch's copy_ {} GB/s copied",
-            significant(gbs(copy_bytes as f64, ms))
-        )),
-        significant(pattern),
-    );
 
-    let mut rows = Vec::new();
-    let mut json_cases = Vec::new();
+    let mut rows = Table::new(&[
+        "case",
+        "ferry",
+        "G params/s",
+        "GB/s moved",
+        "of the bus",
+        "torch fused",
+        "torch G params/s",
+        "ferry speed-up",
+    ]);
+    let mut notes = Vec::new();
     for case in picked {
         let params: usize = case.sizes.iter().sum();
-        let need = case_bytes(case)
-            * if case.with_torch && side.torch.is_some() {
-                2
-            } else {
-                1
-            };
-        if available_bytes().is_some_and(|free| need > free * 9 / 10) {
-            println!(
+        // 16 bytes a parameter (weight, moments, an f32 gradient or a bf16 one and a copy),
+        // twice with torch's.
+        let with_torch = !case.bf16 && side.torch.is_some();
+        let need = 16 * params * if with_torch { 2 } else { 1 };
+        if let Some(free) = available_bytes().filter(|&free| need > free * 9 / 10) {
+            notes.push(format!(
                 "{}: skipped, needs {:.1} GB of host memory and {:.1} GB is available",
                 case.id,
                 need as f64 / 1e9,
-                available_bytes().unwrap_or(0) as f64 / 1e9
-            );
+                free as f64 / 1e9
+            ));
             continue;
         }
         let mut state = State::new(case);
         let mut torch = Measured::new();
-        let torch_ready = match side.torch().filter(|_| case.with_torch) {
-            Some(t) => match t.request(&format!("case {} {params}", case.id)) {
-                Ok(reply) => {
-                    let theirs = (reply["tensors"].as_u64(), reply["params"].as_u64());
-                    if theirs == (Some(case.sizes.len() as u64), Some(params as u64)) {
-                        true
-                    } else {
-                        torch.fail(format!(
-                            "PyTorch's case has {theirs:?} (tensors, params), ferry's ({}, {params})",
-                            case.sizes.len()
-                        ));
-                        false
-                    }
-                }
-                Err(err) => {
-                    torch.fail(err);
-                    false
-                }
-            },
-            None => false,
+        let agree = |t: &mut PyTorch| -> Result<(), String> {
+            let reply = t.request(&format!("case {} {params}", case.id))?;
+            let theirs = (reply["tensors"].as_u64(), reply["params"].as_u64());
+            let n = case.sizes.len();
+            (theirs == (Some(n as u64), Some(params as u64))).then_some(()).ok_or_else(|| {
+                format!("PyTorch's case has {theirs:?} (tensors, params), ferry's ({n}, {params})")
+            })
+        };
+        let torch_ready = match side.torch().filter(|_| with_torch).map(agree) {
+            Some(Err(err)) => {
+                torch.fail(err);
+                false
+            }
+            agreed => agreed.is_some(),
         };
         let mut ferry = Measured::new();
         for round in 0..args.warmup + args.samples {
@@ -361,70 +292,77 @@ pub fn run(args: OptimArgs) -> Result<(), Box<dyn Error>> {
                 .map(|t| t.sample("step"));
             if round >= args.warmup {
                 ferry.push(ms);
-                match theirs {
-                    Some(Ok(ms)) => torch.push(ms),
-                    Some(Err(err)) => torch.fail(err),
-                    None => {}
-                }
+                torch.record(theirs);
             }
         }
         drop(state);
-        let ms = ferry.median().unwrap_or(f64::NAN);
-        let moved = gbs(28.0 * params as f64, ms);
-        let theirs = torch.median();
-        rows.push(vec![
-            case.what.clone(),
-            format!("{} ms", significant(ms)),
-            significant(params as f64 / ms / 1e6),
-            significant(moved),
-            format!("{}%", significant(100.0 * moved / bus)),
-            theirs.map_or("-".into(), |t| format!("{} ms", significant(t))),
-            theirs.map_or("-".into(), |t| significant(params as f64 / t / 1e6)),
-            theirs.map_or("-".into(), |t| format_ratio(t, ms)),
-        ]);
         if let Some(err) = &torch.error {
-            println!("{}: PyTorch: {err}", case.id);
+            notes.push(format!("{}: PyTorch: {err}", case.id));
         }
-        json_cases.push(json!({
-            "case": case.id, "what": case.what, "tensors": case.sizes.len(), "params": params,
-            "bf16": case.bf16, "ferry_ms": ferry.samples_ms, "torch_ms": torch.samples_ms,
-            "torch_error": torch.error,
-        }));
+        let (ours, theirs) = (ferry.complete_median(), torch.complete_median());
+        let per_s = |ms: Option<f64>| Cell::number(ms.map(|ms| params as f64 / ms / 1e6));
+        let moved = ours.map(|ms| gbs(28.0 * params as f64, ms));
+        let ms = |x: f64| format!("{} ms", significant(x));
+        rows.push_with(
+            vec![
+                Cell::text(&case.what),
+                Cell::median_shown(&ferry, ms),
+                per_s(ours),
+                Cell::number(moved),
+                Cell::shown(moved.map(|m| m / bus), |x| format!("{}%", significant(100.0 * x))),
+                Cell::median_shown(&torch, ms),
+                per_s(theirs),
+                Cell::ratio(theirs, ours),
+            ],
+            json!({
+                "id": case.id, "tensors": case.sizes.len(), "params": params, "bf16": case.bf16,
+            }),
+        );
     }
-    print_table(
-        &[
-            "case",
-            "ferry",
-            "G params/s",
-            "GB/s moved",
-            "of the bus",
-            "torch fused",
-            "G params/s",
-            "ferry speed-up",
-        ],
-        &rows,
+
+    let torch_copied = torch_copy.median().map_or(String::new(), |ms| {
+        let copied = significant(gbs(copy_bytes as f64, ms));
+        format!("; torch's copy_ {copied} GB/s copied")
+    });
+    let mut title = format!(
+        "ferry bench optim: AdamW over host memory, {threads} threads, {} vectors; median of {} \
+         steps after {} untimed",
+        Level::detect().name(),
+        args.samples,
+        args.warmup
     );
-    println!(
+    for line in side.label.iter().map(|l| format!("PyTorch {l}")).chain(side.note.clone()) {
+        title += &format!("\n{line}");
+    }
+    title += &format!(
+        "\nhost memory, {} MiB a stream, all cores: a copy {} GB/s copied ({} GB/s read and \
+         written{torch_copied}); AdamW's pattern without arithmetic {} GB/s read and written",
+        args.copy_mib,
+        significant(copied),
+        significant(2.0 * copied),
+        significant(pattern),
+    );
+    let mut report = Report::new("optim", title).with_facts(json!({
+        "threads": threads,
+        "vectors": Level::detect().name(),
+        "pytorch": side.label,
+        "copy_bytes": copy_bytes,
+        "copy_ms": copy.samples_ms,
+        "pattern_bytes": pass_bytes,
+        "pattern_ms": passes.samples_ms,
+        "torch_copy_ms": torch_copy.samples_ms,
+        "torch_copy_error": torch_copy.error,
+    }));
+    report.table("cases", None, rows);
+    for note in notes {
+        report.note(note);
+    }
+    report.note(format!(
         "goals (H200 host): speed-up >= 1.25 over torch fused; GB/s moved >= 80% of the bus, the \
          larger of the two read+written figures above ({} GB/s here)",
         significant(bus)
-    );
-    if let Some(path) = &args.json {
-        let doc = RunInfo::stamp(json!({
-            "bench": "optim",
-            "threads": threads,
-            "vectors": Level::detect().name(),
-            "pytorch": side.label,
-            "copy_bytes": copy_bytes,
-            "copy_ms": copy.samples_ms,
-            "pattern_bytes": pass_bytes,
-            "pattern_ms": passes.samples_ms,
-            "torch_copy_ms": torch_copy.samples_ms,
-            "cases": Value::Array(json_cases),
-        }));
-        harness::write_json(path, &doc, "sample")?;
-    }
-    Ok(())
+    ));
+    report.finish(args.json.as_deref())
 }
 
 #[cfg(test)]
@@ -440,6 +378,8 @@ mod tests {
         assert_eq!(params, 967_915_520);
     }
 
+    use serde_json::Value;
+
     #[test]
     fn a_small_run_steps_and_writes_its_json() {
         let dir = tempfile::tempdir().unwrap();
@@ -454,7 +394,7 @@ mod tests {
         run(args).unwrap();
         let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         assert_eq!(doc["cases"][0]["params"], 1_000_000);
-        assert_eq!(doc["cases"][0]["ferry_ms"].as_array().unwrap().len(), 2);
+        assert_eq!(doc["cases"][0]["ferry"]["samples_ms"].as_array().unwrap().len(), 2);
         assert_eq!(doc["copy_ms"].as_array().unwrap().len(), 2);
         assert_eq!(doc["pattern_ms"].as_array().unwrap().len(), 2);
     }

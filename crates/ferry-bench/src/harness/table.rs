@@ -291,6 +291,34 @@ impl Report {
     }
 }
 
+// Added for the offload and optimizer benches.
+
+impl Cell {
+    /// [`Cell::median`] with the median shown by `format` ("7.24 ms", "7.24 GiB").
+    pub fn median_shown(side: &Measured, format: impl Fn(f64) -> String) -> Self {
+        Self {
+            text: side.median_cell(format),
+            ..Self::median(side)
+        }
+    }
+}
+
+impl Measured {
+    /// Records one round of a side: a sample, a failure, or nothing (`None`: it did not run).
+    pub fn record(&mut self, round: Option<Result<f64, String>>) {
+        match round {
+            Some(Ok(ms)) => self.push(ms),
+            Some(Err(err)) => self.fail(err),
+            None => {}
+        }
+    }
+}
+
+/// Bytes in GiB (2^30), for cells and notes.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::goal::{Bound, Goal};

@@ -1,22 +1,11 @@
-//! The cases of `ferry bench offload --sweep` and the options it runs with: MLPs over layers x
-//! width x batch and transformer blocks (ferry's GPT), parsed from `--grid` or taken from
-//! [`DEFAULT_GRID`].
+//! The cases of `ferry bench offload --sweep`: MLPs over layers x width x batch and
+//! transformer blocks (ferry's GPT), parsed from `--grid` or taken from [`DEFAULT_GRID`].
 //!
 //! A case is written `LxW@B` for an MLP of `L` bias-free Linear(W, W) + tanh layers at batch
 //! `B`, or `gpt:LxW@BxT` for ferry's GPT with `L` blocks of width `W` (heads of 64 channels)
 //! on `B` sequences of `T` tokens.
 
 use std::fmt;
-use std::path::PathBuf;
-
-/// What the sweep runs with (from `ferry bench offload`'s flags).
-pub struct SweepOptions {
-    pub grid: Vec<SweepCase>,
-    pub samples: u32,
-    pub warmup: u32,
-    pub min_bytes: usize,
-    pub json: Option<PathBuf>,
-}
 
 /// The default sweep: the two MLPs measured before (6 x 2048 at 8192, 1.37x; 16 x 4096 at
 /// 16384, 1.03x), sizes between them, a link-bound MLP (width 1024: less compute per byte
@@ -47,6 +36,23 @@ pub enum SweepCase {
 }
 
 impl SweepCase {
+    pub const fn mlp(layers: u64, width: u64, batch: u64) -> Self {
+        SweepCase::Mlp {
+            layers,
+            width,
+            batch,
+        }
+    }
+
+    pub const fn gpt(blocks: u64, width: u64, batch: u64, seq: u64) -> Self {
+        SweepCase::Gpt {
+            blocks,
+            width,
+            batch,
+            seq,
+        }
+    }
+
     /// The bytes the MLP's rules save that are activations: one tanh output per layer. `None`
     /// for the GPT, whose activations are measured (the graph's saved bytes less its
     /// parameters).
@@ -126,11 +132,7 @@ fn parse_case(case: &str) -> Result<SweepCase, String> {
     let (depth, width) = pair(shape)?;
     if !gpt {
         let batch = number(rows).map_err(|w| bad(&w))?;
-        return Ok(SweepCase::Mlp {
-            layers: depth,
-            width,
-            batch,
-        });
+        return Ok(SweepCase::mlp(depth, width, batch));
     }
     let (batch, seq) = pair(rows)?;
     if width % HEAD_WIDTH != 0 {
@@ -138,12 +140,7 @@ fn parse_case(case: &str) -> Result<SweepCase, String> {
             "the width must be a multiple of {HEAD_WIDTH}, the channels of a head"
         )));
     }
-    Ok(SweepCase::Gpt {
-        blocks: depth,
-        width,
-        batch,
-        seq,
-    })
+    Ok(SweepCase::gpt(depth, width, batch, seq))
 }
 
 /// A positive whole number.
@@ -162,11 +159,7 @@ mod tests {
     #[test]
     fn the_default_grid_holds_the_cases_the_issue_names() {
         let grid = parse_grid(DEFAULT_GRID).unwrap();
-        let mlp = |layers, width, batch| SweepCase::Mlp {
-            layers,
-            width,
-            batch,
-        };
+        let mlp = SweepCase::mlp;
         for named in [
             mlp(6, 2048, 8192),
             mlp(16, 4096, 16384),
@@ -192,17 +185,8 @@ mod tests {
         assert_eq!(
             parse_grid(" 2x8@4 , gpt:3x128@2x16,").unwrap(),
             [
-                SweepCase::Mlp {
-                    layers: 2,
-                    width: 8,
-                    batch: 4
-                },
-                SweepCase::Gpt {
-                    blocks: 3,
-                    width: 128,
-                    batch: 2,
-                    seq: 16
-                },
+                SweepCase::mlp(2, 8, 4),
+                SweepCase::gpt(3, 128, 2, 16),
             ]
         );
         assert_eq!(

@@ -1,11 +1,101 @@
-//! What one case of `ferry bench offload --sweep` measured: its four rows of samples, and the
-//! summary its goals are judged on (medians, the link bound, peaks and their drop).
+//! What `ferry bench offload --sweep` measures of a case (four rows of samples) and judges it
+//! by: the link bound on the step with offload, `max(forward, bytes / D2H) + max(backward,
+//! bytes / H2D)` (forward and backward without offload, bytes what the scope moved), and the
+//! share of the saved activations taken off the peak. Pure arithmetic, tested without a GPU.
 
 use ferry::autograd::OffloadStats;
 
-use super::goals::{Bound, Link, PEAK_GOAL, STEP_GOAL, activation_bytes, peak_reduction};
 use super::grid::SweepCase;
-use crate::Measured;
+use crate::harness::goal::{self, Goal};
+use crate::harness::measure::Measured;
+
+/// The step with offload may take at most 1.15 times its bound.
+pub const STEP_GOAL: Goal = Goal {
+    name: "step over its link bound",
+    metric: "step_over_bound",
+    bound: goal::Bound::AtMost(1.15),
+};
+
+/// The peak must drop by at least 60% of the saved activations.
+pub const PEAK_GOAL: Goal = Goal {
+    name: "peak lower, as a share of the saved activations",
+    metric: "peak_reduction",
+    bound: goal::Bound::AtLeast(0.60),
+};
+
+/// The link's speed in each direction, in bytes per millisecond, as measured in the run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    pub d2h_bytes_per_ms: f64,
+    pub h2d_bytes_per_ms: f64,
+}
+
+impl Link {
+    /// From `bytes` copied in a median of `d2h_ms` one way and `h2d_ms` the other.
+    pub fn from_copies(bytes: u64, d2h_ms: f64, h2d_ms: f64) -> Self {
+        Self {
+            d2h_bytes_per_ms: bytes as f64 / d2h_ms,
+            h2d_bytes_per_ms: bytes as f64 / h2d_ms,
+        }
+    }
+
+    /// GB/s device to host (10^9 bytes per second).
+    pub fn d2h_gb_s(self) -> f64 {
+        self.d2h_bytes_per_ms / 1e6
+    }
+
+    /// GB/s host to device.
+    pub fn h2d_gb_s(self) -> f64 {
+        self.h2d_bytes_per_ms / 1e6
+    }
+}
+
+/// The link bound of one case and its parts, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bound {
+    /// `bytes / D2H`: the forward's saved bytes going out.
+    pub out_ms: f64,
+    /// `bytes / H2D`: coming back.
+    pub back_ms: f64,
+    /// `max(forward, out) + max(backward, back)`.
+    pub ms: f64,
+}
+
+impl Bound {
+    /// The bound of a step whose forward and backward take `forward_ms` and `backward_ms`
+    /// without offload, and whose scope moved `bytes` each way.
+    pub fn new(forward_ms: f64, backward_ms: f64, bytes: u64, link: Link) -> Self {
+        let out_ms = bytes as f64 / link.d2h_bytes_per_ms;
+        let back_ms = bytes as f64 / link.h2d_bytes_per_ms;
+        Self {
+            out_ms,
+            back_ms,
+            ms: forward_ms.max(out_ms) + backward_ms.max(back_ms),
+        }
+    }
+
+    /// Whether the link, not the compute, sets the bound: moving the bytes takes longer than
+    /// the phase it overlaps, in either direction.
+    pub fn link_bound(self, forward_ms: f64, backward_ms: f64) -> bool {
+        self.out_ms > forward_ms || self.back_ms > backward_ms
+    }
+}
+
+/// `(peak without offload − peak with) / saved activation bytes`: the share of what offload
+/// could free that it took off the peak (negative when offload raised the peak). `None`
+/// without activations.
+pub fn peak_reduction(peak_without: u64, peak_with: u64, activation_bytes: u64) -> Option<f64> {
+    (activation_bytes > 0)
+        .then(|| (peak_without as f64 - peak_with as f64) / activation_bytes as f64)
+}
+
+/// The saved activations an offload scope saw (each buffer once, at least `min_bytes`): those
+/// it moved, those backward read before their copy was queued, and those the pinned budget
+/// kept on the device. Parameters and inputs, which rules save too, are not activations:
+/// their owner keeps them, so offload leaves them in place.
+pub fn activation_bytes(stats: &OffloadStats) -> u64 {
+    stats.offloaded_bytes + stats.read_in_place_bytes + stats.kept_over_budget_bytes
+}
 
 /// One timed step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -22,6 +112,21 @@ pub struct Sample {
     pub saved_bytes: u64,
     /// The offload scope's counters after the backward.
     pub stats: Option<OffloadStats>,
+}
+
+impl Sample {
+    /// A step timed whole, without an offload scope.
+    pub fn whole(ms: f64, peak_forward: u64, peak_backward: u64, saved_bytes: u64) -> Self {
+        Self {
+            ms,
+            forward_ms: None,
+            backward_ms: None,
+            peak_forward,
+            peak_backward,
+            saved_bytes,
+            stats: None,
+        }
+    }
 }
 
 /// The four ways each case is stepped.
@@ -117,7 +222,7 @@ impl Row {
     }
 
     /// The larger of [`Row::phase_peaks`].
-    fn peak(&self) -> Option<u64> {
+    pub fn peak(&self) -> Option<u64> {
         self.phase_peaks().map(|(f, b)| f.max(b))
     }
 }
@@ -254,28 +359,104 @@ impl Summary {
 mod tests {
     use super::*;
 
+    /// 55 GB/s out, 50 GB/s back.
+    const LINK: Link = Link {
+        d2h_bytes_per_ms: 55e6,
+        h2d_bytes_per_ms: 50e6,
+    };
+
+    #[test]
+    fn the_link_is_bytes_over_the_median_copy() {
+        let link = Link::from_copies(1 << 30, 20.0, 25.0);
+        assert_eq!(link.d2h_bytes_per_ms, (1u64 << 30) as f64 / 20.0);
+        assert!(
+            (link.d2h_gb_s() - 53.687).abs() < 1e-3,
+            "{}",
+            link.d2h_gb_s()
+        );
+        assert!(
+            (link.h2d_gb_s() - 42.950).abs() < 1e-3,
+            "{}",
+            link.h2d_gb_s()
+        );
+    }
+
+    #[test]
+    fn the_bound_takes_the_slower_of_compute_and_link_in_each_phase() {
+        // Compute-bound both ways: 110 MB take 2 ms out and 2.2 ms back.
+        let b = Bound::new(8.0, 16.0, 110_000_000, LINK);
+        assert_eq!((b.out_ms, b.back_ms), (2.0, 2.2));
+        assert_eq!(b.ms, 24.0);
+        assert!(!b.link_bound(8.0, 16.0));
+        // 1.1 GB: 20 ms out (over the 8 ms forward), 22 ms back (over the 16 ms backward).
+        let b = Bound::new(8.0, 16.0, 1_100_000_000, LINK);
+        assert_eq!(b.ms, 20.0 + 22.0);
+        assert!(b.link_bound(8.0, 16.0));
+        // Link-bound one way only: 550 MB take 10 ms out, 11 ms back.
+        let b = Bound::new(8.0, 16.0, 550_000_000, LINK);
+        assert_eq!(b.ms, 10.0 + 16.0);
+        assert!(b.link_bound(8.0, 16.0));
+        // Nothing moved: the bound is the step without offload.
+        assert_eq!(Bound::new(8.0, 16.0, 0, LINK).ms, 24.0);
+    }
+
+    #[test]
+    fn the_step_goal_is_at_most_1_15_times_the_bound() {
+        let step_goal = |x: Option<f64>| STEP_GOAL.verdict(x).as_bool();
+        let bound = Bound::new(8.0, 16.0, 0, LINK).ms;
+        assert_eq!(step_goal(Some(27.5 / bound)), Some(true)); // 1.146x
+        assert_eq!(step_goal(Some(27.7 / bound)), Some(false));
+        assert_eq!(step_goal(None), None);
+    }
+
+    #[test]
+    fn the_peak_reduction_is_a_share_of_the_saved_activations() {
+        let peak_goal = |x: Option<f64>| PEAK_GOAL.verdict(x).as_bool();
+        // 6 x 64 MiB saved, five moved and the last read in place; the peak went from 464 MiB
+        // to 320 MiB: 144 / 384 = 37.5%.
+        let mib = 1u64 << 20;
+        let activations = activation_bytes(&OffloadStats {
+            offloaded: 5,
+            offloaded_bytes: 320 * mib,
+            read_in_place: 1,
+            read_in_place_bytes: 64 * mib,
+            shared: 5,
+            kept_not_activation: 7,
+            ..OffloadStats::default()
+        });
+        assert_eq!(activations, 384 * mib);
+        // Those the pinned budget kept are activations too.
+        let over = OffloadStats {
+            kept_over_budget_bytes: 64 * mib,
+            ..OffloadStats::default()
+        };
+        assert_eq!(activation_bytes(&over), 64 * mib);
+        let r = peak_reduction(464 * mib, 320 * mib, activations);
+        assert_eq!(r, Some(0.375));
+        assert_eq!(peak_goal(r), Some(false));
+        assert_eq!(
+            peak_goal(peak_reduction(464 * mib, 230 * mib, activations)),
+            Some(true)
+        );
+        // Offload that raised the peak reduces it by a negative share, never wraps around.
+        assert_eq!(peak_reduction(100, 148, 96), Some(-0.5));
+        assert_eq!(peak_reduction(100, 50, 0), None);
+    }
+
     const MIB: u64 = 1 << 20;
 
     fn sample(ms: f64, split: Option<(f64, f64)>, peaks: (u64, u64)) -> Sample {
         Sample {
-            ms,
             forward_ms: split.map(|s| s.0),
             backward_ms: split.map(|s| s.1),
-            peak_forward: peaks.0,
-            peak_backward: peaks.1,
-            saved_bytes: (384 + 112) * MIB,
-            stats: None,
+            ..Sample::whole(ms, peaks.0, peaks.1, (384 + 112) * MIB)
         }
     }
 
     /// 6 x 2048 at batch 8192 as the analysis models it: 64 MiB activations, 112 MiB of
     /// weights and input, five activations moved (the last read in place).
     fn mlp_6x2048() -> CaseRun {
-        let mut run = CaseRun::new(SweepCase::Mlp {
-            layers: 6,
-            width: 2048,
-            batch: 8192,
-        });
+        let mut run = CaseRun::new(SweepCase::mlp(6, 2048, 8192));
         run.caller_bytes = 112 * MIB;
         for ms in [24.4, 24.6, 24.5] {
             run.row_mut(RowKind::NoOffload)
@@ -302,11 +483,7 @@ mod tests {
 
     #[test]
     fn the_summary_bounds_the_offload_step_and_shares_the_peak_drop() {
-        let link = Link {
-            d2h_bytes_per_ms: 55e6,
-            h2d_bytes_per_ms: 50e6,
-        };
-        let s = Summary::of(&mlp_6x2048(), Some(link));
+        let s = Summary::of(&mlp_6x2048(), Some(LINK));
         assert_eq!(s.step_ms, Some(24.5));
         assert_eq!((s.forward_ms, s.backward_ms), (Some(8.0), Some(16.0)));
         assert_eq!((s.offload_ms, s.moved_bytes), (Some(30.0), Some(320 * MIB)));
@@ -334,11 +511,7 @@ mod tests {
         assert_eq!(Summary::of(&run, None).step_met, None, "no link, no bound");
         run.row_mut(RowKind::Offload)
             .fail("CUDA out of memory".into());
-        let link = Link {
-            d2h_bytes_per_ms: 55e6,
-            h2d_bytes_per_ms: 50e6,
-        };
-        let s = Summary::of(&run, Some(link));
+        let s = Summary::of(&run, Some(LINK));
         assert_eq!((s.offload_ms, s.bound, s.step_met), (None, None, None));
         assert_eq!((s.peak_with, s.reduction, s.peak_met), (None, None, None));
         // The row without offload still reports.
