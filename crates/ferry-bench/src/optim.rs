@@ -228,7 +228,9 @@ pub fn run(args: OptimArgs) -> Result<(), Box<dyn Error>> {
         if round >= args.warmup {
             copy.push(ms);
             passes.push(pass_ms);
-            torch_copy.record(theirs.map(|r| r.map(|r| r["ms"].as_f64().unwrap_or(f64::NAN))));
+            if let Some(round) = theirs {
+                torch_copy.record(round.map(|r| r["ms"].as_f64().unwrap_or(f64::NAN)), true);
+            }
         }
     }
     let pass_bytes = pass.bytes();
@@ -292,7 +294,9 @@ pub fn run(args: OptimArgs) -> Result<(), Box<dyn Error>> {
                 .map(|t| t.sample("step"));
             if round >= args.warmup {
                 ferry.push(ms);
-                torch.record(theirs);
+                if let Some(round) = theirs {
+                    torch.record(round, true);
+                }
             }
         }
         drop(state);

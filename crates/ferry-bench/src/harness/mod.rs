@@ -20,7 +20,6 @@ pub mod measure;
 pub mod pytorch;
 pub mod report;
 pub mod run_info;
-#[allow(dead_code)] // until every bench writes through it
 pub mod table;
 
 /// The opening of the message of a bench that has no GPU and says so briefly.

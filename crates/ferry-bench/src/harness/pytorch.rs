@@ -120,13 +120,6 @@ impl PyTorchSide {
         self.torch.as_mut()
     }
 
-    /// "PyTorch VERSION on DEVICE" under a bench's header, when it started.
-    pub fn print_label(&self) {
-        if let Some(label) = &self.label {
-            println!("PyTorch {label}");
-        }
-    }
-
     /// After a failed request: when the failure ended the script, drops it (later cases run
     /// ferry's side alone) and returns true.
     pub fn forget_if_ended(&mut self) -> bool {

@@ -105,11 +105,6 @@ impl Cell {
     pub fn as_text(&self) -> &str {
         &self.text
     }
-
-    /// What the JSON file records.
-    pub fn value(&self) -> &Value {
-        &self.value
-    }
 }
 
 /// Rows of named cells under one header. A column's JSON key is its header in snake case
@@ -147,11 +142,6 @@ impl Table {
             _ => Map::new(),
         };
         self.rows.push((cells, extra));
-    }
-
-    /// Whether the table has no rows.
-    pub fn is_empty(&self) -> bool {
-        self.rows.is_empty()
     }
 
     /// The shown text of every row.
@@ -245,6 +235,7 @@ impl Report {
     }
 
     /// The judged goals so far.
+    #[cfg(test)]
     pub fn judged(&self) -> &[Judged] {
         &self.goals
     }
@@ -287,29 +278,6 @@ impl Report {
         match json {
             Some(path) => super::write_json(path, &self.json(), "figure"),
             None => Ok(()),
-        }
-    }
-}
-
-// Added for the offload and optimizer benches.
-
-impl Cell {
-    /// [`Cell::median`] with the median shown by `format` ("7.24 ms", "7.24 GiB").
-    pub fn median_shown(side: &Measured, format: impl Fn(f64) -> String) -> Self {
-        Self {
-            text: side.median_cell(format),
-            ..Self::median(side)
-        }
-    }
-}
-
-impl Measured {
-    /// Records one round of a side: a sample, a failure, or nothing (`None`: it did not run).
-    pub fn record(&mut self, round: Option<Result<f64, String>>) {
-        match round {
-            Some(Ok(ms)) => self.push(ms),
-            Some(Err(err)) => self.fail(err),
-            None => {}
         }
     }
 }
