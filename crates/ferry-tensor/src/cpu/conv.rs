@@ -4,8 +4,9 @@ use ferry_memory::Element;
 use rayon::prelude::*;
 
 use super::{build, dense, float_dispatch};
+use crate::Result;
+use crate::kernel::{Dense, Operand, View};
 use crate::op::conv::Geometry;
-use crate::{Result, Tensor};
 
 /// The input coordinate of output `o`, tap `k` along one axis, or `None` in the padding.
 #[inline]
@@ -15,7 +16,7 @@ fn source(o: usize, k: usize, stride: usize, dil: usize, pad: usize, size: usize
 }
 
 /// `[N, C, H, W]` to `[N, C·KH·KW, OH·OW]` (see `ops::conv::im2col`).
-pub(crate) fn im2col(x: &Tensor, g: &Geometry) -> Result<Tensor> {
+pub(crate) fn im2col(x: &Operand<'_>, g: &Geometry) -> Result<Dense> {
     const OP: &str = "im2col";
     let x = dense(x)?;
     let (k, l) = (g.k(), g.l());
@@ -62,7 +63,7 @@ pub(crate) fn im2col(x: &Tensor, g: &Geometry) -> Result<Tensor> {
 }
 
 /// `[N, C·KH·KW, OH·OW]` to `[N, C, H, W]`, summing overlaps (in f64) (see `ops::conv::col2im`).
-pub(crate) fn col2im(cols: &Tensor, g: &Geometry) -> Result<Tensor> {
+pub(crate) fn col2im(cols: &Operand<'_>, g: &Geometry) -> Result<Dense> {
     const OP: &str = "col2im";
     let cols = dense(cols)?;
     let (k, l) = (g.k(), g.l());
@@ -113,7 +114,7 @@ pub(crate) fn col2im(cols: &Tensor, g: &Geometry) -> Result<Tensor> {
 
 /// For planes `x` (`[P, H·W]`, `g.n = P`), the flat index `iy·W + ix` of each window's maximum
 /// as `[P, OH·OW]` `i64`: padding is skipped, NaN wins, the first maximum wins ties.
-pub(crate) fn pool_argmax(x: &Tensor, g: &Geometry) -> Result<Tensor> {
+pub(crate) fn pool_argmax(x: &Operand<'_>, g: &Geometry) -> Result<Dense> {
     const OP: &str = "max_pool2d";
     let x = dense(x)?;
     let (hw, l) = (g.h * g.w, g.l());

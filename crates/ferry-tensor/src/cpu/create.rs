@@ -5,15 +5,16 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
+use crate::Result;
 use crate::cpu::{any_dispatch, build, float_dispatch};
-use crate::{Result, Tensor};
+use crate::kernel::Dense;
 
 /// Elements per generator: large tensors fill in parallel, each block from its own generator
 /// seeded by (draw seed, block index), so a seed still fixes every value.
 const BLOCK: usize = 1 << 16;
 
 /// `start, start + 1, ..` (`len` of them).
-pub(crate) fn arange(start: f64, len: usize, dtype: DType) -> Result<Tensor> {
+pub(crate) fn arange(start: f64, len: usize, dtype: DType) -> Result<Dense> {
     any_dispatch!(dtype, |T| build::<T>("arange", &[len], |out| {
         out.iter_mut()
             .enumerate()
@@ -22,7 +23,7 @@ pub(crate) fn arange(start: f64, len: usize, dtype: DType) -> Result<Tensor> {
 }
 
 /// Uniform samples in `[0, 1)`, or standard normal ones when `normal`, fixed by `seed`.
-pub(crate) fn random(shape: &[usize], dtype: DType, seed: u64, normal: bool) -> Result<Tensor> {
+pub(crate) fn random(shape: &[usize], dtype: DType, seed: u64, normal: bool) -> Result<Dense> {
     if normal {
         fill("randn", shape, dtype, seed, |rng| {
             rng.sample::<f64, _>(StandardNormal)
@@ -38,7 +39,7 @@ fn fill(
     dtype: DType,
     seed: u64,
     draw: impl Fn(&mut StdRng) -> f64 + Sync,
-) -> Result<Tensor> {
+) -> Result<Dense> {
     float_dispatch!(dtype, op, |T| build::<T>(op, shape, |out| {
         use rayon::prelude::*;
         out.par_chunks_mut(BLOCK)

@@ -8,9 +8,10 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::{CHUNK, PARALLEL_THRESHOLD, any_dispatch, build, float_dispatch};
+use crate::Result;
+use crate::kernel::{Dense, Operand, View};
 use crate::layout::Layout;
 use crate::op::{BinaryLoop, BinaryOp, CmpOp, UnaryLoop, UnaryOp};
-use crate::{Result, Tensor};
 
 /// `out[i] = f(x[i])` over a strided input, parallel for large contiguous inputs.
 fn map<T: Element, U: Element>(x: &[T], layout: &Layout, out: &mut [U], f: impl Fn(T) -> U + Sync) {
@@ -127,7 +128,7 @@ impl<T: Element> BinaryLoop<T, bool> for ZipBool<'_, T> {
     }
 }
 
-pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
+pub(crate) fn unary(x: &Operand<'_>, op: UnaryOp) -> Result<Dense> {
     float_dispatch!(x.dtype(), op.name(), |T| {
         let src = x.storage().host::<T>(op.name())?;
         build::<T>(op.name(), x.shape(), |out| {
@@ -140,13 +141,9 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     })
 }
 
-pub(crate) fn binary(
-    a: &Tensor,
-    la: &Layout,
-    b: &Tensor,
-    lb: &Layout,
-    op: BinaryOp,
-) -> Result<Tensor> {
+/// `op` elementwise over layouts already broadcast to the output's shape.
+pub(crate) fn binary(a: &Operand<'_>, b: &Operand<'_>, op: BinaryOp) -> Result<Dense> {
+    let (la, lb) = (a.layout(), b.layout());
     float_dispatch!(a.dtype(), op.name(), |T| {
         let (x, y) = (
             a.storage().host::<T>(op.name())?,
@@ -164,13 +161,9 @@ pub(crate) fn binary(
     })
 }
 
-pub(crate) fn compare(
-    a: &Tensor,
-    la: &Layout,
-    b: &Tensor,
-    lb: &Layout,
-    op: CmpOp,
-) -> Result<Tensor> {
+/// `op` as 1 or 0 (`u8`) over layouts already broadcast to the output's shape.
+pub(crate) fn compare(a: &Operand<'_>, b: &Operand<'_>, op: CmpOp) -> Result<Dense> {
+    let (la, lb) = (a.layout(), b.layout());
     any_dispatch!(a.dtype(), |T| {
         let (x, y) = (
             a.storage().host::<T>(op.name())?,
@@ -189,7 +182,7 @@ pub(crate) fn compare(
 }
 
 /// Converts every element to `dtype`; the 16-bit float paths use half's vectorised slices.
-pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
+pub(crate) fn cast(x: &Operand<'_>, dtype: DType) -> Result<Dense> {
     // Sized before `dense` copies a view: a result too large is refused without that copy.
     crate::layout::shape_bytes("to_dtype", x.shape(), dtype)?;
     let x = super::dense(x)?;

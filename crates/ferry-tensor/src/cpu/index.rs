@@ -6,12 +6,13 @@ use ferry_memory::Element;
 use rayon::prelude::*;
 
 use super::{PARALLEL_THRESHOLD, any_dispatch, build, dense, float_dispatch};
+use crate::Result;
+use crate::kernel::{Dense, Operand, View};
 use crate::layout::contiguous_strides;
 use crate::op::message::out_of_range;
-use crate::{Result, Tensor};
 
-/// The indices of a host `i64` tensor, in row-major order.
-fn indices(op: &'static str, index: &Tensor) -> Result<Vec<i64>> {
+/// The indices of a host `i64` operand, in row-major order.
+fn indices(op: &'static str, index: &Operand<'_>) -> Result<Vec<i64>> {
     let index = dense(index)?;
     let off = index.layout().offset();
     let data = index.storage().host::<i64>(op)?;
@@ -39,7 +40,7 @@ fn split(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     )
 }
 
-pub(crate) fn index_select(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
+pub(crate) fn index_select(x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
     const OP: &str = "index_select";
     let idx = indices(OP, index)?;
     check(OP, &idx, x.shape()[axis], axis, x.shape())?;
@@ -71,7 +72,12 @@ pub(crate) fn index_select(x: &Tensor, axis: usize, index: &Tensor) -> Result<Te
     })
 }
 
-pub(crate) fn index_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+pub(crate) fn index_add(
+    x: &Operand<'_>,
+    axis: usize,
+    index: &Operand<'_>,
+    src: &Operand<'_>,
+) -> Result<Dense> {
     const OP: &str = "index_add";
     let idx = indices(OP, index)?;
     check(OP, &idx, x.shape()[axis], axis, x.shape())?;
@@ -99,7 +105,7 @@ pub(crate) fn index_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -
     })
 }
 
-/// The element offset in a dense tensor of `strides` of position `p` of `shape` (the index's),
+/// The element offset in a dense array of `strides` of position `p` of `shape` (the index's),
 /// with `at` along `axis`.
 fn offset(shape: &[usize], strides: &[usize], axis: usize, mut p: usize, at: usize) -> usize {
     let mut off = 0;
@@ -111,7 +117,7 @@ fn offset(shape: &[usize], strides: &[usize], axis: usize, mut p: usize, at: usi
     off
 }
 
-pub(crate) fn gather(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
+pub(crate) fn gather(x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
     const OP: &str = "gather";
     let idx = indices(OP, index)?;
     check(OP, &idx, x.shape()[axis], axis, x.shape())?;
@@ -135,7 +141,12 @@ pub(crate) fn gather(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> 
     })
 }
 
-pub(crate) fn scatter_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+pub(crate) fn scatter_add(
+    x: &Operand<'_>,
+    axis: usize,
+    index: &Operand<'_>,
+    src: &Operand<'_>,
+) -> Result<Dense> {
     const OP: &str = "scatter_add";
     let idx = indices(OP, index)?;
     check(OP, &idx, x.shape()[axis], axis, x.shape())?;

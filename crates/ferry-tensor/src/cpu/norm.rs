@@ -5,11 +5,12 @@ use ferry_memory::Element;
 use rayon::prelude::*;
 
 use super::{PARALLEL_THRESHOLD, build, dense, float_dispatch};
+use crate::Result;
+use crate::kernel::{Dense, Operand, View};
 use crate::op::stats_dtype;
-use crate::{Result, Tensor};
 
-/// The elements of a host tensor of `T`, densified.
-fn elements<T: Element>(op: &'static str, t: &Tensor) -> Result<Vec<f64>> {
+/// The elements of a host operand of `T`, in row-major order, as f64.
+fn elements<T: Element>(op: &'static str, t: &Operand<'_>) -> Result<Vec<f64>> {
     let t = dense(t)?;
     let off = t.layout().offset();
     let data = t.storage().host::<T>(op)?;
@@ -19,8 +20,8 @@ fn elements<T: Element>(op: &'static str, t: &Tensor) -> Result<Vec<f64>> {
         .collect())
 }
 
-/// Builds a `[rows, 2]` statistics tensor (mean, rstd per row) in `stats_dtype(dtype)`.
-fn stats_tensor(dtype: ferry_memory::DType, stats: &[f64], rows: usize) -> Result<Tensor> {
+/// Builds `[rows, 2]` statistics (mean, rstd per row) in `stats_dtype(dtype)`.
+fn stats_output(dtype: ferry_memory::DType, stats: &[f64], rows: usize) -> Result<Dense> {
     float_dispatch!(stats_dtype(dtype), "layer_norm", |S| {
         build::<S>("layer_norm", &[rows, 2], |out| {
             for (o, &v) in out.iter_mut().zip(stats) {
@@ -32,11 +33,11 @@ fn stats_tensor(dtype: ferry_memory::DType, stats: &[f64], rows: usize) -> Resul
 
 /// `y` and the `[rows, 2]` statistics of `x` (`[rows, cols]`).
 pub(crate) fn layer_norm(
-    x: &Tensor,
-    w: Option<&Tensor>,
-    b: Option<&Tensor>,
+    x: &Operand<'_>,
+    w: Option<&Operand<'_>>,
+    b: Option<&Operand<'_>>,
     eps: f64,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(Dense, Dense)> {
     const OP: &str = "layer_norm";
     let (rows, cols) = (x.shape()[0], x.shape()[1]);
     let mut stats = vec![0.0f64; 2 * rows];
@@ -83,18 +84,18 @@ pub(crate) fn layer_norm(
             }
         })?
     });
-    Ok((y, stats_tensor(x.dtype(), &stats, rows)?))
+    Ok((y, stats_output(x.dtype(), &stats, rows)?))
 }
 
 /// `dx`, `dweight`, `dbias` (each only when `want` says so) from the output gradient `g`, the
 /// input `x`, the weight and the saved statistics.
 pub(crate) fn layer_norm_backward(
-    g: &Tensor,
-    x: &Tensor,
-    w: Option<&Tensor>,
-    stats: &Tensor,
+    g: &Operand<'_>,
+    x: &Operand<'_>,
+    w: Option<&Operand<'_>>,
+    stats: &Operand<'_>,
     want: [bool; 3],
-) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+) -> Result<(Option<Dense>, Option<Dense>, Option<Dense>)> {
     const OP: &str = "layer_norm backward";
     let (rows, cols) = (x.shape()[0], x.shape()[1]);
     let st = float_dispatch!(stats.dtype(), OP, |S| elements::<S>(OP, stats)?);

@@ -2,17 +2,24 @@
 
 use ferry_memory::Element;
 
+use crate::Result;
 use crate::cpu::float_dispatch;
+use crate::kernel::{Operand, View};
 use crate::op::AdamStep;
 use crate::storage::Storage;
-use crate::{Result, Tensor};
 
 /// `p`, `m` and `v` (contiguous) updated from `g` as one Adam step `s` prescribes.
-pub(crate) fn adam(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, s: &AdamStep) -> Result<()> {
+pub(crate) fn adam(
+    p: &Operand<'_>,
+    g: &Operand<'_>,
+    m: &Operand<'_>,
+    v: &Operand<'_>,
+    s: &AdamStep,
+) -> Result<()> {
     float_dispatch!(p.dtype(), "adam_update", |T| {
         const OP: &str = "adam_update";
         let n = p.numel();
-        let slice = |t: &Tensor| t.layout().offset()..t.layout().offset() + n;
+        let slice = |t: &Operand<'_>| t.layout().offset()..t.layout().offset() + n;
         let mut locks =
             Storage::lock_for_update(OP, &[p.storage(), m.storage(), v.storage()], &[g.storage()])?;
         let grads: &[T] = bytemuck::cast_slice(locks.reads[0].host_slice(OP, g.device())?);

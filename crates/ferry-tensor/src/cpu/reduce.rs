@@ -5,11 +5,12 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use super::{PARALLEL_THRESHOLD, build, float_dispatch};
+use crate::Result;
+use crate::kernel::{Dense, Operand, View};
 use crate::op::ReduceOp;
-use crate::{Result, Tensor};
 
 /// Reduces axis `axis` of `x` away (the caller restores it for keepdim).
-pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
+pub(crate) fn reduce(x: &Operand<'_>, axis: usize, op: ReduceOp) -> Result<Dense> {
     let x = super::dense(x)?;
     let shape = x.shape();
     let outer: usize = shape[..axis].iter().product();
@@ -76,7 +77,7 @@ fn fill<U: Element>(out: &mut [U], work: usize, f: impl Fn(usize) -> U + Sync) {
 }
 
 /// Sum of every element, accumulated in f64 in parallel chunks.
-pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn sum_all(x: &Operand<'_>) -> Result<Dense> {
     let x = super::dense(x)?;
     float_dispatch!(x.dtype(), "sum", |T| {
         let off = x.layout().offset();
@@ -92,7 +93,7 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
 }
 
 /// Softmax (or log-softmax) over the last axis, one row per task.
-pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
+pub(crate) fn softmax(x: &Operand<'_>, log: bool) -> Result<Dense> {
     let x = super::dense(x)?;
     let cols = x.shape().last().copied().unwrap_or(1).max(1);
     float_dispatch!(x.dtype(), "softmax", |T| {
@@ -145,7 +146,7 @@ fn sum_f64<T: Element>(values: &[T]) -> f64 {
 
 /// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities; targets outside
 /// `0..classes` are an error.
-pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
+pub(crate) fn nll(logp: &Operand<'_>, targets: &Operand<'_>) -> Result<Dense> {
     let logp = super::dense(logp)?;
     let targets = super::dense(targets)?;
     let classes = logp.shape()[1];
@@ -180,7 +181,11 @@ pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 /// nll's gradient: `-g / rows` at each row's target of a `[rows, classes]` tensor, 0 elsewhere.
-pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Tensor> {
+pub(crate) fn nll_backward(
+    targets: &Operand<'_>,
+    g: &Operand<'_>,
+    classes: usize,
+) -> Result<Dense> {
     let targets = super::dense(targets)?;
     let t_off = targets.layout().offset();
     let t = targets.storage().host::<i64>("cross_entropy backward")?;

@@ -4,8 +4,8 @@ use ferry_memory::Element;
 use rayon::prelude::*;
 
 use super::{CHUNK, PARALLEL_THRESHOLD, any_dispatch, build, dense, float_dispatch};
-use crate::layout::Layout;
-use crate::{Result, Tensor};
+use crate::Result;
+use crate::kernel::{Dense, Operand, View};
 
 /// splitmix64's finalizer: a bijection of 64-bit words that mixes every bit.
 pub(crate) fn splitmix64(mut z: u64) -> u64 {
@@ -22,14 +22,8 @@ pub(crate) fn uniform01(seed: u64, i: u64) -> f64 {
 }
 
 /// `a` where `c != 0`, else `b`, over layouts already broadcast to the output's shape.
-pub(crate) fn where_cond(
-    c: &Tensor,
-    lc: &Layout,
-    a: &Tensor,
-    la: &Layout,
-    b: &Tensor,
-    lb: &Layout,
-) -> Result<Tensor> {
+pub(crate) fn where_cond(c: &Operand<'_>, a: &Operand<'_>, b: &Operand<'_>) -> Result<Dense> {
+    let (lc, la, lb) = (c.layout(), a.layout(), b.layout());
     let op = "where_cond";
     any_dispatch!(a.dtype(), |T| {
         let (cs, xs, ys) = (
@@ -71,7 +65,7 @@ pub(crate) fn where_cond(
 
 /// Draws the keep mask of (seed, p) and scales the kept elements, in one pass; returns the
 /// output and the mask (1 kept, 0 dropped).
-pub(crate) fn dropout(x: &Tensor, p: f64, scale: f64, seed: u64) -> Result<(Tensor, Tensor)> {
+pub(crate) fn dropout(x: &Operand<'_>, p: f64, scale: f64, seed: u64) -> Result<(Dense, Dense)> {
     let x = dense(x)?;
     let n = x.numel();
     let off = x.layout().offset();
@@ -103,7 +97,7 @@ pub(crate) fn dropout(x: &Tensor, p: f64, scale: f64, seed: u64) -> Result<(Tens
 }
 
 /// `x * scale` where `mask` is nonzero, else 0 (`mask` contiguous, `x`'s shape).
-pub(crate) fn masked_scale(x: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+pub(crate) fn masked_scale(x: &Operand<'_>, mask: &Operand<'_>, scale: f64) -> Result<Dense> {
     let (x, mask) = (dense(x)?, dense(mask)?);
     let n = x.numel();
     let (xo, mo) = (x.layout().offset(), mask.layout().offset());

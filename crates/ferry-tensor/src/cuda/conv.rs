@@ -1,7 +1,7 @@
 //! Convolutions on a GPU: through cuDNN where libcudnn loads ([`convolution`]), else im2col and
 //! col2im (kernels/conv.cu: grid-stride kernels, one thread per output element; col2im gathers,
 //! no atomics, so its sums are deterministic) with the products on the cuBLAS path of
-//! `Tensor::matmul`. The pooling argmax is a kernel of the same file.
+//! the matrix product. The pooling argmax is a kernel of the same file.
 
 use std::sync::OnceLock;
 
@@ -13,8 +13,9 @@ use ferry_memory::cuda::CudaDevice;
 
 use super::kernels::CONV;
 use super::{buffer, dense, float_only, launch, with_output};
+use crate::Result;
+use crate::kernel::{Dense, Operand, View};
 use crate::op::conv::Geometry;
-use crate::{Result, Tensor};
 
 fn function(dev: &CudaDevice, name: &'static str) -> Result<CudaFunction> {
     Ok(dev.function(&CONV, name)?)
@@ -57,9 +58,9 @@ pub(crate) fn convolution(
     geo: &Geometry,
     groups: usize,
     filters: usize,
-    first: &Tensor,
-    second: &Tensor,
-) -> Result<Option<Tensor>> {
+    first: &Operand<'_>,
+    second: &Operand<'_>,
+) -> Result<Option<Dense>> {
     const OP: &str = "conv2d";
     let dtype = first.dtype();
     if !cudnn_enabled(dtype) {
@@ -107,21 +108,21 @@ pub(crate) fn convolution(
 }
 
 /// `[N, C, H, W]` to `[N, C·KH·KW, OH·OW]`.
-pub(crate) fn im2col(x: &Tensor, g: &Geometry) -> Result<Tensor> {
+pub(crate) fn im2col(x: &Operand<'_>, g: &Geometry) -> Result<Dense> {
     let shape = [g.n, g.c * g.k(), g.l()];
     let kernel = float_name!("im2col_", x.dtype());
     window_kernel("im2col", kernel, x, g, &shape, x.dtype())
 }
 
 /// `[N, C·KH·KW, OH·OW]` to `[N, C, H, W]`, summing overlaps.
-pub(crate) fn col2im(cols: &Tensor, g: &Geometry) -> Result<Tensor> {
+pub(crate) fn col2im(cols: &Operand<'_>, g: &Geometry) -> Result<Dense> {
     let shape = [g.n, g.c, g.h, g.w];
     let kernel = float_name!("col2im_", cols.dtype());
     window_kernel("col2im", kernel, cols, g, &shape, cols.dtype())
 }
 
 /// The `i64` flat index of each window's maximum, `[P, OH·OW]`, for planes `[P, H·W]`.
-pub(crate) fn pool_argmax(x: &Tensor, g: &Geometry) -> Result<Tensor> {
+pub(crate) fn pool_argmax(x: &Operand<'_>, g: &Geometry) -> Result<Dense> {
     let kernel = float_name!("pool_argmax_", x.dtype());
     window_kernel("max_pool2d", kernel, x, g, &[g.n, g.l()], DType::I64)
 }
@@ -131,11 +132,11 @@ pub(crate) fn pool_argmax(x: &Tensor, g: &Geometry) -> Result<Tensor> {
 fn window_kernel(
     op: &'static str,
     kernel: &'static str,
-    x: &Tensor,
+    x: &Operand<'_>,
     g: &Geometry,
     shape: &[usize],
     dtype: DType,
-) -> Result<Tensor> {
+) -> Result<Dense> {
     float_only(op, x.dtype())?;
     let x = dense(x)?;
     let total: usize = shape.iter().product();

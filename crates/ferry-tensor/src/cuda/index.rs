@@ -6,11 +6,13 @@ use ferry_cuda::{CudaFunction, Kernels};
 use ferry_memory::DType;
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 
+use super::copy::copy_into;
 use super::kernels::INDEX;
-use super::{buffer, copy_into, dense, float_only, launch, with_output};
+use super::{buffer, dense, float_only, launch, with_output};
+use crate::kernel::{Dense, Operand, View};
 use crate::layout::{Layout, contiguous_strides, numel};
 use crate::op::message::out_of_range;
-use crate::{Result, Tensor, TensorError};
+use crate::{Result, TensorError};
 
 /// An iteration shape over a target's strides, with the index replacing one axis; mirrors
 /// `IndexGeom` in kernels/index.cu.
@@ -118,7 +120,7 @@ fn split(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     )
 }
 
-pub(crate) fn index_select(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
+pub(crate) fn index_select(x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
     const OP: &str = "index_select";
     let (x, idx) = (dense(x)?, dense(index)?);
     let (_, len, inner) = split(x.shape(), axis);
@@ -147,7 +149,7 @@ pub(crate) fn index_select(x: &Tensor, axis: usize, index: &Tensor) -> Result<Te
     })
 }
 
-pub(crate) fn gather(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
+pub(crate) fn gather(x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
     const OP: &str = "gather";
     let idx = dense(index)?;
     let shape = idx.shape().to_vec();
@@ -181,11 +183,16 @@ pub(crate) fn gather(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> 
 }
 
 /// Copies `x` into `out` (fresh, of `x`'s shape), to accumulate into.
-fn copy_of(dev: &CudaDevice, x: &Tensor, out: &mut DeviceBuffer) -> Result<()> {
+fn copy_of(dev: &CudaDevice, x: &Operand<'_>, out: &mut DeviceBuffer) -> Result<()> {
     copy_into(dev, x, &*buffer(x)?, out, &Layout::contiguous(x.shape()))
 }
 
-pub(crate) fn index_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+pub(crate) fn index_add(
+    x: &Operand<'_>,
+    axis: usize,
+    index: &Operand<'_>,
+    src: &Operand<'_>,
+) -> Result<Dense> {
     const OP: &str = "index_add";
     float_only(OP, x.dtype())?;
     let (idx, src) = (dense(index)?, dense(src)?);
@@ -214,7 +221,12 @@ pub(crate) fn index_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -
     })
 }
 
-pub(crate) fn scatter_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+pub(crate) fn scatter_add(
+    x: &Operand<'_>,
+    axis: usize,
+    index: &Operand<'_>,
+    src: &Operand<'_>,
+) -> Result<Dense> {
     const OP: &str = "scatter_add";
     float_only(OP, x.dtype())?;
     let (idx, src) = (dense(index)?, dense(src)?);

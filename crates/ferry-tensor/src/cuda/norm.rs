@@ -8,8 +8,9 @@ use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 
 use super::kernels::NORM;
 use super::{MAX_ROW_BLOCKS, alloc, buffer, dense, device_of, float_only, launch, wrap};
+use crate::Result;
+use crate::kernel::{Dense, Operand, View};
 use crate::op::stats_dtype;
-use crate::{Result, Tensor};
 
 /// Threads per row block: a power of two (the block sum halves), at most 256, about one per
 /// column for short rows.
@@ -67,11 +68,11 @@ fn opt_mut<'a>(l: Launch<'a>, b: Option<&'a mut DeviceBuffer>) -> Launch<'a> {
 
 /// `y` and the `[rows, 2]` statistics (mean, rstd) of `x` (`[rows, cols]`).
 pub(crate) fn layer_norm(
-    x: &Tensor,
-    w: Option<&Tensor>,
-    b: Option<&Tensor>,
+    x: &Operand<'_>,
+    w: Option<&Operand<'_>>,
+    b: Option<&Operand<'_>>,
     eps: f64,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(Dense, Dense)> {
     const OP: &str = "layer_norm";
     float_only(OP, x.dtype())?;
     let x = dense(x)?;
@@ -112,12 +113,12 @@ pub(crate) fn layer_norm(
 
 /// `dx`, `dweight`, `dbias` (each only when `want` says so).
 pub(crate) fn layer_norm_backward(
-    g: &Tensor,
-    x: &Tensor,
-    w: Option<&Tensor>,
-    stats: &Tensor,
+    g: &Operand<'_>,
+    x: &Operand<'_>,
+    w: Option<&Operand<'_>>,
+    stats: &Operand<'_>,
     want: [bool; 3],
-) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+) -> Result<(Option<Dense>, Option<Dense>, Option<Dense>)> {
     const OP: &str = "layer_norm backward";
     float_only(OP, x.dtype())?;
     let (g, x, stats) = (dense(g)?, dense(x)?, dense(stats)?);

@@ -7,10 +7,11 @@ use ferry_memory::cuda::DeviceBuffer;
 
 use super::kernels::Kernel;
 use super::{MAX_ROW_BLOCKS, THREADS, buffer, dense, float_only, launch, with_output};
+use crate::kernel::{Dense, Operand, View};
 use crate::op::ReduceOp;
-use crate::{Result, Tensor, TensorError};
+use crate::{Result, TensorError};
 
-pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
+pub(crate) fn reduce(x: &Operand<'_>, axis: usize, op: ReduceOp) -> Result<Dense> {
     float_only("reduce", x.dtype())?;
     let x = dense(x)?;
     let shape = x.shape();
@@ -86,7 +87,7 @@ fn out_arg<'a>(launch: Launch<'a>, buffer: Option<&'a mut DeviceBuffer>) -> Laun
     }
 }
 
-pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn sum_all(x: &Operand<'_>) -> Result<Dense> {
     float_only("sum", x.dtype())?;
     let x = dense(x)?;
     let n = x.numel();
@@ -111,7 +112,7 @@ pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
 }
 
 /// Fused softmax (or log-softmax) over the last axis.
-pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
+pub(crate) fn softmax(x: &Operand<'_>, log: bool) -> Result<Dense> {
     float_only("softmax", x.dtype())?;
     let x = dense(x)?;
     let cols = *x.shape().last().unwrap_or(&1);
@@ -133,7 +134,11 @@ pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
 
 /// Softmax's (or log-softmax's) gradient over the last axis from its output `y`, fused; `None`
 /// when `g`'s dtype is not `y`'s (the kernel reads both as one type).
-pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Option<Tensor>> {
+pub(crate) fn softmax_backward(
+    y: &Operand<'_>,
+    g: &Operand<'_>,
+    log: bool,
+) -> Result<Option<Dense>> {
     if g.dtype() != y.dtype() {
         return Ok(None);
     }
@@ -165,7 +170,7 @@ pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Opti
 /// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities, one kernel. Targets are
 /// checked on the device and the flag read later ([`CudaDevice::check_later`]), so the step does
 /// not wait for the GPU: a bad target makes the loss NaN at once and an error of the next call.
-pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
+pub(crate) fn nll(logp: &Operand<'_>, targets: &Operand<'_>) -> Result<Dense> {
     const OP: &str = "cross_entropy";
     float_only(OP, logp.dtype())?;
     let (logp, targets) = (dense(logp)?, dense(targets)?);
@@ -191,7 +196,11 @@ pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 /// nll's gradient: `-g / rows` at each row's target of a `[rows, classes]` tensor, 0 elsewhere.
-pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Tensor> {
+pub(crate) fn nll_backward(
+    targets: &Operand<'_>,
+    g: &Operand<'_>,
+    classes: usize,
+) -> Result<Dense> {
     const OP: &str = "cross_entropy backward";
     let (targets, g) = (dense(targets)?, dense(g)?);
     let shape = [targets.numel(), classes];

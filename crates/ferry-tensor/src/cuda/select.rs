@@ -5,18 +5,12 @@ use ferry_memory::DType;
 
 use super::kernels::Kernel;
 use super::{KernelLayout, alloc, buffer, device_of, float_only, launch, with_output, wrap};
-use crate::layout::Layout;
-use crate::{Result, Tensor, TensorError};
+use crate::kernel::{Dense, Operand, View};
+use crate::{Result, TensorError};
 
 /// `a` where `c != 0`, else `b`, over layouts already broadcast to the output's shape.
-pub(crate) fn where_cond(
-    c: &Tensor,
-    lc: &Layout,
-    a: &Tensor,
-    la: &Layout,
-    b: &Tensor,
-    lb: &Layout,
-) -> Result<Tensor> {
+pub(crate) fn where_cond(c: &Operand<'_>, a: &Operand<'_>, b: &Operand<'_>) -> Result<Dense> {
+    let (lc, la, lb) = (c.layout(), a.layout(), b.layout());
     let op = "where_cond";
     let n = la.numel();
     with_output(a.device(), op, la.shape(), a.dtype(), |dev, out| {
@@ -46,7 +40,7 @@ pub(crate) fn where_cond(
 
 /// Draws the keep mask of (seed, p) and scales the kept elements in one launch; returns the
 /// output and the mask.
-pub(crate) fn dropout(x: &Tensor, p: f64, scale: f64, seed: u64) -> Result<(Tensor, Tensor)> {
+pub(crate) fn dropout(x: &Operand<'_>, p: f64, scale: f64, seed: u64) -> Result<(Dense, Dense)> {
     float_only("dropout", x.dtype())?;
     let dev = device_of(x)?;
     let n = x.numel();
@@ -74,7 +68,7 @@ pub(crate) fn dropout(x: &Tensor, p: f64, scale: f64, seed: u64) -> Result<(Tens
 }
 
 /// `x * scale` where `mask` (u8, contiguous from offset 0 as dropout made it) is set, else 0.
-pub(crate) fn masked_scale(x: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+pub(crate) fn masked_scale(x: &Operand<'_>, mask: &Operand<'_>, scale: f64) -> Result<Dense> {
     float_only("masked_scale", x.dtype())?;
     if !mask.is_contiguous() || mask.layout().offset() != 0 || mask.shape() != x.shape() {
         return Err(TensorError::InvalidArgument {
