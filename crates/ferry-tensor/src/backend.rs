@@ -1,12 +1,13 @@
 //! Sends each primitive to the kernels of the device its tensors live on: the one place that
 //! matches on the device (`on`) and the one place kernels' outputs become tensors. Ops above
-//! it check arguments and record nodes; below it each device implements the interface in
-//! `kernel` (`Backend`: `cpu::Cpu`, `cuda::Cuda`) on storage and layouts, knowing nothing of
-//! tensors, and names ops only through the vocabulary in `op`. Each function here views its
-//! tensors as `Operand`s, calls the device's method and wraps the `Dense` output.
+//! it check arguments and record nodes; below it each device (`cpu::Cpu`, `cuda::Cuda`)
+//! implements the interface in `kernel` (`Backend`: a trait per op family) on storage and
+//! layouts, knowing nothing of tensors, and names ops only through the vocabulary in `op`.
+//! Each function here views its tensors as `Operand`s, calls the device's method and wraps the
+//! `Dense` output.
 //!
 //! Fused paths (cuBLASLt's linear epilogue, cuDNN's convolution passes, softmax's and nll's
-//! one-pass gradients) are capabilities the backend answers: each trait method's default
+//! one-pass gradients) are capabilities the backend answers: each such trait method's default
 //! returns `Ok(None)`, so a device without the kernel or library says nothing, and the op or
 //! rule composes the same result from primitives. Which libraries load, and the switches that
 //! turn them off (`FERRY_CUBLASLT`, `FERRY_CUDNN`), are read by the device's kernels, never
@@ -16,13 +17,13 @@
 //! 1. the op table: its public method in `ops/<family>.rs`, which calls the fused path here and
 //!    composes on `None`, and its gradient rule in `rules` (a row of `op` too when it is an
 //!    elementwise or reduction op, or a struct of scalars there when kernels read one);
-//! 2. the backend interface: one method of `Backend` in `kernel.rs` with its default
-//!    `Ok(None)`, and its dispatch function at the end of this file;
-//! 3. one kernel file per device that has the path, `cpu/<family>.rs` and `cuda/<family>.rs`,
-//!    each with the method's line in its device's `impl Backend` (`cpu/mod.rs`,
-//!    `cuda/mod.rs`); a device that composes it writes nothing. A CUDA kernel's C source sits
-//!    in kernels/ and is loaded through a `Kernel` id (a variant in `cuda/kernels.rs`, like
-//!    every kernel's).
+//! 2. the backend interface: one method with its default `Ok(None)` in its family's trait in
+//!    `kernel.rs` (`Reduce`, `Matmul`, `Norm`, `Conv`, ...; a new family is a new trait there,
+//!    added to `Backend`'s list), and its dispatch function at the end of this file;
+//! 3. one kernel file per device that has the path: the method in `impl <Family> for Cpu` in
+//!    `cpu/<family>.rs` and in `impl <Family> for Cuda` in `cuda/<family>.rs`; a device that
+//!    composes it writes nothing. A CUDA kernel's C source sits in kernels/ and is loaded
+//!    through a `Kernel` id (a variant in `cuda/kernels.rs`, like every kernel's).
 
 use ferry_memory::{DType, Device, Element};
 

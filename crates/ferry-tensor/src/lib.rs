@@ -18,13 +18,13 @@
 //!
 //! Layers, each importing only those below it: `layout`, `storage`, `error`, then `op` (the op
 //! vocabulary: the op table, conv geometry, the Adam step's scalars, shared messages), `kernel`
-//! (the interface a device's kernels implement: operands of borrowed storage and a layout,
-//! dense outputs, the `Backend` trait with a method per primitive and per fused path) and
-//! `tensor` (the type alone: storage, layout, autograd metadata); the kernels (`cpu`, `cuda`),
-//! one `Backend` per device on storage and layouts, which know nothing of tensors and call no
-//! op; `backend`, the one place that matches on the device and makes tensors of the kernels'
-//! outputs; and on top `autograd`, `rules` and `ops`. The backend module's docs say what adding
-//! a fused op touches.
+//! (the interface a device's kernels implement: operands of borrowed storage and a layout, dense
+//! outputs, and `Backend`, a trait per op family with a method per primitive and per fused path)
+//! and `tensor` (the type alone: storage, layout, autograd metadata); the kernels (`cpu`, `cuda`),
+//! one `Backend` per device on storage and layouts, each family's trait implemented in that
+//! family's file, which know nothing of tensors and call no op; `backend`, the one place that
+//! matches on the device and makes tensors of the kernels' outputs; and on top `autograd`, `rules`
+//! and `ops`. The backend module's docs say what adding a fused op touches.
 //!
 //! Key decision: a gradient rule declares what it saves ([`Save`]: inputs, the output, or
 //! nothing but shapes and scalars) and is otherwise plain data and a `fn`, so a node keeps alive

@@ -2,8 +2,9 @@
 
 use ferry_memory::{DType, Device, HostBuffer};
 
+use super::Cpu;
 use crate::Result;
-use crate::kernel::{Dense, Operand, Source, View};
+use crate::kernel::{Copies, Dense, Operand, Source, View};
 use crate::layout::Layout;
 use crate::storage::{Buffer, Storage};
 
@@ -44,50 +45,90 @@ fn bits<T: bytemuck::Pod>(t: &impl View) -> Result<parking_lot::MappedRwLockRead
     })
 }
 
-/// A contiguous copy of `x`.
-pub(crate) fn contiguous(x: &Operand<'_>) -> Result<Dense> {
-    bits_dispatch!(x.dtype(), |B| {
-        let src = bits::<B>(x)?;
-        let (len, stride) = x.layout().row();
-        let out = build_bits::<B>(x.dtype(), x.shape(), |out| {
-            for (out, start) in out.chunks_mut(len.max(1)).zip(x.layout().row_starts()) {
-                if stride == 1 {
-                    out.copy_from_slice(&src[start..start + out.len()]);
-                } else if stride == 0 {
-                    out.fill(src[start]);
-                } else {
-                    for (j, o) in out.iter_mut().enumerate() {
-                        *o = src[start + j * stride];
+impl Copies for Cpu {
+    /// A contiguous copy of `x`.
+    fn contiguous(&self, x: &Operand<'_>) -> Result<Dense> {
+        bits_dispatch!(x.dtype(), |B| {
+            let src = bits::<B>(x)?;
+            let (len, stride) = x.layout().row();
+            let out = build_bits::<B>(x.dtype(), x.shape(), |out| {
+                for (out, start) in out.chunks_mut(len.max(1)).zip(x.layout().row_starts()) {
+                    if stride == 1 {
+                        out.copy_from_slice(&src[start..start + out.len()]);
+                    } else if stride == 0 {
+                        out.fill(src[start]);
+                    } else {
+                        for (j, o) in out.iter_mut().enumerate() {
+                            *o = src[start + j * stride];
+                        }
                     }
                 }
-            }
-        })?;
-        Ok(out)
-    })
-}
-
-/// Concatenates contiguous copies of `parts` along `axis`.
-pub(crate) fn cat(parts: &[Operand<'_>], axis: usize, shape: &[usize]) -> Result<Dense> {
-    let parts: Vec<Source<'_>> = parts.iter().map(super::dense).collect::<Result<_>>()?;
-    let dtype = parts[0].dtype();
-    let outer: usize = shape[..axis].iter().product();
-    let inner: usize = shape[axis + 1..].iter().product();
-    let row = shape[axis] * inner;
-    bits_dispatch!(dtype, |B| {
-        let guards: Vec<_> = parts.iter().map(bits::<B>).collect::<Result<_>>()?;
-        build_bits::<B>(dtype, shape, |out| {
-            let mut start = 0;
-            for (part, src) in parts.iter().zip(&guards) {
-                let width = part.shape()[axis] * inner;
-                let src = &src[part.layout().offset()..part.layout().offset() + part.numel()];
-                for o in 0..outer {
-                    out[o * row + start..o * row + start + width]
-                        .copy_from_slice(&src[o * width..(o + 1) * width]);
-                }
-                start += width;
-            }
+            })?;
+            Ok(out)
         })
-    })
+    }
+
+    /// Writes `src`'s elements (row-major) into `dst`'s storage where `dst`'s layout says; `src`
+    /// has storage of its own (the caller copies it otherwise).
+    fn assign(&self, dst: &Operand<'_>, src: &Operand<'_>) -> Result<()> {
+        bits_dispatch!(dst.dtype(), |B| {
+            let mut locks = Storage::lock_for_update("assign", &[dst.storage()], &[src.storage()])?;
+            let values: &[B] =
+                bytemuck::cast_slice(locks.reads[0].host_slice("assign", src.device())?);
+            let out: &mut [B] =
+                bytemuck::cast_slice_mut(locks.writes[0].host_slice_mut("assign", dst.device())?);
+            let ((len, sd), (_, ss)) = (dst.layout().row(), src.layout().row());
+            for (rd, rs) in dst.layout().row_starts().zip(src.layout().row_starts()) {
+                for j in 0..len {
+                    out[rd + j * sd] = values[rs + j * ss];
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Concatenates contiguous copies of `parts` along `axis`.
+    fn cat(&self, parts: &[Operand<'_>], axis: usize, shape: &[usize]) -> Result<Dense> {
+        let parts: Vec<Source<'_>> = parts.iter().map(super::dense).collect::<Result<_>>()?;
+        let dtype = parts[0].dtype();
+        let outer: usize = shape[..axis].iter().product();
+        let inner: usize = shape[axis + 1..].iter().product();
+        let row = shape[axis] * inner;
+        bits_dispatch!(dtype, |B| {
+            let guards: Vec<_> = parts.iter().map(bits::<B>).collect::<Result<_>>()?;
+            build_bits::<B>(dtype, shape, |out| {
+                let mut start = 0;
+                for (part, src) in parts.iter().zip(&guards) {
+                    let width = part.shape()[axis] * inner;
+                    let src = &src[part.layout().offset()..part.layout().offset() + part.numel()];
+                    for o in 0..outer {
+                        out[o * row + start..o * row + start + width]
+                            .copy_from_slice(&src[o * width..(o + 1) * width]);
+                    }
+                    start += width;
+                }
+            })
+        })
+    }
+
+    /// Contiguous `parts` (of one dtype) copied into one 1-D array of `len` bytes, each at its byte
+    /// offset; the bytes between them are zero.
+    fn pack(&self, parts: &[Operand<'_>], offsets: &[usize], len: usize) -> Result<Dense> {
+        let dtype = parts[0].dtype();
+        let size = dtype.size();
+        let whole = Layout::contiguous(&[len / size]);
+        let out = Dense::new(Storage::host_zeroed(len / size, dtype)?, &[len / size]);
+        for (part, &at) in parts.iter().zip(offsets) {
+            let flat = (part.layout().reshape_view(&[part.numel()]))
+                .expect("the parts of a pack are contiguous");
+            let dst = whole.narrow(0, at / size, part.numel());
+            self.assign(
+                &Operand::new(out.storage(), &dst),
+                &Operand::new(part.storage(), &flat),
+            )?;
+        }
+        Ok(out)
+    }
 }
 
 /// Fresh host storage of `shape` whose every element `fill` writes (it starts unspecified).
@@ -103,41 +144,4 @@ fn build_bits<B: bytemuck::Pod>(
         Storage::new(Buffer::Host(buffer), dtype, Device::Cpu),
         shape,
     ))
-}
-
-/// Writes `src`'s elements (row-major) into `dst`'s storage where `dst`'s layout says; `src`
-/// has storage of its own (the caller copies it otherwise).
-pub(crate) fn assign(dst: &Operand<'_>, src: &Operand<'_>) -> Result<()> {
-    bits_dispatch!(dst.dtype(), |B| {
-        let mut locks = Storage::lock_for_update("assign", &[dst.storage()], &[src.storage()])?;
-        let values: &[B] = bytemuck::cast_slice(locks.reads[0].host_slice("assign", src.device())?);
-        let out: &mut [B] =
-            bytemuck::cast_slice_mut(locks.writes[0].host_slice_mut("assign", dst.device())?);
-        let ((len, sd), (_, ss)) = (dst.layout().row(), src.layout().row());
-        for (rd, rs) in dst.layout().row_starts().zip(src.layout().row_starts()) {
-            for j in 0..len {
-                out[rd + j * sd] = values[rs + j * ss];
-            }
-        }
-        Ok(())
-    })
-}
-
-/// Contiguous `parts` (of one dtype) copied into one 1-D array of `len` bytes, each at its byte
-/// offset; the bytes between them are zero.
-pub(crate) fn pack(parts: &[Operand<'_>], offsets: &[usize], len: usize) -> Result<Dense> {
-    let dtype = parts[0].dtype();
-    let size = dtype.size();
-    let whole = Layout::contiguous(&[len / size]);
-    let out = Dense::new(Storage::host_zeroed(len / size, dtype)?, &[len / size]);
-    for (part, &at) in parts.iter().zip(offsets) {
-        let flat = (part.layout().reshape_view(&[part.numel()]))
-            .expect("the parts of a pack are contiguous");
-        let dst = whole.narrow(0, at / size, part.numel());
-        assign(
-            &Operand::new(out.storage(), &dst),
-            &Operand::new(part.storage(), &flat),
-        )?;
-    }
-    Ok(out)
 }

@@ -4,29 +4,31 @@ use ferry_memory::DType;
 use ferry_memory::gemm::{self, GemmElement, MatRef};
 use half::f16;
 
+use super::Cpu;
 use super::build;
-use super::elementwise::cast;
-use crate::kernel::{Dense, Operand, View};
+use crate::kernel::{Dense, Elementwise, Matmul, Operand, View};
 use crate::layout::Layout;
 use crate::{Result, TensorError};
 
-/// `a [.., m, k] · b [.., k, n]` with batch layouts already broadcast to `batch`.
-pub(crate) fn matmul(a: &Operand<'_>, b: &Operand<'_>, batch: &[usize]) -> Result<Dense> {
-    match a.dtype() {
-        DType::F32 => typed::<f32>(a, b, batch),
-        DType::F64 => typed::<f64>(a, b, batch),
-        DType::F16 => typed::<f16>(a, b, batch),
-        // gemm has no bf16 kernels: compute in f32, round once at the end.
-        DType::BF16 => {
-            let (a32, b32) = (cast(a, DType::F32)?, cast(b, DType::F32)?);
-            let out = typed::<f32>(&a32.operand(), &b32.operand(), batch)?;
-            cast(&out.operand(), DType::BF16)
+impl Matmul for Cpu {
+    /// `a [.., m, k] · b [.., k, n]` with batch layouts already broadcast to `batch`.
+    fn matmul(&self, a: &Operand<'_>, b: &Operand<'_>, batch: &[usize]) -> Result<Dense> {
+        match a.dtype() {
+            DType::F32 => typed::<f32>(a, b, batch),
+            DType::F64 => typed::<f64>(a, b, batch),
+            DType::F16 => typed::<f16>(a, b, batch),
+            // gemm has no bf16 kernels: compute in f32, round once at the end.
+            DType::BF16 => {
+                let (a32, b32) = (Cpu.cast(a, DType::F32)?, Cpu.cast(b, DType::F32)?);
+                let out = typed::<f32>(&a32.operand(), &b32.operand(), batch)?;
+                Cpu.cast(&out.operand(), DType::BF16)
+            }
+            dtype => Err(TensorError::UnsupportedDType {
+                op: "matmul",
+                dtype,
+                hint: "matmul needs a float dtype; cast with `.to_dtype(DType::F32)`",
+            }),
         }
-        dtype => Err(TensorError::UnsupportedDType {
-            op: "matmul",
-            dtype,
-            hint: "matmul needs a float dtype; cast with `.to_dtype(DType::F32)`",
-        }),
     }
 }
 

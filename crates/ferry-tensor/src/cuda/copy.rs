@@ -5,8 +5,10 @@ use ferry_cuda::{Kernels, blocks_for};
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 
 use super::kernels::Kernel;
-use super::{KernelLayout, THREADS, buffer, device_of, launch, max_blocks, with_output, wrap};
-use crate::kernel::{Dense, Operand, View};
+use super::{
+    Cuda, KernelLayout, THREADS, buffer, device_of, launch, max_blocks, with_output, wrap,
+};
+use crate::kernel::{Copies, Dense, Operand, View};
 use crate::layout::Layout;
 use crate::storage::{Buffer, Storage};
 use crate::{Result, TensorError};
@@ -39,52 +41,65 @@ pub(super) fn copy_into(
     Ok(())
 }
 
-/// Writes `src`'s elements into `dst`'s storage where `dst`'s layout says; `src` has storage of
-/// its own (the caller copies it otherwise).
-pub(crate) fn assign(dst: &Operand<'_>, src: &Operand<'_>) -> Result<()> {
-    let dev = device_of(dst)?;
-    let mut locks = Storage::lock_for_update("assign", &[dst.storage()], &[src.storage()])?;
-    let (Buffer::Cuda(out), Buffer::Cuda(from)) = (&mut *locks.writes[0], &*locks.reads[0]) else {
-        return Err(TensorError::UnsupportedDevice {
-            op: "assign",
-            device: dst.device(),
-        });
-    };
-    copy_into(&dev, src, from, out, dst.layout())
-}
+impl Copies for Cuda {
+    fn contiguous(&self, x: &Operand<'_>) -> Result<Dense> {
+        with_output(
+            x.device(),
+            "contiguous",
+            x.shape(),
+            x.dtype(),
+            |dev, out| {
+                copy_into(dev, x, &*buffer(x)?, out, &Layout::contiguous(x.shape()))?;
+                Ok(())
+            },
+        )
+    }
 
-pub(crate) fn contiguous(x: &Operand<'_>) -> Result<Dense> {
-    with_output(
-        x.device(),
-        "contiguous",
-        x.shape(),
-        x.dtype(),
-        |dev, out| {
-            copy_into(dev, x, &*buffer(x)?, out, &Layout::contiguous(x.shape()))?;
+    /// Writes `src`'s elements into `dst`'s storage where `dst`'s layout says; `src` has storage of
+    /// its own (the caller copies it otherwise).
+    fn assign(&self, dst: &Operand<'_>, src: &Operand<'_>) -> Result<()> {
+        let dev = device_of(dst)?;
+        let mut locks = Storage::lock_for_update("assign", &[dst.storage()], &[src.storage()])?;
+        let (Buffer::Cuda(out), Buffer::Cuda(from)) = (&mut *locks.writes[0], &*locks.reads[0])
+        else {
+            return Err(TensorError::UnsupportedDevice {
+                op: "assign",
+                device: dst.device(),
+            });
+        };
+        copy_into(&dev, src, from, out, dst.layout())
+    }
+
+    fn cat(&self, parts: &[Operand<'_>], axis: usize, shape: &[usize]) -> Result<Dense> {
+        let dtype = parts[0].dtype();
+        with_output(parts[0].device(), "cat", shape, dtype, |dev, out| {
+            // With nothing before the axis, each part is one run of bytes in the output: gather
+            // them all in a few launches (a state dict packs hundreds of tensors this way).
+            let outer: usize = shape[..axis].iter().product();
+            if outer == 1 && parts.len() > 2 && parts.iter().all(|p| p.is_contiguous()) {
+                return gather(dev, parts, out);
+            }
+            let whole = Layout::contiguous(shape);
+            let mut start = 0;
+            for part in parts {
+                let size = part.shape()[axis];
+                let at = whole.narrow(axis, start, size);
+                copy_into(dev, part, &*buffer(part)?, out, &at)?;
+                start += size;
+            }
             Ok(())
-        },
-    )
-}
+        })
+    }
 
-pub(crate) fn cat(parts: &[Operand<'_>], axis: usize, shape: &[usize]) -> Result<Dense> {
-    let dtype = parts[0].dtype();
-    with_output(parts[0].device(), "cat", shape, dtype, |dev, out| {
-        // With nothing before the axis, each part is one run of bytes in the output: gather
-        // them all in a few launches (a state dict packs hundreds of tensors this way).
-        let outer: usize = shape[..axis].iter().product();
-        if outer == 1 && parts.len() > 2 && parts.iter().all(|p| p.is_contiguous()) {
-            return gather(dev, parts, out);
-        }
-        let whole = Layout::contiguous(shape);
-        let mut start = 0;
-        for part in parts {
-            let size = part.shape()[axis];
-            let at = whole.narrow(axis, start, size);
-            copy_into(dev, part, &*buffer(part)?, out, &at)?;
-            start += size;
-        }
-        Ok(())
-    })
+    /// Packs contiguous CUDA operands of one dtype into one fresh 1-D buffer at `offsets` (bytes);
+    /// `len` bytes in all.
+    fn pack(&self, parts: &[Operand<'_>], offsets: &[usize], len: usize) -> Result<Dense> {
+        let dev = device_of(&parts[0])?;
+        let dtype = parts[0].dtype();
+        let mut out = dev.alloc(len, dev.default_stream())?;
+        gather_at(&dev, parts, offsets, &mut out)?;
+        Ok(wrap(&dev, out, dtype, &[len / dtype.size()]))
+    }
 }
 
 /// Regions per gather launch; the table travels as a kernel parameter (kernels/elementwise.cu).
@@ -145,14 +160,4 @@ fn gather_at(
             .run()?;
     }
     Ok(())
-}
-
-/// Packs contiguous CUDA operands of one dtype into one fresh 1-D buffer at `offsets` (bytes);
-/// `len` bytes in all.
-pub(crate) fn pack(parts: &[Operand<'_>], offsets: &[usize], len: usize) -> Result<Dense> {
-    let dev = device_of(&parts[0])?;
-    let dtype = parts[0].dtype();
-    let mut out = dev.alloc(len, dev.default_stream())?;
-    gather_at(&dev, parts, offsets, &mut out)?;
-    Ok(wrap(&dev, out, dtype, &[len / dtype.size()]))
 }

@@ -5,6 +5,7 @@
 mod conv;
 mod copy;
 mod create;
+mod elementwise;
 mod index;
 pub(crate) mod kernels;
 mod matmul;
@@ -15,19 +16,20 @@ mod select;
 
 pub use kernels::{ALL as KERNEL_MODULES, compile_kernels};
 
-use ferry_cuda::{ConvPass, Kernels, Launch, blocks_for};
+use ferry_cuda::{Kernels, Launch, blocks_for};
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 use ferry_memory::{DType, Device, Element};
 use parking_lot::MappedRwLockReadGuard;
 
 use crate::Result;
 use crate::TensorError;
-use crate::kernel::{Backend, Dense, Operand, Source, View};
+use crate::kernel::{Copies, Dense, Operand, Source, View};
 use crate::layout::Layout;
-use crate::op::conv::Geometry;
-use crate::op::{AdamStep, BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use crate::storage::{Buffer, Storage};
-use kernels::Kernel;
+
+/// The kernels of CUDA devices (each call runs on its operands' device): each family's trait
+/// (`kernel`) is implemented in its file here.
+pub(crate) struct Cuda;
 
 const THREADS: u32 = 256;
 /// Blocks a grid-stride kernel is given per multiprocessor: enough to keep each one busy
@@ -174,100 +176,13 @@ fn float_only(op: &'static str, dtype: DType) -> Result<()> {
     }
 }
 
-fn unary(x: &Operand<'_>, op: UnaryOp) -> Result<Dense> {
-    float_only(op.name(), x.dtype())?;
-    let n = x.numel();
-    with_output(x.device(), op.name(), x.shape(), x.dtype(), |dev, out| {
-        let f = Kernel::Unary(x.dtype()).load(dev)?;
-        let lx = KernelLayout::of(op.name(), x.layout())?;
-        let src = buffer(x)?;
-        launch(dev, &f, n)
-            .arg_i32(op.code())
-            .arg_f64(op.scalar())
-            .arg_buffer(&src)
-            .arg_pod(&lx)
-            .arg_buffer_mut(out)
-            .arg_u64(n as u64)
-            .run()?;
-        Ok(())
-    })
-}
-
-/// `op` elementwise over layouts already broadcast to the output's shape.
-fn binary(a: &Operand<'_>, b: &Operand<'_>, op: BinaryOp) -> Result<Dense> {
-    float_only(op.name(), a.dtype())?;
-    zip(
-        a,
-        b,
-        Kernel::Binary(a.dtype()),
-        op.code(),
-        a.dtype(),
-        op.name(),
-    )
-}
-
-/// `op` as 1 or 0 (`u8`) over layouts already broadcast to the output's shape.
-fn compare(a: &Operand<'_>, b: &Operand<'_>, op: CmpOp) -> Result<Dense> {
-    zip(
-        a,
-        b,
-        Kernel::Compare(a.dtype()),
-        op.code(),
-        DType::U8,
-        op.name(),
-    )
-}
-
-fn zip(
-    a: &Operand<'_>,
-    b: &Operand<'_>,
-    kernel: Kernel,
-    code: i32,
-    out_dtype: DType,
-    op: &'static str,
-) -> Result<Dense> {
-    let (la, lb) = (a.layout(), b.layout());
-    with_output(a.device(), op, la.shape(), out_dtype, |dev, out| {
-        let n = la.numel();
-        let f = kernel.load(dev)?;
-        let (ka, kb) = (KernelLayout::of(op, la)?, KernelLayout::of(op, lb)?);
-        let (x, y) = (buffer(a)?, buffer(b)?);
-        launch(dev, &f, n)
-            .arg_i32(code)
-            .arg_buffer(&x)
-            .arg_pod(&ka)
-            .arg_buffer(&y)
-            .arg_pod(&kb)
-            .arg_buffer_mut(out)
-            .arg_u64(n as u64)
-            .run()?;
-        Ok(())
-    })
-}
-
-fn cast(x: &Operand<'_>, dtype: DType) -> Result<Dense> {
-    let n = x.numel();
-    with_output(x.device(), "to_dtype", x.shape(), dtype, |dev, out| {
-        let f = Kernel::Cast(x.dtype(), dtype).load(dev)?;
-        let lx = KernelLayout::of("to_dtype", x.layout())?;
-        let src = buffer(x)?;
-        launch(dev, &f, n)
-            .arg_buffer(&src)
-            .arg_pod(&lx)
-            .arg_buffer_mut(out)
-            .arg_u64(n as u64)
-            .run()?;
-        Ok(())
-    })
-}
-
 /// `x` itself when its elements start at 0 and are contiguous, else a fresh copy that does:
 /// reductions and softmax index from the start of their buffer.
 fn dense<'a>(x: &Operand<'a>) -> Result<Source<'a>> {
     if x.is_contiguous() && x.layout().offset() == 0 {
         Ok(Source::InPlace(*x))
     } else {
-        copy::contiguous(x).map(Source::Copy)
+        Cuda.contiguous(x).map(Source::Copy)
     }
 }
 
@@ -283,174 +198,6 @@ pub(crate) fn read_elements<T: Element>(x: &Operand<'_>) -> Result<Vec<T>> {
         dev.default_stream(),
     )?;
     Ok(data)
-}
-
-/// The kernels of CUDA devices; each call runs on its operands' device.
-pub(crate) struct Cuda;
-
-impl Backend for Cuda {
-    fn unary(&self, x: &Operand<'_>, op: UnaryOp) -> Result<Dense> {
-        unary(x, op)
-    }
-    fn binary(&self, a: &Operand<'_>, b: &Operand<'_>, op: BinaryOp) -> Result<Dense> {
-        binary(a, b, op)
-    }
-    fn compare(&self, a: &Operand<'_>, b: &Operand<'_>, op: CmpOp) -> Result<Dense> {
-        compare(a, b, op)
-    }
-    fn cast(&self, x: &Operand<'_>, dtype: DType) -> Result<Dense> {
-        cast(x, dtype)
-    }
-    fn reduce(&self, x: &Operand<'_>, axis: usize, op: ReduceOp) -> Result<Dense> {
-        reduce::reduce(x, axis, op)
-    }
-    fn sum_all(&self, x: &Operand<'_>) -> Result<Dense> {
-        reduce::sum_all(x)
-    }
-    fn nll(&self, logp: &Operand<'_>, targets: &Operand<'_>) -> Result<Dense> {
-        reduce::nll(logp, targets)
-    }
-    fn softmax(&self, x: &Operand<'_>, log: bool) -> Result<Dense> {
-        reduce::softmax(x, log)
-    }
-    fn matmul(&self, a: &Operand<'_>, b: &Operand<'_>, batch: &[usize]) -> Result<Dense> {
-        matmul::matmul(a, b, batch)
-    }
-    fn contiguous(&self, x: &Operand<'_>) -> Result<Dense> {
-        copy::contiguous(x)
-    }
-    fn assign(&self, dst: &Operand<'_>, src: &Operand<'_>) -> Result<()> {
-        copy::assign(dst, src)
-    }
-    fn cat(&self, parts: &[Operand<'_>], axis: usize, shape: &[usize]) -> Result<Dense> {
-        copy::cat(parts, axis, shape)
-    }
-    fn pack(&self, parts: &[Operand<'_>], offsets: &[usize], len: usize) -> Result<Dense> {
-        copy::pack(parts, offsets, len)
-    }
-    fn full(&self, device: Device, shape: &[usize], dtype: DType, value: f64) -> Result<Dense> {
-        create::full(device, shape, dtype, value)
-    }
-    fn arange(&self, device: Device, start: f64, len: usize, dtype: DType) -> Result<Dense> {
-        create::arange(device, start, len, dtype)
-    }
-    fn random(
-        &self,
-        device: Device,
-        shape: &[usize],
-        dtype: DType,
-        seed: u64,
-        normal: bool,
-    ) -> Result<Dense> {
-        create::random(device, shape, dtype, seed, normal)
-    }
-    fn index_select(&self, x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
-        index::index_select(x, axis, index)
-    }
-    fn index_add(
-        &self,
-        x: &Operand<'_>,
-        axis: usize,
-        index: &Operand<'_>,
-        src: &Operand<'_>,
-    ) -> Result<Dense> {
-        index::index_add(x, axis, index, src)
-    }
-    fn gather(&self, x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
-        index::gather(x, axis, index)
-    }
-    fn scatter_add(
-        &self,
-        x: &Operand<'_>,
-        axis: usize,
-        index: &Operand<'_>,
-        src: &Operand<'_>,
-    ) -> Result<Dense> {
-        index::scatter_add(x, axis, index, src)
-    }
-    fn where_cond(&self, c: &Operand<'_>, a: &Operand<'_>, b: &Operand<'_>) -> Result<Dense> {
-        select::where_cond(c, a, b)
-    }
-    fn dropout(&self, x: &Operand<'_>, p: f64, scale: f64, seed: u64) -> Result<(Dense, Dense)> {
-        select::dropout(x, p, scale, seed)
-    }
-    fn masked_scale(&self, x: &Operand<'_>, mask: &Operand<'_>, scale: f64) -> Result<Dense> {
-        select::masked_scale(x, mask, scale)
-    }
-    fn layer_norm(
-        &self,
-        x: &Operand<'_>,
-        w: Option<&Operand<'_>>,
-        b: Option<&Operand<'_>>,
-        eps: f64,
-    ) -> Result<(Dense, Dense)> {
-        norm::layer_norm(x, w, b, eps)
-    }
-    fn layer_norm_backward(
-        &self,
-        g: &Operand<'_>,
-        x: &Operand<'_>,
-        w: Option<&Operand<'_>>,
-        stats: &Operand<'_>,
-        want: [bool; 3],
-    ) -> Result<(Option<Dense>, Option<Dense>, Option<Dense>)> {
-        norm::layer_norm_backward(g, x, w, stats, want)
-    }
-    fn im2col(&self, x: &Operand<'_>, geo: &Geometry) -> Result<Dense> {
-        conv::im2col(x, geo)
-    }
-    fn col2im(&self, cols: &Operand<'_>, geo: &Geometry) -> Result<Dense> {
-        conv::col2im(cols, geo)
-    }
-    fn pool_argmax(&self, x: &Operand<'_>, geo: &Geometry) -> Result<Dense> {
-        conv::pool_argmax(x, geo)
-    }
-    fn adam(
-        &self,
-        p: &Operand<'_>,
-        g: &Operand<'_>,
-        m: &Operand<'_>,
-        v: &Operand<'_>,
-        step: &AdamStep,
-    ) -> Result<()> {
-        optim::adam(p, g, m, v, step)
-    }
-    fn fused_linear(
-        &self,
-        x: &Operand<'_>,
-        w: &Operand<'_>,
-        b: &Operand<'_>,
-        relu: bool,
-    ) -> Result<Option<Dense>> {
-        matmul::linear(x, w, b, relu)
-    }
-    fn convolution(
-        &self,
-        pass: ConvPass,
-        geo: &Geometry,
-        groups: usize,
-        filters: usize,
-        first: &Operand<'_>,
-        second: &Operand<'_>,
-    ) -> Result<Option<Dense>> {
-        conv::convolution(pass, geo, groups, filters, first, second)
-    }
-    fn softmax_backward(
-        &self,
-        y: &Operand<'_>,
-        g: &Operand<'_>,
-        log: bool,
-    ) -> Result<Option<Dense>> {
-        reduce::softmax_backward(y, g, log)
-    }
-    fn nll_backward(
-        &self,
-        targets: &Operand<'_>,
-        g: &Operand<'_>,
-        classes: usize,
-    ) -> Result<Option<Dense>> {
-        reduce::nll_backward(targets, g, classes).map(Some)
-    }
 }
 
 #[cfg(test)]
