@@ -1,6 +1,7 @@
-//! The code's shape, checked from its sources: no library file passes 700 lines, and no crate's
+//! The code's shape, checked from its sources: no library file passes 700 lines, no crate's
 //! modules import each other in a cycle (a module imports only modules below it; helpers used
-//! by several go down into a leaf module). Both read the checkout the test runs from.
+//! by several go down into a leaf module), and ferry-tensor's kernels work on storage and
+//! layouts, never on the tensor type. All read the checkout the test runs from.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -345,4 +346,61 @@ fn the_cycle_check_sees_grouped_relative_and_nested_imports() {
     let found = cycles(&edges);
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(found.contains(&vec!["a".to_string(), "b".into(), "c".into()]));
+}
+
+/// The lines of `source` (1-based) whose code, comments aside, names the identifier `name`:
+/// on its own or at the end of a path, not inside a longer identifier (`TensorError`).
+fn lines_naming(source: &str, name: &str) -> Vec<(usize, String)> {
+    let ident = |c: char| c.is_alphanumeric() || c == '_';
+    source
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| {
+            let code = line.split("//").next().unwrap_or("");
+            code.match_indices(name).any(|(at, _)| {
+                !code[..at].chars().next_back().is_some_and(ident)
+                    && !code[at + name.len()..].chars().next().is_some_and(ident)
+            })
+        })
+        .map(|(n, line)| (n + 1, line.trim().to_string()))
+        .collect()
+}
+
+#[test]
+fn kernels_know_nothing_of_the_tensor_type() {
+    let src = ferry_tests::repo_root().join("crates/ferry-tensor/src");
+    let mut checked = 0;
+    let mut found = Vec::new();
+    for dir in ["cpu", "cuda"] {
+        for file in rust_files(&src.join(dir)) {
+            let source = std::fs::read_to_string(&file).unwrap();
+            for (n, line) in lines_naming(&source, "Tensor") {
+                found.push(format!("{}:{n}: {line}", file.display()));
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 15, "read only {checked} kernel files");
+    assert!(
+        found.is_empty(),
+        "kernels name `Tensor` (they take `Operand`s and return `Dense` outputs; `backend` \
+         makes tensors of them):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_tensor_check_sees_paths_and_skips_comments_and_longer_names() {
+    let source = "fn a(x: &Tensor) {}\n\
+                  use crate::{Result, Tensor};\n\
+                  let t = crate::Tensor::scalar(1.0);\n\
+                  // a Tensor in a comment\n\
+                  Err(TensorError::Shape) // Tensor\n\
+                  struct MyTensor;\n\
+                  let tensors = 1;";
+    let lines: Vec<usize> = lines_naming(source, "Tensor")
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(lines, [1, 2, 3]);
 }

@@ -1,44 +1,74 @@
 //! Sends each primitive to the kernels of the device its tensors live on: the one place that
-//! matches on the device. Ops above it check arguments and record nodes; the kernels below it
-//! (`cpu`, `cuda`) each serve one device and name ops only through the vocabulary in `op`.
+//! matches on the device (`on`) and the one place kernels' outputs become tensors. Ops above
+//! it check arguments and record nodes; below it each device (`cpu::Cpu`, `cuda::Cuda`)
+//! implements the interface in `kernel` (`Backend`: a trait per op family) on storage and
+//! layouts, knowing nothing of tensors, and names ops only through the vocabulary in `op`.
+//! Each function here views its tensors as `Operand`s, calls the device's method and wraps the
+//! `Dense` output.
 //!
 //! Fused paths (cuBLASLt's linear epilogue, cuDNN's convolution passes, softmax's and nll's
-//! one-pass gradients) are capabilities the backend answers: each returns `Ok(None)` where the
-//! device has no kernel or library for it, and the op or rule composes the same result from
-//! primitives. Which libraries load, and the switches that turn them off (`FERRY_CUBLASLT`,
-//! `FERRY_CUDNN`), are read by the device's kernels, never above this module.
+//! one-pass gradients) are capabilities the backend answers: each such trait method's default
+//! returns `Ok(None)`, so a device without the kernel or library says nothing, and the op or
+//! rule composes the same result from primitives. Which libraries load, and the switches that
+//! turn them off (`FERRY_CUBLASLT`, `FERRY_CUDNN`), are read by the device's kernels, never
+//! above this module.
 //!
 //! Adding a fused op (attention, RMSNorm, cross-entropy) touches:
 //! 1. the op table: its public method in `ops/<family>.rs`, which calls the fused path here and
 //!    composes on `None`, and its gradient rule in `rules` (a row of `op` too when it is an
 //!    elementwise or reduction op, or a struct of scalars there when kernels read one);
-//! 2. the backend interface: one function in the fused paths at the end of this file;
-//! 3. one kernel file per device: `cpu/<family>.rs` (or `Ok(None)` here, where the CPU composes
-//!    it) and `cuda/<family>.rs`, whose CUDA C source sits in kernels/ and is loaded through a
-//!    `Kernel` id (a variant in `cuda/kernels.rs`, like every kernel's).
+//! 2. the backend interface: one method with its default `Ok(None)` in its family's trait in
+//!    `kernel.rs` (`Reduce`, `Matmul`, `Norm`, `Conv`, ...; a new family is a new trait there,
+//!    added to `Backend`'s list), and its dispatch function at the end of this file;
+//! 3. one kernel file per device that has the path: the method in `impl <Family> for Cpu` in
+//!    `cpu/<family>.rs` and in `impl <Family> for Cuda` in `cuda/<family>.rs`; a device that
+//!    composes it writes nothing. A CUDA kernel's C source sits in kernels/ and is loaded
+//!    through a `Kernel` id (a variant in `cuda/kernels.rs`, like every kernel's).
 
 use ferry_memory::{DType, Device, Element};
 
 use ferry_cuda::ConvPass;
 
+use crate::cpu::{self, Cpu};
+use crate::cuda::{self, Cuda};
+use crate::kernel::{Backend, Dense, Operand};
 use crate::layout::Layout;
 use crate::op::AdamStep;
 use crate::op::conv::Geometry;
 use crate::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
-use crate::{Result, Tensor, cpu, cuda};
+use crate::{Result, Tensor};
 
-/// `$cpu` on the host, `$cuda` on a GPU.
-macro_rules! on {
-    ($device:expr, cpu => $cpu:expr, cuda => $cuda:expr $(,)?) => {
-        match $device {
-            Device::Cpu => $cpu,
-            Device::Cuda(_) => $cuda,
-        }
-    };
+/// The kernels of `device`: the one match on the device.
+fn on(device: Device) -> &'static dyn Backend {
+    match device {
+        Device::Cpu => &Cpu,
+        Device::Cuda(_) => &Cuda,
+    }
+}
+
+/// `t`'s storage seen through its own layout.
+fn view(t: &Tensor) -> Operand<'_> {
+    Operand::new(t.storage(), t.layout())
+}
+
+/// `t`'s storage seen through `layout` (broadcast to an op's output shape, say).
+fn view_as<'a>(t: &'a Tensor, layout: &'a Layout) -> Operand<'a> {
+    Operand::new(t.storage(), layout)
+}
+
+fn views(ts: &[Tensor]) -> Vec<Operand<'_>> {
+    ts.iter().map(view).collect()
+}
+
+/// A kernel's output as a tensor without history: the one place kernels' outputs become
+/// tensors.
+fn tensor(out: Dense) -> Tensor {
+    let (storage, layout) = out.into_parts();
+    Tensor::from_contiguous(storage, layout)
 }
 
 pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
-    on!(x.device(), cpu => cpu::elementwise::unary(x, op), cuda => cuda::unary(x, op))
+    on(x.device()).unary(&view(x), op).map(tensor)
 }
 
 pub(crate) fn binary(
@@ -48,9 +78,9 @@ pub(crate) fn binary(
     lb: &Layout,
     op: BinaryOp,
 ) -> Result<Tensor> {
-    on!(a.device(),
-        cpu => cpu::elementwise::binary(a, la, b, lb, op),
-        cuda => cuda::binary(a, la, b, lb, op))
+    on(a.device())
+        .binary(&view_as(a, la), &view_as(b, lb), op)
+        .map(tensor)
 }
 
 pub(crate) fn compare(
@@ -60,33 +90,35 @@ pub(crate) fn compare(
     lb: &Layout,
     op: CmpOp,
 ) -> Result<Tensor> {
-    on!(a.device(),
-        cpu => cpu::elementwise::compare(a, la, b, lb, op),
-        cuda => cuda::compare(a, la, b, lb, op))
+    on(a.device())
+        .compare(&view_as(a, la), &view_as(b, lb), op)
+        .map(tensor)
 }
 
 pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    on!(x.device(), cpu => cpu::elementwise::cast(x, dtype), cuda => cuda::cast(x, dtype))
+    on(x.device()).cast(&view(x), dtype).map(tensor)
 }
 
 pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
-    on!(x.device(), cpu => cpu::reduce::reduce(x, axis, op), cuda => cuda::reduce(x, axis, op))
+    on(x.device()).reduce(&view(x), axis, op).map(tensor)
 }
 
 pub(crate) fn sum_all(x: &Tensor) -> Result<Tensor> {
-    on!(x.device(), cpu => cpu::reduce::sum_all(x), cuda => cuda::sum_all(x))
+    on(x.device()).sum_all(&view(x)).map(tensor)
 }
 
 /// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities (cross-entropy's last
 /// step). The CPU checks the targets at once; CUDA checks them on the device and reports a bad
 /// one from a later call (see `CudaDevice::check_later`).
 pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    on!(logp.device(), cpu => cpu::reduce::nll(logp, targets), cuda => cuda::nll(logp, targets))
+    on(logp.device())
+        .nll(&view(logp), &view(targets))
+        .map(tensor)
 }
 
 /// Softmax (or log-softmax) over the last axis.
 pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
-    on!(x.device(), cpu => cpu::reduce::softmax(x, log), cuda => cuda::softmax(x, log))
+    on(x.device()).softmax(&view(x), log).map(tensor)
 }
 
 pub(crate) fn matmul(
@@ -96,67 +128,64 @@ pub(crate) fn matmul(
     lb: &Layout,
     batch: &[usize],
 ) -> Result<Tensor> {
-    on!(a.device(),
-        cpu => cpu::matmul::matmul(a, la, b, lb, batch),
-        cuda => cuda::matmul(a, la, b, lb, batch))
+    on(a.device())
+        .matmul(&view_as(a, la), &view_as(b, lb), batch)
+        .map(tensor)
 }
 
 pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
-    on!(x.device(), cpu => cpu::copy::contiguous(x), cuda => cuda::contiguous(x))
+    on(x.device()).contiguous(&view(x)).map(tensor)
 }
 
 pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
-    on!(dst.device(), cpu => cpu::copy::assign(dst, src), cuda => cuda::assign(dst, src))
+    on(dst.device()).assign(&view(dst), &view(src))
 }
 
 pub(crate) fn cat(parts: &[Tensor], axis: usize, shape: &[usize]) -> Result<Tensor> {
-    on!(parts[0].device(), cpu => cpu::copy::cat(parts, axis, shape), cuda => cuda::cat(parts, axis, shape))
+    on(parts[0].device())
+        .cat(&views(parts), axis, shape)
+        .map(tensor)
 }
 
 pub(crate) fn full(shape: &[usize], dtype: DType, device: Device, value: f64) -> Result<Tensor> {
-    match device {
-        Device::Cpu => cpu::full(shape, dtype, value),
-        Device::Cuda(_) => cuda::full(device, shape, dtype, value),
-    }
+    on(device).full(device, shape, dtype, value).map(tensor)
 }
 
-/// Elements of a contiguous tensor, read out to a `Vec`.
+/// Elements of a contiguous tensor, read out to a `Vec` (generic over the element type, so
+/// beside the interface rather than in it).
 pub(crate) fn read_elements<T: Element>(x: &Tensor) -> Result<Vec<T>> {
-    on!(x.device(),
-        cpu => {
-            let data = x.storage().host::<T>("to_vec")?;
-            let off = x.layout().offset();
-            Ok(data[off..off + x.numel()].to_vec())
-        },
-        cuda => cuda::read_elements::<T>(x))
+    match x.device() {
+        Device::Cpu => cpu::read_elements::<T>(&view(x)),
+        Device::Cuda(_) => cuda::read_elements::<T>(&view(x)),
+    }
 }
 
 /// The entries `index` names along `axis`.
 pub(crate) fn index_select(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
-    on!(x.device(),
-        cpu => cpu::index::index_select(x, axis, index),
-        cuda => cuda::index::index_select(x, axis, index))
+    on(x.device())
+        .index_select(&view(x), axis, &view(index))
+        .map(tensor)
 }
 
 /// `x` plus `src` added at the entries `index` names along `axis`.
 pub(crate) fn index_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-    on!(x.device(),
-        cpu => cpu::index::index_add(x, axis, index, src),
-        cuda => cuda::index::index_add(x, axis, index, src))
+    on(x.device())
+        .index_add(&view(x), axis, &view(index), &view(src))
+        .map(tensor)
 }
 
 /// Values picked along `axis` by `index`.
 pub(crate) fn gather(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
-    on!(x.device(),
-        cpu => cpu::index::gather(x, axis, index),
-        cuda => cuda::index::gather(x, axis, index))
+    on(x.device())
+        .gather(&view(x), axis, &view(index))
+        .map(tensor)
 }
 
 /// `x` plus `src` scattered along `axis` by `index`.
 pub(crate) fn scatter_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-    on!(x.device(),
-        cpu => cpu::index::scatter_add(x, axis, index, src),
-        cuda => cuda::index::scatter_add(x, axis, index, src))
+    on(x.device())
+        .scatter_add(&view(x), axis, &view(index), &view(src))
+        .map(tensor)
 }
 
 /// `a` where `c != 0`, else `b`, over layouts already broadcast to the output's shape.
@@ -168,23 +197,22 @@ pub(crate) fn where_cond(
     b: &Tensor,
     lb: &Layout,
 ) -> Result<Tensor> {
-    on!(a.device(),
-        cpu => cpu::select::where_cond(c, lc, a, la, b, lb),
-        cuda => cuda::select::where_cond(c, lc, a, la, b, lb))
+    on(a.device())
+        .where_cond(&view_as(c, lc), &view_as(a, la), &view_as(b, lb))
+        .map(tensor)
 }
 
 /// Dropout's output and its `u8` keep-mask, drawn from `seed`.
 pub(crate) fn dropout(x: &Tensor, p: f64, scale: f64, seed: u64) -> Result<(Tensor, Tensor)> {
-    on!(x.device(),
-        cpu => cpu::select::dropout(x, p, scale, seed),
-        cuda => cuda::select::dropout(x, p, scale, seed))
+    let (out, mask) = on(x.device()).dropout(&view(x), p, scale, seed)?;
+    Ok((tensor(out), tensor(mask)))
 }
 
 /// `x * scale` where `mask` is nonzero, else 0.
 pub(crate) fn masked_scale(x: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
-    on!(x.device(),
-        cpu => cpu::select::masked_scale(x, mask, scale),
-        cuda => cuda::select::masked_scale(x, mask, scale))
+    on(x.device())
+        .masked_scale(&view(x), &view(mask), scale)
+        .map(tensor)
 }
 
 /// Layer norm's output and `[rows, 2]` statistics of `x` (`[rows, cols]`).
@@ -194,9 +222,9 @@ pub(crate) fn layer_norm(
     b: Option<&Tensor>,
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
-    on!(x.device(),
-        cpu => cpu::norm::layer_norm(x, w, b, eps),
-        cuda => cuda::norm::layer_norm(x, w, b, eps))
+    let (w, b) = (w.map(view), b.map(view));
+    let (y, stats) = on(x.device()).layer_norm(&view(x), w.as_ref(), b.as_ref(), eps)?;
+    Ok((tensor(y), tensor(stats)))
 }
 
 /// Layer norm's `dx`, `dweight` and `dbias`, each only when `want` says so.
@@ -207,37 +235,35 @@ pub(crate) fn layer_norm_backward(
     stats: &Tensor,
     want: [bool; 3],
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    on!(g.device(),
-        cpu => cpu::norm::layer_norm_backward(g, x, w, stats, want),
-        cuda => cuda::norm::layer_norm_backward(g, x, w, stats, want))
+    let w = w.map(view);
+    let (dx, dw, db) =
+        on(g.device()).layer_norm_backward(&view(g), &view(x), w.as_ref(), &view(stats), want)?;
+    Ok((dx.map(tensor), dw.map(tensor), db.map(tensor)))
 }
 
 /// Columns `[N, C·KH·KW, OH·OW]` of an NCHW input.
 pub(crate) fn im2col(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    on!(x.device(), cpu => cpu::conv::im2col(x, geo), cuda => cuda::conv::im2col(x, geo))
+    on(x.device()).im2col(&view(x), geo).map(tensor)
 }
 
 /// Columns folded back into NCHW, summing what lands on one pixel.
 pub(crate) fn col2im(cols: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    on!(cols.device(), cpu => cpu::conv::col2im(cols, geo), cuda => cuda::conv::col2im(cols, geo))
+    on(cols.device()).col2im(&view(cols), geo).map(tensor)
 }
 
 /// The index of each pooling window's maximum.
 pub(crate) fn pool_argmax(x: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    on!(x.device(), cpu => cpu::conv::pool_argmax(x, geo), cuda => cuda::conv::pool_argmax(x, geo))
+    on(x.device()).pool_argmax(&view(x), geo).map(tensor)
 }
 
 /// One Adam (or AdamW) step on contiguous `p`, `m` and `v` from `g`, in place.
 pub(crate) fn adam(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: &AdamStep) -> Result<()> {
-    on!(p.device(), cpu => cpu::optim::adam(p, g, m, v, step), cuda => cuda::adam(p, g, m, v, step))
+    on(p.device()).adam(&view(p), &view(g), &view(m), &view(v), step)
 }
 
 /// `start, start + 1, ..` (`len` of them).
 pub(crate) fn arange(start: f64, len: usize, dtype: DType, device: Device) -> Result<Tensor> {
-    match device {
-        Device::Cpu => cpu::create::arange(start, len, dtype),
-        Device::Cuda(ordinal) => cuda::arange(ordinal, start, len, dtype),
-    }
+    on(device).arange(device, start, len, dtype).map(tensor)
 }
 
 /// Uniform (or standard normal, when `normal`) samples fixed by `seed`.
@@ -248,18 +274,17 @@ pub(crate) fn random(
     seed: u64,
     normal: bool,
 ) -> Result<Tensor> {
-    match device {
-        Device::Cpu => cpu::create::random(shape, dtype, seed, normal),
-        Device::Cuda(ordinal) => cuda::random(ordinal, shape, dtype, seed, normal),
-    }
+    on(device)
+        .random(device, shape, dtype, seed, normal)
+        .map(tensor)
 }
 
 /// Contiguous `parts` (of one dtype and device) copied into one 1-D tensor of `len` bytes, each
 /// at its byte offset.
 pub(crate) fn pack(parts: &[Tensor], offsets: &[usize], len: usize) -> Result<Tensor> {
-    on!(parts[0].device(),
-        cpu => cpu::copy::pack(parts, offsets, len),
-        cuda => cuda::pack(parts, offsets, len))
+    on(parts[0].device())
+        .pack(&views(parts), offsets, len)
+        .map(tensor)
 }
 
 // Fused paths. Each answers `Ok(None)` where the device has no kernel (or library call) for it,
@@ -275,7 +300,8 @@ pub(crate) fn fused_linear(
     b: &Tensor,
     relu: bool,
 ) -> Result<Option<Tensor>> {
-    on!(x.device(), cpu => Ok(None), cuda => cuda::linear(x, w, b, relu))
+    let out = on(x.device()).fused_linear(&view(x), &view(w), &view(b), relu)?;
+    Ok(out.map(tensor))
 }
 
 /// One native convolution pass (cuDNN, where it loads and is enabled for the dtype): `Forward`
@@ -289,21 +315,21 @@ pub(crate) fn convolution(
     first: &Tensor,
     second: &Tensor,
 ) -> Result<Option<Tensor>> {
-    on!(first.device(),
-        cpu => Ok(None),
-        cuda => cuda::conv::convolution(pass, geo, groups, filters, first, second))
+    let out =
+        on(first.device()).convolution(pass, geo, groups, filters, &view(first), &view(second))?;
+    Ok(out.map(tensor))
 }
 
 /// Softmax's (or log-softmax's) gradient over the last axis from its output `y`, in one pass:
 /// a kernel on a GPU when `g` has `y`'s dtype; the CPU composes it.
 pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Option<Tensor>> {
-    on!(y.device(), cpu => Ok(None), cuda => cuda::softmax_backward(y, g, log))
+    let out = on(y.device()).softmax_backward(&view(y), &view(g), log)?;
+    Ok(out.map(tensor))
 }
 
 /// nll's gradient with respect to `[rows, classes]` log-probabilities, from the 0-d `g`: one
 /// kernel on every device.
 pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Option<Tensor>> {
-    on!(g.device(),
-        cpu => cpu::reduce::nll_backward(targets, g, classes).map(Some),
-        cuda => cuda::nll_backward(targets, g, classes).map(Some))
+    let out = on(g.device()).nll_backward(&view(targets), &view(g), classes)?;
+    Ok(out.map(tensor))
 }

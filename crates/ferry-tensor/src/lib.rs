@@ -17,11 +17,14 @@
 //! few bytes read back to report them.
 //!
 //! Layers, each importing only those below it: `layout`, `storage`, `error`, then `op` (the op
-//! vocabulary: the op table, conv geometry, the Adam step's scalars, shared messages) and
-//! `tensor` (the type alone: storage, layout, autograd metadata); the kernels (`cpu`, `cuda`),
-//! which read and make tensors but call no op; `backend`, the one place that matches on the
-//! device and that answers which fused paths a device has; and on top `autograd`, `rules` and
-//! `ops`. The backend module's docs say what adding a fused op touches.
+//! vocabulary: the op table, conv geometry, the Adam step's scalars, shared messages), `kernel`
+//! (the interface a device's kernels implement: operands of borrowed storage and a layout, dense
+//! outputs, and `Backend`, a trait per op family with a method per primitive and per fused path)
+//! and `tensor` (the type alone: storage, layout, autograd metadata); the kernels (`cpu`, `cuda`),
+//! one `Backend` per device on storage and layouts, each family's trait implemented in that
+//! family's file, which know nothing of tensors and call no op; `backend`, the one place that
+//! matches on the device and makes tensors of the kernels' outputs; and on top `autograd`, `rules`
+//! and `ops`. The backend module's docs say what adding a fused op touches.
 //!
 //! Key decision: a gradient rule declares what it saves ([`Save`]: inputs, the output, or
 //! nothing but shapes and scalars) and is otherwise plain data and a `fn`, so a node keeps alive
@@ -50,6 +53,7 @@ mod cpu;
 mod cuda;
 mod error;
 pub mod gradcheck;
+pub(crate) mod kernel;
 mod layout;
 mod op;
 pub mod ops;

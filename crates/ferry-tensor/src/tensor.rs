@@ -180,11 +180,16 @@ impl Tensor {
     /// A contiguous tensor over storage just allocated for `shape` (its size came from
     /// [`shape_bytes`], so the layout fits by construction).
     pub(crate) fn from_shape(storage: Storage, shape: &[usize]) -> Tensor {
-        let layout = Layout::contiguous(shape);
+        Tensor::from_contiguous(storage, Layout::contiguous(shape))
+    }
+
+    /// A tensor over storage just allocated for the contiguous `layout` (a kernel's output).
+    pub(crate) fn from_contiguous(storage: Storage, layout: Layout) -> Tensor {
         debug_assert!(
-            layout
-                .check_fits("from_shape", storage.dtype(), storage.bytes())
-                .is_ok()
+            layout.is_contiguous()
+                && layout
+                    .check_fits("from_contiguous", storage.dtype(), storage.bytes())
+                    .is_ok()
         );
         Tensor::over(Arc::new(storage), layout)
     }

@@ -7,10 +7,11 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::{CHUNK, PARALLEL_THRESHOLD, any_dispatch, build, float_dispatch};
+use super::{CHUNK, Cpu, PARALLEL_THRESHOLD, any_dispatch, build, float_dispatch};
+use crate::Result;
+use crate::kernel::{Dense, Elementwise, Operand, View};
 use crate::layout::Layout;
 use crate::op::{BinaryLoop, BinaryOp, CmpOp, UnaryLoop, UnaryOp};
-use crate::{Result, Tensor};
 
 /// `out[i] = f(x[i])` over a strided input, parallel for large contiguous inputs.
 fn map<T: Element, U: Element>(x: &[T], layout: &Layout, out: &mut [U], f: impl Fn(T) -> U + Sync) {
@@ -127,112 +128,106 @@ impl<T: Element> BinaryLoop<T, bool> for ZipBool<'_, T> {
     }
 }
 
-pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Tensor> {
-    float_dispatch!(x.dtype(), op.name(), |T| {
-        let src = x.storage().host::<T>(op.name())?;
-        build::<T>(op.name(), x.shape(), |out| {
-            op.dispatch(Map {
-                x: &src,
-                layout: x.layout(),
-                out,
-            })
-        })
-    })
-}
-
-pub(crate) fn binary(
-    a: &Tensor,
-    la: &Layout,
-    b: &Tensor,
-    lb: &Layout,
-    op: BinaryOp,
-) -> Result<Tensor> {
-    float_dispatch!(a.dtype(), op.name(), |T| {
-        let (x, y) = (
-            a.storage().host::<T>(op.name())?,
-            b.storage().host::<T>(op.name())?,
-        );
-        build::<T>(op.name(), la.shape(), |out| {
-            op.dispatch(Zip {
-                a: &x,
-                la,
-                b: &y,
-                lb,
-                out,
-            })
-        })
-    })
-}
-
-pub(crate) fn compare(
-    a: &Tensor,
-    la: &Layout,
-    b: &Tensor,
-    lb: &Layout,
-    op: CmpOp,
-) -> Result<Tensor> {
-    any_dispatch!(a.dtype(), |T| {
-        let (x, y) = (
-            a.storage().host::<T>(op.name())?,
-            b.storage().host::<T>(op.name())?,
-        );
-        build::<u8>(op.name(), la.shape(), |out| {
-            op.dispatch::<T, _>(ZipBool(Zip {
-                a: &x,
-                la,
-                b: &y,
-                lb,
-                out,
-            }))
-        })
-    })
-}
-
-/// Converts every element to `dtype`; the 16-bit float paths use half's vectorised slices.
-pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    // Sized before `dense` copies a view: a result too large is refused without that copy.
-    crate::layout::shape_bytes("to_dtype", x.shape(), dtype)?;
-    let x = super::dense(x)?;
-    let n = x.numel();
-    let off = x.layout().offset();
-    match (x.dtype(), dtype) {
-        (DType::F32, DType::F16) => {
-            let src = x.storage().host::<f32>("cast")?;
-            build::<f16>("to_dtype", x.shape(), |out| {
-                par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s))
-            })
-        }
-        (DType::F32, DType::BF16) => {
-            let src = x.storage().host::<f32>("cast")?;
-            build::<bf16>("to_dtype", x.shape(), |out| {
-                par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s))
-            })
-        }
-        (DType::F16, DType::F32) => {
-            let src = x.storage().host::<f16>("cast")?;
-            build::<f32>("to_dtype", x.shape(), |out| {
-                par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o))
-            })
-        }
-        (DType::BF16, DType::F32) => {
-            let src = x.storage().host::<bf16>("cast")?;
-            build::<f32>("to_dtype", x.shape(), |out| {
-                par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o))
-            })
-        }
-        (from, to) => any_dispatch!(from, |S| {
-            let src = x.storage().host::<S>("cast")?;
-            let src = &src[off..off + n];
-            any_dispatch!(to, |D| build::<D>(
-                "to_dtype",
-                x.shape(),
-                |out| par_convert(src, out, |o, s| {
-                    o.iter_mut()
-                        .zip(s)
-                        .for_each(|(o, &s)| *o = <D as Element>::from_f64(s.to_f64()))
+impl Elementwise for Cpu {
+    fn unary(&self, x: &Operand<'_>, op: UnaryOp) -> Result<Dense> {
+        float_dispatch!(x.dtype(), op.name(), |T| {
+            let src = x.storage().host::<T>(op.name())?;
+            build::<T>(op.name(), x.shape(), |out| {
+                op.dispatch(Map {
+                    x: &src,
+                    layout: x.layout(),
+                    out,
                 })
-            ))
-        }),
+            })
+        })
+    }
+
+    /// `op` elementwise over layouts already broadcast to the output's shape.
+    fn binary(&self, a: &Operand<'_>, b: &Operand<'_>, op: BinaryOp) -> Result<Dense> {
+        let (la, lb) = (a.layout(), b.layout());
+        float_dispatch!(a.dtype(), op.name(), |T| {
+            let (x, y) = (
+                a.storage().host::<T>(op.name())?,
+                b.storage().host::<T>(op.name())?,
+            );
+            build::<T>(op.name(), la.shape(), |out| {
+                op.dispatch(Zip {
+                    a: &x,
+                    la,
+                    b: &y,
+                    lb,
+                    out,
+                })
+            })
+        })
+    }
+
+    /// `op` as 1 or 0 (`u8`) over layouts already broadcast to the output's shape.
+    fn compare(&self, a: &Operand<'_>, b: &Operand<'_>, op: CmpOp) -> Result<Dense> {
+        let (la, lb) = (a.layout(), b.layout());
+        any_dispatch!(a.dtype(), |T| {
+            let (x, y) = (
+                a.storage().host::<T>(op.name())?,
+                b.storage().host::<T>(op.name())?,
+            );
+            build::<u8>(op.name(), la.shape(), |out| {
+                op.dispatch::<T, _>(ZipBool(Zip {
+                    a: &x,
+                    la,
+                    b: &y,
+                    lb,
+                    out,
+                }))
+            })
+        })
+    }
+
+    /// Converts every element to `dtype`; the 16-bit float paths use half's vectorised slices.
+    fn cast(&self, x: &Operand<'_>, dtype: DType) -> Result<Dense> {
+        // Sized before `dense` copies a view: a result too large is refused without that copy.
+        crate::layout::shape_bytes("to_dtype", x.shape(), dtype)?;
+        let x = super::dense(x)?;
+        let n = x.numel();
+        let off = x.layout().offset();
+        match (x.dtype(), dtype) {
+            (DType::F32, DType::F16) => {
+                let src = x.storage().host::<f32>("cast")?;
+                build::<f16>("to_dtype", x.shape(), |out| {
+                    par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s))
+                })
+            }
+            (DType::F32, DType::BF16) => {
+                let src = x.storage().host::<f32>("cast")?;
+                build::<bf16>("to_dtype", x.shape(), |out| {
+                    par_convert(&src[off..off + n], out, |o, s| o.convert_from_f32_slice(s))
+                })
+            }
+            (DType::F16, DType::F32) => {
+                let src = x.storage().host::<f16>("cast")?;
+                build::<f32>("to_dtype", x.shape(), |out| {
+                    par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o))
+                })
+            }
+            (DType::BF16, DType::F32) => {
+                let src = x.storage().host::<bf16>("cast")?;
+                build::<f32>("to_dtype", x.shape(), |out| {
+                    par_convert(&src[off..off + n], out, |o, s| s.convert_to_f32_slice(o))
+                })
+            }
+            (from, to) => any_dispatch!(from, |S| {
+                let src = x.storage().host::<S>("cast")?;
+                let src = &src[off..off + n];
+                any_dispatch!(to, |D| build::<D>(
+                    "to_dtype",
+                    x.shape(),
+                    |out| par_convert(src, out, |o, s| {
+                        o.iter_mut()
+                            .zip(s)
+                            .for_each(|(o, &s)| *o = <D as Element>::from_f64(s.to_f64()))
+                    })
+                ))
+            }),
+        }
     }
 }
 

@@ -5,13 +5,14 @@
 use ferry_memory::Element;
 use rayon::prelude::*;
 
-use super::{PARALLEL_THRESHOLD, any_dispatch, build, dense, float_dispatch};
+use super::{Cpu, PARALLEL_THRESHOLD, any_dispatch, build, dense, float_dispatch};
+use crate::Result;
+use crate::kernel::{Dense, Indexing, Operand, View};
 use crate::layout::contiguous_strides;
 use crate::op::message::out_of_range;
-use crate::{Result, Tensor};
 
-/// The indices of a host `i64` tensor, in row-major order.
-fn indices(op: &'static str, index: &Tensor) -> Result<Vec<i64>> {
+/// The indices of a host `i64` operand, in row-major order.
+fn indices(op: &'static str, index: &Operand<'_>) -> Result<Vec<i64>> {
     let index = dense(index)?;
     let off = index.layout().offset();
     let data = index.storage().host::<i64>(op)?;
@@ -39,67 +40,128 @@ fn split(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     )
 }
 
-pub(crate) fn index_select(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
-    const OP: &str = "index_select";
-    let idx = indices(OP, index)?;
-    check(OP, &idx, x.shape()[axis], axis, x.shape())?;
-    let x = dense(x)?;
-    let (outer, len, inner) = split(x.shape(), axis);
-    let k = idx.len();
-    let mut shape = x.shape().to_vec();
-    shape[axis] = k;
-    any_dispatch!(x.dtype(), |T| {
-        let off = x.layout().offset();
-        let src = x.storage().host::<T>(OP)?;
-        let src = &src[off..off + x.numel()];
-        build::<T>(OP, &shape, |out| {
-            if inner == 0 {
-                return;
-            }
-            // One row of `inner` elements per (o, j).
-            let row = |(r, dst): (usize, &mut [T])| {
-                let (o, j) = (r / k, r % k);
-                let from = (o * len + idx[j] as usize) * inner;
-                dst.copy_from_slice(&src[from..from + inner]);
-            };
-            if outer * k * inner >= PARALLEL_THRESHOLD {
-                out.par_chunks_mut(inner).enumerate().for_each(row);
-            } else {
-                out.chunks_mut(inner).enumerate().for_each(row);
-            }
+impl Indexing for Cpu {
+    fn index_select(&self, x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
+        const OP: &str = "index_select";
+        let idx = indices(OP, index)?;
+        check(OP, &idx, x.shape()[axis], axis, x.shape())?;
+        let x = dense(x)?;
+        let (outer, len, inner) = split(x.shape(), axis);
+        let k = idx.len();
+        let mut shape = x.shape().to_vec();
+        shape[axis] = k;
+        any_dispatch!(x.dtype(), |T| {
+            let off = x.layout().offset();
+            let src = x.storage().host::<T>(OP)?;
+            let src = &src[off..off + x.numel()];
+            build::<T>(OP, &shape, |out| {
+                if inner == 0 {
+                    return;
+                }
+                // One row of `inner` elements per (o, j).
+                let row = |(r, dst): (usize, &mut [T])| {
+                    let (o, j) = (r / k, r % k);
+                    let from = (o * len + idx[j] as usize) * inner;
+                    dst.copy_from_slice(&src[from..from + inner]);
+                };
+                if outer * k * inner >= PARALLEL_THRESHOLD {
+                    out.par_chunks_mut(inner).enumerate().for_each(row);
+                } else {
+                    out.chunks_mut(inner).enumerate().for_each(row);
+                }
+            })
         })
-    })
-}
+    }
 
-pub(crate) fn index_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-    const OP: &str = "index_add";
-    let idx = indices(OP, index)?;
-    check(OP, &idx, x.shape()[axis], axis, x.shape())?;
-    let (x, src) = (dense(x)?, dense(src)?);
-    let (outer, len, inner) = split(x.shape(), axis);
-    let k = idx.len();
-    float_dispatch!(x.dtype(), OP, |T| {
-        let (xo, so) = (x.layout().offset(), src.layout().offset());
-        let base = x.storage().host::<T>(OP)?;
-        let base = &base[xo..xo + x.numel()];
-        let add = src.storage().host::<T>(OP)?;
-        let add = &add[so..so + src.numel()];
-        build::<T>(OP, x.shape(), |out| {
-            out.copy_from_slice(base);
-            for o in 0..outer {
-                for (j, &at) in idx.iter().enumerate() {
-                    let to = (o * len + at as usize) * inner;
-                    let from = (o * k + j) * inner;
-                    for (d, s) in out[to..to + inner].iter_mut().zip(&add[from..from + inner]) {
-                        *d = <T as Element>::from_f64(d.to_f64() + s.to_f64());
+    fn index_add(
+        &self,
+        x: &Operand<'_>,
+        axis: usize,
+        index: &Operand<'_>,
+        src: &Operand<'_>,
+    ) -> Result<Dense> {
+        const OP: &str = "index_add";
+        let idx = indices(OP, index)?;
+        check(OP, &idx, x.shape()[axis], axis, x.shape())?;
+        let (x, src) = (dense(x)?, dense(src)?);
+        let (outer, len, inner) = split(x.shape(), axis);
+        let k = idx.len();
+        float_dispatch!(x.dtype(), OP, |T| {
+            let (xo, so) = (x.layout().offset(), src.layout().offset());
+            let base = x.storage().host::<T>(OP)?;
+            let base = &base[xo..xo + x.numel()];
+            let add = src.storage().host::<T>(OP)?;
+            let add = &add[so..so + src.numel()];
+            build::<T>(OP, x.shape(), |out| {
+                out.copy_from_slice(base);
+                for o in 0..outer {
+                    for (j, &at) in idx.iter().enumerate() {
+                        let to = (o * len + at as usize) * inner;
+                        let from = (o * k + j) * inner;
+                        for (d, s) in out[to..to + inner].iter_mut().zip(&add[from..from + inner]) {
+                            *d = <T as Element>::from_f64(d.to_f64() + s.to_f64());
+                        }
                     }
                 }
-            }
+            })
         })
-    })
+    }
+
+    fn gather(&self, x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
+        const OP: &str = "gather";
+        let idx = indices(OP, index)?;
+        check(OP, &idx, x.shape()[axis], axis, x.shape())?;
+        let x = dense(x)?;
+        let strides = contiguous_strides(x.shape());
+        let ishape = index.shape();
+        any_dispatch!(x.dtype(), |T| {
+            let off = x.layout().offset();
+            let src = x.storage().host::<T>(OP)?;
+            let src = &src[off..off + x.numel()];
+            build::<T>(OP, ishape, |out| {
+                let at = |(p, o): (usize, &mut T)| {
+                    *o = src[offset(ishape, &strides, axis, p, idx[p] as usize)];
+                };
+                if out.len() >= PARALLEL_THRESHOLD {
+                    out.par_iter_mut().enumerate().for_each(at);
+                } else {
+                    out.iter_mut().enumerate().for_each(at);
+                }
+            })
+        })
+    }
+
+    fn scatter_add(
+        &self,
+        x: &Operand<'_>,
+        axis: usize,
+        index: &Operand<'_>,
+        src: &Operand<'_>,
+    ) -> Result<Dense> {
+        const OP: &str = "scatter_add";
+        let idx = indices(OP, index)?;
+        check(OP, &idx, x.shape()[axis], axis, x.shape())?;
+        let (x, src) = (dense(x)?, dense(src)?);
+        let strides = contiguous_strides(x.shape());
+        let ishape = index.shape();
+        float_dispatch!(x.dtype(), OP, |T| {
+            let (xo, so) = (x.layout().offset(), src.layout().offset());
+            let base = x.storage().host::<T>(OP)?;
+            let base = &base[xo..xo + x.numel()];
+            let add = src.storage().host::<T>(OP)?;
+            let add = &add[so..so + src.numel()];
+            build::<T>(OP, x.shape(), |out| {
+                out.copy_from_slice(base);
+                for (p, (&at, s)) in idx.iter().zip(add).enumerate() {
+                    let d = &mut out[offset(ishape, &strides, axis, p, at as usize)];
+                    *d = <T as Element>::from_f64(d.to_f64() + s.to_f64());
+                }
+            })
+        })
+    }
 }
 
-/// The element offset in a dense tensor of `strides` of position `p` of `shape` (the index's),
+/// The element offset in a dense array of `strides` of position `p` of `shape` (the index's),
 /// with `at` along `axis`.
 fn offset(shape: &[usize], strides: &[usize], axis: usize, mut p: usize, at: usize) -> usize {
     let mut off = 0;
@@ -109,51 +171,4 @@ fn offset(shape: &[usize], strides: &[usize], axis: usize, mut p: usize, at: usi
         off += if d == axis { at } else { c } * strides[d];
     }
     off
-}
-
-pub(crate) fn gather(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
-    const OP: &str = "gather";
-    let idx = indices(OP, index)?;
-    check(OP, &idx, x.shape()[axis], axis, x.shape())?;
-    let x = dense(x)?;
-    let strides = contiguous_strides(x.shape());
-    let ishape = index.shape();
-    any_dispatch!(x.dtype(), |T| {
-        let off = x.layout().offset();
-        let src = x.storage().host::<T>(OP)?;
-        let src = &src[off..off + x.numel()];
-        build::<T>(OP, ishape, |out| {
-            let at = |(p, o): (usize, &mut T)| {
-                *o = src[offset(ishape, &strides, axis, p, idx[p] as usize)];
-            };
-            if out.len() >= PARALLEL_THRESHOLD {
-                out.par_iter_mut().enumerate().for_each(at);
-            } else {
-                out.iter_mut().enumerate().for_each(at);
-            }
-        })
-    })
-}
-
-pub(crate) fn scatter_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-    const OP: &str = "scatter_add";
-    let idx = indices(OP, index)?;
-    check(OP, &idx, x.shape()[axis], axis, x.shape())?;
-    let (x, src) = (dense(x)?, dense(src)?);
-    let strides = contiguous_strides(x.shape());
-    let ishape = index.shape();
-    float_dispatch!(x.dtype(), OP, |T| {
-        let (xo, so) = (x.layout().offset(), src.layout().offset());
-        let base = x.storage().host::<T>(OP)?;
-        let base = &base[xo..xo + x.numel()];
-        let add = src.storage().host::<T>(OP)?;
-        let add = &add[so..so + src.numel()];
-        build::<T>(OP, x.shape(), |out| {
-            out.copy_from_slice(base);
-            for (p, (&at, s)) in idx.iter().zip(add).enumerate() {
-                let d = &mut out[offset(ishape, &strides, axis, p, at as usize)];
-                *d = <T as Element>::from_f64(d.to_f64() + s.to_f64());
-            }
-        })
-    })
 }

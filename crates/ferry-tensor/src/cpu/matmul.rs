@@ -4,47 +4,40 @@ use ferry_memory::DType;
 use ferry_memory::gemm::{self, GemmElement, MatRef};
 use half::f16;
 
+use super::Cpu;
 use super::build;
-use super::elementwise::cast;
+use crate::kernel::{Dense, Elementwise, Matmul, Operand, View};
 use crate::layout::Layout;
-use crate::{Result, Tensor, TensorError};
+use crate::{Result, TensorError};
 
-/// `a [.., m, k] · b [.., k, n]` with batch layouts already broadcast to `batch`.
-pub(crate) fn matmul(
-    a: &Tensor,
-    la: &Layout,
-    b: &Tensor,
-    lb: &Layout,
-    batch: &[usize],
-) -> Result<Tensor> {
-    match a.dtype() {
-        DType::F32 => typed::<f32>(a, la, b, lb, batch),
-        DType::F64 => typed::<f64>(a, la, b, lb, batch),
-        DType::F16 => typed::<f16>(a, la, b, lb, batch),
-        // gemm has no bf16 kernels: compute in f32, round once at the end.
-        DType::BF16 => {
-            let (a32, b32) = (
-                cast(&a.with_layout(la.clone()), DType::F32)?,
-                cast(&b.with_layout(lb.clone()), DType::F32)?,
-            );
-            let out = typed::<f32>(&a32, a32.layout(), &b32, b32.layout(), batch)?;
-            cast(&out, DType::BF16)
+impl Matmul for Cpu {
+    /// `a [.., m, k] · b [.., k, n]` with batch layouts already broadcast to `batch`.
+    fn matmul(&self, a: &Operand<'_>, b: &Operand<'_>, batch: &[usize]) -> Result<Dense> {
+        match a.dtype() {
+            DType::F32 => typed::<f32>(a, b, batch),
+            DType::F64 => typed::<f64>(a, b, batch),
+            DType::F16 => typed::<f16>(a, b, batch),
+            // gemm has no bf16 kernels: compute in f32, round once at the end.
+            DType::BF16 => {
+                let (a32, b32) = (Cpu.cast(a, DType::F32)?, Cpu.cast(b, DType::F32)?);
+                let out = typed::<f32>(&a32.operand(), &b32.operand(), batch)?;
+                Cpu.cast(&out.operand(), DType::BF16)
+            }
+            dtype => Err(TensorError::UnsupportedDType {
+                op: "matmul",
+                dtype,
+                hint: "matmul needs a float dtype; cast with `.to_dtype(DType::F32)`",
+            }),
         }
-        dtype => Err(TensorError::UnsupportedDType {
-            op: "matmul",
-            dtype,
-            hint: "matmul needs a float dtype; cast with `.to_dtype(DType::F32)`",
-        }),
     }
 }
 
 fn typed<T: GemmElement + ferry_memory::Element>(
-    a: &Tensor,
-    la: &Layout,
-    b: &Tensor,
-    lb: &Layout,
+    a: &Operand<'_>,
+    b: &Operand<'_>,
     batch: &[usize],
-) -> Result<Tensor> {
+) -> Result<Dense> {
+    let (la, lb) = (a.layout(), b.layout());
     let nd = la.ndim();
     let (m, k, n) = (la.shape()[nd - 2], la.shape()[nd - 1], lb.shape()[nd - 1]);
     let mut out_shape = batch.to_vec();

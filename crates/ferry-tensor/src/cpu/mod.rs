@@ -1,15 +1,17 @@
-//! CPU kernels: generic over the element type, parallel with rayon above a size threshold.
+//! CPU kernels on host storage and layouts: generic over the element type, parallel with rayon
+//! above a size threshold. [`Cpu`] implements every family's trait of the backend interface, each
+//! in the family's file.
 
-pub(crate) mod conv;
-pub(crate) mod copy;
-pub(crate) mod create;
-pub(crate) mod elementwise;
-pub(crate) mod index;
-pub(crate) mod matmul;
-pub(crate) mod norm;
-pub(crate) mod optim;
-pub(crate) mod reduce;
-pub(crate) mod select;
+mod conv;
+mod copy;
+mod create;
+mod elementwise;
+mod index;
+mod matmul;
+mod norm;
+mod optim;
+mod reduce;
+mod select;
 
 /// Below this many elements, threads cost more than they save.
 pub(crate) const PARALLEL_THRESHOLD: usize = 1 << 15;
@@ -81,42 +83,42 @@ macro_rules! any_dispatch {
 
 pub(crate) use {any_dispatch, float_dispatch};
 
-use ferry_memory::{DType, Element};
+use ferry_memory::{Device, Element};
 
+use crate::Result;
+use crate::kernel::{Copies, Dense, Operand, Source, View};
 use crate::storage::Storage;
-use crate::{Result, Tensor};
 
-/// A fresh contiguous host tensor of `shape`, filled by `fill`, which must write every element:
+/// The host's kernels: each family's trait (`kernel`) is implemented in its file here.
+pub(crate) struct Cpu;
+
+/// Fresh contiguous host storage of `shape`, filled by `fill`, which must write every element:
 /// the buffer starts with unspecified contents (a recycled block, to skip the allocator and
 /// the zeroing on small outputs).
 pub(crate) fn build<T: Element>(
     op: &'static str,
     shape: &[usize],
     fill: impl FnOnce(&mut [T]),
-) -> Result<Tensor> {
+) -> Result<Dense> {
     let bytes = crate::layout::shape_bytes(op, shape, T::DTYPE)?;
     let buffer = ferry_memory::HostBuffer::for_overwrite(bytes)?;
-    let storage = Storage::new(
-        crate::Buffer::Host(buffer),
-        T::DTYPE,
-        ferry_memory::Device::Cpu,
-    );
+    let storage = Storage::new(crate::Buffer::Host(buffer), T::DTYPE, Device::Cpu);
     fill(&mut storage.host_mut::<T>(op)?);
-    Ok(Tensor::from_shape(storage, shape))
+    Ok(Dense::new(storage, shape))
 }
 
-/// `x` itself when contiguous, else a contiguous copy; kernels use it so that reading an input
-/// never records a graph node.
-pub(crate) fn dense(x: &Tensor) -> Result<Tensor> {
+/// `x` itself when contiguous, else a contiguous copy.
+pub(crate) fn dense<'a>(x: &Operand<'a>) -> Result<Source<'a>> {
     if x.is_contiguous() {
-        Ok(x.clone())
+        Ok(Source::InPlace(*x))
     } else {
-        copy::contiguous(x)
+        Cpu.contiguous(x).map(Source::Copy)
     }
 }
 
-/// A contiguous host tensor of `dtype` with every element `value`.
-pub(crate) fn full(shape: &[usize], dtype: DType, value: f64) -> Result<Tensor> {
-    any_dispatch!(dtype, |T| build::<T>("full", shape, |out| out
-        .fill(<T as Element>::from_f64(value))))
+/// Elements of a contiguous host operand, read out to a `Vec`.
+pub(crate) fn read_elements<T: Element>(x: &Operand<'_>) -> Result<Vec<T>> {
+    let data = x.storage().host::<T>("to_vec")?;
+    let off = x.layout().offset();
+    Ok(data[off..off + x.numel()].to_vec())
 }

@@ -4,12 +4,13 @@
 use ferry_memory::Element;
 use rayon::prelude::*;
 
-use super::{PARALLEL_THRESHOLD, build, dense, float_dispatch};
+use super::{Cpu, PARALLEL_THRESHOLD, build, dense, float_dispatch};
+use crate::Result;
+use crate::kernel::{Dense, Norm, Operand, View};
 use crate::op::stats_dtype;
-use crate::{Result, Tensor};
 
-/// The elements of a host tensor of `T`, densified.
-fn elements<T: Element>(op: &'static str, t: &Tensor) -> Result<Vec<f64>> {
+/// The elements of a host operand of `T`, in row-major order, as f64.
+fn elements<T: Element>(op: &'static str, t: &Operand<'_>) -> Result<Vec<f64>> {
     let t = dense(t)?;
     let off = t.layout().offset();
     let data = t.storage().host::<T>(op)?;
@@ -19,8 +20,8 @@ fn elements<T: Element>(op: &'static str, t: &Tensor) -> Result<Vec<f64>> {
         .collect())
 }
 
-/// Builds a `[rows, 2]` statistics tensor (mean, rstd per row) in `stats_dtype(dtype)`.
-fn stats_tensor(dtype: ferry_memory::DType, stats: &[f64], rows: usize) -> Result<Tensor> {
+/// Builds `[rows, 2]` statistics (mean, rstd per row) in `stats_dtype(dtype)`.
+fn stats_output(dtype: ferry_memory::DType, stats: &[f64], rows: usize) -> Result<Dense> {
     float_dispatch!(stats_dtype(dtype), "layer_norm", |S| {
         build::<S>("layer_norm", &[rows, 2], |out| {
             for (o, &v) in out.iter_mut().zip(stats) {
@@ -30,129 +31,134 @@ fn stats_tensor(dtype: ferry_memory::DType, stats: &[f64], rows: usize) -> Resul
     })
 }
 
-/// `y` and the `[rows, 2]` statistics of `x` (`[rows, cols]`).
-pub(crate) fn layer_norm(
-    x: &Tensor,
-    w: Option<&Tensor>,
-    b: Option<&Tensor>,
-    eps: f64,
-) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "layer_norm";
-    let (rows, cols) = (x.shape()[0], x.shape()[1]);
-    let mut stats = vec![0.0f64; 2 * rows];
-    let y = float_dispatch!(x.dtype(), OP, |T| {
-        let xs = elements::<T>(OP, x)?;
-        let ws = w.map(|w| elements::<T>(OP, w)).transpose()?;
-        let bs = b.map(|b| elements::<T>(OP, b)).transpose()?;
-        // Statistics rounded to the dtype they are kept in, so the backward sees the same.
-        let keep = |v: f64| {
-            if x.dtype() == ferry_memory::DType::F64 {
-                v
-            } else {
-                v as f32 as f64
-            }
-        };
-        build::<T>(OP, x.shape(), |out| {
-            let row = |((o, r), st): ((&mut [T], &[f64]), &mut [f64])| {
-                let mean = r.iter().sum::<f64>() / cols as f64;
-                let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;
-                let rstd = 1.0 / (var + eps).sqrt();
-                for (j, (o, &v)) in o.iter_mut().zip(r).enumerate() {
-                    let mut y = (v - mean) * rstd;
-                    if let Some(ws) = &ws {
-                        y *= ws[j];
-                    }
-                    if let Some(bs) = &bs {
-                        y += bs[j];
-                    }
-                    *o = <T as Element>::from_f64(y);
+impl Norm for Cpu {
+    /// `y` and the `[rows, 2]` statistics of `x` (`[rows, cols]`).
+    fn layer_norm(
+        &self,
+        x: &Operand<'_>,
+        w: Option<&Operand<'_>>,
+        b: Option<&Operand<'_>>,
+        eps: f64,
+    ) -> Result<(Dense, Dense)> {
+        const OP: &str = "layer_norm";
+        let (rows, cols) = (x.shape()[0], x.shape()[1]);
+        let mut stats = vec![0.0f64; 2 * rows];
+        let y = float_dispatch!(x.dtype(), OP, |T| {
+            let xs = elements::<T>(OP, x)?;
+            let ws = w.map(|w| elements::<T>(OP, w)).transpose()?;
+            let bs = b.map(|b| elements::<T>(OP, b)).transpose()?;
+            // Statistics rounded to the dtype they are kept in, so the backward sees the same.
+            let keep = |v: f64| {
+                if x.dtype() == ferry_memory::DType::F64 {
+                    v
+                } else {
+                    v as f32 as f64
                 }
-                st[0] = keep(mean);
-                st[1] = keep(rstd);
             };
-            if rows * cols >= PARALLEL_THRESHOLD {
-                out.par_chunks_mut(cols)
-                    .zip(xs.par_chunks(cols))
-                    .zip(stats.par_chunks_mut(2))
-                    .for_each(row);
-            } else {
-                out.chunks_mut(cols)
-                    .zip(xs.chunks(cols))
-                    .zip(stats.chunks_mut(2))
-                    .for_each(row);
-            }
-        })?
-    });
-    Ok((y, stats_tensor(x.dtype(), &stats, rows)?))
-}
-
-/// `dx`, `dweight`, `dbias` (each only when `want` says so) from the output gradient `g`, the
-/// input `x`, the weight and the saved statistics.
-pub(crate) fn layer_norm_backward(
-    g: &Tensor,
-    x: &Tensor,
-    w: Option<&Tensor>,
-    stats: &Tensor,
-    want: [bool; 3],
-) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    const OP: &str = "layer_norm backward";
-    let (rows, cols) = (x.shape()[0], x.shape()[1]);
-    let st = float_dispatch!(stats.dtype(), OP, |S| elements::<S>(OP, stats)?);
-    float_dispatch!(x.dtype(), OP, |T| {
-        let gs = elements::<T>(OP, g)?;
-        let xs = elements::<T>(OP, x)?;
-        let ws = w.map(|w| elements::<T>(OP, w)).transpose()?;
-        let dx = if want[0] {
-            Some(build::<T>(OP, x.shape(), |out| {
-                let row = |(i, o): (usize, &mut [T])| {
-                    let (mean, rstd) = (st[2 * i], st[2 * i + 1]);
-                    let (gr, xr) = (&gs[i * cols..(i + 1) * cols], &xs[i * cols..(i + 1) * cols]);
-                    let gw = |j: usize| gr[j] * ws.as_ref().map_or(1.0, |w| w[j]);
-                    let (mut s1, mut s2) = (0.0, 0.0);
-                    for (j, &xv) in xr.iter().enumerate() {
-                        s1 += gw(j);
-                        s2 += gw(j) * (xv - mean) * rstd;
+            build::<T>(OP, x.shape(), |out| {
+                let row = |((o, r), st): ((&mut [T], &[f64]), &mut [f64])| {
+                    let mean = r.iter().sum::<f64>() / cols as f64;
+                    let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;
+                    let rstd = 1.0 / (var + eps).sqrt();
+                    for (j, (o, &v)) in o.iter_mut().zip(r).enumerate() {
+                        let mut y = (v - mean) * rstd;
+                        if let Some(ws) = &ws {
+                            y *= ws[j];
+                        }
+                        if let Some(bs) = &bs {
+                            y += bs[j];
+                        }
+                        *o = <T as Element>::from_f64(y);
                     }
-                    let (m1, m2) = (s1 / cols as f64, s2 / cols as f64);
-                    for (j, o) in o.iter_mut().enumerate() {
-                        let xh = (xr[j] - mean) * rstd;
-                        *o = <T as Element>::from_f64(rstd * (gw(j) - m1 - xh * m2));
-                    }
+                    st[0] = keep(mean);
+                    st[1] = keep(rstd);
                 };
                 if rows * cols >= PARALLEL_THRESHOLD {
-                    out.par_chunks_mut(cols).enumerate().for_each(row);
+                    out.par_chunks_mut(cols)
+                        .zip(xs.par_chunks(cols))
+                        .zip(stats.par_chunks_mut(2))
+                        .for_each(row);
                 } else {
-                    out.chunks_mut(cols).enumerate().for_each(row);
+                    out.chunks_mut(cols)
+                        .zip(xs.chunks(cols))
+                        .zip(stats.chunks_mut(2))
+                        .for_each(row);
                 }
-            })?)
-        } else {
-            None
-        };
-        let column_sums = |f: &dyn Fn(usize, usize) -> f64| {
-            let mut acc = vec![0.0f64; cols];
-            for i in 0..rows {
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a += f(i, j);
+            })?
+        });
+        Ok((y, stats_output(x.dtype(), &stats, rows)?))
+    }
+
+    /// `dx`, `dweight`, `dbias` (each only when `want` says so) from the output gradient `g`, the
+    /// input `x`, the weight and the saved statistics.
+    fn layer_norm_backward(
+        &self,
+        g: &Operand<'_>,
+        x: &Operand<'_>,
+        w: Option<&Operand<'_>>,
+        stats: &Operand<'_>,
+        want: [bool; 3],
+    ) -> Result<(Option<Dense>, Option<Dense>, Option<Dense>)> {
+        const OP: &str = "layer_norm backward";
+        let (rows, cols) = (x.shape()[0], x.shape()[1]);
+        let st = float_dispatch!(stats.dtype(), OP, |S| elements::<S>(OP, stats)?);
+        float_dispatch!(x.dtype(), OP, |T| {
+            let gs = elements::<T>(OP, g)?;
+            let xs = elements::<T>(OP, x)?;
+            let ws = w.map(|w| elements::<T>(OP, w)).transpose()?;
+            let dx = if want[0] {
+                Some(build::<T>(OP, x.shape(), |out| {
+                    let row = |(i, o): (usize, &mut [T])| {
+                        let (mean, rstd) = (st[2 * i], st[2 * i + 1]);
+                        let (gr, xr) =
+                            (&gs[i * cols..(i + 1) * cols], &xs[i * cols..(i + 1) * cols]);
+                        let gw = |j: usize| gr[j] * ws.as_ref().map_or(1.0, |w| w[j]);
+                        let (mut s1, mut s2) = (0.0, 0.0);
+                        for (j, &xv) in xr.iter().enumerate() {
+                            s1 += gw(j);
+                            s2 += gw(j) * (xv - mean) * rstd;
+                        }
+                        let (m1, m2) = (s1 / cols as f64, s2 / cols as f64);
+                        for (j, o) in o.iter_mut().enumerate() {
+                            let xh = (xr[j] - mean) * rstd;
+                            *o = <T as Element>::from_f64(rstd * (gw(j) - m1 - xh * m2));
+                        }
+                    };
+                    if rows * cols >= PARALLEL_THRESHOLD {
+                        out.par_chunks_mut(cols).enumerate().for_each(row);
+                    } else {
+                        out.chunks_mut(cols).enumerate().for_each(row);
+                    }
+                })?)
+            } else {
+                None
+            };
+            let column_sums = |f: &dyn Fn(usize, usize) -> f64| {
+                let mut acc = vec![0.0f64; cols];
+                for i in 0..rows {
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a += f(i, j);
+                    }
                 }
-            }
-            build::<T>(OP, &[cols], |out| {
-                for (o, &a) in out.iter_mut().zip(&acc) {
-                    *o = <T as Element>::from_f64(a);
-                }
-            })
-        };
-        let dw = if want[1] {
-            Some(column_sums(&|i, j| {
-                gs[i * cols + j] * (xs[i * cols + j] - st[2 * i]) * st[2 * i + 1]
-            })?)
-        } else {
-            None
-        };
-        let db = if want[2] {
-            Some(column_sums(&|i, j| gs[i * cols + j])?)
-        } else {
-            None
-        };
-        Ok((dx, dw, db))
-    })
+                build::<T>(OP, &[cols], |out| {
+                    for (o, &a) in out.iter_mut().zip(&acc) {
+                        *o = <T as Element>::from_f64(a);
+                    }
+                })
+            };
+            let dw = if want[1] {
+                Some(column_sums(&|i, j| {
+                    gs[i * cols + j] * (xs[i * cols + j] - st[2 * i]) * st[2 * i + 1]
+                })?)
+            } else {
+                None
+            };
+            let db = if want[2] {
+                Some(column_sums(&|i, j| gs[i * cols + j])?)
+            } else {
+                None
+            };
+            Ok((dx, dw, db))
+        })
+    }
 }

@@ -1,7 +1,7 @@
 //! Convolutions on a GPU: through cuDNN where libcudnn loads ([`convolution`]), else im2col and
 //! col2im (kernels/conv.cu: grid-stride kernels, one thread per output element; col2im gathers,
 //! no atomics, so its sums are deterministic) with the products on the cuBLAS path of
-//! `Tensor::matmul`. The pooling argmax is a kernel of the same file.
+//! the matrix product. The pooling argmax is a kernel of the same file.
 
 use std::sync::OnceLock;
 
@@ -12,9 +12,10 @@ use ferry_memory::DType;
 use ferry_memory::cuda::CudaDevice;
 
 use super::kernels::CONV;
-use super::{buffer, dense, float_only, launch, with_output};
+use super::{Cuda, buffer, dense, float_only, launch, with_output};
+use crate::Result;
+use crate::kernel::{Conv, Dense, Operand, View};
 use crate::op::conv::Geometry;
-use crate::{Result, Tensor};
 
 fn function(dev: &CudaDevice, name: &'static str) -> Result<CudaFunction> {
     Ok(dev.function(&CONV, name)?)
@@ -49,81 +50,84 @@ fn cudnn_enabled(dtype: DType) -> bool {
     enabled && matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
 }
 
-/// One cuDNN convolution pass for `geo` with `filters` output channels: `Forward` takes
-/// (x, w) and gives y, `BackwardData` (dy, w) gives dx, `BackwardFilter` (x, dy) gives dw.
-/// `None` where cuDNN does not load, is turned off, or does not take the dtype.
-pub(crate) fn convolution(
-    pass: ConvPass,
-    geo: &Geometry,
-    groups: usize,
-    filters: usize,
-    first: &Tensor,
-    second: &Tensor,
-) -> Result<Option<Tensor>> {
-    const OP: &str = "conv2d";
-    let dtype = first.dtype();
-    if !cudnn_enabled(dtype) {
-        return Ok(None);
+impl Conv for Cuda {
+    /// One cuDNN convolution pass for `geo` with `filters` output channels: `Forward` takes
+    /// (x, w) and gives y, `BackwardData` (dy, w) gives dx, `BackwardFilter` (x, dy) gives dw.
+    /// `None` where cuDNN does not load, is turned off, or does not take the dtype.
+    fn convolution(
+        &self,
+        pass: ConvPass,
+        geo: &Geometry,
+        groups: usize,
+        filters: usize,
+        first: &Operand<'_>,
+        second: &Operand<'_>,
+    ) -> Result<Option<Dense>> {
+        const OP: &str = "conv2d";
+        let dtype = first.dtype();
+        if !cudnn_enabled(dtype) {
+            return Ok(None);
+        }
+        let (first, second) = (dense(first)?, dense(second)?);
+        let spec = ConvSpec {
+            dtype,
+            input: [geo.n, geo.c, geo.h, geo.w],
+            filter: [filters, geo.c / groups.max(1), geo.kh, geo.kw],
+            stride: [geo.sh, geo.sw],
+            padding: [geo.ph, geo.pw],
+            dilation: [geo.dh, geo.dw],
+            groups,
+        };
+        let shape = match pass {
+            ConvPass::Forward => vec![geo.n, filters, geo.oh, geo.ow],
+            ConvPass::BackwardData => vec![geo.n, geo.c, geo.h, geo.w],
+            ConvPass::BackwardFilter => spec.filter.to_vec(),
+        };
+        with_output(first.device(), OP, &shape, dtype, |dev, out| {
+            let size = dtype.size();
+            let (a, b) = (buffer(&first)?, buffer(&second)?);
+            dev.convolution(
+                pass,
+                &spec,
+                ConvInput {
+                    buffer: &a,
+                    offset_bytes: first.layout().offset() * size,
+                },
+                ConvInput {
+                    buffer: &b,
+                    offset_bytes: second.layout().offset() * size,
+                },
+                ConvOutput {
+                    buffer: out,
+                    offset_bytes: 0,
+                },
+                dev.default_stream(),
+            )?;
+            drop((a, b));
+            Ok(())
+        })
+        .map(Some)
     }
-    let (first, second) = (dense(first)?, dense(second)?);
-    let spec = ConvSpec {
-        dtype,
-        input: [geo.n, geo.c, geo.h, geo.w],
-        filter: [filters, geo.c / groups.max(1), geo.kh, geo.kw],
-        stride: [geo.sh, geo.sw],
-        padding: [geo.ph, geo.pw],
-        dilation: [geo.dh, geo.dw],
-        groups,
-    };
-    let shape = match pass {
-        ConvPass::Forward => vec![geo.n, filters, geo.oh, geo.ow],
-        ConvPass::BackwardData => vec![geo.n, geo.c, geo.h, geo.w],
-        ConvPass::BackwardFilter => spec.filter.to_vec(),
-    };
-    with_output(first.device(), OP, &shape, dtype, |dev, out| {
-        let size = dtype.size();
-        let (a, b) = (buffer(&first)?, buffer(&second)?);
-        dev.convolution(
-            pass,
-            &spec,
-            ConvInput {
-                buffer: &a,
-                offset_bytes: first.layout().offset() * size,
-            },
-            ConvInput {
-                buffer: &b,
-                offset_bytes: second.layout().offset() * size,
-            },
-            ConvOutput {
-                buffer: out,
-                offset_bytes: 0,
-            },
-            dev.default_stream(),
-        )?;
-        drop((a, b));
-        Ok(())
-    })
-    .map(Some)
-}
 
-/// `[N, C, H, W]` to `[N, C·KH·KW, OH·OW]`.
-pub(crate) fn im2col(x: &Tensor, g: &Geometry) -> Result<Tensor> {
-    let shape = [g.n, g.c * g.k(), g.l()];
-    let kernel = float_name!("im2col_", x.dtype());
-    window_kernel("im2col", kernel, x, g, &shape, x.dtype())
-}
+    /// `[N, C, H, W]` to `[N, C·KH·KW, OH·OW]`.
+    fn im2col(&self, x: &Operand<'_>, g: &Geometry) -> Result<Dense> {
+        let shape = [g.n, g.c * g.k(), g.l()];
+        let kernel = float_name!("im2col_", x.dtype());
+        window_kernel("im2col", kernel, x, g, &shape, x.dtype())
+    }
 
-/// `[N, C·KH·KW, OH·OW]` to `[N, C, H, W]`, summing overlaps.
-pub(crate) fn col2im(cols: &Tensor, g: &Geometry) -> Result<Tensor> {
-    let shape = [g.n, g.c, g.h, g.w];
-    let kernel = float_name!("col2im_", cols.dtype());
-    window_kernel("col2im", kernel, cols, g, &shape, cols.dtype())
-}
+    /// `[N, C·KH·KW, OH·OW]` to `[N, C, H, W]`, summing overlaps.
+    fn col2im(&self, cols: &Operand<'_>, g: &Geometry) -> Result<Dense> {
+        let shape = [g.n, g.c, g.h, g.w];
+        let kernel = float_name!("col2im_", cols.dtype());
+        window_kernel("col2im", kernel, cols, g, &shape, cols.dtype())
+    }
 
-/// The `i64` flat index of each window's maximum, `[P, OH·OW]`, for planes `[P, H·W]`.
-pub(crate) fn pool_argmax(x: &Tensor, g: &Geometry) -> Result<Tensor> {
-    let kernel = float_name!("pool_argmax_", x.dtype());
-    window_kernel("max_pool2d", kernel, x, g, &[g.n, g.l()], DType::I64)
+    /// The `i64` flat index of each window's maximum, `[P, OH·OW]`, for planes `[P, H·W]`.
+    fn pool_argmax(&self, x: &Operand<'_>, g: &Geometry) -> Result<Dense> {
+        let kernel = float_name!("pool_argmax_", x.dtype());
+        window_kernel("max_pool2d", kernel, x, g, &[g.n, g.l()], DType::I64)
+    }
 }
 
 /// One launch of a kernels/conv.cu kernel over the windows of `g`: a thread per element of the
@@ -131,11 +135,11 @@ pub(crate) fn pool_argmax(x: &Tensor, g: &Geometry) -> Result<Tensor> {
 fn window_kernel(
     op: &'static str,
     kernel: &'static str,
-    x: &Tensor,
+    x: &Operand<'_>,
     g: &Geometry,
     shape: &[usize],
     dtype: DType,
-) -> Result<Tensor> {
+) -> Result<Dense> {
     float_only(op, x.dtype())?;
     let x = dense(x)?;
     let total: usize = shape.iter().product();

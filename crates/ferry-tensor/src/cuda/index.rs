@@ -6,11 +6,13 @@ use ferry_cuda::{CudaFunction, Kernels};
 use ferry_memory::DType;
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 
+use super::copy::copy_into;
 use super::kernels::INDEX;
-use super::{buffer, copy_into, dense, float_only, launch, with_output};
+use super::{Cuda, buffer, dense, float_only, launch, with_output};
+use crate::kernel::{Dense, Indexing, Operand, View};
 use crate::layout::{Layout, contiguous_strides, numel};
 use crate::op::message::out_of_range;
-use crate::{Result, Tensor, TensorError};
+use crate::{Result, TensorError};
 
 /// An iteration shape over a target's strides, with the index replacing one axis; mirrors
 /// `IndexGeom` in kernels/index.cu.
@@ -118,133 +120,147 @@ fn split(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     )
 }
 
-pub(crate) fn index_select(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
-    const OP: &str = "index_select";
-    let (x, idx) = (dense(x)?, dense(index)?);
-    let (_, len, inner) = split(x.shape(), axis);
-    let k = idx.numel();
-    let mut shape = x.shape().to_vec();
-    shape[axis] = k;
-    with_output(x.device(), OP, &shape, x.dtype(), |dev, out| {
-        let n = numel(&shape);
-        if n > 0 {
-            let f = function(dev, copy_kernel(OP, x.dtype().size()))?;
-            let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
-            let (src, ib) = (buffer(&x)?, buffer(&idx)?);
-            launch(dev, &f, n)
-                .arg_buffer(&src)
-                .arg_buffer(&ib)
-                .arg_buffer_mut(out)
-                .arg_u64(len as u64)
-                .arg_u64(k as u64)
-                .arg_u64(inner as u64)
-                .arg_u64(n as u64)
-                .arg_buffer_mut(&mut bad)
-                .run()?;
-            check_flag(dev, &bad, OP, len, axis, x.shape())?;
-        }
-        Ok(())
-    })
-}
+impl Indexing for Cuda {
+    fn index_select(&self, x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
+        const OP: &str = "index_select";
+        let (x, idx) = (dense(x)?, dense(index)?);
+        let (_, len, inner) = split(x.shape(), axis);
+        let k = idx.numel();
+        let mut shape = x.shape().to_vec();
+        shape[axis] = k;
+        with_output(x.device(), OP, &shape, x.dtype(), |dev, out| {
+            let n = numel(&shape);
+            if n > 0 {
+                let f = function(dev, copy_kernel(OP, x.dtype().size()))?;
+                let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
+                let (src, ib) = (buffer(&x)?, buffer(&idx)?);
+                launch(dev, &f, n)
+                    .arg_buffer(&src)
+                    .arg_buffer(&ib)
+                    .arg_buffer_mut(out)
+                    .arg_u64(len as u64)
+                    .arg_u64(k as u64)
+                    .arg_u64(inner as u64)
+                    .arg_u64(n as u64)
+                    .arg_buffer_mut(&mut bad)
+                    .run()?;
+                check_flag(dev, &bad, OP, len, axis, x.shape())?;
+            }
+            Ok(())
+        })
+    }
 
-pub(crate) fn gather(x: &Tensor, axis: usize, index: &Tensor) -> Result<Tensor> {
-    const OP: &str = "gather";
-    let idx = dense(index)?;
-    let shape = idx.shape().to_vec();
-    with_output(x.device(), OP, &shape, x.dtype(), |dev, out| {
-        let n = idx.numel();
-        if n > 0 {
-            // x is read through its own strides: no copy of a view.
-            let geom = IndexGeom::new(
-                OP,
-                &shape,
-                x.layout().strides(),
-                x.layout().offset(),
-                axis,
-                x.shape()[axis],
-            )?;
-            let f = function(dev, copy_kernel(OP, x.dtype().size()))?;
-            let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
-            let (src, ib) = (buffer(x)?, buffer(&idx)?);
-            launch(dev, &f, n)
-                .arg_buffer(&src)
-                .arg_pod(&geom)
-                .arg_buffer(&ib)
-                .arg_buffer_mut(out)
-                .arg_u64(n as u64)
-                .arg_buffer_mut(&mut bad)
-                .run()?;
-            check_flag(dev, &bad, OP, x.shape()[axis], axis, x.shape())?;
-        }
-        Ok(())
-    })
+    fn index_add(
+        &self,
+        x: &Operand<'_>,
+        axis: usize,
+        index: &Operand<'_>,
+        src: &Operand<'_>,
+    ) -> Result<Dense> {
+        const OP: &str = "index_add";
+        float_only(OP, x.dtype())?;
+        let (idx, src) = (dense(index)?, dense(src)?);
+        let (_, len, inner) = split(x.shape(), axis);
+        let k = idx.numel();
+        with_output(x.device(), OP, x.shape(), x.dtype(), |dev, out| {
+            copy_of(dev, x, out)?;
+            let n = src.numel();
+            if n > 0 {
+                let f = function(dev, add_kernel(false, x.dtype()))?;
+                let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
+                let (from, ib) = (buffer(&src)?, buffer(&idx)?);
+                launch(dev, &f, n)
+                    .arg_buffer_mut(out)
+                    .arg_buffer(&ib)
+                    .arg_buffer(&from)
+                    .arg_u64(len as u64)
+                    .arg_u64(k as u64)
+                    .arg_u64(inner as u64)
+                    .arg_u64(n as u64)
+                    .arg_buffer_mut(&mut bad)
+                    .run()?;
+                check_flag(dev, &bad, OP, len, axis, x.shape())?;
+            }
+            Ok(())
+        })
+    }
+
+    fn gather(&self, x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense> {
+        const OP: &str = "gather";
+        let idx = dense(index)?;
+        let shape = idx.shape().to_vec();
+        with_output(x.device(), OP, &shape, x.dtype(), |dev, out| {
+            let n = idx.numel();
+            if n > 0 {
+                // x is read through its own strides: no copy of a view.
+                let geom = IndexGeom::new(
+                    OP,
+                    &shape,
+                    x.layout().strides(),
+                    x.layout().offset(),
+                    axis,
+                    x.shape()[axis],
+                )?;
+                let f = function(dev, copy_kernel(OP, x.dtype().size()))?;
+                let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
+                let (src, ib) = (buffer(x)?, buffer(&idx)?);
+                launch(dev, &f, n)
+                    .arg_buffer(&src)
+                    .arg_pod(&geom)
+                    .arg_buffer(&ib)
+                    .arg_buffer_mut(out)
+                    .arg_u64(n as u64)
+                    .arg_buffer_mut(&mut bad)
+                    .run()?;
+                check_flag(dev, &bad, OP, x.shape()[axis], axis, x.shape())?;
+            }
+            Ok(())
+        })
+    }
+
+    fn scatter_add(
+        &self,
+        x: &Operand<'_>,
+        axis: usize,
+        index: &Operand<'_>,
+        src: &Operand<'_>,
+    ) -> Result<Dense> {
+        const OP: &str = "scatter_add";
+        float_only(OP, x.dtype())?;
+        let (idx, src) = (dense(index)?, dense(src)?);
+        with_output(x.device(), OP, x.shape(), x.dtype(), |dev, out| {
+            copy_of(dev, x, out)?;
+            let n = idx.numel();
+            if n > 0 {
+                let geom = IndexGeom::new(
+                    OP,
+                    idx.shape(),
+                    &contiguous_strides(x.shape()),
+                    0,
+                    axis,
+                    x.shape()[axis],
+                )?;
+                let f = function(dev, add_kernel(true, x.dtype()))?;
+                let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
+                let (from, ib) = (buffer(&src)?, buffer(&idx)?);
+                launch(dev, &f, n)
+                    .arg_buffer_mut(out)
+                    .arg_pod(&geom)
+                    .arg_buffer(&ib)
+                    .arg_buffer(&from)
+                    .arg_u64(n as u64)
+                    .arg_buffer_mut(&mut bad)
+                    .run()?;
+                check_flag(dev, &bad, OP, x.shape()[axis], axis, x.shape())?;
+            }
+            Ok(())
+        })
+    }
 }
 
 /// Copies `x` into `out` (fresh, of `x`'s shape), to accumulate into.
-fn copy_of(dev: &CudaDevice, x: &Tensor, out: &mut DeviceBuffer) -> Result<()> {
+fn copy_of(dev: &CudaDevice, x: &Operand<'_>, out: &mut DeviceBuffer) -> Result<()> {
     copy_into(dev, x, &*buffer(x)?, out, &Layout::contiguous(x.shape()))
-}
-
-pub(crate) fn index_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-    const OP: &str = "index_add";
-    float_only(OP, x.dtype())?;
-    let (idx, src) = (dense(index)?, dense(src)?);
-    let (_, len, inner) = split(x.shape(), axis);
-    let k = idx.numel();
-    with_output(x.device(), OP, x.shape(), x.dtype(), |dev, out| {
-        copy_of(dev, x, out)?;
-        let n = src.numel();
-        if n > 0 {
-            let f = function(dev, add_kernel(false, x.dtype()))?;
-            let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
-            let (from, ib) = (buffer(&src)?, buffer(&idx)?);
-            launch(dev, &f, n)
-                .arg_buffer_mut(out)
-                .arg_buffer(&ib)
-                .arg_buffer(&from)
-                .arg_u64(len as u64)
-                .arg_u64(k as u64)
-                .arg_u64(inner as u64)
-                .arg_u64(n as u64)
-                .arg_buffer_mut(&mut bad)
-                .run()?;
-            check_flag(dev, &bad, OP, len, axis, x.shape())?;
-        }
-        Ok(())
-    })
-}
-
-pub(crate) fn scatter_add(x: &Tensor, axis: usize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-    const OP: &str = "scatter_add";
-    float_only(OP, x.dtype())?;
-    let (idx, src) = (dense(index)?, dense(src)?);
-    with_output(x.device(), OP, x.shape(), x.dtype(), |dev, out| {
-        copy_of(dev, x, out)?;
-        let n = idx.numel();
-        if n > 0 {
-            let geom = IndexGeom::new(
-                OP,
-                idx.shape(),
-                &contiguous_strides(x.shape()),
-                0,
-                axis,
-                x.shape()[axis],
-            )?;
-            let f = function(dev, add_kernel(true, x.dtype()))?;
-            let mut bad = dev.alloc_zeroed(16, dev.default_stream())?;
-            let (from, ib) = (buffer(&src)?, buffer(&idx)?);
-            launch(dev, &f, n)
-                .arg_buffer_mut(out)
-                .arg_pod(&geom)
-                .arg_buffer(&ib)
-                .arg_buffer(&from)
-                .arg_u64(n as u64)
-                .arg_buffer_mut(&mut bad)
-                .run()?;
-            check_flag(dev, &bad, OP, x.shape()[axis], axis, x.shape())?;
-        }
-        Ok(())
-    })
 }
 
 #[cfg(test)]

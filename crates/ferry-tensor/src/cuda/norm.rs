@@ -7,9 +7,10 @@ use ferry_memory::DType;
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 
 use super::kernels::NORM;
-use super::{MAX_ROW_BLOCKS, alloc, buffer, dense, device_of, float_only, launch, wrap};
+use super::{Cuda, MAX_ROW_BLOCKS, alloc, buffer, dense, device_of, float_only, launch, wrap};
+use crate::Result;
+use crate::kernel::{Dense, Norm, Operand, View};
 use crate::op::stats_dtype;
-use crate::{Result, Tensor};
 
 /// Threads per row block: a power of two (the block sum halves), at most 256, about one per
 /// column for short rows.
@@ -65,72 +66,29 @@ fn opt_mut<'a>(l: Launch<'a>, b: Option<&'a mut DeviceBuffer>) -> Launch<'a> {
     }
 }
 
-/// `y` and the `[rows, 2]` statistics (mean, rstd) of `x` (`[rows, cols]`).
-pub(crate) fn layer_norm(
-    x: &Tensor,
-    w: Option<&Tensor>,
-    b: Option<&Tensor>,
-    eps: f64,
-) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "layer_norm";
-    float_only(OP, x.dtype())?;
-    let x = dense(x)?;
-    let (w, b) = (w.map(dense).transpose()?, b.map(dense).transpose()?);
-    let dev = device_of(&x)?;
-    let (rows, cols) = (x.shape()[0], x.shape()[1]);
-    let sd = stats_dtype(x.dtype());
-    let mut y = alloc(&dev, OP, x.shape(), x.dtype())?;
-    let mut stats = alloc(&dev, OP, &[rows, 2], sd)?;
-    if rows > 0 {
-        let f = function(&dev, forward_kernel(x.dtype()))?;
-        let src = buffer(&x)?;
-        let wb = w.as_ref().map(buffer).transpose()?;
-        let bb = b.as_ref().map(buffer).transpose()?;
-        let blocks = grid_stride_blocks(rows, MAX_ROW_BLOCKS);
-        let l = dev
-            .launch(
-                &f,
-                (blocks, 1, 1),
-                (row_threads(cols), 1, 1),
-                0,
-                dev.default_stream(),
-            )
-            .arg_buffer(&src);
-        opt(opt(l, wb.as_deref()), bb.as_deref())
-            .arg_buffer_mut(&mut y)
-            .arg_buffer_mut(&mut stats)
-            .arg_u64(rows as u64)
-            .arg_u64(cols as u64)
-            .arg_f64(eps)
-            .run()?;
-    }
-    Ok((
-        wrap(&dev, y, x.dtype(), x.shape()),
-        wrap(&dev, stats, sd, &[rows, 2]),
-    ))
-}
-
-/// `dx`, `dweight`, `dbias` (each only when `want` says so).
-pub(crate) fn layer_norm_backward(
-    g: &Tensor,
-    x: &Tensor,
-    w: Option<&Tensor>,
-    stats: &Tensor,
-    want: [bool; 3],
-) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    const OP: &str = "layer_norm backward";
-    float_only(OP, x.dtype())?;
-    let (g, x, stats) = (dense(g)?, dense(x)?, dense(stats)?);
-    let w = w.map(dense).transpose()?;
-    let dev = device_of(&x)?;
-    let dtype = x.dtype();
-    let (rows, cols) = (x.shape()[0], x.shape()[1]);
-    let (gb, xb, sb) = (buffer(&g)?, buffer(&x)?, buffer(&stats)?);
-    let dx = if want[0] {
-        let mut dx = alloc(&dev, OP, x.shape(), dtype)?;
+impl Norm for Cuda {
+    /// `y` and the `[rows, 2]` statistics (mean, rstd) of `x` (`[rows, cols]`).
+    fn layer_norm(
+        &self,
+        x: &Operand<'_>,
+        w: Option<&Operand<'_>>,
+        b: Option<&Operand<'_>>,
+        eps: f64,
+    ) -> Result<(Dense, Dense)> {
+        const OP: &str = "layer_norm";
+        float_only(OP, x.dtype())?;
+        let x = dense(x)?;
+        let (w, b) = (w.map(dense).transpose()?, b.map(dense).transpose()?);
+        let dev = device_of(&x)?;
+        let (rows, cols) = (x.shape()[0], x.shape()[1]);
+        let sd = stats_dtype(x.dtype());
+        let mut y = alloc(&dev, OP, x.shape(), x.dtype())?;
+        let mut stats = alloc(&dev, OP, &[rows, 2], sd)?;
         if rows > 0 {
-            let f = function(&dev, backward_kernel(dtype))?;
+            let f = function(&dev, forward_kernel(x.dtype()))?;
+            let src = buffer(&x)?;
             let wb = w.as_ref().map(buffer).transpose()?;
+            let bb = b.as_ref().map(buffer).transpose()?;
             let blocks = grid_stride_blocks(rows, MAX_ROW_BLOCKS);
             let l = dev
                 .launch(
@@ -140,63 +98,111 @@ pub(crate) fn layer_norm_backward(
                     0,
                     dev.default_stream(),
                 )
-                .arg_buffer(&gb)
-                .arg_buffer(&xb);
-            opt(l, wb.as_deref())
-                .arg_buffer(&sb)
-                .arg_buffer_mut(&mut dx)
+                .arg_buffer(&src);
+            opt(opt(l, wb.as_deref()), bb.as_deref())
+                .arg_buffer_mut(&mut y)
+                .arg_buffer_mut(&mut stats)
                 .arg_u64(rows as u64)
                 .arg_u64(cols as u64)
+                .arg_f64(eps)
                 .run()?;
         }
-        Some(wrap(&dev, dx, dtype, x.shape()))
-    } else {
-        None
-    };
-    if !(want[1] || want[2]) {
-        return Ok((dx, None, None));
+        Ok((
+            wrap(&dev, y, x.dtype(), x.shape()),
+            wrap(&dev, stats, sd, &[rows, 2]),
+        ))
     }
-    // Chunks of at least 64 rows, at most 1024 chunks: enough blocks to fill the GPU, few
-    // partial rows to sum afterwards.
-    let rows_per_chunk = rows.div_ceil(1024).max(64);
-    let chunks = rows.div_ceil(rows_per_chunk);
-    let acc = stats_dtype(dtype);
-    let mut partial = alloc(&dev, OP, &[chunks.max(1), 2, cols], acc)?;
-    if chunks > 0 {
-        let f = function(&dev, params_kernel(dtype))?;
-        // One block per 32 columns (the kernel has no grid-stride loop); chunks are at most 1024.
-        let col_blocks = exact_grid(OP, cols.div_ceil(PARAM_COLS as usize))?;
-        dev.launch(
-            &f,
-            (col_blocks, chunks as u32, 1),
-            (PARAM_COLS, PARAM_ROWS, 1),
-            0,
-            dev.default_stream(),
-        )
-        .arg_buffer(&gb)
-        .arg_buffer(&xb)
-        .arg_buffer(&sb)
-        .arg_buffer_mut(&mut partial)
-        .arg_u64(rows as u64)
-        .arg_u64(cols as u64)
-        .arg_u64(rows_per_chunk as u64)
-        .run()?;
+
+    /// `dx`, `dweight`, `dbias` (each only when `want` says so).
+    fn layer_norm_backward(
+        &self,
+        g: &Operand<'_>,
+        x: &Operand<'_>,
+        w: Option<&Operand<'_>>,
+        stats: &Operand<'_>,
+        want: [bool; 3],
+    ) -> Result<(Option<Dense>, Option<Dense>, Option<Dense>)> {
+        const OP: &str = "layer_norm backward";
+        float_only(OP, x.dtype())?;
+        let (g, x, stats) = (dense(g)?, dense(x)?, dense(stats)?);
+        let w = w.map(dense).transpose()?;
+        let dev = device_of(&x)?;
+        let dtype = x.dtype();
+        let (rows, cols) = (x.shape()[0], x.shape()[1]);
+        let (gb, xb, sb) = (buffer(&g)?, buffer(&x)?, buffer(&stats)?);
+        let dx = if want[0] {
+            let mut dx = alloc(&dev, OP, x.shape(), dtype)?;
+            if rows > 0 {
+                let f = function(&dev, backward_kernel(dtype))?;
+                let wb = w.as_ref().map(buffer).transpose()?;
+                let blocks = grid_stride_blocks(rows, MAX_ROW_BLOCKS);
+                let l = dev
+                    .launch(
+                        &f,
+                        (blocks, 1, 1),
+                        (row_threads(cols), 1, 1),
+                        0,
+                        dev.default_stream(),
+                    )
+                    .arg_buffer(&gb)
+                    .arg_buffer(&xb);
+                opt(l, wb.as_deref())
+                    .arg_buffer(&sb)
+                    .arg_buffer_mut(&mut dx)
+                    .arg_u64(rows as u64)
+                    .arg_u64(cols as u64)
+                    .run()?;
+            }
+            Some(wrap(&dev, dx, dtype, x.shape()))
+        } else {
+            None
+        };
+        if !(want[1] || want[2]) {
+            return Ok((dx, None, None));
+        }
+        // Chunks of at least 64 rows, at most 1024 chunks: enough blocks to fill the GPU, few
+        // partial rows to sum afterwards.
+        let rows_per_chunk = rows.div_ceil(1024).max(64);
+        let chunks = rows.div_ceil(rows_per_chunk);
+        let acc = stats_dtype(dtype);
+        let mut partial = alloc(&dev, OP, &[chunks.max(1), 2, cols], acc)?;
+        if chunks > 0 {
+            let f = function(&dev, params_kernel(dtype))?;
+            // One block per 32 columns (the kernel has no grid-stride loop); chunks are at most
+            // 1024.
+            let col_blocks = exact_grid(OP, cols.div_ceil(PARAM_COLS as usize))?;
+            dev.launch(
+                &f,
+                (col_blocks, chunks as u32, 1),
+                (PARAM_COLS, PARAM_ROWS, 1),
+                0,
+                dev.default_stream(),
+            )
+            .arg_buffer(&gb)
+            .arg_buffer(&xb)
+            .arg_buffer(&sb)
+            .arg_buffer_mut(&mut partial)
+            .arg_u64(rows as u64)
+            .arg_u64(cols as u64)
+            .arg_u64(rows_per_chunk as u64)
+            .run()?;
+        }
+        let mut dw = want[1]
+            .then(|| alloc(&dev, OP, &[cols], dtype))
+            .transpose()?;
+        let mut db = want[2]
+            .then(|| alloc(&dev, OP, &[cols], dtype))
+            .transpose()?;
+        let f = function(&dev, finish_kernel(dtype))?;
+        let l = launch(&dev, &f, cols).arg_buffer(&partial);
+        opt_mut(opt_mut(l, dw.as_mut()), db.as_mut())
+            .arg_u64(chunks as u64)
+            .arg_u64(cols as u64)
+            .run()?;
+        let dw = dw.map(|b| wrap(&dev, b, dtype, &[cols]));
+        let db = db.map(|b| wrap(&dev, b, dtype, &[cols]));
+        Ok((dx, dw, db))
     }
-    let mut dw = want[1]
-        .then(|| alloc(&dev, OP, &[cols], dtype))
-        .transpose()?;
-    let mut db = want[2]
-        .then(|| alloc(&dev, OP, &[cols], dtype))
-        .transpose()?;
-    let f = function(&dev, finish_kernel(dtype))?;
-    let l = launch(&dev, &f, cols).arg_buffer(&partial);
-    opt_mut(opt_mut(l, dw.as_mut()), db.as_mut())
-        .arg_u64(chunks as u64)
-        .arg_u64(cols as u64)
-        .run()?;
-    let dw = dw.map(|b| wrap(&dev, b, dtype, &[cols]));
-    let db = db.map(|b| wrap(&dev, b, dtype, &[cols]));
-    Ok((dx, dw, db))
 }
 
 #[cfg(test)]

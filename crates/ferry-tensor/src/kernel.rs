@@ -1,0 +1,342 @@
+//! The interface every device's kernels implement, below the tensor type: what a kernel reads
+//! (`Operand`: borrowed storage seen through a layout), what it makes (`Dense`: fresh
+//! contiguous storage with its shape) and what a device offers (`Backend`: a trait per op
+//! family, one method per primitive and per fused path). Kernels know nothing of tensors or
+//! autograd; `backend` turns tensors into operands, picks the device's implementation and
+//! wraps what it returns.
+
+use ferry_cuda::ConvPass;
+use ferry_memory::{DType, Device};
+
+use crate::Result;
+use crate::layout::Layout;
+use crate::op::conv::Geometry;
+use crate::op::{AdamStep, BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::storage::Storage;
+
+/// What kernels read of an input or an output: storage seen through a layout, and what follows
+/// from the two.
+pub(crate) trait View {
+    /// The bytes.
+    fn storage(&self) -> &Storage;
+    /// Shape, strides and offset into `View::storage`.
+    fn layout(&self) -> &Layout;
+
+    fn shape(&self) -> &[usize] {
+        self.layout().shape()
+    }
+    fn ndim(&self) -> usize {
+        self.layout().ndim()
+    }
+    fn numel(&self) -> usize {
+        self.layout().numel()
+    }
+    fn dtype(&self) -> DType {
+        self.storage().dtype()
+    }
+    fn device(&self) -> Device {
+        self.storage().device()
+    }
+    fn is_contiguous(&self) -> bool {
+        self.layout().is_contiguous()
+    }
+    /// Bytes the elements take (not the storage's).
+    fn nbytes(&self) -> usize {
+        self.numel() * self.dtype().size()
+    }
+    /// The same elements as an operand of another kernel.
+    fn operand(&self) -> Operand<'_> {
+        Operand::new(self.storage(), self.layout())
+    }
+}
+
+/// A kernel's input: storage it borrows, seen through a layout that fits it (a tensor's own,
+/// or one broadcast to an op's output shape).
+#[derive(Clone, Copy)]
+pub(crate) struct Operand<'a> {
+    storage: &'a Storage,
+    layout: &'a Layout,
+}
+
+impl<'a> Operand<'a> {
+    /// `storage` seen through `layout`, which must fit it: kernels trust it.
+    pub(crate) fn new(storage: &'a Storage, layout: &'a Layout) -> Self {
+        Self { storage, layout }
+    }
+}
+
+impl View for Operand<'_> {
+    fn storage(&self) -> &Storage {
+        self.storage
+    }
+    fn layout(&self) -> &Layout {
+        self.layout
+    }
+}
+
+/// A kernel's output: fresh storage holding a contiguous array of its shape, from offset 0.
+pub(crate) struct Dense {
+    storage: Storage,
+    layout: Layout,
+}
+
+impl Dense {
+    /// `storage`, just allocated for `shape` (its size came from `layout::shape_bytes`, so the
+    /// contiguous layout fits by construction).
+    pub(crate) fn new(storage: Storage, shape: &[usize]) -> Self {
+        let layout = Layout::contiguous(shape);
+        debug_assert!(
+            layout
+                .check_fits("dense output", storage.dtype(), storage.bytes())
+                .is_ok()
+        );
+        Self { storage, layout }
+    }
+
+    /// The storage and its contiguous layout.
+    pub(crate) fn into_parts(self) -> (Storage, Layout) {
+        (self.storage, self.layout)
+    }
+}
+
+impl View for Dense {
+    fn storage(&self) -> &Storage {
+        &self.storage
+    }
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+}
+
+/// The elements a kernel reads: an operand in place, or a copy made for the kernel (where it
+/// needs them contiguous, say).
+pub(crate) enum Source<'a> {
+    /// The operand as given.
+    InPlace(Operand<'a>),
+    /// A fresh copy.
+    Copy(Dense),
+}
+
+impl View for Source<'_> {
+    fn storage(&self) -> &Storage {
+        match self {
+            Source::InPlace(x) => x.storage,
+            Source::Copy(d) => &d.storage,
+        }
+    }
+    fn layout(&self) -> &Layout {
+        match self {
+            Source::InPlace(x) => x.layout,
+            Source::Copy(d) => &d.layout,
+        }
+    }
+}
+
+/// The kernels of one device: every family's trait below, one method per primitive and per
+/// fused path, each family implemented for the device's unit struct in that device's file of
+/// the family (`cpu/reduce.rs` holds `impl Reduce for Cpu`). Operands share the device (and,
+/// where the op says so, the dtype): ops above check that before calling.
+///
+/// Fused paths have a default that answers `Ok(None)`: a device without the kernel or library
+/// says nothing, and the op or rule composes the same result from primitives.
+pub(crate) trait Backend:
+    Elementwise + Reduce + Matmul + Copies + Create + Indexing + Select + Norm + Conv + Optim + Sync
+{
+}
+
+impl<D> Backend for D where
+    D: Elementwise
+        + Reduce
+        + Matmul
+        + Copies
+        + Create
+        + Indexing
+        + Select
+        + Norm
+        + Conv
+        + Optim
+        + Sync
+{
+}
+
+/// Unary maps, broadcast binary ops, comparisons and casts.
+pub(crate) trait Elementwise {
+    /// `op` applied to every element.
+    fn unary(&self, x: &Operand<'_>, op: UnaryOp) -> Result<Dense>;
+    /// `op` elementwise over two operands whose layouts are broadcast to the output's shape.
+    fn binary(&self, a: &Operand<'_>, b: &Operand<'_>, op: BinaryOp) -> Result<Dense>;
+    /// `op` as 1 or 0 (`u8`), elementwise over layouts broadcast to the output's shape.
+    fn compare(&self, a: &Operand<'_>, b: &Operand<'_>, op: CmpOp) -> Result<Dense>;
+    /// Every element converted to `dtype`.
+    fn cast(&self, x: &Operand<'_>, dtype: DType) -> Result<Dense>;
+}
+
+/// Reductions, softmax and the cross-entropy loss's last step, with their gradients.
+pub(crate) trait Reduce {
+    /// `axis` reduced away.
+    fn reduce(&self, x: &Operand<'_>, axis: usize, op: ReduceOp) -> Result<Dense>;
+    /// The sum of every element, 0-d.
+    fn sum_all(&self, x: &Operand<'_>) -> Result<Dense>;
+    /// Softmax (or log-softmax) over the last axis.
+    fn softmax(&self, x: &Operand<'_>, log: bool) -> Result<Dense>;
+    /// `-mean(logp[i, targets[i]])` of `[rows, classes]` log-probabilities.
+    fn nll(&self, logp: &Operand<'_>, targets: &Operand<'_>) -> Result<Dense>;
+    /// Fused: softmax's (or log-softmax's) gradient over the last axis from its output `y`,
+    /// in one pass.
+    fn softmax_backward(
+        &self,
+        _y: &Operand<'_>,
+        _g: &Operand<'_>,
+        _log: bool,
+    ) -> Result<Option<Dense>> {
+        Ok(None)
+    }
+    /// Fused: nll's gradient with respect to `[rows, classes]` log-probabilities, from the 0-d
+    /// `g`.
+    fn nll_backward(
+        &self,
+        _targets: &Operand<'_>,
+        _g: &Operand<'_>,
+        _classes: usize,
+    ) -> Result<Option<Dense>> {
+        Ok(None)
+    }
+}
+
+/// Matrix products.
+pub(crate) trait Matmul {
+    /// `a [.., m, k] · b [.., k, n]` with batch layouts broadcast to `batch`.
+    fn matmul(&self, a: &Operand<'_>, b: &Operand<'_>, batch: &[usize]) -> Result<Dense>;
+    /// Fused: `x [.., in] · wᵀ + b`, then ReLU when `relu`, as one product.
+    fn fused_linear(
+        &self,
+        _x: &Operand<'_>,
+        _w: &Operand<'_>,
+        _b: &Operand<'_>,
+        _relu: bool,
+    ) -> Result<Option<Dense>> {
+        Ok(None)
+    }
+}
+
+/// Copies that rearrange elements.
+pub(crate) trait Copies {
+    /// A contiguous copy.
+    fn contiguous(&self, x: &Operand<'_>) -> Result<Dense>;
+    /// `src`'s elements written where `dst`'s layout says in its storage (`src` has storage of
+    /// its own).
+    fn assign(&self, dst: &Operand<'_>, src: &Operand<'_>) -> Result<()>;
+    /// `parts` concatenated along `axis` into `shape`.
+    fn cat(&self, parts: &[Operand<'_>], axis: usize, shape: &[usize]) -> Result<Dense>;
+    /// Contiguous `parts` of one dtype copied into one 1-D array of `len` bytes, each at its
+    /// byte offset.
+    fn pack(&self, parts: &[Operand<'_>], offsets: &[usize], len: usize) -> Result<Dense>;
+}
+
+/// Arrays made where they are used.
+pub(crate) trait Create {
+    /// `shape` of `dtype` on `device`, every element `value`.
+    fn full(&self, device: Device, shape: &[usize], dtype: DType, value: f64) -> Result<Dense>;
+    /// `start, start + 1, ..` (`len` of them) on `device`.
+    fn arange(&self, device: Device, start: f64, len: usize, dtype: DType) -> Result<Dense>;
+    /// Uniform (or standard normal, when `normal`) samples fixed by `seed`.
+    fn random(
+        &self,
+        device: Device,
+        shape: &[usize],
+        dtype: DType,
+        seed: u64,
+        normal: bool,
+    ) -> Result<Dense>;
+}
+
+/// Indexing along one axis.
+pub(crate) trait Indexing {
+    /// The entries `index` names along `axis`.
+    fn index_select(&self, x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense>;
+    /// `x` plus `src` added at the entries `index` names along `axis`.
+    fn index_add(
+        &self,
+        x: &Operand<'_>,
+        axis: usize,
+        index: &Operand<'_>,
+        src: &Operand<'_>,
+    ) -> Result<Dense>;
+    /// Values picked along `axis` by `index`.
+    fn gather(&self, x: &Operand<'_>, axis: usize, index: &Operand<'_>) -> Result<Dense>;
+    /// `x` plus `src` scattered along `axis` by `index`.
+    fn scatter_add(
+        &self,
+        x: &Operand<'_>,
+        axis: usize,
+        index: &Operand<'_>,
+        src: &Operand<'_>,
+    ) -> Result<Dense>;
+}
+
+/// Choosing by a mask.
+pub(crate) trait Select {
+    /// `a` where `c != 0`, else `b`, over layouts broadcast to the output's shape.
+    fn where_cond(&self, c: &Operand<'_>, a: &Operand<'_>, b: &Operand<'_>) -> Result<Dense>;
+    /// Dropout's output and its `u8` keep-mask, drawn from `seed`.
+    fn dropout(&self, x: &Operand<'_>, p: f64, scale: f64, seed: u64) -> Result<(Dense, Dense)>;
+    /// `x * scale` where `mask` is nonzero, else 0.
+    fn masked_scale(&self, x: &Operand<'_>, mask: &Operand<'_>, scale: f64) -> Result<Dense>;
+}
+
+/// Normalizations.
+pub(crate) trait Norm {
+    /// Layer norm's output and `[rows, 2]` statistics of `x` (`[rows, cols]`).
+    fn layer_norm(
+        &self,
+        x: &Operand<'_>,
+        w: Option<&Operand<'_>>,
+        b: Option<&Operand<'_>>,
+        eps: f64,
+    ) -> Result<(Dense, Dense)>;
+    /// Layer norm's `dx`, `dweight` and `dbias`, each only when `want` says so.
+    fn layer_norm_backward(
+        &self,
+        g: &Operand<'_>,
+        x: &Operand<'_>,
+        w: Option<&Operand<'_>>,
+        stats: &Operand<'_>,
+        want: [bool; 3],
+    ) -> Result<(Option<Dense>, Option<Dense>, Option<Dense>)>;
+}
+
+/// Convolution and pooling.
+pub(crate) trait Conv {
+    /// Columns `[N, C·KH·KW, OH·OW]` of an NCHW input.
+    fn im2col(&self, x: &Operand<'_>, geo: &Geometry) -> Result<Dense>;
+    /// Columns folded back into NCHW, summing what lands on one pixel.
+    fn col2im(&self, cols: &Operand<'_>, geo: &Geometry) -> Result<Dense>;
+    /// The index of each pooling window's maximum.
+    fn pool_argmax(&self, x: &Operand<'_>, geo: &Geometry) -> Result<Dense>;
+    /// Fused: one native convolution pass, `Forward` taking (x, w), `BackwardData` (dy, w),
+    /// `BackwardFilter` (x, dy).
+    fn convolution(
+        &self,
+        _pass: ConvPass,
+        _geo: &Geometry,
+        _groups: usize,
+        _filters: usize,
+        _first: &Operand<'_>,
+        _second: &Operand<'_>,
+    ) -> Result<Option<Dense>> {
+        Ok(None)
+    }
+}
+
+/// Optimizer steps, in place.
+pub(crate) trait Optim {
+    /// One Adam (or AdamW) step on contiguous `p`, `m` and `v` from `g`.
+    fn adam(
+        &self,
+        p: &Operand<'_>,
+        g: &Operand<'_>,
+        m: &Operand<'_>,
+        v: &Operand<'_>,
+        step: &AdamStep,
+    ) -> Result<()>;
+}
