@@ -57,6 +57,10 @@ CASES = {
     "scatter_add": lambda x: x[0].scatter_add(1, x[1], x[2][tuple(slice(0, n) for n in x[1].shape)]),
     "embedding": lambda x: torch.nn.functional.embedding(x[1], x[0]),
     "layer_norm_affine": lambda x: torch.nn.functional.layer_norm(x[0], (16,), x[1], x[2], 1e-5),
+    "attention_causal_gqa": lambda x: torch.nn.functional.scaled_dot_product_attention(
+        x[0], x[1], x[2], is_causal=True, enable_gqa=True),
+    "attention_cross_scaled": lambda x: torch.nn.functional.scaled_dot_product_attention(
+        x[0], x[1], x[2], scale=0.3),
     "layer_norm_plain_3d": lambda x: torch.nn.functional.layer_norm(x[0], (3, 8), eps=1e-5),
     "comparisons": lambda x: (x[0] > x[1]).float() * 4.0 + (x[0] <= x[1]).float() * 2.0 + (x[0] == x[0]).float(),
     "gelu": lambda x: torch.nn.functional.gelu(x[0] * 2.0),

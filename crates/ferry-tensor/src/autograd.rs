@@ -17,6 +17,7 @@ use ferry_memory::{DType, Device};
 use smallvec::SmallVec;
 
 use crate::layout::Shape;
+use crate::op::attention::Attend;
 use crate::op::{BinaryOp, UnaryOp};
 use crate::tensor::{Autograd, Inner};
 use crate::{Result, Tensor, TensorError};
@@ -88,7 +89,8 @@ rule_state!(
     Shape,
     Vec<usize>,
     BinaryOp,
-    UnaryOp
+    UnaryOp,
+    Attend
 );
 
 impl<A: RuleState, B: RuleState> sealed::Sealed for (A, B) {}

@@ -34,6 +34,7 @@ use crate::cuda::{self, Cuda};
 use crate::kernel::{Backend, Dense, Operand};
 use crate::layout::Layout;
 use crate::op::AdamStep;
+use crate::op::attention::Attend;
 use crate::op::conv::Geometry;
 use crate::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use crate::{Result, Tensor};
@@ -332,4 +333,35 @@ pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Opti
 pub(crate) fn nll_backward(targets: &Tensor, g: &Tensor, classes: usize) -> Result<Option<Tensor>> {
     let out = on(g.device()).nll_backward(&view(targets), &view(g), classes)?;
     Ok(out.map(tensor))
+}
+
+/// Fused attention's output and log-sum-exp, where the device has the kernel.
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    how: &Attend,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let fused = on(q.device()).attention(&view(q), &view(k), &view(v), how)?;
+    Ok(fused.map(|(out, lse)| (tensor(out), tensor(lse))))
+}
+
+/// Fused attention's gradients of `q`, `k` and `v`, where the device has the kernel.
+pub(crate) fn attention_backward(
+    [q, k, v]: [&Tensor; 3],
+    out: &Tensor,
+    g: &Tensor,
+    lse: &Tensor,
+    how: &Attend,
+) -> Result<Option<[Tensor; 3]>> {
+    let grads = on(q.device()).attention_backward(
+        &view(q),
+        &view(k),
+        &view(v),
+        &view(out),
+        &view(g),
+        &view(lse),
+        how,
+    )?;
+    Ok(grads.map(|g| g.map(tensor)))
 }

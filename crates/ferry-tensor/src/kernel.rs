@@ -10,6 +10,7 @@ use ferry_memory::{DType, Device};
 
 use crate::Result;
 use crate::layout::Layout;
+use crate::op::attention::Attend;
 use crate::op::conv::Geometry;
 use crate::op::{AdamStep, BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use crate::storage::Storage;
@@ -140,7 +141,18 @@ impl View for Source<'_> {
 /// Fused paths have a default that answers `Ok(None)`: a device without the kernel or library
 /// says nothing, and the op or rule composes the same result from primitives.
 pub(crate) trait Backend:
-    Elementwise + Reduce + Matmul + Copies + Create + Indexing + Select + Norm + Conv + Optim + Sync
+    Elementwise
+    + Reduce
+    + Matmul
+    + Copies
+    + Create
+    + Indexing
+    + Select
+    + Norm
+    + Conv
+    + Optim
+    + Attention
+    + Sync
 {
 }
 
@@ -155,6 +167,7 @@ impl<D> Backend for D where
         + Norm
         + Conv
         + Optim
+        + Attention
         + Sync
 {
 }
@@ -339,4 +352,37 @@ pub(crate) trait Optim {
         v: &Operand<'_>,
         step: &AdamStep,
     ) -> Result<()>;
+}
+
+/// Fused scaled-dot-product attention: one pass that never holds the `q_len x kv_len` weights
+/// and keeps each query row's log-sum-exp for the backward, which recomputes the weights from it.
+pub(crate) trait Attention {
+    /// The output `[batch, heads, q_len, v_dim]` and the log-sum-exp `[batch, heads, q_len]`
+    /// (in `op::stats_dtype` of the operands' dtype) of contiguous `q`, `k` and `v` (see
+    /// [`Attend`]).
+    fn attention(
+        &self,
+        _q: &Operand<'_>,
+        _k: &Operand<'_>,
+        _v: &Operand<'_>,
+        _how: &Attend,
+    ) -> Result<Option<(Dense, Dense)>> {
+        Ok(None)
+    }
+
+    /// The gradients of `q`, `k` and `v` from the output's gradient `g`, the inputs, the output
+    /// `out` and the log-sum-exp `lse` the forward gave.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        _q: &Operand<'_>,
+        _k: &Operand<'_>,
+        _v: &Operand<'_>,
+        _out: &Operand<'_>,
+        _g: &Operand<'_>,
+        _lse: &Operand<'_>,
+        _how: &Attend,
+    ) -> Result<Option<[Dense; 3]>> {
+        Ok(None)
+    }
 }

@@ -71,6 +71,7 @@ pub use ferry_graph::{
 };
 pub use ferry_memory::{DType, Device};
 pub use layout::{Layout, Shape, broadcast_shapes};
+pub use ops::attention::AttentionOptions;
 pub use ops::conv::Conv2dOptions;
 pub use ops::create::{RngState, manual_seed, rng_state, set_rng_state};
 pub use storage::{Buffer, ReadHold, Storage};

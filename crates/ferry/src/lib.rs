@@ -52,9 +52,9 @@ pub use ferry_memory as memory;
 pub use ferry_tensor as tensor;
 pub use ferry_tensor::gradcheck;
 pub use ferry_tensor::{
-    BackwardOptions, BackwardReport, DType, Device, Graph, GraphStats, HookHandle, Layout, Result,
-    RngState, Tensor, TensorError, inference_mode, manual_seed, no_grad, rng_state, set_rng_state,
-    with_no_grad,
+    AttentionOptions, BackwardOptions, BackwardReport, DType, Device, Graph, GraphStats,
+    HookHandle, Layout, Result, RngState, Tensor, TensorError, inference_mode, manual_seed,
+    no_grad, rng_state, set_rng_state, with_no_grad,
 };
 
 /// Gradients beyond `backward`: [`grad`](autograd::grad) returns them instead of

@@ -1,7 +1,7 @@
-//! Indexing, layer norm, selection by mask, convolution, pooling and dropout.
+//! Indexing, layer norm, attention, selection by mask, convolution, pooling and dropout.
 
 use ferry::nn::Conv2dOptions;
-use ferry_tensor::{DType, Tensor};
+use ferry_tensor::{AttentionOptions, DType, Tensor};
 
 use super::Input::{Float as F, Index as I};
 use super::{Case, Keeps};
@@ -9,6 +9,11 @@ use super::{Case, Keeps};
 /// layer_norm's statistics: a mean and an inverse deviation per row, in f32.
 fn row_statistics<const COLS: usize>(x: &[Tensor], _: &Tensor) -> usize {
     x[0].numel() / COLS * 2 * 4
+}
+
+/// Attention's log-sum-exp: one f32 per query row of the output `[.., q_len, v_dim]`.
+fn row_log_sum_exp(_: &[Tensor], out: &Tensor) -> usize {
+    out.numel() / out.shape()[out.ndim() - 1] * 4
 }
 
 /// One byte per output element (a u8 condition or mask).
@@ -152,6 +157,43 @@ pub(super) fn cases() -> Vec<Case> {
             &[F(&[2, 3, 7, 6])],
             |x| x[0].avg_pool2d([3, 3], [2, 2], [1, 1]),
             Keeps::NOTHING,
+        ),
+        // One node keeping q, k, v, the output and a log-sum-exp per query row; its backward
+        // under create_graph recomputes the weights with recorded ops.
+        Case::new(
+            "attention_causal_gqa",
+            &["scaled_dot_product_attention"],
+            &[F(&[2, 4, 5, 8]), F(&[2, 2, 5, 8]), F(&[2, 2, 5, 8])],
+            |x| {
+                let options = AttentionOptions {
+                    causal: true,
+                    ..AttentionOptions::default()
+                };
+                x[0].scaled_dot_product_attention(&x[1], &x[2], options)
+            },
+            Keeps {
+                inputs: &[0, 1, 2],
+                output: true,
+                unnamed: row_log_sum_exp,
+            },
+        )
+        .backward(&["matmul", "softmax"]),
+        Case::new(
+            "attention_cross_scaled",
+            &["reshape", "scaled_dot_product_attention"],
+            &[F(&[3, 4, 6]), F(&[3, 7, 6]), F(&[3, 7, 5])],
+            |x| {
+                let options = AttentionOptions {
+                    scale: Some(0.3),
+                    ..AttentionOptions::default()
+                };
+                x[0].scaled_dot_product_attention(&x[1], &x[2], options)
+            },
+            Keeps {
+                inputs: &[0, 1, 2],
+                output: true,
+                unnamed: row_log_sum_exp,
+            },
         ),
         // PyTorch cannot draw ferry's mask: parity.py rebuilds it from this output's zeros and
         // checks the kept values and the gradient against x / (1 - p) with that mask. The seed

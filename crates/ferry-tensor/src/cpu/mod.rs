@@ -2,6 +2,7 @@
 //! above a size threshold. [`Cpu`] implements every family's trait of the backend interface, each
 //! in the family's file.
 
+mod attention;
 mod conv;
 mod copy;
 mod create;

@@ -2,6 +2,7 @@
 //! reductions and softmax, cuBLAS for matrix products. Everything runs on the device's default
 //! stream, so ops are ordered without extra synchronization.
 
+mod attention;
 mod conv;
 mod copy;
 mod create;

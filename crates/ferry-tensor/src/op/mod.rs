@@ -6,9 +6,10 @@
 //! op's variant, name, CUDA op code, CPU function and CUDA C expression. From it come the enums,
 //! `name()`, `code()`, the CPU kernels' per-op dispatch and the CUDA C device functions that the
 //! kernels in kernels/ switch through (an unknown code traps). Beside the table: the geometry of
-//! a convolution window ([`conv`]), the scalars of an Adam step ([`optim`]), the scalar math the
+//! a convolution window ([`conv`]), the sizes and options of an attention call ([`attention`]), the scalars of an Adam step ([`optim`]), the scalar math the
 //! CPU rows call ([`math`]), and the messages kernels of both devices report ([`message`]).
 
+pub(crate) mod attention;
 pub(crate) mod conv;
 pub(crate) mod math;
 pub(crate) mod message;

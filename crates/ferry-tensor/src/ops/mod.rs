@@ -6,6 +6,7 @@
 //! and its public method in `elementwise`.
 
 pub(crate) mod activation;
+pub(crate) mod attention;
 pub(crate) mod conv;
 pub(crate) mod create;
 pub(crate) mod elementwise;

@@ -105,7 +105,7 @@ impl Tensor {
 
 /// A 64-bit seed from this thread's generator (two uniform draws of 53 bits each), so that
 /// `manual_seed` fixes dropout masks as it fixes `rand`.
-fn draw_seed() -> Result<u64> {
+pub(crate) fn draw_seed() -> Result<u64> {
     let draws = Tensor::rand(&[2], DType::F64, Device::Cpu)?.to_vec::<f64>()?;
     let bits = |u: f64| (u * 9_007_199_254_740_992.0) as u64; // 2^53
     Ok(bits(draws[0]) << 11 ^ bits(draws[1]))

@@ -11,10 +11,12 @@
 //! Composite ops (mean, cross-entropy's pieces, ...) are built from these and need no rule.
 
 mod activation;
+mod attention;
 mod conv;
 mod index;
 mod norm;
 
+pub(crate) use attention::{attention, attention_composed};
 pub(crate) use conv::{col2im, conv2d, im2col};
 pub(crate) use index::{gather, index_add, index_select, scatter_add};
 pub(crate) use norm::layer_norm;

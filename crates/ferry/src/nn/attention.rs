@@ -1,72 +1,33 @@
 //! Scaled dot-product attention, with an optional causal mask.
 
-use ferry_tensor::{DType, Result, Tensor, TensorError};
+use ferry_tensor::{AttentionOptions, Result, Tensor};
 
 /// `softmax(q kᵀ / sqrt(d) + mask) v` over the last two axes: `q` is `[.., Tq, d]`, `k`
 /// `[.., Tk, d]`, `v` `[.., Tk, dv]`, leading axes broadcast (batch, heads); the result is
 /// `[.., Tq, dv]`. With `causal`, query `i` attends to keys `0..=i + (Tk - Tq)` only (the
-/// queries are the last `Tq` positions of the keys' sequence), as in a decoder.
+/// queries are the last `Tq` positions of the keys' sequence), as in a decoder. With three or
+/// more axes, `k` and `v` may have fewer heads (axis -3) than `q`, each serving a group of
+/// query heads (grouped-query attention).
 ///
-/// Built from matmul, masked_fill and softmax, so its gradient flows to `q`, `k` and `v`
-/// through theirs; the softmax keeps its output for backward, the matmuls their inputs.
+/// One op, [`Tensor::scaled_dot_product_attention`] (which also takes a scale and dropout): its
+/// node keeps `q`, `k`, `v`, the output and a log-sum-exp per query row, never the `Tq x Tk`
+/// weights, which backward recomputes.
 pub fn scaled_dot_product_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     causal: bool,
 ) -> Result<Tensor> {
-    const OP: &str = "scaled_dot_product_attention";
-    let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
-    if qs.len() < 2 || ks.len() < 2 || vs.len() < 2 {
-        return Err(TensorError::InvalidArgument {
-            op: OP,
-            message: format!(
-                "q, k and v need at least two axes ([.., T, d]); got {qs:?}, {ks:?}, {vs:?}"
-            ),
-        });
-    }
-    let (tq, d) = (qs[qs.len() - 2], qs[qs.len() - 1]);
-    let (tk, dk) = (ks[ks.len() - 2], ks[ks.len() - 1]);
-    if d != dk || vs[vs.len() - 2] != tk {
-        return Err(TensorError::InvalidArgument {
-            op: OP,
-            message: format!(
-                "q [.., Tq, d] and k [.., Tk, d] must share d, and v must have Tk rows; got \
-                 q {qs:?}, k {ks:?}, v {vs:?}"
-            ),
-        });
-    }
-    if causal && tq > tk {
-        return Err(TensorError::InvalidArgument {
-            op: OP,
-            message: format!("a causal mask needs Tq <= Tk; got Tq {tq}, Tk {tk}"),
-        });
-    }
-    let nd = ks.len();
-    let scores = q
-        .matmul(&k.transpose(nd as isize - 2, nd as isize - 1)?)?
-        .mul_scalar(1.0 / (d as f64).sqrt())?;
-    let scores = if causal {
-        scores.masked_fill(&causal_mask(tq, tk, q)?, f64::NEG_INFINITY)?
-    } else {
-        scores
+    let options = AttentionOptions {
+        causal,
+        ..AttentionOptions::default()
     };
-    scores.softmax(-1)?.matmul(v)
-}
-
-/// `[Tq, Tk]`, true where query `i` may not see key `j` (`j > i + Tk - Tq`), on `like`'s device.
-fn causal_mask(tq: usize, tk: usize, like: &Tensor) -> Result<Tensor> {
-    let device = like.device();
-    let rows = Tensor::arange(0.0, tq as f64, DType::F32, device)?
-        .add_scalar((tk - tq) as f64)?
-        .reshape(&[tq, 1])?;
-    let cols = Tensor::arange(0.0, tk as f64, DType::F32, device)?.reshape(&[1, tk])?;
-    cols.gt(&rows)
+    q.scaled_dot_product_attention(k, v, options)
 }
 
 #[cfg(test)]
 mod tests {
-    use ferry_tensor::{Device, gradcheck};
+    use ferry_tensor::{DType, Device, gradcheck};
 
     use super::*;
 
@@ -120,6 +81,43 @@ mod tests {
             .unwrap();
             assert!(mismatches.is_empty(), "causal {causal}: {mismatches:?}");
         }
+    }
+
+    #[test]
+    fn grouped_heads_dropout_and_bad_options_through_the_op() {
+        use ferry_tensor::AttentionOptions;
+        ferry_tensor::manual_seed(6);
+        let r = |s: &[usize]| Tensor::randn(s, DType::F32, Device::Cpu).unwrap();
+        let (q, k, v) = (r(&[1, 4, 3, 8]), r(&[1, 2, 3, 8]), r(&[1, 2, 3, 8]));
+        let plain = scaled_dot_product_attention(&q, &k, &v, false).unwrap();
+        assert_eq!(plain.shape(), &[1, 4, 3, 8]);
+        let dropped = |seed| {
+            ferry_tensor::manual_seed(seed);
+            let options = AttentionOptions {
+                dropout: 0.5,
+                ..AttentionOptions::default()
+            };
+            q.scaled_dot_product_attention(&k, &v, options)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        assert_eq!(dropped(1), dropped(1));
+        assert_ne!(dropped(1), plain.to_vec::<f32>().unwrap());
+        let three = r(&[1, 3, 3, 8]);
+        let err = scaled_dot_product_attention(&q, &three, &three, false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("dividing q's"), "{err}");
+        let options = AttentionOptions {
+            dropout: 1.0,
+            ..AttentionOptions::default()
+        };
+        let err = q
+            .scaled_dot_product_attention(&k, &v, options)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("[0, 1)"), "{err}");
     }
 
     #[test]

@@ -184,9 +184,7 @@ impl Layer {
         let q = rotary.apply(&split(&self.q_proj, heads)?, cos, sin)?;
         let k = rotary.apply(&split(&self.k_proj, kv_heads)?, cos, sin)?;
         let v = split(&self.v_proj, kv_heads)?;
-        let group = heads / kv_heads;
-        let y =
-            scaled_dot_product_attention(&q, &repeat_kv(&k, group)?, &repeat_kv(&v, group)?, true)?;
+        let y = scaled_dot_product_attention(&q, &k, &v, true)?;
         let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, heads * hd])?;
         let x = x.add(&self.o_proj.forward(&y)?)?;
         let h = self.post_attention_layernorm.forward(&x)?;
@@ -249,19 +247,6 @@ fn linear(
 fn norm(source: &mut Source<'_>, name: &str, c: &LlamaConfig) -> Result<RmsNorm> {
     let weight = source(&format!("{name}.weight"), &[c.hidden_size], Kind::Scale)?;
     RmsNorm::from_weight(weight, c.rms_norm_eps)
-}
-
-/// Each of `x`'s key/value heads (`[B, kv_heads, T, d]`) repeated `group` times in place, for
-/// the query heads that share it: `[B, kv_heads × group, T, d]`.
-fn repeat_kv(x: &Tensor, group: usize) -> Result<Tensor> {
-    if group == 1 {
-        return Ok(x.clone());
-    }
-    let s = x.shape();
-    let (b, n, t, d) = (s[0], s[1], s[2], s[3]);
-    x.unsqueeze(2)?
-        .broadcast_to(&[b, n, group, t, d])?
-        .reshape(&[b, n * group, t, d])
 }
 
 impl Module for Llama {
