@@ -1,7 +1,7 @@
 //! ferry-bench: the `ferry bench` harness, ferry measured side by side with PyTorch on the same
 //! machine, in one run.
 //!
-//! It owns every benchmark (one module per `ferry bench` subcommand: `transfer`, `train`,
+//! It owns every benchmark (one module per `ferry bench` subcommand: `transfer`, `train`, `attention`,
 //! `autograd`, `pipeline`, `checkpoint`, `offload`, `optim`, `offload-optim`, `peer`, `ddp`), their PyTorch twins (the
 //! scripts in `python/`, beside this crate's sources) and the harness they share (`harness`):
 //! the skip without a GPU, PyTorch's side and its notes, [`Measured`] samples and their
@@ -39,7 +39,7 @@ macro_rules! benches {
     ($($name:ident)*) => { $(#[cfg(feature = "benches")] mod $name;)* };
 }
 benches! {
-    autograd checkpoint ddp offload offload_optim optim peer pipeline train transfer
+    attention autograd checkpoint ddp offload offload_optim optim peer pipeline train transfer
 }
 
 /// `ferry bench`: which benchmark to run, with its flags.
@@ -56,6 +56,9 @@ enum BenchCommand {
     /// Device transfers (400 MB, a resnet50 state dict, small tensors) against the link's limit
     /// and, with --compare-pytorch, against PyTorch, interleaved in one run.
     Transfer(transfer::TransferArgs),
+    /// Scaled-dot-product attention forward and backward in TFLOP/s at sequences 1024-8192 and
+    /// head dims 64 and 128 and, with --compare-pytorch, PyTorch's SDPA on the same shapes.
+    Attention(attention::AttentionArgs),
     /// Training steps (forward, cross-entropy, backward, Adam) of the digits MLP and a
     /// 1024-4096-4096-10 MLP and, with --compare-pytorch, of the same in PyTorch, interleaved.
     Train(train::TrainBenchArgs),
@@ -98,6 +101,7 @@ pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
     match args.command {
         BenchCommand::Transfer(args) => transfer::run(args),
         BenchCommand::Train(args) => train::run(args),
+        BenchCommand::Attention(args) => attention::run(args),
         BenchCommand::Autograd(args) => autograd::run(args),
         BenchCommand::Pipeline(args) => pipeline::run(args),
         BenchCommand::Checkpoint(args) => checkpoint::run(args),

@@ -1,6 +1,6 @@
 //! The `ferry` command: the transfer-methods table (`methods`), the machine's devices (`doctor`),
 //! autograd graphs (`graph`), training demos (`train`), checkpoint checks (`checkpoint`) and the
-//! benchmarks (`bench`: `transfer`, `train`, `autograd`, `pipeline`, `checkpoint`, `offload`,
+//! benchmarks (`bench`: `transfer`, `train`, `attention`, `autograd`, `pipeline`, `checkpoint`, `offload`,
 //! `optim`, `offload-optim`, `peer`, `ddp`), each side by side with PyTorch in one run. The
 //! benchmarks are the default feature `bench`; `--no-default-features` builds the binary without
 //! them.
@@ -42,7 +42,8 @@ enum Command {
     Train(train::TrainArgs),
     /// Benchmarks, ferry and PyTorch side by side in one run.
     ///
-    /// `transfer` (device moves), `train` (training steps), `autograd` (graph memory, threads,
+    /// `transfer` (device moves), `train` (training steps), `attention` (fused attention's
+    /// TFLOP/s), `autograd` (graph memory, threads,
     /// per-op overhead), `pipeline` (frames from the GPU to the host), `checkpoint` (state dicts
     /// saved and loaded), `offload` (activation offload), `optim` (CPU AdamW), `offload-optim`
     /// (optimizer state on the host), `peer` (GPU to GPU), `ddp` (data-parallel training).
