@@ -18,9 +18,15 @@ use cudarc::cudnn::result::{self as dnn, CudnnError};
 use cudarc::cudnn::sys::{self, cudnnDataType_t, cudnnMathType_t};
 
 mod algorithms;
+mod attention;
+mod backend;
 mod library;
 
 use algorithms::{Choice, bwd_data_algo, bwd_filter_algo, choose, fwd_algo, math_for};
+pub use attention::{
+    Attention, Causal, DropoutRng, SDPA_MAX_HEAD_DIM, SDPA_MIN_CUDNN, SdpaBackward, SdpaForward,
+    SdpaInput, SdpaOutput, SdpaSpec,
+};
 use library::ensure_cudnn;
 pub use library::{cudnn_present, cudnn_version};
 
