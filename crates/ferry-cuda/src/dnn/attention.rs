@@ -27,28 +27,21 @@
 //! themselves (head counts that do not divide, an operand outside its buffer) are
 //! [`CudaLibError::AttentionArgument`].
 
-use std::collections::HashMap;
-use std::sync::Arc;
-
-use cudarc::cudnn::result as dnn;
 use ferry_memory::DType;
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Stream};
-use parking_lot::Mutex;
 
-use super::backend::Plan;
-use super::library::ensure_cudnn_graphs;
-use super::{DnnDevice, DnnHandle, failed};
 use crate::CudaLibError;
-use crate::profile::profiled;
 use crate::sealed::Sealed;
 
 mod checks;
 mod graph;
+mod run;
 #[cfg(test)]
 mod tests;
 
 pub use checks::SDPA_MAX_HEAD_DIM;
-use checks::{check_rng, operand};
+use checks::check_rng;
+use run::{Operands, Pass, Strides, run, usable_cudnn};
 
 /// The oldest cuDNN whose flash-attention engine runs the composite graph (9.0.0).
 pub const SDPA_MIN_CUDNN: usize = 90000;
@@ -116,6 +109,17 @@ pub struct SdpaOutput<'a> {
     pub offset_bytes: usize,
     /// Elements between neighbours along each axis; the last must be 1.
     pub strides: [usize; 4],
+}
+
+impl SdpaOutput<'_> {
+    /// The same operand, read-only (to check it and take its address).
+    fn view(&self) -> SdpaInput<'_> {
+        SdpaInput {
+            buffer: self.buffer,
+            offset_bytes: self.offset_bytes,
+            strides: self.strides,
+        }
+    }
 }
 
 /// The Philox seed and offset of dropout, one i64 each at the start of a device buffer, read
@@ -196,49 +200,6 @@ mod uid {
     pub const Q_LEN: i64 = 25;
 }
 
-/// Strides in elements of each operand as the graph declares them (zero for those a pass does
-/// not use); part of a plan's key.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-struct Strides {
-    q: [i64; 4],
-    k: [i64; 4],
-    v: [i64; 4],
-    o: [i64; 4],
-    stats: [i64; 4],
-    d_o: [i64; 4],
-    dq: [i64; 4],
-    dk: [i64; 4],
-    dv: [i64; 4],
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Pass {
-    Forward,
-    Backward,
-}
-
-/// What a plan is built for: the spec (floats by their bits), the pass, the strides and the
-/// handle it runs on (an execution plan records its handle, so each handle of the pool gets
-/// its own plans, as PyTorch keeps its cuDNN attention graphs per thread).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct PlanKey {
-    handle: usize,
-    pass: Pass,
-    shape: [usize; 6],
-    dtype: DType,
-    causal: Causal,
-    scale: u32,
-    dropout: u32,
-    strides: Strides,
-}
-
-/// A device's attention plans (a device slot): each built plan, or the reason cuDNN had no
-/// engine for it, so an unsupported shape is refused at once on later calls.
-#[derive(Default)]
-struct AttentionPlans {
-    plans: Mutex<HashMap<PlanKey, Arc<Result<Plan, String>>>>,
-}
-
 impl SdpaSpec {
     fn q_dims(&self) -> [usize; 4] {
         [self.batch, self.heads, self.q_len, self.head_dim]
@@ -255,26 +216,6 @@ impl SdpaSpec {
     /// Whether there is nothing to compute (no query rows).
     fn is_empty(&self) -> bool {
         self.batch == 0 || self.heads == 0 || self.q_len == 0
-    }
-
-    fn key(&self, handle: usize, pass: Pass, strides: Strides) -> PlanKey {
-        PlanKey {
-            handle,
-            pass,
-            shape: [
-                self.batch,
-                self.heads,
-                self.kv_heads,
-                self.q_len,
-                self.kv_len,
-                self.head_dim,
-            ],
-            dtype: self.dtype,
-            causal: self.causal,
-            scale: self.scale.to_bits(),
-            dropout: self.dropout.to_bits(),
-            strides,
-        }
     }
 }
 
@@ -300,81 +241,6 @@ pub trait Attention: Sealed {
     ) -> Result<(), CudaLibError>;
 }
 
-/// The loaded cuDNN's version once its graph API is known to be there and new enough.
-fn usable_cudnn() -> Result<usize, CudaLibError> {
-    ensure_cudnn_graphs()?;
-    let version = dnn::get_version();
-    if version < SDPA_MIN_CUDNN {
-        return Err(CudaLibError::AttentionUnsupported {
-            reason: format!(
-                "the loaded cuDNN is {version}, and its fused attention needs 9.0 or newer"
-            ),
-        });
-    }
-    Ok(version)
-}
-
-/// The value masked scores are set to: older cuDNN wants the lowest float, not -inf (as
-/// cudnn-frontend does).
-fn masked_value(version: usize) -> f32 {
-    if version < 91000 {
-        f32::MIN
-    } else {
-        f32::NEG_INFINITY
-    }
-}
-
-/// Builds (or finds) the plan of `pass` for `spec` and `strides` on `handle`.
-fn attention_plan(
-    device: &CudaDevice,
-    handle: &DnnHandle,
-    spec: &SdpaSpec,
-    pass: Pass,
-    strides: Strides,
-    version: usize,
-) -> Result<Arc<Result<Plan, String>>, CudaLibError> {
-    let key = spec.key(handle.0 as usize, pass, strides);
-    let plans = device.local::<AttentionPlans>();
-    if let Some(plan) = plans.plans.lock().get(&key) {
-        return Ok(plan.clone());
-    }
-    // Built without the lock: finalizing a plan can take milliseconds.
-    let neg = masked_value(version);
-    let graph = match pass {
-        Pass::Forward => graph::forward(spec, &strides, neg),
-        Pass::Backward => graph::backward(spec, &strides, neg),
-    }
-    .map_err(|e| in_graph(e, pass, spec))?;
-    let plan = Arc::new(graph.plan(handle.0).map_err(|e| in_graph(e, pass, spec))?);
-    plans.plans.lock().insert(key, plan.clone());
-    Ok(plan)
-}
-
-/// A cuDNN error met building a graph, with the graph's pass and shape added.
-fn in_graph(err: CudaLibError, pass: Pass, spec: &SdpaSpec) -> CudaLibError {
-    match err {
-        CudaLibError::Cudnn { call, message } => CudaLibError::Cudnn {
-            call,
-            message: format!("{message}, building the attention {pass:?} graph of {spec:?}"),
-        },
-        other => other,
-    }
-}
-
-/// The plan, or the reason cuDNN has none, as an error.
-fn runnable(plan: &Result<Plan, String>, pass: Pass, spec: &SdpaSpec) -> Result<(), CudaLibError> {
-    match plan {
-        Ok(_) => Ok(()),
-        Err(reason) => Err(CudaLibError::AttentionUnsupported {
-            reason: format!("{reason} (attention {pass:?} of {spec:?})"),
-        }),
-    }
-}
-
-fn address(buffer: &DeviceBuffer, offset: usize) -> u64 {
-    buffer.device_ptr() + offset as u64
-}
-
 impl Attention for CudaDevice {
     fn sdpa_forward(
         &self,
@@ -393,118 +259,21 @@ impl Attention for CudaDevice {
             stats,
             rng,
         } = io;
-        self.check_operands(
-            "sdpa_forward",
-            [q.buffer, k.buffer, v.buffer, &*o.buffer, &*stats.buffer]
-                .map(|b| b.device())
-                .into_iter()
-                .chain(
-                    rng.iter()
-                        .flat_map(|r| [r.seed.device(), r.offset.device()]),
-                )
-                .chain([stream.device()]),
-        )?;
-        let elem = spec.dtype.size();
-        let strides = Strides {
-            q: operand(
-                "q",
-                q.buffer,
-                q.offset_bytes,
-                q.strides,
-                spec.q_dims(),
-                elem,
-            )?,
-            k: operand(
-                "k",
-                k.buffer,
-                k.offset_bytes,
-                k.strides,
-                spec.kv_dims(),
-                elem,
-            )?,
-            v: operand(
-                "v",
-                v.buffer,
-                v.offset_bytes,
-                v.strides,
-                spec.kv_dims(),
-                elem,
-            )?,
-            o: operand(
-                "o",
-                o.buffer,
-                o.offset_bytes,
-                o.strides,
-                spec.q_dims(),
-                elem,
-            )?,
-            stats: operand(
-                "stats",
-                stats.buffer,
-                stats.offset_bytes,
-                stats.strides,
-                spec.stats_dims(),
-                4,
-            )?,
-            ..Strides::default()
-        };
+        let (qd, kvd, elem) = (spec.q_dims(), spec.kv_dims(), spec.dtype.size());
+        let mut operands = Operands::default();
+        operands.add(uid::Q, "q", q, qd, elem)?;
+        operands.add(uid::K, "k", k, kvd, elem)?;
+        operands.add(uid::V, "v", v, kvd, elem)?;
+        operands.add(uid::O, "o", o.view(), qd, elem)?;
+        operands.add(uid::STATS, "stats", stats.view(), spec.stats_dims(), 4)?;
         check_rng(spec, rng)?;
+        operands.rng(spec, rng);
+        self.check_operands("sdpa_forward", operands.devices(stream))?;
         spec.supported()?;
         if spec.is_empty() {
             return Ok(());
         }
-
-        self.bind()?;
-        let dnn_device = self.local::<DnnDevice>();
-        let lease = dnn_device.handles.take(|| {
-            dnn::create_handle()
-                .map(DnnHandle)
-                .map_err(failed("cudnnCreate"))
-        })?;
-        let handle = lease.0;
-        // SAFETY: the handle is ours (leased, used by this call alone) and `stream` belongs to
-        // this device's context, which is current.
-        unsafe { dnn::set_stream(handle, stream.cudarc().cu_stream() as _) }
-            .map_err(failed("cudnnSetStream"))?;
-        let plan = attention_plan(self, &lease, spec, Pass::Forward, strides, version)?;
-        runnable(&plan, Pass::Forward, spec)?;
-        let Ok(plan) = &*plan else {
-            unreachable!("runnable returned early for a missing plan")
-        };
-        let workspace = self.alloc(plan.workspace, stream)?;
-        let mut memory = vec![
-            (uid::Q, address(q.buffer, q.offset_bytes)),
-            (uid::K, address(k.buffer, k.offset_bytes)),
-            (uid::V, address(v.buffer, v.offset_bytes)),
-            (uid::O, address(o.buffer, o.offset_bytes)),
-            (uid::STATS, address(stats.buffer, stats.offset_bytes)),
-        ];
-        let mut used = vec![
-            q.buffer,
-            k.buffer,
-            v.buffer,
-            &*o.buffer,
-            &*stats.buffer,
-            &workspace,
-        ];
-        if let (Some(rng), true) = (rng, spec.dropout > 0.0) {
-            memory.push((uid::SEED, rng.seed.device_ptr()));
-            memory.push((uid::OFFSET, rng.offset.device_ptr()));
-            used.extend([rng.seed, rng.offset]);
-        }
-        for buffer in used {
-            buffer.record_stream(stream);
-        }
-        // Ordering a buffer on the host may have made another GPU's context current.
-        self.bind()?;
-        let name = || format!("cudnn sdpa forward {spec:?}").into();
-        // SAFETY: every operand's extent and alignment were checked against its buffer and
-        // match the graph's tensors (same spec and strides); the buffers and the workspace are
-        // marked used on `stream`, so their memory is not reused before the work finishes; the
-        // handle is this call's, its stream set above.
-        profiled(self, stream, name, || unsafe {
-            plan.execute(handle, &memory, workspace.device_ptr())
-        })
+        run(self, spec, Pass::Forward, version, operands, stream)
     }
 
     fn sdpa_backward(
@@ -528,120 +297,31 @@ impl Attention for CudaDevice {
             dv,
             rng,
         } = io;
-        self.check_operands(
-            "sdpa_backward",
-            [q, k, v, o, d_o, stats]
-                .map(|x| x.buffer.device())
-                .into_iter()
-                .chain([&*dq.buffer, &*dk.buffer, &*dv.buffer].map(|b| b.device()))
-                .chain(
-                    rng.iter()
-                        .flat_map(|r| [r.seed.device(), r.offset.device()]),
-                )
-                .chain([stream.device()]),
-        )?;
-        let elem = spec.dtype.size();
-        let input = |name, x: SdpaInput<'_>, dims| {
-            operand(name, x.buffer, x.offset_bytes, x.strides, dims, elem)
-        };
-        let (qd, kvd) = (spec.q_dims(), spec.kv_dims());
-        let strides = Strides {
-            q: input("q", q, qd)?,
-            k: input("k", k, kvd)?,
-            v: input("v", v, kvd)?,
-            o: input("o", o, qd)?,
-            d_o: input("d_o", d_o, qd)?,
-            stats: operand(
-                "stats",
-                stats.buffer,
-                stats.offset_bytes,
-                stats.strides,
-                spec.stats_dims(),
-                4,
-            )?,
-            dq: operand("dq", dq.buffer, dq.offset_bytes, dq.strides, qd, elem)?,
-            dk: operand("dk", dk.buffer, dk.offset_bytes, dk.strides, kvd, elem)?,
-            dv: operand("dv", dv.buffer, dv.offset_bytes, dv.strides, kvd, elem)?,
-        };
+        let (qd, kvd, elem) = (spec.q_dims(), spec.kv_dims(), spec.dtype.size());
+        let mut operands = Operands::default();
+        operands.add(uid::Q, "q", q, qd, elem)?;
+        operands.add(uid::K, "k", k, kvd, elem)?;
+        operands.add(uid::V, "v", v, kvd, elem)?;
+        operands.add(uid::O, "o", o, qd, elem)?;
+        operands.add(uid::D_O, "d_o", d_o, qd, elem)?;
+        operands.add(uid::STATS, "stats", stats, spec.stats_dims(), 4)?;
+        operands.add(uid::DQ, "dq", dq.view(), qd, elem)?;
+        operands.add(uid::DK, "dk", dk.view(), kvd, elem)?;
+        operands.add(uid::DV, "dv", dv.view(), kvd, elem)?;
         check_rng(spec, rng)?;
+        operands.rng(spec, rng);
+        self.check_operands("sdpa_backward", operands.devices(stream))?;
         spec.supported()?;
         if spec.is_empty() {
             if spec.batch == 0 || spec.kv_len == 0 {
                 return Ok(());
             }
-            // dK and dV are zero, but they may be views of larger buffers: the composed path
-            // writes them.
+            // dK and dV are zeros, but they may be views of larger buffers: the composed
+            // path writes them.
             return Err(CudaLibError::AttentionUnsupported {
                 reason: "there are no query rows, so dK and dV are zeros".to_string(),
             });
         }
-
-        self.bind()?;
-        let dnn_device = self.local::<DnnDevice>();
-        let lease = dnn_device.handles.take(|| {
-            dnn::create_handle()
-                .map(DnnHandle)
-                .map_err(failed("cudnnCreate"))
-        })?;
-        let handle = lease.0;
-        // SAFETY: as in the forward call.
-        unsafe { dnn::set_stream(handle, stream.cudarc().cu_stream() as _) }
-            .map_err(failed("cudnnSetStream"))?;
-        let plan = attention_plan(self, &lease, spec, Pass::Backward, strides, version)?;
-        runnable(&plan, Pass::Backward, spec)?;
-        let Ok(plan) = &*plan else {
-            unreachable!("runnable returned early for a missing plan")
-        };
-        let workspace = self.alloc(plan.workspace, stream)?;
-        let row_sum = self.alloc(spec.stats_dims().iter().product::<usize>() * 4, stream)?;
-        let accum_bytes = qd.iter().product::<usize>() * 4;
-        // cuDNN zeroes its dQ accumulator itself from 9.6 on.
-        let accum = if version < 90600 {
-            self.alloc_zeroed(accum_bytes, stream)?
-        } else {
-            self.alloc(accum_bytes, stream)?
-        };
-        let mut memory = vec![
-            (uid::Q, address(q.buffer, q.offset_bytes)),
-            (uid::K, address(k.buffer, k.offset_bytes)),
-            (uid::V, address(v.buffer, v.offset_bytes)),
-            (uid::O, address(o.buffer, o.offset_bytes)),
-            (uid::D_O, address(d_o.buffer, d_o.offset_bytes)),
-            (uid::STATS, address(stats.buffer, stats.offset_bytes)),
-            (uid::DQ, address(dq.buffer, dq.offset_bytes)),
-            (uid::DK, address(dk.buffer, dk.offset_bytes)),
-            (uid::DV, address(dv.buffer, dv.offset_bytes)),
-            (uid::ROW_SUM, row_sum.device_ptr()),
-            (uid::DQ_ACCUM, accum.device_ptr()),
-        ];
-        let mut used = vec![
-            q.buffer,
-            k.buffer,
-            v.buffer,
-            o.buffer,
-            d_o.buffer,
-            stats.buffer,
-            &*dq.buffer,
-            &*dk.buffer,
-            &*dv.buffer,
-            &workspace,
-            &row_sum,
-            &accum,
-        ];
-        if let (Some(rng), true) = (rng, spec.dropout > 0.0) {
-            memory.push((uid::SEED, rng.seed.device_ptr()));
-            memory.push((uid::OFFSET, rng.offset.device_ptr()));
-            used.extend([rng.seed, rng.offset]);
-        }
-        for buffer in used {
-            buffer.record_stream(stream);
-        }
-        self.bind()?;
-        let name = || format!("cudnn sdpa backward {spec:?}").into();
-        // SAFETY: as in the forward call; the two scratch buffers have the extents of the
-        // graph's ROW_SUM and DQ_ACCUM tensors (dense f32 [B, H, T, 1] and [B, H, T, D]).
-        profiled(self, stream, name, || unsafe {
-            plan.execute(handle, &memory, workspace.device_ptr())
-        })
+        run(self, spec, Pass::Backward, version, operands, stream)
     }
 }
