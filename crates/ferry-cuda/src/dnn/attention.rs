@@ -251,6 +251,7 @@ impl Attention for CudaDevice {
         let version = usable_cudnn()?;
         self.check()?;
         spec.check()?;
+        spec.supported()?;
         let SdpaForward {
             q,
             k,
@@ -269,7 +270,6 @@ impl Attention for CudaDevice {
         check_rng(spec, rng)?;
         operands.rng(spec, rng);
         self.check_operands("sdpa_forward", operands.devices(stream))?;
-        spec.supported()?;
         if spec.is_empty() {
             return Ok(());
         }
@@ -285,6 +285,7 @@ impl Attention for CudaDevice {
         let version = usable_cudnn()?;
         self.check()?;
         spec.check()?;
+        spec.supported()?;
         let SdpaBackward {
             q,
             k,
@@ -311,7 +312,6 @@ impl Attention for CudaDevice {
         check_rng(spec, rng)?;
         operands.rng(spec, rng);
         self.check_operands("sdpa_backward", operands.devices(stream))?;
-        spec.supported()?;
         if spec.is_empty() {
             if spec.batch == 0 || spec.kv_len == 0 {
                 return Ok(());
