@@ -12,20 +12,24 @@
 //! handle and kept on the device, so later calls only fill a variant pack and enqueue.
 //!
 //! # Which cuDNN
-//! cuDNN 9.0 or newer: the composite graph is what every cuDNN 9 runs (cudnn-frontend still
-//! builds it for the backward pass on all versions). cuDNN 9.13.1 added a single-node
-//! `CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR` (cudnn-frontend's "unified" node, with causal
-//! masks from 9.21 and dropout from 9.22) and cuDNN 9.21 headers name an `SDPA_BWD` one; they
-//! are not used here, as the composite graph covers every version and option ferry needs.
+//! cuDNN 9.0 or newer runs the composite graph, and cudnn-frontend builds it for the backward
+//! pass on every version. cuDNN 9.13.1 added a single-node
+//! `CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR`, which cudnn-frontend's automatic choice
+//! prefers for the forward pass where its support checks pass (no mask or dropout before 9.21,
+//! causal masks from 9.21, dropout from 9.22); cudarc's cuDNN 9.21 bindings also name an
+//! `SDPA_BWD` descriptor that cudnn-frontend does not build. Neither is used here: the
+//! composite graph covers every cuDNN 9 and every option ferry needs.
 //!
 //! # What falls back
-//! Without libcudnn the calls return [`CudaLibError::NoCudnn`]; with a cuDNN older than 9.0,
-//! dtypes other than f16 and bf16, head dims that are not a multiple of 8 up to 128, operands
-//! whose head dim is not contiguous or whose address is not 16-byte aligned, or a shape no
-//! cuDNN engine runs, they return [`CudaLibError::AttentionUnsupported`] saying why, and the
-//! caller runs the composed attention (matmul, softmax, matmul). Arguments that are wrong in
-//! themselves (head counts that do not divide, an operand outside its buffer) are
-//! [`CudaLibError::AttentionArgument`].
+//! Without libcudnn the calls return [`CudaLibError::NoCudnn`]. They return
+//! [`CudaLibError::AttentionUnsupported`], saying why, so the caller runs the composed
+//! attention (matmul, softmax, matmul), for a cuDNN older than 9.0, dtypes other than f16 and
+//! bf16, head dims that are not a multiple of 8 up to 128, operands whose head dim is not
+//! contiguous or whose address is not 16-byte aligned, what cudnn-frontend's support checks
+//! list against the loaded version and GPU (cuDNN 9.10.0 and 9.10.1, a bottom-right mask with
+//! more queries than keys or with dropout, compute capability below 8.0, ...), and a graph no
+//! cuDNN engine runs. Arguments wrong in themselves (head counts that do not divide, an operand
+//! outside its buffer) are [`CudaLibError::AttentionArgument`].
 
 use ferry_memory::DType;
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Stream};

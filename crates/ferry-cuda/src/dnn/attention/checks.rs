@@ -6,7 +6,7 @@ use ferry_memory::DType;
 use ferry_memory::cuda::DeviceBuffer;
 
 use super::super::backend::BYTE_ALIGNMENT;
-use super::{DropoutRng, SdpaSpec};
+use super::{Causal, DropoutRng, SdpaSpec};
 use crate::CudaLibError;
 
 /// Largest head dim ferry sends to cuDNN's fused attention.
@@ -201,4 +201,48 @@ pub(super) fn check_rng(spec: &SdpaSpec, rng: Option<DropoutRng<'_>>) -> Result<
         }
         None => Ok(()),
     }
+}
+
+/// What cuDNN `version` on a GPU of compute capability `major` is known not to run of `spec`
+/// (the backward pass when `backward`), after cudnn-frontend's support checks; `None` when
+/// nothing is known against it.
+pub(super) fn known_limit(
+    spec: &SdpaSpec,
+    backward: bool,
+    version: usize,
+    major: i32,
+) -> Option<String> {
+    let (t, s) = (spec.q_len, spec.kv_len);
+    let bottom_right = spec.causal == Causal::BottomRight;
+    if major < 8 {
+        return Some(format!(
+            "cuDNN's fused attention needs compute capability 8.0 or newer, not {major}.x"
+        ));
+    }
+    if version == 91000 || version == 91001 {
+        return Some(format!(
+            "cuDNN {version} has known bugs in fused f16/bf16 attention; use 9.10.2 or newer"
+        ));
+    }
+    if bottom_right && t > s {
+        return Some(format!(
+            "a bottom-right causal mask needs q_len ({t}) <= kv_len ({s})"
+        ));
+    }
+    if bottom_right && spec.dropout > 0.0 {
+        return Some("a bottom-right causal mask does not combine with dropout".to_string());
+    }
+    if bottom_right && version < 90600 && !(t.is_multiple_of(64) && s.is_multiple_of(64)) {
+        return Some(format!(
+            "before cuDNN 9.6 a bottom-right causal mask needs q_len and kv_len multiples of \
+             64, not {t} and {s}"
+        ));
+    }
+    if t == 1 && spec.causal != Causal::None && version <= 90900 {
+        return Some("before cuDNN 9.10 a single query cannot be masked".to_string());
+    }
+    if backward && t == 1 && s == 1 {
+        return Some("the backward pass does not run q_len = kv_len = 1".to_string());
+    }
+    None
 }

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use super::super::backend::Plan;
 use super::super::library::ensure_cudnn_graphs;
 use super::super::{DnnDevice, DnnHandle, failed};
-use super::checks::operand;
+use super::checks::{known_limit, operand};
 use super::{Causal, DropoutRng, SDPA_MIN_CUDNN, SdpaInput, SdpaSpec, graph, uid};
 use crate::CudaLibError;
 use crate::profile::profiled;
@@ -205,6 +205,10 @@ pub(super) fn run(
     mut operands: Operands<'_>,
     stream: &Stream,
 ) -> Result<(), CudaLibError> {
+    let major = device.info().compute_capability.0;
+    if let Some(reason) = known_limit(spec, pass == Pass::Backward, version, major) {
+        return Err(CudaLibError::AttentionUnsupported { reason });
+    }
     device.bind()?;
     let dnn_device = device.local::<DnnDevice>();
     // Given back to the pool when the call returns.

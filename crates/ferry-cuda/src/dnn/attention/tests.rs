@@ -1,7 +1,7 @@
 //! The checks made before cuDNN is called, which need no GPU.
 
 use super::super::cudnn_present;
-use super::checks::{check_rng, end_byte, layout};
+use super::checks::{check_rng, end_byte, known_limit, layout};
 use super::run::{masked_value, plan_key};
 use super::*;
 
@@ -213,4 +213,74 @@ fn without_libcudnn_the_call_is_the_no_cudnn_error_not_a_panic() {
 fn older_cudnn_masks_with_the_lowest_float() {
     assert_eq!(masked_value(90500), f32::MIN);
     assert_eq!(masked_value(91000), f32::NEG_INFINITY);
+}
+
+#[test]
+fn known_limits_of_cudnn_versions_are_refused_with_the_reason() {
+    let s = spec();
+    assert_eq!(known_limit(&s, true, 91900, 9), None);
+    let refused = |s: &SdpaSpec, backward, version, major, needle: &str| {
+        let reason = known_limit(s, backward, version, major).expect("refused");
+        assert!(reason.contains(needle), "`{needle}` missing from: {reason}");
+    };
+    refused(&s, false, 91900, 7, "compute capability");
+    refused(&s, true, 91001, 9, "9.10.2");
+    let bottom_right = SdpaSpec {
+        causal: Causal::BottomRight,
+        ..s
+    };
+    refused(
+        &SdpaSpec {
+            q_len: 256,
+            ..bottom_right
+        },
+        false,
+        91900,
+        9,
+        "q_len (256)",
+    );
+    refused(
+        &SdpaSpec {
+            dropout: 0.1,
+            ..bottom_right
+        },
+        false,
+        91900,
+        9,
+        "dropout",
+    );
+    refused(
+        &SdpaSpec {
+            q_len: 100,
+            ..bottom_right
+        },
+        false,
+        90500,
+        9,
+        "multiples of 64",
+    );
+    assert_eq!(
+        known_limit(
+            &SdpaSpec {
+                q_len: 100,
+                ..bottom_right
+            },
+            false,
+            90600,
+            9
+        ),
+        None
+    );
+    refused(
+        &SdpaSpec {
+            q_len: 1,
+            kv_len: 1,
+            causal: Causal::None,
+            ..s
+        },
+        true,
+        91900,
+        9,
+        "q_len = kv_len = 1",
+    );
 }
