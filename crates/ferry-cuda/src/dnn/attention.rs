@@ -44,8 +44,7 @@ mod run;
 mod tests;
 
 pub use checks::SDPA_MAX_HEAD_DIM;
-use checks::check_rng;
-use run::{Operands, Pass, Strides, run, usable_cudnn};
+use run::{Operands, Pass, Strides, ready, run};
 
 /// The oldest cuDNN whose flash-attention engine runs the composite graph (9.0.0).
 pub const SDPA_MIN_CUDNN: usize = 90000;
@@ -252,10 +251,7 @@ impl Attention for CudaDevice {
         io: SdpaForward<'_>,
         stream: &Stream,
     ) -> Result<(), CudaLibError> {
-        let version = usable_cudnn()?;
-        self.check()?;
-        spec.check()?;
-        spec.supported()?;
+        let version = ready(self, spec)?;
         let SdpaForward {
             q,
             k,
@@ -264,16 +260,13 @@ impl Attention for CudaDevice {
             stats,
             rng,
         } = io;
-        let (qd, kvd, elem) = (spec.q_dims(), spec.kv_dims(), spec.dtype.size());
-        let mut operands = Operands::default();
-        operands.add(uid::Q, "q", q, qd, elem)?;
-        operands.add(uid::K, "k", k, kvd, elem)?;
-        operands.add(uid::V, "v", v, kvd, elem)?;
-        operands.add(uid::O, "o", o.view(), qd, elem)?;
-        operands.add(uid::STATS, "stats", stats.view(), spec.stats_dims(), 4)?;
-        check_rng(spec, rng)?;
-        operands.rng(spec, rng);
-        self.check_operands("sdpa_forward", operands.devices(stream))?;
+        let mut operands = Operands::new(spec);
+        operands.add(uid::Q, "q", q)?;
+        operands.add(uid::K, "k", k)?;
+        operands.add(uid::V, "v", v)?;
+        operands.add(uid::O, "o", o.view())?;
+        operands.add(uid::STATS, "stats", stats.view())?;
+        operands.finish(self, "sdpa_forward", rng, stream)?;
         if spec.is_empty() {
             return Ok(());
         }
@@ -286,10 +279,7 @@ impl Attention for CudaDevice {
         io: SdpaBackward<'_>,
         stream: &Stream,
     ) -> Result<(), CudaLibError> {
-        let version = usable_cudnn()?;
-        self.check()?;
-        spec.check()?;
-        spec.supported()?;
+        let version = ready(self, spec)?;
         let SdpaBackward {
             q,
             k,
@@ -302,20 +292,21 @@ impl Attention for CudaDevice {
             dv,
             rng,
         } = io;
-        let (qd, kvd, elem) = (spec.q_dims(), spec.kv_dims(), spec.dtype.size());
-        let mut operands = Operands::default();
-        operands.add(uid::Q, "q", q, qd, elem)?;
-        operands.add(uid::K, "k", k, kvd, elem)?;
-        operands.add(uid::V, "v", v, kvd, elem)?;
-        operands.add(uid::O, "o", o, qd, elem)?;
-        operands.add(uid::D_O, "d_o", d_o, qd, elem)?;
-        operands.add(uid::STATS, "stats", stats, spec.stats_dims(), 4)?;
-        operands.add(uid::DQ, "dq", dq.view(), qd, elem)?;
-        operands.add(uid::DK, "dk", dk.view(), kvd, elem)?;
-        operands.add(uid::DV, "dv", dv.view(), kvd, elem)?;
-        check_rng(spec, rng)?;
-        operands.rng(spec, rng);
-        self.check_operands("sdpa_backward", operands.devices(stream))?;
+        let mut operands = Operands::new(spec);
+        for (id, name, x) in [
+            (uid::Q, "q", q),
+            (uid::K, "k", k),
+            (uid::V, "v", v),
+            (uid::O, "o", o),
+            (uid::D_O, "d_o", d_o),
+            (uid::STATS, "stats", stats),
+            (uid::DQ, "dq", dq.view()),
+            (uid::DK, "dk", dk.view()),
+            (uid::DV, "dv", dv.view()),
+        ] {
+            operands.add(id, name, x)?;
+        }
+        operands.finish(self, "sdpa_backward", rng, stream)?;
         if spec.is_empty() {
             if spec.batch == 0 || spec.kv_len == 0 {
                 return Ok(());

@@ -58,6 +58,11 @@ unsafe trait AttrValue: Copy {
     const TYPE: Type;
 }
 
+/// A descriptor handed to cuDNN as `CUDNN_TYPE_BACKEND_DESCRIPTOR` (owned by a [`Descriptor`]).
+#[derive(Debug, Clone, Copy)]
+#[repr(transparent)]
+pub(super) struct Raw(sys::cudnnBackendDescriptor_t);
+
 /// A device or host address handed to cuDNN as `CUDNN_TYPE_VOID_PTR`.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
@@ -79,6 +84,7 @@ attr_values! {
     f64 => CUDNN_TYPE_DOUBLE,
     bool => CUDNN_TYPE_BOOLEAN,
     Address => CUDNN_TYPE_VOID_PTR,
+    Raw => CUDNN_TYPE_BACKEND_DESCRIPTOR,
     sys::cudnnHandle_t => CUDNN_TYPE_HANDLE,
     cudnnDataType_t => CUDNN_TYPE_DATA_TYPE,
     cudnnPointwiseMode_t => CUDNN_TYPE_POINTWISE_MODE,
@@ -89,7 +95,7 @@ attr_values! {
 
 /// One backend descriptor, destroyed on drop.
 pub(super) struct Descriptor {
-    raw: sys::cudnnBackendDescriptor_t,
+    raw: Raw,
     kind: Kind,
 }
 
@@ -97,7 +103,7 @@ impl Drop for Descriptor {
     fn drop(&mut self) {
         // SAFETY: created by cudnnBackendCreateDescriptor and destroyed once; a failure only
         // leaks the descriptor.
-        let _ = unsafe { sys::cudnnBackendDestroyDescriptor(self.raw) };
+        let _ = unsafe { sys::cudnnBackendDestroyDescriptor(self.raw.0) };
     }
 }
 
@@ -109,7 +115,10 @@ impl Descriptor {
         check(status, "cudnnBackendCreateDescriptor", || {
             format!("{kind:?}")
         })?;
-        Ok(Self { raw, kind })
+        Ok(Self {
+            raw: Raw(raw),
+            kind,
+        })
     }
 
     fn set<T: AttrValue>(&self, name: Attr, values: &[T]) -> Result<&Self, CudaLibError> {
@@ -117,7 +126,7 @@ impl Descriptor {
         // contract); cuDNN copies them during the call.
         let status = unsafe {
             sys::cudnnBackendSetAttribute(
-                self.raw,
+                self.raw.0,
                 name,
                 T::TYPE,
                 values.len() as i64,
@@ -130,52 +139,39 @@ impl Descriptor {
         Ok(self)
     }
 
-    fn set_descriptors(
-        &self,
-        name: Attr,
-        values: &[sys::cudnnBackendDescriptor_t],
-    ) -> Result<&Self, CudaLibError> {
-        // SAFETY: `values` holds live descriptors; cuDNN reads them during the call.
-        let status = unsafe {
-            sys::cudnnBackendSetAttribute(
-                self.raw,
-                name,
-                Type::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                values.len() as i64,
-                values.as_ptr().cast(),
-            )
-        };
-        check(status, "cudnnBackendSetAttribute", || {
-            format!("{name:?} of {:?}", self.kind)
-        })?;
-        Ok(self)
-    }
-
     fn finalize(&self) -> Result<(), CudaLibError> {
         // SAFETY: the descriptor is live; cuDNN validates its attributes.
-        let status = unsafe { sys::cudnnBackendFinalize(self.raw) };
+        let status = unsafe { sys::cudnnBackendFinalize(self.raw.0) };
         check(status, "cudnnBackendFinalize", || {
             format!("{:?}", self.kind)
         })
     }
 
-    fn get_i64(&self, name: Attr) -> Result<i64, CudaLibError> {
-        let (mut value, mut count) = (0i64, 0i64);
-        // SAFETY: room for one INT64 element; cuDNN reports how many it wrote in `count`.
+    /// Reads up to `out.len()` elements of attribute `name` (none: only the count) and returns
+    /// how many cuDNN has.
+    fn get<T: AttrValue>(&self, name: Attr, out: &mut [T]) -> Result<usize, CudaLibError> {
+        let mut count = 0i64;
+        let elements = if out.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            out.as_mut_ptr().cast()
+        };
+        // SAFETY: `out` has room for `out.len()` elements of the C type `T::TYPE` names
+        // (AttrValue's contract); cuDNN writes at most that many and the count.
         let status = unsafe {
             sys::cudnnBackendGetAttribute(
-                self.raw,
+                self.raw.0,
                 name,
-                Type::CUDNN_TYPE_INT64,
-                1,
+                T::TYPE,
+                out.len() as i64,
                 &mut count,
-                (&mut value as *mut i64).cast(),
+                elements,
             )
         };
         check(status, "cudnnBackendGetAttribute", || {
             format!("{name:?} of {:?}", self.kind)
         })?;
-        Ok(value)
+        Ok(count.max(0) as usize)
     }
 }
 
@@ -193,7 +189,7 @@ pub(super) enum Role {
 /// A tensor descriptor of a [`Graph`] (owned by it) with what the graph needs of it.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Tensor {
-    raw: sys::cudnnBackendDescriptor_t,
+    raw: Raw,
     pub dims: [i64; 4],
     pub strides: [i64; 4],
 }
@@ -206,7 +202,7 @@ pub(super) fn dense(dims: [i64; 4]) -> [i64; 4] {
 /// Operations under construction, with every descriptor they use kept alive.
 pub(super) struct Graph {
     owned: Vec<Descriptor>,
-    ops: Vec<sys::cudnnBackendDescriptor_t>,
+    ops: Vec<Raw>,
     /// Values of by-value scalars, 4 bytes each (f32 or i32 bits), by uid.
     scalars: Vec<(i64, u32)>,
     next_virtual: i64,
@@ -224,7 +220,7 @@ impl Graph {
         }
     }
 
-    fn keep(&mut self, descriptor: Descriptor) -> sys::cudnnBackendDescriptor_t {
+    fn keep(&mut self, descriptor: Descriptor) -> Raw {
         let raw = descriptor.raw;
         self.owned.push(descriptor);
         raw
@@ -325,10 +321,10 @@ impl Graph {
         desc.finalize()?;
         let desc = self.keep(desc);
         let op = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR)?;
-        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_MATMUL_ADESC, &[a.raw])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &[b.raw])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &[c.raw])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_MATMUL_DESC, &[desc])?;
+        op.set(Attr::CUDNN_ATTR_OPERATION_MATMUL_ADESC, &[a.raw])?
+            .set(Attr::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &[b.raw])?
+            .set(Attr::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &[c.raw])?
+            .set(Attr::CUDNN_ATTR_OPERATION_MATMUL_DESC, &[desc])?;
         self.push_op(op)
     }
 
@@ -351,15 +347,15 @@ impl Graph {
         let desc = self.keep(desc);
         let (x, b, t) = inputs;
         let op = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
-        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &[desc])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, &[x.raw])?;
+        op.set(Attr::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &[desc])?
+            .set(Attr::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, &[x.raw])?;
         if let Some(b) = b {
-            op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, &[b.raw])?;
+            op.set(Attr::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, &[b.raw])?;
         }
         if let Some(t) = t {
-            op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, &[t.raw])?;
+            op.set(Attr::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, &[t.raw])?;
         }
-        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, &[y.raw])?
+        op.set(Attr::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, &[y.raw])?
             .set(Attr::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, &[1.0f32])?
             .set(Attr::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, &[1.0f32])?;
         self.push_op(op)
@@ -381,9 +377,9 @@ impl Graph {
         desc.finalize()?;
         let desc = self.keep(desc);
         let op = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR)?;
-        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, &[x.raw])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, &[y.raw])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &[desc])?;
+        op.set(Attr::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, &[x.raw])?
+            .set(Attr::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, &[y.raw])?
+            .set(Attr::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &[desc])?;
         self.push_op(op)
     }
 
@@ -405,18 +401,18 @@ impl Graph {
         desc.finalize()?;
         let desc = self.keep(desc);
         let op = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_RNG_DESCRIPTOR)?;
-        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_RNG_YDESC, &[y.raw])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_RNG_DESC, &[desc])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_RNG_SEED, &[seed.raw])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_RNG_OFFSET_DESC, &[offset.raw])?;
+        op.set(Attr::CUDNN_ATTR_OPERATION_RNG_YDESC, &[y.raw])?
+            .set(Attr::CUDNN_ATTR_OPERATION_RNG_DESC, &[desc])?
+            .set(Attr::CUDNN_ATTR_OPERATION_RNG_SEED, &[seed.raw])?
+            .set(Attr::CUDNN_ATTR_OPERATION_RNG_OFFSET_DESC, &[offset.raw])?;
         self.push_op(op)
     }
 
     /// `y` = `x` seen with `y`'s dims and strides (a transpose when they swap axes).
     pub(super) fn reshape(&mut self, x: Tensor, y: Tensor) -> Result<(), CudaLibError> {
         let op = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR)?;
-        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, &[x.raw])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, &[y.raw])?;
+        op.set(Attr::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, &[x.raw])?
+            .set(Attr::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, &[y.raw])?;
         self.push_op(op)
     }
 
@@ -430,7 +426,7 @@ impl Graph {
         let graph = Descriptor::new(Kind::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
         graph
             .set(Attr::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, &[handle])?
-            .set_descriptors(Attr::CUDNN_ATTR_OPERATIONGRAPH_OPS, &self.ops)?;
+            .set(Attr::CUDNN_ATTR_OPERATIONGRAPH_OPS, &self.ops)?;
         if let Err(e) = graph.finalize() {
             return Ok(Err(format!("cuDNN refused the operation graph: {e}")));
         }
@@ -449,20 +445,21 @@ impl Graph {
             for (rank, config) in configs.into_iter().enumerate() {
                 let plan = Descriptor::new(Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
                 plan.set(Attr::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, &[handle])?
-                    .set_descriptors(
-                        Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
-                        &[config.raw],
-                    )?;
+                    .set(Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[config.raw])?;
                 if let Err(e) = plan.finalize() {
                     refusals.push(format!("{mode:?} engine #{rank}: {e}"));
                     continue;
                 }
-                let workspace = plan.get_i64(Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?;
+                let mut workspace = [0i64];
+                plan.get(
+                    Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                    &mut workspace,
+                )?;
                 self.owned.push(graph);
                 self.owned.push(config);
                 return Ok(Ok(Plan {
                     plan,
-                    workspace: workspace.max(0) as usize,
+                    workspace: workspace[0].max(0) as usize,
                     scalars: self.scalars,
                     _kept: self.owned,
                 }));
@@ -485,46 +482,18 @@ fn ranked_configs(
 ) -> Result<Vec<Descriptor>, CudaLibError> {
     let heuristics = Descriptor::new(Kind::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
     heuristics
-        .set_descriptors(Attr::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[graph.raw])?
+        .set(Attr::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[graph.raw])?
         .set(Attr::CUDNN_ATTR_ENGINEHEUR_MODE, &[mode])?;
     heuristics.finalize()?;
-    let mut count = 0i64;
-    // SAFETY: asks for zero elements, so cuDNN writes only the count.
-    let status = unsafe {
-        sys::cudnnBackendGetAttribute(
-            heuristics.raw,
-            Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-            Type::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            0,
-            &mut count,
-            std::ptr::null_mut(),
-        )
-    };
-    check(status, "cudnnBackendGetAttribute", || {
-        "CUDNN_ATTR_ENGINEHEUR_RESULTS (count)".to_string()
-    })?;
-    let configs = (0..count.max(0))
+    let results = Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS;
+    let count = heuristics.get::<Raw>(results, &mut [])?;
+    let mut configs = (0..count)
         .map(|_| Descriptor::new(Kind::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut raws: Vec<_> = configs.iter().map(|c| c.raw).collect();
-    let mut written = 0i64;
-    // SAFETY: `raws` holds `count` engine-config descriptors for cuDNN to fill; it reports how
-    // many it filled in `written`.
-    let status = unsafe {
-        sys::cudnnBackendGetAttribute(
-            heuristics.raw,
-            Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-            Type::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            raws.len() as i64,
-            &mut written,
-            raws.as_mut_ptr().cast(),
-        )
-    };
-    check(status, "cudnnBackendGetAttribute", || {
-        "CUDNN_ATTR_ENGINEHEUR_RESULTS".to_string()
-    })?;
-    let mut configs = configs;
-    configs.truncate(written.clamp(0, count) as usize);
+    // cuDNN fills the engine configurations it is handed.
+    let mut raws: Vec<Raw> = configs.iter().map(|c| c.raw).collect();
+    let written = heuristics.get(results, &mut raws)?;
+    configs.truncate(written.min(count));
     Ok(configs)
 }
 
@@ -578,7 +547,7 @@ impl Plan {
         // SAFETY: the caller vouches for the addresses (see the function's contract); the
         // scalars live in `self`, which outlives the call (cuDNN reads by-value scalars when
         // it enqueues the work).
-        let status = unsafe { sys::cudnnBackendExecute(handle, self.plan.raw, pack.raw) };
+        let status = unsafe { sys::cudnnBackendExecute(handle, self.plan.raw.0, pack.raw.0) };
         check(status, "cudnnBackendExecute", || {
             "the execution plan".to_string()
         })

@@ -84,6 +84,25 @@ impl<'a> Builder<'a> {
         Ok(y)
     }
 
+    /// `mode(x[, b])` into `y`, computed in f32.
+    fn write(
+        &mut self,
+        mode: Pw,
+        x: Tensor,
+        b: Option<Tensor>,
+        y: Tensor,
+    ) -> Result<(), CudaLibError> {
+        self.g.pointwise(mode, F32, (x, b, None), y, None)
+    }
+
+    /// `Q Kᵀ · scale` in f32, from Q and Kᵀ (K's memory seen with its last two axes swapped).
+    fn scaled_scores(&mut self, q: Tensor, kt: Tensor) -> Result<Tensor, CudaLibError> {
+        let scores = self.virt(F32, self.scores)?;
+        self.g.matmul(q, kt, scores)?;
+        let scale = self.scale()?;
+        self.binary(Pw::CUDNN_POINTWISE_MUL, scores, scale)
+    }
+
     fn reduce(&mut self, op: Reduce, x: Tensor, dims: [i64; 4]) -> Result<Tensor, CudaLibError> {
         let y = self.virt(F32, dims)?;
         self.g.reduction(op, x, y)?;
@@ -204,23 +223,14 @@ pub(super) fn forward(
         b.g.memory(uid::O, io, b.dims(spec.heads, spec.q_len), strides.o)?;
     let stats = b.g.memory(uid::STATS, F32, b.rows, strides.stats)?;
 
-    let scores = b.virt(F32, b.scores)?;
-    b.g.matmul(q, kt, scores)?;
-    let scale = b.scale()?;
-    let x = b.binary(Pw::CUDNN_POINTWISE_MUL, scores, scale)?;
+    let x = b.scaled_scores(q, kt)?;
     let x = b.causal(x, neg_inf)?;
     let max = b.reduce(Reduce::CUDNN_REDUCE_TENSOR_MAX, x, b.rows)?;
     let x = b.binary(Pw::CUDNN_POINTWISE_SUB, x, max)?;
     let e = b.unary(Pw::CUDNN_POINTWISE_EXP, x)?;
     let sum = b.reduce(Reduce::CUDNN_REDUCE_TENSOR_ADD, e, b.rows)?;
     let log = b.unary(Pw::CUDNN_POINTWISE_LOG, sum)?;
-    b.g.pointwise(
-        Pw::CUDNN_POINTWISE_ADD,
-        F32,
-        (max, Some(log), None),
-        stats,
-        None,
-    )?;
+    b.write(Pw::CUDNN_POINTWISE_ADD, max, Some(log), stats)?;
 
     // The probabilities reach the second matmul in the operands' type, as cuDNN requires.
     let p = b.virt(io, b.scores)?;
@@ -229,15 +239,9 @@ pub(super) fn forward(
         let mask = b.dropout_mask()?;
         let kept = b.binary(Pw::CUDNN_POINTWISE_MUL, probs, mask)?;
         let rescale = b.dropout_scale()?;
-        b.g.pointwise(
-            Pw::CUDNN_POINTWISE_MUL,
-            F32,
-            (kept, Some(rescale), None),
-            p,
-            None,
-        )?;
+        b.write(Pw::CUDNN_POINTWISE_MUL, kept, Some(rescale), p)?;
     } else {
-        b.g.pointwise(Pw::CUDNN_POINTWISE_DIV, F32, (e, Some(sum), None), p, None)?;
+        b.write(Pw::CUDNN_POINTWISE_DIV, e, Some(sum), p)?;
     }
     b.g.matmul(p, v, o)?;
     Ok(b.g)
@@ -269,28 +273,13 @@ pub(super) fn backward(
 
     // rowsum(dO ∘ O), scaled by the keep probability, into f32 scratch memory.
     let product = b.virt(F32, q_dims)?;
-    b.g.pointwise(
-        Pw::CUDNN_POINTWISE_MUL,
-        F32,
-        (d_o, Some(o), None),
-        product,
-        None,
-    )?;
+    b.write(Pw::CUDNN_POINTWISE_MUL, d_o, Some(o), product)?;
     let rowsum = b.reduce(Reduce::CUDNN_REDUCE_TENSOR_ADD, product, b.rows)?;
     let row_sum = b.g.memory(uid::ROW_SUM, F32, b.rows, dense(b.rows))?;
     let keep = b.g.scalar_f32(uid::KEEP, 1.0 - spec.dropout)?;
-    b.g.pointwise(
-        Pw::CUDNN_POINTWISE_MUL,
-        F32,
-        (rowsum, Some(keep), None),
-        row_sum,
-        None,
-    )?;
+    b.write(Pw::CUDNN_POINTWISE_MUL, rowsum, Some(keep), row_sum)?;
 
-    let scores = b.virt(F32, b.scores)?;
-    b.g.matmul(q, kt, scores)?;
-    let scale = b.scale()?;
-    let x = b.binary(Pw::CUDNN_POINTWISE_MUL, scores, scale)?;
+    let x = b.scaled_scores(q, kt)?;
     let x = b.binary(Pw::CUDNN_POINTWISE_SUB, x, stats)?;
     let x = b.causal(x, neg_inf)?;
     let p = b.unary(Pw::CUDNN_POINTWISE_EXP, x)?;
@@ -330,6 +319,7 @@ pub(super) fn backward(
     } else {
         ds
     };
+    let scale = b.scale()?;
     let ds = b.binary(Pw::CUDNN_POINTWISE_MUL, ds, scale)?;
     let dst = b.g.virtual_tensor(io, transposed, transposed_strides)?;
     b.g.reshape(ds, dst)?;
@@ -340,12 +330,6 @@ pub(super) fn backward(
     b.g.reshape(kt, k)?;
     let accum = b.g.memory(uid::DQ_ACCUM, F32, q_dims, dense(q_dims))?;
     b.g.matmul(ds, k, accum)?;
-    b.g.pointwise(
-        Pw::CUDNN_POINTWISE_IDENTITY,
-        F32,
-        (accum, None, None),
-        dq,
-        None,
-    )?;
+    b.write(Pw::CUDNN_POINTWISE_IDENTITY, accum, None, dq)?;
     Ok(b.g)
 }

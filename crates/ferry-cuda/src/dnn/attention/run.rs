@@ -12,8 +12,8 @@ use parking_lot::Mutex;
 
 use super::super::backend::Plan;
 use super::super::library::ensure_cudnn_graphs;
-use super::super::{DnnDevice, DnnHandle, failed};
-use super::checks::{known_limit, operand};
+use super::super::{DnnDevice, DnnHandle};
+use super::checks::{check_rng, known_limit, operand};
 use super::{Causal, DropoutRng, SDPA_MIN_CUDNN, SdpaInput, SdpaSpec, graph, uid};
 use crate::CudaLibError;
 use crate::profile::profiled;
@@ -153,25 +153,49 @@ fn find_plan(
     Ok(plan)
 }
 
+/// The checks every call begins with: cuDNN's graph API is there and new enough (its version
+/// returned), the device is usable, the spec is consistent and cuDNN takes it.
+pub(super) fn ready(device: &CudaDevice, spec: &SdpaSpec) -> Result<usize, CudaLibError> {
+    let version = usable_cudnn()?;
+    device.check()?;
+    spec.check()?;
+    spec.supported()?;
+    Ok(version)
+}
+
 /// One call's operands: device addresses by graph uid, the declared strides, and the buffers
 /// to order on the call's stream.
-#[derive(Default)]
 pub(super) struct Operands<'a> {
+    spec: SdpaSpec,
     memory: Vec<(i64, u64)>,
     pub strides: Strides,
     used: Vec<&'a DeviceBuffer>,
 }
 
 impl<'a> Operands<'a> {
-    /// Checks operand `id`, `dims` of `elem` bytes (see [`operand`]), and records it.
+    pub(super) fn new(spec: &SdpaSpec) -> Self {
+        Self {
+            spec: *spec,
+            memory: Vec::new(),
+            strides: Strides::default(),
+            used: Vec::new(),
+        }
+    }
+
+    /// Checks operand `id` against its buffer (see [`operand`]; its extents are the spec's
+    /// for that operand) and records it.
     pub(super) fn add(
         &mut self,
         id: i64,
         name: &'static str,
         x: SdpaInput<'a>,
-        dims: [usize; 4],
-        elem: usize,
     ) -> Result<(), CudaLibError> {
+        let s = &self.spec;
+        let (dims, elem) = match id {
+            uid::STATS => (s.stats_dims(), 4),
+            uid::K | uid::V | uid::DK | uid::DV => (s.kv_dims(), s.dtype.size()),
+            _ => (s.q_dims(), s.dtype.size()),
+        };
         *self.strides.of(id) = operand(name, x.buffer, x.offset_bytes, x.strides, dims, elem)?;
         self.memory
             .push((id, x.buffer.device_ptr() + x.offset_bytes as u64));
@@ -179,20 +203,23 @@ impl<'a> Operands<'a> {
         Ok(())
     }
 
-    /// Records dropout's seed and offset when the spec drops anything.
-    pub(super) fn rng(&mut self, spec: &SdpaSpec, rng: Option<DropoutRng<'a>>) {
-        if let (Some(rng), true) = (rng, spec.dropout > 0.0) {
+    /// Checks and records dropout's seed and offset, then that every operand and the stream
+    /// are on `device`.
+    pub(super) fn finish(
+        &mut self,
+        device: &CudaDevice,
+        op: &'static str,
+        rng: Option<DropoutRng<'a>>,
+        stream: &Stream,
+    ) -> Result<(), CudaLibError> {
+        check_rng(&self.spec, rng)?;
+        if let (Some(rng), true) = (rng, self.spec.dropout > 0.0) {
             self.memory.push((uid::SEED, rng.seed.device_ptr()));
             self.memory.push((uid::OFFSET, rng.offset.device_ptr()));
             self.used.extend([rng.seed, rng.offset]);
         }
-    }
-
-    /// Every operand's device, then the stream's.
-    pub(super) fn devices(&self, stream: &Stream) -> Vec<ferry_memory::Device> {
-        let mut devices: Vec<_> = self.used.iter().map(|b| b.device()).collect();
-        devices.push(stream.device());
-        devices
+        let devices = self.used.iter().map(|b| b.device());
+        Ok(device.check_operands(op, devices.chain([stream.device()]))?)
     }
 }
 
@@ -211,17 +238,8 @@ pub(super) fn run(
     }
     device.bind()?;
     let dnn_device = device.local::<DnnDevice>();
-    // Given back to the pool when the call returns.
-    let lease = dnn_device.handles.take(|| {
-        dnn::create_handle()
-            .map(DnnHandle)
-            .map_err(failed("cudnnCreate"))
-    })?;
+    let lease = dnn_device.handle_on(stream)?;
     let handle = lease.0;
-    // SAFETY: the handle is ours (leased, used by this call alone) and `stream` belongs to this
-    // device's context, which is current.
-    unsafe { dnn::set_stream(handle, stream.cudarc().cu_stream() as _) }
-        .map_err(failed("cudnnSetStream"))?;
     let plan = find_plan(device, &lease, spec, pass, operands.strides, version)?;
     let plan = match &*plan {
         Ok(plan) => plan,

@@ -2,7 +2,7 @@
 
 use super::super::cudnn_present;
 use super::checks::{check_rng, end_byte, known_limit, layout};
-use super::run::{masked_value, plan_key};
+use super::run::{masked_value, plan_key, usable_cudnn};
 use super::*;
 
 fn spec() -> SdpaSpec {
