@@ -61,6 +61,24 @@ impl<'a> Builder<'a> {
         [s.batch, heads, len, s.head_dim].map(|n| n as i64)
     }
 
+    /// Operand `id` in memory, `[B, heads, len, D]` in the operands' type, or seen transposed
+    /// (`[B, heads, D, len]`, its last two strides swapped) as a matmul's right side.
+    fn operand(
+        &mut self,
+        id: i64,
+        (heads, len): (usize, usize),
+        strides: [i64; 4],
+        transposed: bool,
+    ) -> Result<Tensor, CudaLibError> {
+        let dims = self.dims(heads, len);
+        if transposed {
+            self.g
+                .memory(id, self.io, swap_last(dims), swap_last(strides))
+        } else {
+            self.g.memory(id, self.io, dims, strides)
+        }
+    }
+
     fn virt(&mut self, dtype: Dt, dims: [i64; 4]) -> Result<Tensor, CudaLibError> {
         self.g.virtual_tensor(dtype, dims, dense(dims))
     }
@@ -213,14 +231,11 @@ pub(super) fn forward(
 ) -> Result<Graph, CudaLibError> {
     let mut b = Builder::new(spec);
     let io = b.io;
-    let q =
-        b.g.memory(uid::Q, io, b.dims(spec.heads, spec.q_len), strides.q)?;
-    let kt_dims = swap_last(b.dims(spec.kv_heads, spec.kv_len));
-    let kt = b.g.memory(uid::K, io, kt_dims, swap_last(strides.k))?;
-    let v =
-        b.g.memory(uid::V, io, b.dims(spec.kv_heads, spec.kv_len), strides.v)?;
-    let o =
-        b.g.memory(uid::O, io, b.dims(spec.heads, spec.q_len), strides.o)?;
+    let (rows, kv) = ((spec.heads, spec.q_len), (spec.kv_heads, spec.kv_len));
+    let q = b.operand(uid::Q, rows, strides.q, false)?;
+    let kt = b.operand(uid::K, kv, strides.k, true)?;
+    let v = b.operand(uid::V, kv, strides.v, false)?;
+    let o = b.operand(uid::O, rows, strides.o, false)?;
     let stats = b.g.memory(uid::STATS, F32, b.rows, strides.stats)?;
 
     let x = b.scaled_scores(q, kt)?;
@@ -257,19 +272,17 @@ pub(super) fn backward(
 ) -> Result<Graph, CudaLibError> {
     let mut b = Builder::new(spec);
     let io = b.io;
-    let q_dims = b.dims(spec.heads, spec.q_len);
-    let kv_dims = b.dims(spec.kv_heads, spec.kv_len);
-    let q = b.g.memory(uid::Q, io, q_dims, strides.q)?;
-    let kt =
-        b.g.memory(uid::K, io, swap_last(kv_dims), swap_last(strides.k))?;
-    let vt =
-        b.g.memory(uid::V, io, swap_last(kv_dims), swap_last(strides.v))?;
-    let o = b.g.memory(uid::O, io, q_dims, strides.o)?;
-    let d_o = b.g.memory(uid::D_O, io, q_dims, strides.d_o)?;
+    let (rows, kv) = ((spec.heads, spec.q_len), (spec.kv_heads, spec.kv_len));
+    let (q_dims, kv_dims) = (b.dims(rows.0, rows.1), b.dims(kv.0, kv.1));
+    let q = b.operand(uid::Q, rows, strides.q, false)?;
+    let kt = b.operand(uid::K, kv, strides.k, true)?;
+    let vt = b.operand(uid::V, kv, strides.v, true)?;
+    let o = b.operand(uid::O, rows, strides.o, false)?;
+    let d_o = b.operand(uid::D_O, rows, strides.d_o, false)?;
     let stats = b.g.memory(uid::STATS, F32, b.rows, strides.stats)?;
-    let dq = b.g.memory(uid::DQ, io, q_dims, strides.dq)?;
-    let dk = b.g.memory(uid::DK, io, kv_dims, strides.dk)?;
-    let dv = b.g.memory(uid::DV, io, kv_dims, strides.dv)?;
+    let dq = b.operand(uid::DQ, rows, strides.dq, false)?;
+    let dk = b.operand(uid::DK, kv, strides.dk, false)?;
+    let dv = b.operand(uid::DV, kv, strides.dv, false)?;
 
     // rowsum(dO ∘ O), scaled by the keep probability, into f32 scratch memory.
     let product = b.virt(F32, q_dims)?;
