@@ -390,9 +390,15 @@ fn fused_attention_forward_matches_the_host_reference() {
 fn fused_attention_backward_matches_the_host_gradients() {
     let (_lock, dev) = gpu();
     let stream = dev.default_stream();
+    let mha = SdpaSpec {
+        kv_heads: 4,
+        ..spec(64, Causal::TopLeft)
+    };
+    // Grouped heads sum their per-head dK and dV; one head per key/value head writes them.
     for (s, bthd) in [
         (spec(64, Causal::None), false),
         (spec(128, Causal::TopLeft), true),
+        (mha, false),
     ] {
         let values = inputs(&s);
         let want = reference(&s, &values[0], &values[1], &values[2], &values[3]);
