@@ -18,9 +18,15 @@ use cudarc::cudnn::result::{self as dnn, CudnnError};
 use cudarc::cudnn::sys::{self, cudnnDataType_t, cudnnMathType_t};
 
 mod algorithms;
+mod attention;
+mod backend;
 mod library;
 
 use algorithms::{Choice, bwd_data_algo, bwd_filter_algo, choose, fwd_algo, math_for};
+pub use attention::{
+    Attention, Causal, DropoutRng, SDPA_MAX_HEAD_DIM, SDPA_MIN_CUDNN, SdpaBackward, SdpaForward,
+    SdpaInput, SdpaOutput, SdpaSpec,
+};
 use library::ensure_cudnn;
 pub use library::{cudnn_present, cudnn_version};
 
@@ -29,7 +35,7 @@ use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Stream};
 use parking_lot::Mutex;
 
 use crate::CudaLibError;
-use crate::pool::HandlePool;
+use crate::pool::{HandlePool, Lease};
 use crate::profile::profiled;
 use crate::sealed::Sealed;
 
@@ -146,6 +152,23 @@ pub struct ConvOutput<'a> {
 struct DnnDevice {
     handles: HandlePool<DnnHandle>,
     algorithms: Mutex<HashMap<(ConvSpec, ConvPass), Choice>>,
+}
+
+impl DnnDevice {
+    /// An idle handle of the pool (or a new one), its stream set to `stream`, for one call;
+    /// given back to the pool when the lease drops. The device's context must be current.
+    fn handle_on(&self, stream: &Stream) -> Result<Lease<'_, DnnHandle>, CudaLibError> {
+        let lease = self.handles.take(|| {
+            dnn::create_handle()
+                .map(DnnHandle)
+                .map_err(failed("cudnnCreate"))
+        })?;
+        // SAFETY: the handle is ours (leased from the pool, used by this call alone) and
+        // `stream` belongs to this device's context, which is current.
+        unsafe { dnn::set_stream(lease.0, stream.cudarc().cu_stream() as _) }
+            .map_err(failed("cudnnSetStream"))?;
+        Ok(lease)
+    }
 }
 
 /// One cuDNN handle.
@@ -360,17 +383,8 @@ impl Dnn for CudaDevice {
 
         self.bind()?;
         let dnn_device = self.local::<DnnDevice>();
-        // Given back to the pool when the call returns.
-        let lease = dnn_device.handles.take(|| {
-            dnn::create_handle()
-                .map(DnnHandle)
-                .map_err(failed("cudnnCreate"))
-        })?;
+        let lease = dnn_device.handle_on(stream)?;
         let handle = lease.0;
-        // SAFETY: the handle is ours (leased from the pool, used by this call alone) and
-        // `stream` belongs to this device's context, which is current.
-        unsafe { dnn::set_stream(handle, stream.cudarc().cu_stream() as _) }
-            .map_err(failed("cudnnSetStream"))?;
         let cached = dnn_device.algorithms.lock().get(&(*spec, pass)).copied();
         let choice = match cached {
             Some(choice) => choice,

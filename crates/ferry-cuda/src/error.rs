@@ -90,6 +90,23 @@ pub enum CudaLibError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A fused attention argument that is wrong in itself or would read outside a buffer.
+    #[error("sdpa: {argument} {reason}")]
+    AttentionArgument {
+        /// The argument (`kv_heads`, `q`, `dropout`, ...).
+        argument: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A fused attention call cuDNN cannot run (an old cuDNN, a dtype, head dim or layout its
+    /// engines do not take, or no engine for the graph): run the composed attention instead.
+    #[error(
+        "cuDNN's fused attention cannot run this call: {reason}; use the composed attention (matmul, softmax, matmul)"
+    )]
+    AttentionUnsupported {
+        /// Why.
+        reason: String,
+    },
     /// An operation that does not support this dtype.
     #[error("{op} does not support {dtype}: cast to f32 first")]
     UnsupportedDType {

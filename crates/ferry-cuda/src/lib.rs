@@ -33,7 +33,11 @@ mod profile;
 
 pub use blas::{Blas, GemmInput, GemmOutput, GemmSpec};
 pub use blas_lt::{BlasLt, GemmEpilogue, cublaslt_present};
-pub use dnn::{ConvInput, ConvOutput, ConvPass, ConvSpec, Dnn, cudnn_present, cudnn_version};
+pub use dnn::{
+    Attention, Causal, ConvInput, ConvOutput, ConvPass, ConvSpec, Dnn, DropoutRng,
+    SDPA_MAX_HEAD_DIM, SDPA_MIN_CUDNN, SdpaBackward, SdpaForward, SdpaInput, SdpaOutput, SdpaSpec,
+    cudnn_present, cudnn_version,
+};
 pub use error::CudaLibError;
 pub use kernels::{KernelModule, Kernels, compile_ptx, nvrtc_present, nvrtc_version};
 pub use launch::{

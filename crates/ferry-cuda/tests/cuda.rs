@@ -1,7 +1,7 @@
-//! The CUDA libraries on a real GPU: kernels compiled, loaded and launched, cuBLAS products, and
-//! the ordering of device buffers across streams with a kernel as the slow producer. Every test
-//! is ignored on machines without one; run them with
-//! `cargo test -p ferry-cuda --test cuda -- --ignored`.
+//! The CUDA libraries on a real GPU: kernels compiled, loaded and launched, cuBLAS products,
+//! cuDNN's fused attention (in `attention`), and the ordering of device buffers across streams
+//! with a kernel as the slow producer. Every test is ignored on machines without one; run them
+//! with `cargo test -p ferry-cuda --test cuda -- --ignored`.
 //!
 //! The tests share one device and its allocator, so each holds a process-wide lock.
 
@@ -12,6 +12,9 @@ use ferry_cuda::{
 };
 use ferry_memory::cuda::{CudaDevice, PinnedPool};
 use ferry_memory::{DType, MemoryError};
+
+#[path = "cuda/attention.rs"]
+mod attention;
 
 static ONE_TEST_AT_A_TIME: Mutex<()> = Mutex::new(());
 

@@ -49,16 +49,43 @@ fn availability() -> &'static Result<(), String> {
                     .to_string(),
             );
         }
-        // SAFETY: the library loads (checked above), so this does not panic.
-        let library = unsafe { sys::culib() };
-        for name in REQUIRED {
-            // SAFETY: looks the symbol up without calling it.
-            if unsafe { library.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err() {
-                return Err(format!("the libcudnn found lacks {name}"));
-            }
-        }
-        Ok(())
+        // The library loads (checked above).
+        lookup(&REQUIRED)
     })
+}
+
+/// The backend (graph) API functions fused attention calls, looked up apart from [`REQUIRED`] so
+/// a cuDNN without them still runs convolutions.
+const GRAPH_API: [&str; 7] = [
+    "cudnnBackendCreateDescriptor",
+    "cudnnBackendDestroyDescriptor",
+    "cudnnBackendSetAttribute",
+    "cudnnBackendGetAttribute",
+    "cudnnBackendFinalize",
+    "cudnnBackendExecute",
+    "cudnnGetLastErrorString",
+];
+
+fn lookup(names: &[&str]) -> Result<(), String> {
+    // SAFETY: called only once the library loads, so this does not panic.
+    let library = unsafe { sys::culib() };
+    for name in names {
+        // SAFETY: looks the symbol up without calling it.
+        if unsafe { library.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err() {
+            return Err(format!("the libcudnn found lacks {name}"));
+        }
+    }
+    Ok(())
+}
+
+/// [`ensure_cudnn`], and the graph API's functions found too.
+pub(super) fn ensure_cudnn_graphs() -> Result<(), CudaLibError> {
+    ensure_cudnn()?;
+    static GRAPHS: OnceLock<Result<(), String>> = OnceLock::new();
+    GRAPHS
+        .get_or_init(|| lookup(&GRAPH_API))
+        .clone()
+        .map_err(|reason| CudaLibError::NoCudnn { reason })
 }
 
 pub(super) fn ensure_cudnn() -> Result<(), CudaLibError> {
