@@ -150,3 +150,48 @@ fn mse_value_gradient_and_shape_check() -> Result<()> {
     assert!(err.to_string().contains("same shape"), "{err}");
     Ok(())
 }
+
+/// The attention op in bf16 on `device` (on a GPU, cuDNN's fused attention where it loads)
+/// against the same op in f64 on the host from the same inputs: outputs and the gradients of
+/// q, k and v within bf16's rounding, for grouped heads, with and without the causal mask, and
+/// with fewer queries than keys.
+fn attention_in_bf16_follows_f64(device: Device) -> Result<()> {
+    use ferry_tensor::AttentionOptions;
+    for (q_len, kv_len, causal) in [(128, 128, false), (128, 128, true), (64, 128, true)] {
+        let shapes = [[2, 4, q_len, 64], [2, 2, kv_len, 64], [2, 2, kv_len, 64]];
+        let host: Vec<Tensor> = shapes
+            .iter()
+            .map(|s| Tensor::randn(s, DType::F64, Device::Cpu))
+            .collect::<Result<_>>()?;
+        let grad = Tensor::randn(&[2, 4, q_len, 64], DType::F64, Device::Cpu)?;
+        let options = AttentionOptions {
+            causal,
+            ..AttentionOptions::default()
+        };
+        let run = |dtype: DType, on: Device| -> Result<Vec<Vec<f64>>> {
+            let x: Vec<Tensor> = host
+                .iter()
+                .map(|t| t.to_dtype(dtype)?.to(on)?.with_grad())
+                .collect::<Result<_>>()?;
+            let out = x[0].scaled_dot_product_attention(&x[1], &x[2], options)?;
+            out.backward_with(grad.to_dtype(dtype)?.to(on)?, Default::default())?;
+            let mut all = vec![values(&out.detach().to_dtype(DType::F64)?)];
+            for t in &x {
+                all.push(values(&t.grad().expect("a gradient").to_dtype(DType::F64)?));
+            }
+            Ok(all)
+        };
+        let (want, got) = (run(DType::F64, Device::Cpu)?, run(DType::BF16, device)?);
+        for (what, (w, g)) in ["out", "dq", "dk", "dv"].iter().zip(want.iter().zip(&got)) {
+            let scale = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+            let gap = w.iter().zip(g).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                gap <= 2e-2 * scale,
+                "{what} (T {q_len}, S {kv_len}, causal {causal}): gap {gap} of {scale}"
+            );
+        }
+    }
+    Ok(())
+}
+
+device_test!(attention_in_bf16, attention_in_bf16_follows_f64);

@@ -1,7 +1,185 @@
-//! Attention on CUDA: no fused kernel yet (cuDNN's fused attention comes here), so the op
-//! composes it from matrix products and a softmax.
+//! Attention on CUDA through cuDNN's fused scaled-dot-product attention (ferry-cuda's
+//! `Attention` library trait): bf16 and f16, head dims cuDNN takes, no dropout, the value width
+//! equal to the head dim. Anything else, a machine without cuDNN (or too old a one), or
+//! `FERRY_CUDNN_ATTENTION=0` answers `None`, and the op composes the same node from matrix
+//! products and a softmax. cuDNN's statistics are the op's log-sum-exp (f32, natural log of the
+//! scaled scores), so either backward runs after either forward.
 
-use super::Cuda;
-use crate::kernel::Attention;
+use std::sync::OnceLock;
 
-impl Attention for Cuda {}
+use ferry_cuda::{
+    Attention as CudnnAttention, Causal, CudaLibError, SdpaBackward, SdpaForward, SdpaInput,
+    SdpaOutput, SdpaSpec, cudnn_present,
+};
+use ferry_memory::DType;
+use ferry_memory::cuda::DeviceBuffer;
+
+use super::{Cuda, alloc, buffer, cuda_device, dense, wrap};
+use crate::Result;
+use crate::kernel::{Attention, Dense, Operand, View};
+use crate::op::attention::Attend;
+
+/// Whether the fused path is on: libcudnn loads and `FERRY_CUDNN_ATTENTION` is not `0` (set it
+/// to compare with the composed path).
+fn enabled() -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    *ENABLED.get_or_init(|| {
+        std::env::var("FERRY_CUDNN_ATTENTION").map_or(true, |v| v != "0") && cudnn_present()
+    })
+}
+
+/// cuDNN's description of the call, when the fused path may take it.
+fn spec(how: &Attend, dtype: DType) -> Option<SdpaSpec> {
+    let d = how.dims;
+    let fits = enabled()
+        && how.dropout == 0.0
+        && d.v_dim == d.dim
+        && matches!(dtype, DType::BF16 | DType::F16);
+    let spec = SdpaSpec {
+        batch: d.batch,
+        heads: d.heads,
+        kv_heads: d.kv_heads,
+        q_len: d.q_len,
+        kv_len: d.kv_len,
+        head_dim: d.dim,
+        dtype,
+        // The op's queries are the last positions of the keys' sequence.
+        causal: if how.causal {
+            Causal::BottomRight
+        } else {
+            Causal::None
+        },
+        scale: how.scale as f32,
+        dropout: 0.0,
+    };
+    (fits && spec.supported().is_ok()).then_some(spec)
+}
+
+/// Row-major strides of a dense `[a, b, c, d]`.
+fn strides([_, b, c, d]: [usize; 4]) -> [usize; 4] {
+    [b * c * d, c * d, d, 1]
+}
+
+/// A dense operand as cuDNN reads it.
+fn input<'a>(buffer: &'a DeviceBuffer, x: &impl View, dims: [usize; 4]) -> SdpaInput<'a> {
+    SdpaInput {
+        buffer,
+        offset_bytes: x.layout().offset() * x.dtype().size(),
+        strides: strides(dims),
+    }
+}
+
+/// A fresh output as cuDNN writes it.
+fn output(buffer: &mut DeviceBuffer, dims: [usize; 4]) -> SdpaOutput<'_> {
+    SdpaOutput {
+        buffer,
+        offset_bytes: 0,
+        strides: strides(dims),
+    }
+}
+
+/// `None` for what cuDNN cannot run (the op composes instead); other errors stand.
+fn unsupported_is_none<T>(result: std::result::Result<T, CudaLibError>) -> Result<Option<T>> {
+    match result {
+        Ok(value) => Ok(Some(value)),
+        Err(CudaLibError::AttentionUnsupported { .. } | CudaLibError::NoCudnn { .. }) => Ok(None),
+        Err(err) => Err(err.into()),
+    }
+}
+
+impl Attention for Cuda {
+    fn attention(
+        &self,
+        q: &Operand<'_>,
+        k: &Operand<'_>,
+        v: &Operand<'_>,
+        how: &Attend,
+    ) -> Result<Option<(Dense, Dense)>> {
+        const OP: &str = "scaled_dot_product_attention";
+        let Some(spec) = spec(how, q.dtype()) else {
+            return Ok(None);
+        };
+        let d = how.dims;
+        let (q_dims, kv_dims) = (
+            [d.batch, d.heads, d.q_len, d.dim],
+            [d.batch, d.kv_heads, d.kv_len, d.dim],
+        );
+        let stats_dims = [d.batch, d.heads, d.q_len, 1];
+        let dev = cuda_device(q.device())?;
+        let (q, k, v) = (dense(q)?, dense(k)?, dense(v)?);
+        let mut out = alloc(&dev, OP, &q_dims, q.dtype())?;
+        let mut stats = alloc(&dev, OP, &stats_dims, DType::F32)?;
+        let (qb, kb, vb) = (buffer(&q)?, buffer(&k)?, buffer(&v)?);
+        let io = SdpaForward {
+            q: input(&qb, &q, q_dims),
+            k: input(&kb, &k, kv_dims),
+            v: input(&vb, &v, kv_dims),
+            o: output(&mut out, q_dims),
+            stats: output(&mut stats, stats_dims),
+            rng: None,
+        };
+        let ran = unsupported_is_none(dev.sdpa_forward(&spec, io, dev.default_stream()))?;
+        drop((qb, kb, vb));
+        Ok(ran.map(|()| {
+            (
+                wrap(&dev, out, q.dtype(), &q_dims),
+                wrap(&dev, stats, DType::F32, &[d.batch, d.heads, d.q_len]),
+            )
+        }))
+    }
+
+    fn attention_backward(
+        &self,
+        q: &Operand<'_>,
+        k: &Operand<'_>,
+        v: &Operand<'_>,
+        out: &Operand<'_>,
+        g: &Operand<'_>,
+        lse: &Operand<'_>,
+        how: &Attend,
+    ) -> Result<Option<[Dense; 3]>> {
+        const OP: &str = "scaled_dot_product_attention backward";
+        let Some(spec) = spec(how, q.dtype()) else {
+            return Ok(None);
+        };
+        if lse.dtype() != DType::F32 {
+            return Ok(None);
+        }
+        let d = how.dims;
+        let (q_dims, kv_dims) = (
+            [d.batch, d.heads, d.q_len, d.dim],
+            [d.batch, d.kv_heads, d.kv_len, d.dim],
+        );
+        let stats_dims = [d.batch, d.heads, d.q_len, 1];
+        let dev = cuda_device(q.device())?;
+        let (q, k, v) = (dense(q)?, dense(k)?, dense(v)?);
+        let (out, g, lse) = (dense(out)?, dense(g)?, dense(lse)?);
+        let dtype = q.dtype();
+        let mut dq = alloc(&dev, OP, &q_dims, dtype)?;
+        let mut dk = alloc(&dev, OP, &kv_dims, dtype)?;
+        let mut dv = alloc(&dev, OP, &kv_dims, dtype)?;
+        let (qb, kb, vb) = (buffer(&q)?, buffer(&k)?, buffer(&v)?);
+        let (ob, gb, lb) = (buffer(&out)?, buffer(&g)?, buffer(&lse)?);
+        let io = SdpaBackward {
+            q: input(&qb, &q, q_dims),
+            k: input(&kb, &k, kv_dims),
+            v: input(&vb, &v, kv_dims),
+            o: input(&ob, &out, q_dims),
+            d_o: input(&gb, &g, q_dims),
+            stats: input(&lb, &lse, stats_dims),
+            dq: output(&mut dq, q_dims),
+            dk: output(&mut dk, kv_dims),
+            dv: output(&mut dv, kv_dims),
+            rng: None,
+        };
+        let ran = unsupported_is_none(dev.sdpa_backward(&spec, io, dev.default_stream()))?;
+        drop((qb, kb, vb, ob, gb, lb));
+        Ok(ran.map(|()| {
+            [
+                wrap(&dev, dq, dtype, &q_dims),
+                wrap(&dev, dk, dtype, &kv_dims),
+                wrap(&dev, dv, dtype, &kv_dims),
+            ]
+        }))
+    }
+}
