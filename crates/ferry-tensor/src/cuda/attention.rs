@@ -55,6 +55,16 @@ fn spec(how: &Attend, dtype: DType) -> Option<SdpaSpec> {
     (fits && spec.supported().is_ok()).then_some(spec)
 }
 
+/// The dims of q (and the output), of k and v, and of the statistics.
+fn dims(how: &Attend) -> [[usize; 4]; 3] {
+    let d = how.dims;
+    [
+        [d.batch, d.heads, d.q_len, d.dim],
+        [d.batch, d.kv_heads, d.kv_len, d.dim],
+        [d.batch, d.heads, d.q_len, 1],
+    ]
+}
+
 /// Row-major strides of a dense `[a, b, c, d]`.
 fn strides([_, b, c, d]: [usize; 4]) -> [usize; 4] {
     [b * c * d, c * d, d, 1]
@@ -99,12 +109,7 @@ impl Attention for Cuda {
         let Some(spec) = spec(how, q.dtype()) else {
             return Ok(None);
         };
-        let d = how.dims;
-        let (q_dims, kv_dims) = (
-            [d.batch, d.heads, d.q_len, d.dim],
-            [d.batch, d.kv_heads, d.kv_len, d.dim],
-        );
-        let stats_dims = [d.batch, d.heads, d.q_len, 1];
+        let [q_dims, kv_dims, stats_dims] = dims(how);
         let dev = cuda_device(q.device())?;
         let (q, k, v) = (dense(q)?, dense(k)?, dense(v)?);
         let mut out = alloc(&dev, OP, &q_dims, q.dtype())?;
@@ -123,7 +128,7 @@ impl Attention for Cuda {
         Ok(ran.map(|()| {
             (
                 wrap(&dev, out, q.dtype(), &q_dims),
-                wrap(&dev, stats, DType::F32, &[d.batch, d.heads, d.q_len]),
+                wrap(&dev, stats, DType::F32, &stats_dims[..3]),
             )
         }))
     }
@@ -145,12 +150,7 @@ impl Attention for Cuda {
         if lse.dtype() != DType::F32 {
             return Ok(None);
         }
-        let d = how.dims;
-        let (q_dims, kv_dims) = (
-            [d.batch, d.heads, d.q_len, d.dim],
-            [d.batch, d.kv_heads, d.kv_len, d.dim],
-        );
-        let stats_dims = [d.batch, d.heads, d.q_len, 1];
+        let [q_dims, kv_dims, stats_dims] = dims(how);
         let dev = cuda_device(q.device())?;
         let (q, k, v) = (dense(q)?, dense(k)?, dense(v)?);
         let (out, g, lse) = (dense(out)?, dense(g)?, dense(lse)?);
