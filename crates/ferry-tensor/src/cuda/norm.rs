@@ -64,12 +64,67 @@ fn rms_finish_kernel(d: DType) -> &'static str {
     float_name!("rms_norm_params_finish_", d)
 }
 
-/// Rows per chunk of the parameter-gradient column sums, and the number of chunks: chunks of at
-/// least 64 rows, at most 1024 chunks (enough blocks to fill the GPU, few partial rows to sum
-/// afterwards).
-fn param_chunks(rows: usize) -> (usize, usize) {
+/// Runs a dx kernel `name` (one block per row, reading g, x, the weight if any and the
+/// statistics) over `[rows, cols]`: the input's gradient.
+fn dx_pass(
+    dev: &CudaDevice,
+    op: &'static str,
+    name: &'static str,
+    [g, x, stats]: [&DeviceBuffer; 3],
+    w: Option<&DeviceBuffer>,
+    dtype: DType,
+    (rows, cols): (usize, usize),
+) -> Result<Dense> {
+    let mut dx = alloc(dev, op, &[rows, cols], dtype)?;
+    if rows > 0 {
+        let f = function(dev, name)?;
+        let l = row_launch(dev, &f, rows, cols).arg_buffer(g).arg_buffer(x);
+        opt(l, w)
+            .arg_buffer(stats)
+            .arg_buffer_mut(&mut dx)
+            .arg_u64(rows as u64)
+            .arg_u64(cols as u64)
+            .run()?;
+    }
+    Ok(wrap(dev, dx, dtype, &[rows, cols]))
+}
+
+/// Runs a parameter-gradient kernel `name` (reading g, x and the statistics) over `[rows, cols]`
+/// in chunks of at least 64 rows, at most 1024 chunks (enough blocks to fill the GPU, few partial
+/// rows to sum afterwards): the `[chunks, sums, cols]` partial column sums (in `acc`) and the
+/// number of chunks.
+fn column_partials(
+    dev: &CudaDevice,
+    op: &'static str,
+    name: &'static str,
+    [g, x, stats]: [&DeviceBuffer; 3],
+    (rows, cols): (usize, usize),
+    (sums, acc): (usize, DType),
+) -> Result<(DeviceBuffer, usize)> {
     let rows_per_chunk = rows.div_ceil(1024).max(64);
-    (rows_per_chunk, rows.div_ceil(rows_per_chunk))
+    let chunks = rows.div_ceil(rows_per_chunk);
+    let mut partial = alloc(dev, op, &[chunks.max(1), sums, cols], acc)?;
+    if chunks > 0 {
+        let f = function(dev, name)?;
+        // One block per 32 columns (the kernel has no grid-stride loop); chunks are at most 1024.
+        let col_blocks = exact_grid(op, cols.div_ceil(PARAM_COLS as usize))?;
+        dev.launch(
+            &f,
+            (col_blocks, chunks as u32, 1),
+            (PARAM_COLS, PARAM_ROWS, 1),
+            0,
+            dev.default_stream(),
+        )
+        .arg_buffer(g)
+        .arg_buffer(x)
+        .arg_buffer(stats)
+        .arg_buffer_mut(&mut partial)
+        .arg_u64(rows as u64)
+        .arg_u64(cols as u64)
+        .arg_u64(rows_per_chunk as u64)
+        .run()?;
+    }
+    Ok((partial, chunks))
 }
 
 /// Launches a row kernel (`kernels/norm.cu`: one block per row, grid-stride over rows).
@@ -160,51 +215,32 @@ impl Norm for Cuda {
         let (rows, cols) = (x.shape()[0], x.shape()[1]);
         let (gb, xb, sb) = (buffer(&g)?, buffer(&x)?, buffer(&stats)?);
         let dx = if want[0] {
-            let mut dx = alloc(&dev, OP, x.shape(), dtype)?;
-            if rows > 0 {
-                let f = function(&dev, backward_kernel(dtype))?;
-                let wb = w.as_ref().map(buffer).transpose()?;
-                let l = row_launch(&dev, &f, rows, cols)
-                    .arg_buffer(&gb)
-                    .arg_buffer(&xb);
-                opt(l, wb.as_deref())
-                    .arg_buffer(&sb)
-                    .arg_buffer_mut(&mut dx)
-                    .arg_u64(rows as u64)
-                    .arg_u64(cols as u64)
-                    .run()?;
-            }
-            Some(wrap(&dev, dx, dtype, x.shape()))
+            let wb = w.as_ref().map(buffer).transpose()?;
+            let bufs = [&*gb, &*xb, &*sb];
+            Some(dx_pass(
+                &dev,
+                OP,
+                backward_kernel(dtype),
+                bufs,
+                wb.as_deref(),
+                dtype,
+                (rows, cols),
+            )?)
         } else {
             None
         };
         if !(want[1] || want[2]) {
             return Ok((dx, None, None));
         }
-        let (rows_per_chunk, chunks) = param_chunks(rows);
-        let acc = stats_dtype(dtype);
-        let mut partial = alloc(&dev, OP, &[chunks.max(1), 2, cols], acc)?;
-        if chunks > 0 {
-            let f = function(&dev, params_kernel(dtype))?;
-            // One block per 32 columns (the kernel has no grid-stride loop); chunks are at most
-            // 1024.
-            let col_blocks = exact_grid(OP, cols.div_ceil(PARAM_COLS as usize))?;
-            dev.launch(
-                &f,
-                (col_blocks, chunks as u32, 1),
-                (PARAM_COLS, PARAM_ROWS, 1),
-                0,
-                dev.default_stream(),
-            )
-            .arg_buffer(&gb)
-            .arg_buffer(&xb)
-            .arg_buffer(&sb)
-            .arg_buffer_mut(&mut partial)
-            .arg_u64(rows as u64)
-            .arg_u64(cols as u64)
-            .arg_u64(rows_per_chunk as u64)
-            .run()?;
-        }
+        // Per chunk of rows, the column sums of g x̂ and of g.
+        let (partial, chunks) = column_partials(
+            &dev,
+            OP,
+            params_kernel(dtype),
+            [&*gb, &*xb, &*sb],
+            (rows, cols),
+            (2, stats_dtype(dtype)),
+        )?;
         let mut dw = want[1]
             .then(|| alloc(&dev, OP, &[cols], dtype))
             .transpose()?;
@@ -275,49 +311,32 @@ impl Norm for Cuda {
         let (rows, cols) = (x.shape()[0], x.shape()[1]);
         let (gb, xb, sb) = (buffer(&g)?, buffer(&x)?, buffer(&rstd)?);
         let dx = if want[0] {
-            let mut dx = alloc(&dev, OP, x.shape(), dtype)?;
-            if rows > 0 {
-                let f = function(&dev, rms_backward_kernel(dtype))?;
-                let wb = w.as_ref().map(buffer).transpose()?;
-                let l = row_launch(&dev, &f, rows, cols)
-                    .arg_buffer(&gb)
-                    .arg_buffer(&xb);
-                opt(l, wb.as_deref())
-                    .arg_buffer(&sb)
-                    .arg_buffer_mut(&mut dx)
-                    .arg_u64(rows as u64)
-                    .arg_u64(cols as u64)
-                    .run()?;
-            }
-            Some(wrap(&dev, dx, dtype, x.shape()))
+            let wb = w.as_ref().map(buffer).transpose()?;
+            let bufs = [&*gb, &*xb, &*sb];
+            Some(dx_pass(
+                &dev,
+                OP,
+                rms_backward_kernel(dtype),
+                bufs,
+                wb.as_deref(),
+                dtype,
+                (rows, cols),
+            )?)
         } else {
             None
         };
         if !want[1] {
             return Ok((dx, None));
         }
-        let (rows_per_chunk, chunks) = param_chunks(rows);
-        let mut partial = alloc(&dev, OP, &[chunks.max(1), cols], stats_dtype(dtype))?;
-        if chunks > 0 {
-            let f = function(&dev, rms_params_kernel(dtype))?;
-            // One block per 32 columns (the kernel has no grid-stride loop).
-            let col_blocks = exact_grid(OP, cols.div_ceil(PARAM_COLS as usize))?;
-            dev.launch(
-                &f,
-                (col_blocks, chunks as u32, 1),
-                (PARAM_COLS, PARAM_ROWS, 1),
-                0,
-                dev.default_stream(),
-            )
-            .arg_buffer(&gb)
-            .arg_buffer(&xb)
-            .arg_buffer(&sb)
-            .arg_buffer_mut(&mut partial)
-            .arg_u64(rows as u64)
-            .arg_u64(cols as u64)
-            .arg_u64(rows_per_chunk as u64)
-            .run()?;
-        }
+        // Per chunk of rows, the column sums of g x̂.
+        let (partial, chunks) = column_partials(
+            &dev,
+            OP,
+            rms_params_kernel(dtype),
+            [&*gb, &*xb, &*sb],
+            (rows, cols),
+            (1, stats_dtype(dtype)),
+        )?;
         let mut dw = alloc(&dev, OP, &[cols], dtype)?;
         let f = function(&dev, rms_finish_kernel(dtype))?;
         launch(&dev, &f, cols)
