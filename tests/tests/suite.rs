@@ -8,6 +8,8 @@ mod grad_reduce;
 mod grad_shape;
 // Numerical gradients and references of index_select, gather, scatter_add, embedding, layer_norm.
 mod grad_index;
+// rms_norm: references, numerical gradients, f32 and half against f64, bf16's rounding order.
+mod rms_norm;
 // GELU, SiLU, sin, cos, clamp, maximum/minimum, where_cond, masked_fill, permute, stack, dropout.
 mod grad_ops;
 // conv2d (stride, padding, dilation, groups), max and average pooling, Conv2d and pools.

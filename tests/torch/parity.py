@@ -85,6 +85,8 @@ CASES = {
     # ferry's mask (the zeros of its output) applied the PyTorch way; the fraction kept is
     # checked in main().
     "dropout": lambda x: x[0] * (FERRY_OUTPUT["dropout"] != 0) / 0.75,
+    "rms_norm_weighted": lambda x: torch.nn.functional.rms_norm(x[0], (16,), x[1], 1e-5),
+    "rms_norm_plain": lambda x: torch.nn.functional.rms_norm(x[0], (8,), eps=1e-3),
 }
 
 

@@ -365,3 +365,24 @@ pub(crate) fn attention_backward(
     )?;
     Ok(grads.map(|g| g.map(tensor)))
 }
+
+/// RMSNorm's output and `[rows]` inverse root mean squares of `x` (`[rows, cols]`).
+pub(crate) fn rms_norm(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor)> {
+    let w = w.map(view);
+    let (y, rstd) = on(x.device()).rms_norm(&view(x), w.as_ref(), eps)?;
+    Ok((tensor(y), tensor(rstd)))
+}
+
+/// RMSNorm's `dx` and `dweight`, each only when `want` says so.
+pub(crate) fn rms_norm_backward(
+    g: &Tensor,
+    x: &Tensor,
+    w: Option<&Tensor>,
+    rstd: &Tensor,
+    want: [bool; 2],
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let w = w.map(view);
+    let (dx, dw) =
+        on(g.device()).rms_norm_backward(&view(g), &view(x), w.as_ref(), &view(rstd), want)?;
+    Ok((dx.map(tensor), dw.map(tensor)))
+}

@@ -316,6 +316,22 @@ pub(crate) trait Norm {
         stats: &Operand<'_>,
         want: [bool; 3],
     ) -> Result<(Option<Dense>, Option<Dense>, Option<Dense>)>;
+    /// RMSNorm's output and `[rows]` inverse root mean squares of `x` (`[rows, cols]`).
+    fn rms_norm(
+        &self,
+        x: &Operand<'_>,
+        w: Option<&Operand<'_>>,
+        eps: f64,
+    ) -> Result<(Dense, Dense)>;
+    /// RMSNorm's `dx` and `dweight`, each only when `want` says so.
+    fn rms_norm_backward(
+        &self,
+        g: &Operand<'_>,
+        x: &Operand<'_>,
+        w: Option<&Operand<'_>>,
+        rstd: &Operand<'_>,
+        want: [bool; 2],
+    ) -> Result<(Option<Dense>, Option<Dense>)>;
 }
 
 /// Convolution and pooling.

@@ -11,6 +11,11 @@ fn row_statistics<const COLS: usize>(x: &[Tensor], _: &Tensor) -> usize {
     x[0].numel() / COLS * 2 * 4
 }
 
+/// rms_norm's statistic: an inverse root mean square per row, in f32.
+fn row_rstd<const COLS: usize>(x: &[Tensor], _: &Tensor) -> usize {
+    x[0].numel() / COLS * 4
+}
+
 /// Attention's log-sum-exp: one f32 per query row of the output `[.., q_len, v_dim]`.
 fn row_log_sum_exp(_: &[Tensor], out: &Tensor) -> usize {
     out.numel() / out.shape()[out.ndim() - 1] * 4
@@ -212,5 +217,28 @@ pub(super) fn cases() -> Vec<Case> {
             },
         )
         .backward(&["masked_scale"]),
+        // One node keeping x, the weight and an inverse root mean square per row; its backward
+        // under create_graph recomputes the statistic with recorded ops.
+        Case::new(
+            "rms_norm_weighted",
+            &["reshape", "rms_norm"],
+            &[F(&[2, 3, 16]), F(&[16])],
+            |x| x[0].rms_norm(Some(&x[1]), 1e-5),
+            Keeps {
+                unnamed: row_rstd::<16>,
+                ..Keeps::inputs(&[0, 1])
+            },
+        )
+        .backward(&["mul", "powf", "sub"]),
+        Case::new(
+            "rms_norm_plain",
+            &["reshape", "rms_norm"],
+            &[F(&[5, 8])],
+            |x| x[0].rms_norm(None, 1e-3),
+            Keeps {
+                unnamed: row_rstd::<8>,
+                ..Keeps::inputs(&[0])
+            },
+        ),
     ]
 }

@@ -35,7 +35,7 @@ pub static SOFTMAX: KernelModule = module!("softmax");
 pub static OPTIM: KernelModule = module!("optim");
 /// index_select, gather, index_add and scatter_add along one axis.
 pub static INDEX: KernelModule = module!("index");
-/// Fused layer normalization, forward and backward.
+/// Fused layer normalization and RMSNorm, forward and backward.
 pub static NORM: KernelModule = module!("norm");
 /// where_cond, fused dropout and its masked backward.
 pub static SELECT: KernelModule = module!("select");

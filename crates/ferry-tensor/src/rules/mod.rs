@@ -19,7 +19,7 @@ mod norm;
 pub(crate) use attention::{attention, attention_composed};
 pub(crate) use conv::{col2im, conv2d, im2col};
 pub(crate) use index::{gather, index_add, index_select, scatter_add};
-pub(crate) use norm::layer_norm;
+pub(crate) use norm::{layer_norm, rms_norm};
 
 use ferry_graph::InputGrads;
 use ferry_memory::DType;

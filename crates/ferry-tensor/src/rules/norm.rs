@@ -1,5 +1,5 @@
-//! Layer norm's rule: the fused backward kernels from the saved input, weight and statistics,
-//! or, under `create_graph`, the same gradients composed from differentiable ops.
+//! Layer norm's and RMSNorm's rules: the fused backward kernels from the saved input, weight and
+//! statistics, or, under `create_graph`, the same gradients composed from differentiable ops.
 
 use ferry_graph::InputGrads;
 
@@ -107,4 +107,60 @@ fn composed_backward(
         None
     };
     Ok((dx, dw, db))
+}
+
+/// rms_norm with `eps`, whether it has a weight, keeping `rstd` (`[rows]`).
+pub(crate) fn rms_norm(save: Save, eps: f64, has_w: bool, rstd: Tensor) -> Rule<(f64, bool)> {
+    Rule::new(save, (eps, has_w), rms_norm_backward).with_aux(rstd)
+}
+
+/// The gradients of rms_norm's inputs, in their order (x, then the weight if present).
+fn rms_norm_backward(
+    saved: &Saved<'_>,
+    &(eps, has_w): &(f64, bool),
+    g: &Tensor,
+    wanted: &[bool],
+) -> Result<InputGrads<Tensor>> {
+    let want = [wanted[0], has_w && wanted[1]];
+    let x = saved.input(0)?;
+    let w = if has_w && want[0] {
+        Some(saved.input(1)?)
+    } else {
+        None
+    };
+    let mut parts = vec![g, &x];
+    parts.extend(w.as_ref());
+    let (dx, dw) = if should_record(&parts) {
+        // create_graph: differentiable ops, recomputing the inverse root mean square from x.
+        let rstd = x
+            .mul(&x)?
+            .mean_axis(-1, true)?
+            .add_scalar(eps)?
+            .powf(-0.5)?;
+        let xhat = x.mul(&rstd)?;
+        let dw = if want[1] {
+            Some(g.mul(&xhat)?.sum_axis(0, false)?)
+        } else {
+            None
+        };
+        let dx = if want[0] {
+            let gw = match &w {
+                Some(w) => g.mul(w)?,
+                None => g.clone(),
+            };
+            let m = gw.mul(&xhat)?.mean_axis(-1, true)?;
+            Some(rstd.mul(&gw.sub(&xhat.mul(&m)?)?)?)
+        } else {
+            None
+        };
+        (dx, dw)
+    } else {
+        backend::rms_norm_backward(g, &x, w.as_ref(), &saved.aux()?, want)?
+    };
+    let mut grads = InputGrads::new();
+    grads.push(dx);
+    if has_w {
+        grads.push(dw);
+    }
+    Ok(grads)
 }

@@ -9,7 +9,8 @@ use super::Module;
 /// `LlamaRMSNorm` and PyTorch's `nn.RMSNorm` compute it. The statistic is taken in `f32` for
 /// half-precision inputs, whose normalized values are rounded back to the input's dtype before
 /// the weight multiplies them (transformers' order, so bf16 models agree with it bit for bit
-/// where the ops do). The parameter is named `weight`.
+/// where the ops do). The parameter is named `weight`. One fused op
+/// ([`Tensor::rms_norm`]) whose node keeps the input and one statistic per row.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     weight: Tensor,
@@ -62,24 +63,12 @@ impl Module for RmsNorm {
                 ),
             });
         }
-        let dtype = input.dtype();
-        let wide = if dtype == DType::F64 {
-            input.clone()
-        } else {
-            input.to_dtype(DType::F32)?
-        };
-        let scale = wide
-            .mul(&wide)?
-            .mean_axis(-1, true)?
-            .add_scalar(self.eps)?
-            .sqrt()?;
-        let normalized = wide.div(&scale)?.to_dtype(dtype)?;
-        let weight = if self.weight.dtype() == dtype {
+        let weight = if self.weight.dtype() == input.dtype() {
             self.weight.clone()
         } else {
-            self.weight.to_dtype(dtype)?
+            self.weight.to_dtype(input.dtype())?
         };
-        normalized.mul(&weight)
+        input.rms_norm(Some(&weight), self.eps)
     }
 
     fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
