@@ -9,7 +9,7 @@ use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::{device_test, randn, values};
 
 /// ‖a - e‖ / ‖e‖ below `tol`.
-fn assert_rel(what: &str, a: &[f64], e: &[f64], tol: f64) {
+pub(crate) fn assert_rel(what: &str, a: &[f64], e: &[f64], tol: f64) {
     assert_eq!(a.len(), e.len(), "{what}: lengths differ");
     let err: f64 = a
         .iter()
