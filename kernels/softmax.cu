@@ -136,3 +136,115 @@ SOFTMAX_BACKWARD_KERNELS(float)
 SOFTMAX_BACKWARD_KERNELS(double)
 SOFTMAX_BACKWARD_KERNELS(f16)
 SOFTMAX_BACKWARD_KERNELS(bf16)
+
+// Cross-entropy of [rows, cols] logits against one target class per row, without a second
+// [rows, cols] array: one block per row finds the row's log-sum-exp in one pass (each thread an
+// online maximum and rescaled sum, merged across the block) and keeps it; one block then
+// averages lse - x[target] over the rows whose target is not the ignored class, checking the
+// targets as nll does; the backward rebuilds softmax from the kept log-sum-exp, one block a row.
+template <typename A>
+__device__ void lse_merge(A& m, A& s, A m2, A s2) {
+    const A mx = m > m2 ? m : m2;
+    if (mx == m_neg_inf((A)0)) return;  // both empty so far
+    s = s * m_exp(m - mx) + s2 * m_exp(m2 - mx);
+    m = mx;
+}
+
+template <typename T>
+__device__ void cross_entropy_rows(const T* x, typename Num<T>::Acc* lse, u64 rows, u64 cols) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A sm[SOFTMAX_THREADS];
+    __shared__ A ss[SOFTMAX_THREADS];
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* r = x + row * cols;
+        A m = m_neg_inf((A)0), s = 0;
+        for (u64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            const A v = Num<T>::load(r[j]);
+            if (v > m) {
+                s = s * m_exp(m - v) + (A)1;
+                m = v;
+            } else {
+                s += m_exp(v - m);
+            }
+        }
+        sm[threadIdx.x] = m;
+        ss[threadIdx.x] = s;
+        __syncthreads();
+        for (unsigned int h = blockDim.x / 2; h > 0; h >>= 1) {
+            if (threadIdx.x < h) {
+                A mm = sm[threadIdx.x], s2 = ss[threadIdx.x];
+                lse_merge(mm, s2, sm[threadIdx.x + h], ss[threadIdx.x + h]);
+                sm[threadIdx.x] = mm;
+                ss[threadIdx.x] = s2;
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) lse[row] = sm[0] + m_log(ss[0]);
+        __syncthreads();
+    }
+}
+
+template <typename T>
+__device__ void cross_entropy_mean(const T* x, const i64* targets, const typename Num<T>::Acc* lse,
+                                   T* loss, u64 rows, u64 cols, i64 ignore, int has_ignore,
+                                   i64* bad) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[SOFTMAX_THREADS];
+    A s = 0, n = 0;
+    for (u64 i = threadIdx.x; i < rows; i += blockDim.x) {
+        const i64 t = targets[i];
+        if (has_ignore && t == ignore) continue;
+        if (t < 0 || (u64)t >= cols) {
+            atomicAdd((unsigned long long*)&bad[0], 1ull);
+            atomicExch((unsigned long long*)&bad[1], (unsigned long long)t);
+            s += m_neg_inf((A)0) - m_neg_inf((A)0);  // NaN
+        } else {
+            s += lse[i] - Num<T>::load(x[i * cols + (u64)t]);
+        }
+        n += (A)1;
+    }
+    s = block_reduce(s, false, scratch);
+    n = block_reduce(n, false, scratch);
+    if (threadIdx.x == 0) loss[0] = Num<T>::store(s / n);  // no row counted: 0 / 0, NaN
+}
+
+template <typename T>
+__device__ void cross_entropy_backward(const T* x, const i64* targets,
+                                       const typename Num<T>::Acc* lse,
+                                       const typename Num<T>::Acc* scale, T* dx, u64 rows,
+                                       u64 cols, i64 ignore, int has_ignore) {
+    typedef typename Num<T>::Acc A;
+    const A sc = scale[0];
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* r = x + row * cols;
+        T* o = dx + row * cols;
+        const i64 t = targets[row];
+        const bool skip = has_ignore && t == ignore;
+        const A l = lse[row];
+        for (u64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            const A hot = (u64)t == j ? (A)1 : (A)0;
+            o[j] = Num<T>::store(skip ? (A)0 : (m_exp(Num<T>::load(r[j]) - l) - hot) * sc);
+        }
+    }
+}
+
+#define CROSS_ENTROPY_KERNELS(T)                                                                   \
+    extern "C" __global__ void cross_entropy_rows_##T(const T* x, Num<T>::Acc* lse, u64 rows,      \
+                                                      u64 cols) {                                  \
+        cross_entropy_rows<T>(x, lse, rows, cols);                                                 \
+    }                                                                                              \
+    extern "C" __global__ void cross_entropy_mean_##T(const T* x, const i64* targets,              \
+                                                      const Num<T>::Acc* lse, T* loss, u64 rows,   \
+                                                      u64 cols, i64 ignore, int has_ignore,        \
+                                                      i64* bad) {                                  \
+        cross_entropy_mean<T>(x, targets, lse, loss, rows, cols, ignore, has_ignore, bad);         \
+    }                                                                                              \
+    extern "C" __global__ void cross_entropy_backward_##T(                                        \
+        const T* x, const i64* targets, const Num<T>::Acc* lse, const Num<T>::Acc* scale, T* dx,   \
+        u64 rows, u64 cols, i64 ignore, int has_ignore) {                                          \
+        cross_entropy_backward<T>(x, targets, lse, scale, dx, rows, cols, ignore, has_ignore);     \
+    }
+CROSS_ENTROPY_KERNELS(float)
+CROSS_ENTROPY_KERNELS(double)
+CROSS_ENTROPY_KERNELS(f16)
+CROSS_ENTROPY_KERNELS(bf16)

@@ -1,5 +1,5 @@
 //! The fused ops of a training step against the same math composed in f64: linear layers (one
-//! cuBLASLt product with the bias and ReLU in its epilogue on a GPU), cross-entropy's nll
+//! cuBLASLt product with the bias and ReLU in its epilogue on a GPU), cross-entropy's fused
 //! kernels with the targets checked on the device, softmax's backward kernel, column sums,
 //! Adam's vectorized pass, and the kernel profiler. Each runs on both devices.
 
@@ -9,7 +9,7 @@ use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::{device_test, randn, values};
 
 /// ‖a - e‖ / ‖e‖ below `tol`.
-fn assert_rel(what: &str, a: &[f64], e: &[f64], tol: f64) {
+pub(crate) fn assert_rel(what: &str, a: &[f64], e: &[f64], tol: f64) {
     assert_eq!(a.len(), e.len(), "{what}: lengths differ");
     let err: f64 = a
         .iter()
@@ -104,7 +104,7 @@ fn linear_matches_composed(device: Device) -> Result<()> {
 }
 device_test!(linear_fused_and_composed_agree, linear_matches_composed);
 
-/// Cross-entropy through the nll kernels: value and gradient against f64 composed by hand.
+/// Cross-entropy through its fused kernels: value and gradient against f64 composed by hand.
 fn cross_entropy_matches_by_hand(device: Device) -> Result<()> {
     let (rows, classes) = (300, 13);
     let logits64 = randn(device, &[rows, classes])?;

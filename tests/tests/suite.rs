@@ -16,6 +16,8 @@ mod grad_ops;
 mod grad_conv;
 // Fused step ops (cuBLASLt linear, nll, softmax backward, column sums, Adam) against f64.
 mod fused;
+// Cross-entropy as one op: ignore_index, long rows, bf16, what its node keeps, against f64.
+mod cross_entropy;
 // Whole models trained on the CPU and on the GPU from the same weights follow each other.
 mod models;
 // Broadcasting against a naive reference, by hand and by proptest.

@@ -62,6 +62,7 @@ CASES = {
     "attention_cross_scaled": lambda x: torch.nn.functional.scaled_dot_product_attention(
         x[0], x[1], x[2], scale=0.3),
     "layer_norm_plain_3d": lambda x: torch.nn.functional.layer_norm(x[0], (3, 8), eps=1e-5),
+    "cross_entropy_ignore_index": lambda x: torch.nn.functional.cross_entropy(x[0], x[1], ignore_index=2),
     "comparisons": lambda x: (x[0] > x[1]).float() * 4.0 + (x[0] <= x[1]).float() * 2.0 + (x[0] == x[0]).float(),
     "gelu": lambda x: torch.nn.functional.gelu(x[0] * 2.0),
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x[0] * 2.0, approximate="tanh"),

@@ -386,3 +386,32 @@ pub(crate) fn rms_norm_backward(
         on(g.device()).rms_norm_backward(&view(g), &view(x), w.as_ref(), &view(rstd), want)?;
     Ok((dx.map(tensor), dw.map(tensor)))
 }
+
+/// Cross-entropy's mean loss and per-row log-sum-exp in one pass over the logits, where the
+/// device has the kernel (both do).
+pub(crate) fn cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    ignore: Option<i64>,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let fused = on(logits.device()).cross_entropy(&view(logits), &view(targets), ignore)?;
+    Ok(fused.map(|(loss, lse)| (tensor(loss), tensor(lse))))
+}
+
+/// Cross-entropy's logits gradient from the log-sum-exp, where the device has the kernel.
+pub(crate) fn cross_entropy_backward(
+    logits: &Tensor,
+    targets: &Tensor,
+    lse: &Tensor,
+    scale: &Tensor,
+    ignore: Option<i64>,
+) -> Result<Option<Tensor>> {
+    let out = on(logits.device()).cross_entropy_backward(
+        &view(logits),
+        &view(targets),
+        &view(lse),
+        &view(scale),
+        ignore,
+    )?;
+    Ok(out.map(tensor))
+}

@@ -152,6 +152,7 @@ pub(crate) trait Backend:
     + Conv
     + Optim
     + Attention
+    + Loss
     + Sync
 {
 }
@@ -168,6 +169,7 @@ impl<D> Backend for D where
         + Conv
         + Optim
         + Attention
+        + Loss
         + Sync
 {
 }
@@ -399,6 +401,36 @@ pub(crate) trait Attention {
         _lse: &Operand<'_>,
         _how: &Attend,
     ) -> Result<Option<[Dense; 3]>> {
+        Ok(None)
+    }
+}
+
+/// Fused cross-entropy of `[rows, classes]` logits against `[rows]` `i64` targets: one pass per
+/// row that keeps only the row's log-sum-exp, never a `[rows, classes]` intermediate. A target
+/// equal to `ignore` adds nothing and does not count in the mean.
+pub(crate) trait Loss {
+    /// The mean loss (0-d, the logits' dtype) and the log-sum-exp of every row (`[rows]`, in
+    /// `op::stats_dtype` of the logits' dtype).
+    fn cross_entropy(
+        &self,
+        _logits: &Operand<'_>,
+        _targets: &Operand<'_>,
+        _ignore: Option<i64>,
+    ) -> Result<Option<(Dense, Dense)>> {
+        Ok(None)
+    }
+
+    /// The logits' gradient `(softmax(logits) - onehot(target)) * scale` (0 on ignored rows),
+    /// from the forward's log-sum-exp `lse` and the 0-d `scale` (the loss's gradient over the
+    /// rows counted, in `lse`'s dtype).
+    fn cross_entropy_backward(
+        &self,
+        _logits: &Operand<'_>,
+        _targets: &Operand<'_>,
+        _lse: &Operand<'_>,
+        _scale: &Operand<'_>,
+        _ignore: Option<i64>,
+    ) -> Result<Option<Dense>> {
         Ok(None)
     }
 }

@@ -21,6 +21,11 @@ fn row_log_sum_exp(_: &[Tensor], out: &Tensor) -> usize {
     out.numel() / out.shape()[out.ndim() - 1] * 4
 }
 
+/// Cross-entropy's log-sum-exp: one f32 per row of the `[rows, classes]` logits.
+pub(super) fn row_log_sum_exp_of_input0(x: &[Tensor], _: &Tensor) -> usize {
+    x[0].shape()[0] * 4
+}
+
 /// One byte per output element (a u8 condition or mask).
 fn byte_per_output(_: &[Tensor], out: &Tensor) -> usize {
     out.numel()
@@ -240,5 +245,17 @@ pub(super) fn cases() -> Vec<Case> {
                 ..Keeps::inputs(&[0])
             },
         ),
+        // Rows whose target is 2 add nothing and do not count in the mean.
+        Case::new(
+            "cross_entropy_ignore_index",
+            &["cross_entropy"],
+            &[F(&[9, 5]), I(&[9])],
+            |x| x[0].cross_entropy_with(&x[1], Some(2)),
+            Keeps {
+                unnamed: row_log_sum_exp_of_input0,
+                ..Keeps::inputs(&[0, 1])
+            },
+        )
+        .backward(&["softmax"]),
     ]
 }

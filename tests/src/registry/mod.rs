@@ -244,6 +244,10 @@ pub const NEVER_RECORDED: &[(&str, &str)] = &[
         "max_share",
         "maximum's and minimum's derivative, run without recording",
     ),
+    (
+        "nll",
+        "cross_entropy's composition for a device without the fused kernel (CPU and CUDA have it)",
+    ),
 ];
 
 /// Every registered case, in a fixed order.

@@ -202,17 +202,19 @@ pub(super) fn cases() -> Vec<Case> {
             |x| x[0].log_softmax(0),
             Keeps::OUTPUT,
         ),
-        // log_softmax keeps its output; nll keeps the targets.
+        // One node keeping the logits, the targets and a log-sum-exp per row (f32): never a
+        // second [rows, classes] tensor. Under create_graph its backward rebuilds the softmax.
         Case::new(
             "cross_entropy",
-            &["log_softmax", "nll"],
+            &["cross_entropy"],
             &[F(&[8, 5]), I(&[8])],
             |x| x[0].cross_entropy(&x[1]),
             Keeps {
-                unnamed: like_input0,
-                ..Keeps::inputs(&[1])
+                unnamed: super::layers::row_log_sum_exp_of_input0,
+                ..Keeps::inputs(&[0, 1])
             },
-        ),
+        )
+        .backward(&["softmax"]),
         Case::new(
             "permute",
             &["permute", "mul"],

@@ -8,6 +8,7 @@ mod copy;
 mod create;
 mod elementwise;
 mod index;
+mod loss;
 mod matmul;
 mod norm;
 mod optim;

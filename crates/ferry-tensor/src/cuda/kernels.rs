@@ -29,7 +29,8 @@ macro_rules! module {
 pub static ELEMENTWISE: KernelModule = module!("elementwise");
 /// Sums, maxima and argmax along an axis; two-pass whole-tensor sums.
 pub static REDUCE: KernelModule = module!("reduce");
-/// Fused row softmax and log-softmax, and the negative log-likelihood after them.
+/// Fused row softmax and log-softmax, the negative log-likelihood after them, and fused
+/// cross-entropy.
 pub static SOFTMAX: KernelModule = module!("softmax");
 /// Fused in-place optimizer updates.
 pub static OPTIM: KernelModule = module!("optim");
@@ -79,6 +80,12 @@ pub(crate) enum Kernel {
     Nll(DType),
     /// Its gradient with respect to the log-probabilities.
     NllBackward(DType),
+    /// Cross-entropy: each row's log-sum-exp of the logits, one block a row.
+    CrossEntropyRows(DType),
+    /// Cross-entropy: the mean loss from the log-sum-exp, targets checked.
+    CrossEntropyMean(DType),
+    /// Cross-entropy's logits gradient from the log-sum-exp.
+    CrossEntropyBackward(DType),
     /// Many byte regions into one buffer.
     Gather,
     /// One fused Adam step, in place.
@@ -129,7 +136,10 @@ impl Kernel {
             Kernel::Softmax(_)
             | Kernel::SoftmaxBackward(_)
             | Kernel::Nll(_)
-            | Kernel::NllBackward(_) => &SOFTMAX,
+            | Kernel::NllBackward(_)
+            | Kernel::CrossEntropyRows(_)
+            | Kernel::CrossEntropyMean(_)
+            | Kernel::CrossEntropyBackward(_) => &SOFTMAX,
             Kernel::Adam(_) => &OPTIM,
             Kernel::Where(_) | Kernel::Dropout(_) | Kernel::MaskedScale(_) => &SELECT,
             _ => &ELEMENTWISE,
@@ -165,6 +175,9 @@ impl Kernel {
             Kernel::SoftmaxBackward(d) => typed_name!("softmax_backward_", d),
             Kernel::Nll(d) => typed_name!("nll_", d),
             Kernel::NllBackward(d) => typed_name!("nll_backward_", d),
+            Kernel::CrossEntropyRows(d) => typed_name!("cross_entropy_rows_", d),
+            Kernel::CrossEntropyMean(d) => typed_name!("cross_entropy_mean_", d),
+            Kernel::CrossEntropyBackward(d) => typed_name!("cross_entropy_backward_", d),
             Kernel::Gather => "gather_regions",
             Kernel::Adam(d) => typed_name!("adam_", d),
             Kernel::Where(d) => typed_name!("where_", d),
@@ -218,6 +231,9 @@ pub(crate) fn every_kernel() -> Vec<Kernel> {
                 Kernel::SoftmaxBackward(d),
                 Kernel::Nll(d),
                 Kernel::NllBackward(d),
+                Kernel::CrossEntropyRows(d),
+                Kernel::CrossEntropyMean(d),
+                Kernel::CrossEntropyBackward(d),
             ]);
         }
     }

@@ -9,6 +9,7 @@ mod create;
 mod elementwise;
 mod index;
 pub(crate) mod kernels;
+mod loss;
 mod matmul;
 mod norm;
 mod optim;

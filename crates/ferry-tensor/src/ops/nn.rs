@@ -1,5 +1,5 @@
 //! Softmax and log-softmax (fused kernels with their own rules: one pass over each row instead
-//! of five ops), and cross-entropy composed from them.
+//! of five ops), and cross-entropy as one fused op (its rule in `rules::loss`).
 
 use ferry_memory::DType;
 
@@ -31,11 +31,30 @@ impl Tensor {
         Ok(record(out, op, &[self], || rules::softmax(log)))
     }
 
-    /// Mean cross-entropy of `[n, classes]` logits against `[n]` class indices (`i64`).
+    /// Mean cross-entropy of `[n, classes]` logits against `[n]` class indices (`i64`), as one
+    /// op: the forward computes each row's log-sum-exp (f32; f64 for f64 logits) and the loss in
+    /// one pass, and the node keeps the logits, the targets and the `[n]` log-sum-exp, never a
+    /// second `[n, classes]` tensor; the backward rebuilds `softmax(logits) - onehot` from them.
+    /// The loss has the logits' dtype (bf16 logits give a bf16 loss, accumulated in f32). A
+    /// target outside `0..classes` is an error: at once on the CPU, from the next call on the
+    /// device on a GPU (the loss is NaN meanwhile), as with `nll`.
     pub fn cross_entropy(&self, targets: &Tensor) -> Result<Tensor> {
+        self.cross_entropy_with(targets, None)
+    }
+
+    /// [`Tensor::cross_entropy`] where rows whose target is `ignore_index` (when given) add
+    /// nothing and do not count in the mean, as PyTorch's `ignore_index` (`-100` there by
+    /// default); the ignored class may lie outside `0..classes`. Every row ignored gives NaN
+    /// (0 / 0), as in PyTorch.
+    pub fn cross_entropy_with(
+        &self,
+        targets: &Tensor,
+        ignore_index: Option<i64>,
+    ) -> Result<Tensor> {
+        const OP: &str = "cross_entropy";
         if self.ndim() != 2 || targets.shape() != [self.shape()[0]] {
             return Err(TensorError::ShapeMismatch {
-                op: "cross_entropy",
+                op: OP,
                 lhs: self.dims(),
                 rhs: targets.dims(),
                 hint: "logits must be [n, classes] and targets [n]",
@@ -50,12 +69,46 @@ impl Tensor {
         }
         if targets.device() != self.device() {
             return Err(TensorError::DeviceMismatch {
-                op: "cross_entropy",
+                op: OP,
                 lhs: self.device(),
                 rhs: targets.device(),
             });
         }
-        self.log_softmax(1)?.nll(targets)
+        if !self.dtype().is_float() {
+            return Err(TensorError::UnsupportedDType {
+                op: OP,
+                dtype: self.dtype(),
+                hint: "logits must be floats; cast with `.to_dtype(DType::F32)`",
+            });
+        }
+        // Targets made in inference mode are read, not differentiated: a plain handle on the
+        // same storage keeps them from turning the loss into inference data.
+        let targets = if targets.is_inference() {
+            Tensor::from_storage(targets.storage().clone(), targets.layout().clone())?
+        } else {
+            targets.clone()
+        };
+        match backend::cross_entropy(self, &targets, ignore_index)? {
+            Some((loss, lse)) => Ok(record(loss, OP, &[self, &targets], || {
+                rules::cross_entropy(ignore_index, lse)
+            })),
+            None => self.cross_entropy_composed(&targets, ignore_index),
+        }
+    }
+
+    /// Cross-entropy from recorded ops, for a device without the fused kernel.
+    fn cross_entropy_composed(&self, targets: &Tensor, ignore: Option<i64>) -> Result<Tensor> {
+        let logp = self.log_softmax(1)?;
+        let Some(ignore) = ignore else {
+            return logp.nll(targets);
+        };
+        let kept = rules::kept_rows(targets, ignore, self.dtype())?;
+        let ignored = kept.eq(&Tensor::zeros(&[], self.dtype(), self.device())?)?;
+        let zero = Tensor::zeros(&[], DType::I64, self.device())?;
+        let safe = Tensor::where_cond(&ignored, &zero, targets)?.unsqueeze(1)?;
+        let picked = logp.gather(1, &safe)?.squeeze(1)?.mul(&kept)?.sum()?;
+        let counted = rules::counted_rows(targets, Some(ignore), self.dtype())?;
+        picked.neg()?.div(&counted)
     }
 
     /// `-mean(self[i, targets[i]])` of `[n, classes]` log-probabilities, one kernel; keeps only

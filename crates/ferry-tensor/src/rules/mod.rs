@@ -1,24 +1,26 @@
 //! Every gradient rule of ferry-tensor's ops, and only here: this module holds the elementwise,
-//! reduction, matmul, shape and loss rules; `index`, `conv` and `norm` hold the rules of those op
-//! families. Ops call a function here that builds their rule; no op builds one itself. (The
-//! device move's rule lives with the move, in ferry-transfer, which owns that op.) Each says what
-//! it saves, as PyTorch's rules do: an input
+//! reduction, matmul, shape and nll rules; `index`, `conv`, `norm`, `attention` and `loss`
+//! (cross-entropy) hold the rules of those op families. Ops call a function here that builds
+//! their rule; no op builds one itself. (The device move's rule lives with the move, in
+//! ferry-transfer, which owns that op.) Each says what it saves, as PyTorch's rules do: an input
 //! only when the gradient of *another* input needs it, the output where the derivative is
 //! cheapest from it (exp, tanh, sigmoid, sqrt, relu, softmax), and otherwise shapes alone.
 //!
 //! Rules are written with tensor ops, so the same rule runs on every device, and under
 //! `create_graph` the backward records its own graph: every rule is itself differentiable.
-//! Composite ops (mean, cross-entropy's pieces, ...) are built from these and need no rule.
+//! Composite ops (mean, cross-entropy where a device has no fused kernel, ...) are built from these and need no rule.
 
 mod activation;
 mod attention;
 mod conv;
 mod index;
+mod loss;
 mod norm;
 
 pub(crate) use attention::{attention, attention_composed};
 pub(crate) use conv::{col2im, conv2d, im2col};
 pub(crate) use index::{gather, index_add, index_select, scatter_add};
+pub(crate) use loss::{counted_rows, cross_entropy, kept_rows};
 pub(crate) use norm::{layer_norm, rms_norm};
 
 use ferry_graph::InputGrads;
