@@ -6,14 +6,14 @@
 //! Each function here views its tensors as `Operand`s, calls the device's method and wraps the
 //! `Dense` output.
 //!
-//! Fused paths (cuBLASLt's linear epilogue, cuDNN's convolution passes, softmax's and nll's
-//! one-pass gradients) are capabilities the backend answers: each such trait method's default
+//! Fused paths (cuBLASLt's linear epilogue, cuDNN's convolution passes and fused attention,
+//! the host's blocked attention, softmax's and nll's one-pass gradients) are capabilities the backend answers: each such trait method's default
 //! returns `Ok(None)`, so a device without the kernel or library says nothing, and the op or
 //! rule composes the same result from primitives. Which libraries load, and the switches that
-//! turn them off (`FERRY_CUBLASLT`, `FERRY_CUDNN`), are read by the device's kernels, never
+//! turn them off (`FERRY_CUBLASLT`, `FERRY_CUDNN`, `FERRY_CUDNN_ATTENTION`), are read by the device's kernels, never
 //! above this module.
 //!
-//! Adding a fused op (attention, RMSNorm, cross-entropy) touches:
+//! Adding a fused op touches (attention, RMSNorm and cross-entropy were added this way):
 //! 1. the op table: its public method in `ops/<family>.rs`, which calls the fused path here and
 //!    composes on `None`, and its gradient rule in `rules` (a row of `op` too when it is an
 //!    elementwise or reduction op, or a struct of scalars there when kernels read one);
