@@ -10,6 +10,7 @@ use ferry_memory::Element;
 use ferry_memory::gemm::{self, GemmElement, MatRef};
 use rayon::prelude::*;
 
+use super::select::uniform01;
 use super::{Cpu, build, dense, float_dispatch, read_elements};
 use crate::Result;
 use crate::kernel::{Attention, Dense, Operand, View};
@@ -31,24 +32,13 @@ fn keep(a: &Attend, row: usize, j: usize) -> f64 {
     if a.dropout == 0.0 {
         return 1.0;
     }
-    let u = uniform(a.seed, (row * a.dims.kv_len + j) as u64);
+    // Dropout's own draw, so the mask is the same in forward and backward without storing it.
+    let u = uniform01(a.seed, (row * a.dims.kv_len + j) as u64);
     if u < a.dropout {
         0.0
     } else {
         1.0 / (1.0 - a.dropout)
     }
-}
-
-/// A uniform draw in [0, 1) for element `n` of stream `seed` (SplitMix64 of both): the same
-/// mask in forward and backward without storing it.
-fn uniform(seed: u64, n: u64) -> f64 {
-    let mut z = seed
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(n.wrapping_mul(0xD1B5_4A32_D192_ED03));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// A row-major matrix of `cols` columns starting at `offset` of `data`.
@@ -439,7 +429,7 @@ mod tests {
 
     fn values(n: usize, salt: u64) -> Vec<f64> {
         (0..n)
-            .map(|i| uniform(salt, i as u64) * 2.0 - 1.0)
+            .map(|i| uniform01(salt, i as u64) * 2.0 - 1.0)
             .collect()
     }
 

@@ -9,8 +9,8 @@ use ferry_transfer::StateDict;
 use serde_json::Value;
 
 use super::{Kind, Llama, LlamaConfig};
-use crate::checkpoint::{self, CheckpointError, Mismatch};
-use crate::nn::Module;
+use crate::checkpoint::{self, CheckpointError};
+use crate::nn::{Module, check_state};
 
 const CONFIG: &str = "config.json";
 const WEIGHTS: &str = "model.safetensors";
@@ -48,53 +48,31 @@ impl Llama {
     /// (see [`Llama::from_pretrained`] for what is checked).
     pub fn from_state_dict(config: LlamaConfig, state: StateDict) -> Result<Self, CheckpointError> {
         let tied = config.tie_word_embeddings;
-        let mut given: HashMap<String, Tensor> = state
+        let state: StateDict = state
             .into_iter()
-            .filter(|(name, _)| !name.ends_with("rotary_emb.inv_freq"))
+            .filter(|(name, _)| {
+                !name.ends_with("rotary_emb.inv_freq") && !(tied && name == "lm_head.weight")
+            })
             .collect();
-        if tied {
-            given.remove("lm_head.weight");
-        }
+        let given: HashMap<&str, &Tensor> = state.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let dtype = given
             .get("model.embed_tokens.weight")
-            .map_or(DType::F32, Tensor::dtype);
-        let mut problems = Vec::new();
+            .map_or(DType::F32, |t| t.dtype());
+        let mut expected = Vec::new();
         let model = Self::build(config, &mut |name, shape, _: Kind| {
-            let problem = match given.remove(name) {
-                Some(t) if t.shape() != shape => Mismatch::Shape {
-                    key: name.into(),
-                    expected: shape.to_vec(),
-                    found: t.shape().to_vec(),
-                },
-                Some(t) if t.dtype() != dtype => Mismatch::DType {
-                    key: name.into(),
-                    expected: dtype,
-                    found: t.dtype(),
-                },
-                Some(t) => return Ok(t),
-                None => Mismatch::Missing {
-                    key: name.into(),
-                    shape: shape.to_vec(),
-                    dtype,
-                },
-            };
-            problems.push(problem);
-            // A stand-in of the right shape without memory, so every problem is found.
-            Tensor::zeros(&[1], dtype, Device::Cpu)?.broadcast_to(shape)
+            // What the model expects, as a stand-in of the right shape without memory; it takes
+            // the stand-in's place where the file's tensor does not fit, so every problem is
+            // found before the check below refuses them all.
+            let stand_in = Tensor::zeros(&[1], dtype, Device::Cpu)?.broadcast_to(shape)?;
+            let fits = given
+                .get(name)
+                .filter(|t| t.shape() == shape && t.dtype() == dtype);
+            let tensor = fits.map_or_else(|| stand_in.clone(), |t| (*t).clone());
+            expected.push((name.to_string(), stand_in));
+            Ok(tensor)
         })?;
-        let mut extra: Vec<(String, Tensor)> = given.into_iter().collect();
-        extra.sort_by(|a, b| a.0.cmp(&b.0));
-        problems.extend(extra.into_iter().map(|(key, t)| Mismatch::Unexpected {
-            key,
-            shape: t.shape().to_vec(),
-        }));
-        match problems.is_empty() {
-            true => Ok(model),
-            false => Err(CheckpointError::Mismatch {
-                what: "model",
-                problems,
-            }),
-        }
+        check_state("model", &expected, &state)?;
+        Ok(model)
     }
 
     /// Writes `config.json` and `model.safetensors` into `dir` (made if absent), which
