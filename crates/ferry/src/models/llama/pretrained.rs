@@ -51,7 +51,7 @@ impl Llama {
         let state: StateDict = state
             .into_iter()
             .filter(|(name, _)| {
-                !name.ends_with("rotary_emb.inv_freq") && !(tied && name == "lm_head.weight")
+                !(name.ends_with("rotary_emb.inv_freq") || tied && name == "lm_head.weight")
             })
             .collect();
         let given: HashMap<&str, &Tensor> = state.iter().map(|(n, t)| (n.as_str(), t)).collect();
