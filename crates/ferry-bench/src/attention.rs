@@ -71,7 +71,7 @@ impl Shape {
 }
 
 /// The goals, judged per row on a GPU: the fused rates at sequence >= 2048 and head dim 128,
-/// and PyTorch's rate (over ferry's) at most 1 on every row.
+/// and ferry's time over PyTorch's at most 1 on every row.
 const FORWARD_GOAL: Goal = Goal {
     name: "forward TFLOP/s at T >= 2048, d 128",
     metric: "ferry forward TFLOP/s",
@@ -83,7 +83,7 @@ const BACKWARD_GOAL: Goal = Goal {
     bound: Bound::AtLeast(350.0),
 };
 const PARITY_GOAL: Goal = Goal {
-    name: "PyTorch / ferry time, forward and backward",
+    name: "ferry / PyTorch time, forward and backward",
     metric: "ferry ms / PyTorch ms",
     bound: Bound::AtMost(1.0),
 };
