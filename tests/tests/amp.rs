@@ -114,6 +114,78 @@ fn conv2d_under_bf16_autocast(device: Device) -> Result<()> {
 }
 device_test!(conv2d_under_bf16_autocast, conv2d_under_bf16_autocast);
 
+/// The attention node reachable from `t`'s node, walking inputs.
+fn find_op(node: &NodeHandle<Tensor>, op: &str) -> Option<NodeHandle<Tensor>> {
+    if node.meta().op == op {
+        return Some(node.clone());
+    }
+    node.inputs().flatten().find_map(|n| find_op(n, op))
+}
+
+/// Attention under bf16 autocast, as PyTorch runs `scaled_dot_product_attention`: f32 (and
+/// mixed f32 / bf16) query, key and value attend in bf16 (on CUDA through the fused kernel,
+/// which takes no f32), the output comes back in f32, and the f32 inputs get f32 gradients
+/// close to an f32 run.
+fn attention_under_bf16_autocast(device: Device) -> Result<()> {
+    use ferry_tensor::AttentionOptions;
+    let make = |shape: &[usize]| -> Result<Tensor> {
+        on(device, Tensor::randn(shape, DType::F32, Device::Cpu)?)?.with_grad()
+    };
+    // Grouped-query: 4 query heads share 2 key/value heads.
+    let (q, k, v) = (
+        make(&[2, 4, 16, 32])?,
+        make(&[2, 2, 16, 32])?,
+        make(&[2, 2, 16, 32])?,
+    );
+    let causal = AttentionOptions {
+        causal: true,
+        ..AttentionOptions::default()
+    };
+    let reference = q.scaled_dot_product_attention(&k, &v, causal)?;
+    let grads = |out: &Tensor| -> Result<Vec<Tensor>> {
+        out.sum()?.backward()?;
+        let grads = [&q, &k, &v].map(|t| t.grad().expect("a gradient"));
+        for t in [&q, &k, &v] {
+            t.set_grad(None);
+        }
+        Ok(grads.to_vec())
+    };
+    let ref_grads = grads(&reference)?;
+
+    let y = autocast(DType::BF16, || {
+        q.scaled_dot_product_attention(&k, &v, causal)
+    })?;
+    assert_eq!(y.dtype(), DType::F32, "the attention comes back in f32");
+    let node = find_op(y.node().expect("recorded"), "scaled_dot_product_attention")
+        .expect("an attention node");
+    assert_eq!(node.meta().dtype, "bf16", "the attention ran in bf16");
+    // Weighted means of values ~ N(0, 1) with 8 bits of mantissa.
+    let diff = max_abs_diff(&y, &reference);
+    assert!(diff < 0.05, "bf16 attention off by {diff}");
+    assert!(diff > 0.0, "the attention did not run in bf16");
+    for (grad, reference) in grads(&y)?.iter().zip(&ref_grads) {
+        assert_eq!(grad.dtype(), DType::F32);
+        let scale = values(reference).iter().fold(1.0f64, |m, x| m.max(x.abs()));
+        let diff = max_abs_diff(grad, reference);
+        assert!(
+            diff < 3e-2 * scale,
+            "bf16 gradient off by {diff} (scale {scale})"
+        );
+    }
+
+    // A bf16 value beside f32 query and key is taken as it is; outside a scope the dtypes
+    // must agree.
+    let v16 = v.detach().to_dtype(DType::BF16)?;
+    let mixed = autocast(DType::BF16, || {
+        q.scaled_dot_product_attention(&k, &v16, causal)
+    })?;
+    assert_eq!(mixed.dtype(), DType::F32);
+    assert!(max_abs_diff(&mixed, &reference) < 0.05);
+    assert!(q.scaled_dot_product_attention(&k, &v16, causal).is_err());
+    Ok(())
+}
+device_test!(attention_under_bf16_autocast, attention_under_bf16_autocast);
+
 /// f16 scopes, backward inside a scope, operands already in the low precision, and what
 /// stays untouched (f64 products, products outside any scope).
 fn what_autocast_casts(device: Device) -> Result<()> {

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """PyTorch's side of `ferry bench train`: training steps of two MLPs, the digits CNN and the
 character-level GPT (tests/torch/gpt.py's model), eager, timed the same way as ferry; each in
-fp32, three of them in bf16 autocast as well, and the wide MLP's matrix products alone.
+fp32, three of them in bf16 autocast as well, and the wide MLP's matrix products alone. Then
+two 1 B models in bf16 autocast with fp32 weights and torch.optim.AdamW(fused=True): the same GPT
+at 20 x 2048 (heads of 128, SDPA's fused attention) and transformers' LlamaForCausalLM with
+ferry's LlamaConfig::llama_1b (attn_implementation="sdpa"), at batch 8 and 16 x 1024 tokens.
 
 Two ways to run it:
   python3 train.py --cases all           every case alone: warm-up, rounds, one JSON object
@@ -39,11 +42,22 @@ CASES = {
     "mlp_4096_bf16": ([1024, 4096, 4096, 10], 1024, 50),
     "digits_cnn_bf16": ([64, 10], 64, 100),
     "gpt_bf16": ([64, 57], 32, 50),
+    "gpt_1b_b8": ([1024, 256, 2048, 20], 8, 5),
+    "gpt_1b_b16": ([1024, 256, 2048, 20], 16, 5),
+    "llama_1b_b8": ([1024], 8, 5),
+    "llama_1b_b16": ([1024], 16, 5),
 }
 # the cases whose forward and loss run in bf16 autocast
-BF16 = {"mlp_4096_bf16", "digits_cnn_bf16", "gpt_bf16"}
+BF16 = {"mlp_4096_bf16", "digits_cnn_bf16", "gpt_bf16", "gpt_1b_b8", "gpt_1b_b16", "llama_1b_b8", "llama_1b_b16"}
+# the 1 B models, trained with torch.optim.AdamW(fused=True) at LARGE_LR
+LARGE = {"gpt_1b_b8", "gpt_1b_b16", "llama_1b_b8", "llama_1b_b16"}
 CLASSES = 10
 LR = 1e-3
+LARGE_LR = 3e-4
+# ferry's LlamaConfig::llama_1b (crates/ferry/src/models/llama/config.rs)
+LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=19,
+                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
 def fp32_only(torch):
@@ -63,7 +77,7 @@ class Run:
         self.bf16 = case in BF16
         self.gemms = None
         self.loss = None
-        model_id = case.removesuffix("_bf16")
+        model_id = case.removesuffix("_bf16").removesuffix("_b8").removesuffix("_b16")
         if case == "mlp_4096_gemms":
             self.gemms = mlp_gemms(torch, widths, batch)
             torch.cuda.synchronize()
@@ -79,16 +93,25 @@ class Run:
                 nn.Linear(64, widths[1]))
             self.x = torch.randn(batch, widths[0], device="cuda")
             self.y = (torch.rand(batch, device="cuda") * widths[1]).to(torch.int64)
-        elif model_id == "gpt":
-            # ferry train gpt's model, from tests/torch/gpt.py
-            import importlib.util
-            import pathlib
-            path = pathlib.Path(__file__).resolve().parents[3] / "tests" / "torch" / "gpt.py"
-            spec = importlib.util.spec_from_file_location("ferry_gpt", path)
-            gpt = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(gpt)
-            context, vocab = widths
-            model = gpt.Gpt(vocab, context, 128, 4, 4)
+        elif model_id in ("gpt", "gpt_1b"):
+            # ferry train gpt's model (and ferry bench offload-optim's at 1 B), tests/torch/gpt.py
+            gpt = harness.load_gpt()
+            context, vocab = widths[:2]
+            if model_id == "gpt_1b":
+                width, layers = widths[2:]
+                heads = width // 128
+            else:
+                width, layers, heads = 128, 4, 4
+            model = gpt.Gpt(vocab, context, width, layers, heads)
+            self.x = (torch.rand(batch, context, device="cuda") * vocab).to(torch.int64)
+            self.y = (torch.rand(batch * context, device="cuda") * vocab).to(torch.int64)
+        elif model_id == "llama_1b":
+            # transformers' Llama with its SDPA attention, as a user would train it
+            import transformers
+            config = transformers.LlamaConfig(**LLAMA_1B, attn_implementation="sdpa")
+            llama = transformers.LlamaForCausalLM(config)
+            model = logits_only(nn, llama)
+            (context,), vocab = widths, LLAMA_1B["vocab_size"]
             self.x = (torch.rand(batch, context, device="cuda") * vocab).to(torch.int64)
             self.y = (torch.rand(batch * context, device="cuda") * vocab).to(torch.int64)
         else:
@@ -101,7 +124,10 @@ class Run:
             self.x = torch.randn(batch, widths[0], device="cuda")
             self.y = (torch.rand(batch, device="cuda") * CLASSES).to(torch.int64)
         self.model = model.cuda()
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
+        if case in LARGE:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LARGE_LR, fused=True)
+        else:
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
         torch.cuda.synchronize()
 
     def step(self):
@@ -127,6 +153,21 @@ class Run:
         return harness.synced_ms(self.torch, round_) / steps
 
 
+def logits_only(nn, lm):
+    """A transformers causal LM as a module from token ids to logits (what ferry's Llama
+    returns), so every model's loss is computed the same way."""
+
+    class LogitsOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            return self.lm(input_ids=ids, use_cache=False).logits
+
+    return LogitsOnly()
+
+
 def mlp_gemms(torch, widths, batch):
     """The eight products of an MLP step (as crates/ferry-bench/src/train.rs's mlp_gemms): per
     layer forward a @ W.T, backward g.T @ a and, past the first layer, g @ W."""
@@ -142,14 +183,20 @@ def mlp_gemms(torch, widths, batch):
 
 
 class Runs:
+    """The case last asked for, made once; asking for another frees it first (two 1 B models
+    and their optimizers would not fit beside ferry's)."""
+
     def __init__(self, torch):
         self.torch = torch
-        self._made = {}
+        self._case, self._run = None, None
 
     def get(self, case):
-        if case not in self._made:
-            self._made[case] = Run(self.torch, case)
-        return self._made[case]
+        if case != self._case:
+            self._case, self._run = None, None
+            self.torch.cuda.empty_cache()
+            self._run = Run(self.torch, case)
+            self._case = case
+        return self._run
 
 
 def describe(torch):
@@ -173,9 +220,14 @@ def start(torch):
 
 
 def answer(runs, line):
-    """One round of `CASE STEPS`: its mean ms per step."""
+    """One round of `CASE STEPS`: its mean ms per step, and the most bytes the caching
+    allocator held during it."""
     case, steps = parse_request(line)
-    return {"case": case, "steps": steps, "ms": runs.get(case).round_ms_per_step(steps)}
+    run = runs.get(case)
+    runs.torch.cuda.reset_peak_memory_stats()
+    ms = run.round_ms_per_step(steps)
+    peak = runs.torch.cuda.max_memory_allocated()
+    return {"case": case, "steps": steps, "ms": ms, "peak_bytes": peak}
 
 
 def run_alone(ids, rounds, warmup, steps):

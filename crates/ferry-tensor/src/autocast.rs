@@ -1,10 +1,13 @@
-//! The autocast state: a per-thread precision in which matrix products and convolutions run
-//! while a scope is open ([`AutocastGuard`]), read by [`Tensor::matmul`] and
-//! [`Tensor::conv2d`] at their entry.
+//! The autocast state: a per-thread precision in which matrix products, convolutions and
+//! attention run while a scope is open ([`AutocastGuard`]), read by [`Tensor::matmul`],
+//! [`Tensor::conv2d`] and [`Tensor::scaled_dot_product_attention`] at their entry.
 //!
 //! Inside a scope of `bf16` (or `f16`), a matmul with an `f32` operand casts its `f32` operands
 //! to that dtype, multiplies in it, and casts the product back to `f32`; a conv2d of an `f32`
-//! input and weight does the same, and adds its bias in `f32`. Every other op sees only
+//! input and weight does the same, and adds its bias in `f32`; attention with an `f32` query, key
+//! or value casts them to that dtype, so that the fused kernels (which take only `bf16` and
+//! `f16`) run it, and casts its output back to `f32`, as PyTorch's autocast runs
+//! `scaled_dot_product_attention` in the low precision. Every other op sees only
 //! `f32` tensors, so reductions, softmax, cross-entropy and normalisations stay in `f32` with no
 //! hook of their own, and a model's parameters (the master weights) and their gradients stay
 //! `f32`: the casts are recorded ops, so gradients flow back through them. Products of operands
@@ -95,6 +98,33 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     let (a, b) = (cast(a)?, cast(b)?);
     // The operands are no longer f32, so this call takes the plain path.
     let out = a.matmul(&b)?;
+    out.to_dtype(DType::F32).map(Some)
+}
+
+/// The attention entry's hook: inside a scope, with an `f32` query, key or value (and the others
+/// `f32` or the scope's dtype), the attention computed in the scope's dtype and its output cast
+/// back to `f32`; otherwise `None`.
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    options: crate::AttentionOptions,
+) -> Result<Option<Tensor>> {
+    let Some(low) = autocast_dtype() else {
+        return Ok(None);
+    };
+    let dtypes = [q.dtype(), k.dtype(), v.dtype()];
+    let in_scope = |d: &DType| *d == DType::F32 || *d == low;
+    if !dtypes.iter().all(in_scope) || !dtypes.contains(&DType::F32) {
+        return Ok(None); // nothing to cast, or a dtype the plain path reports
+    }
+    if q.device() != k.device() || q.device() != v.device() {
+        return Ok(None); // the plain path names the devices
+    }
+    let low_of = |t: &Tensor| t.to_dtype(low);
+    let (q, k, v) = (low_of(q)?, low_of(k)?, low_of(v)?);
+    // No operand is f32 now, so this call takes the plain path.
+    let out = q.scaled_dot_product_attention(&k, &v, options)?;
     out.to_dtype(DType::F32).map(Some)
 }
 

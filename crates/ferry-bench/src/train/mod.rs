@@ -15,14 +15,21 @@
 //! left to win.
 //!
 //! `ferry train`'s step also counts correct predictions, which PyTorch's would not do, so the
-//! step timed here is its loss-only core. Modules: `cases` (the cases and a step's phases),
+//! step timed here is its loss-only core.
+//!
+//! The 1 B cases (`gpt_1b_*`, `llama_1b_*`) are the sizes people train: `ferry bench
+//! offload-optim`'s GPT at 20 x 2048 and the project's Llama (0.97 B), bf16 autocast, AdamW, at
+//! batch 8 and 16 x 1024 tokens; PyTorch's side is eager with SDPA (its fused attention) and a
+//! fused AdamW, the Llama transformers' own. Their second table gives tokens/s, model FLOP
+//! utilization against the bf16 matrix rate measured in the same run, and each side's peak
+//! allocated bytes. On the CPU they run only when named. Modules: `cases` (the cases and a step's phases),
 //! `step` (ferry's side of a case), `profile` (where a step's time goes).
 
 mod cases;
 mod profile;
 mod step;
 
-pub use cases::LR;
+pub use cases::{LARGE_LR, LR};
 
 use std::error::Error;
 use std::path::PathBuf;
@@ -33,6 +40,7 @@ use serde_json::json;
 
 use crate::Measured;
 use crate::harness::pytorch::{PyTorch, PyTorchArgs, PyTorchSide};
+use crate::harness::report::significant;
 use crate::harness::table::{Cell, Report, Table};
 use crate::harness::{self, NO_CUDA_DEVICE};
 use cases::{CASES, Case};
@@ -57,7 +65,8 @@ pub struct TrainBenchArgs {
     /// Steps per round for every case [default: each case's own, fewer on the CPU].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     steps: Option<u32>,
-    /// Only these cases (ids joined by commas: digits_mlp, mlp_4096, digits_cnn, gpt).
+    /// Only these cases (ids joined by commas: digits_mlp, mlp_4096, digits_cnn, gpt, ...,
+    /// llama_1b_b16).
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     cases: Vec<String>,
     /// After each case's rounds, show where ferry's step spends its time on the GPU: per phase,
@@ -77,6 +86,11 @@ struct CaseResult<'a> {
     case: &'a Case,
     steps: u32,
     ferry: Measured,
+    /// The model's parameters (ferry's count; PyTorch's model is the same architecture).
+    parameters: usize,
+    /// The most bytes each side's allocator held during a timed round (GPU only).
+    ferry_peak: Option<u64>,
+    pytorch_peak: Option<u64>,
     /// ferry's loss after its last round: finite if the steps computed something sane.
     final_loss: Option<f64>,
     pytorch: Measured,
@@ -95,21 +109,41 @@ fn measure<'a>(
         case,
         steps,
         ferry: Measured::new(),
+        parameters: 0,
+        ferry_peak: None,
+        pytorch_peak: None,
         final_loss: None,
         pytorch: Measured::new(),
     };
     let mut ferry = FerryRun::new(case, device)
         .map_err(|e| m.ferry.fail(e.to_string()))
         .ok();
+    m.parameters = ferry.as_ref().map_or(0, |run| run.parameters);
+    let cuda = ferry.as_ref().and_then(|run| run.cuda.clone());
     for round in 0..warmup + rounds {
         let timed = round >= warmup;
-        if let Some(run) = ferry.as_mut()
-            && !m.ferry.record(run.round_ms_per_step(steps), timed)
-        {
-            ferry = None;
+        if let Some(run) = ferry.as_mut() {
+            if let Some(dev) = &cuda {
+                dev.reset_peak();
+            }
+            if !m.ferry.record(run.round_ms_per_step(steps), timed) {
+                ferry = None;
+            } else if let (true, Some(dev)) = (timed, &cuda) {
+                let peak = dev.memory_stats().peak_allocated_bytes as u64;
+                m.ferry_peak = m.ferry_peak.max(Some(peak));
+            }
         }
         if let (Some(torch), false) = (torch.as_deref_mut(), m.pytorch.is_failed()) {
-            m.pytorch.record(torch.sample(&request(case, steps)), timed);
+            let reply = torch.request(&request(case, steps));
+            let ms = reply.as_ref().map_err(Clone::clone).and_then(|r| {
+                r.get("ms")
+                    .and_then(serde_json::Value::as_f64)
+                    .ok_or_else(|| format!("the PyTorch script answered {r}"))
+            });
+            if m.pytorch.record(ms, timed) && timed {
+                let peak = reply.ok().and_then(|r| r.get("peak_bytes")?.as_u64());
+                m.pytorch_peak = m.pytorch_peak.max(peak);
+            }
         }
         if ferry.is_none() && (torch.is_none() || m.pytorch.is_failed()) {
             break;
@@ -129,7 +163,46 @@ fn measure<'a>(
             Err(err) => m.ferry.fail(err.to_string()),
         }
     }
+    drop(ferry);
+    if let Some(dev) = cuda
+        && let Err(err) = dev.empty_cache()
+    {
+        m.ferry.fail(format!("after the rounds: {err}"));
+    }
     m
+}
+
+/// Model FLOPs of a training step per token, for a model with `parameters` whose attention has
+/// `layers` layers of `width` (heads x head dim) over `context` positions: 6 per parameter
+/// (forward 2, backward 4) plus causal attention's two products, 6 x context x width per layer
+/// (half of the full T x T, forward and backward).
+fn flops_per_token(parameters: usize, (layers, width): (usize, usize), context: usize) -> f64 {
+    6.0 * parameters as f64 + 6.0 * (layers * context * width) as f64
+}
+
+/// The bf16 matrix rate of `device` in TFLOP/s: cuBLAS's best of a few 8192-cubed products, the
+/// denominator of model FLOP utilization.
+fn bf16_matrix_rate(device: Device) -> Result<f64, Box<dyn Error>> {
+    const N: usize = 8192;
+    const REPEAT: u32 = 20;
+    let Device::Cuda(ordinal) = device else {
+        return Err("the matrix rate is measured on a GPU".into());
+    };
+    let dev = harness::cuda_device(ordinal)?;
+    let _no_grad = ferry::no_grad();
+    let a = Tensor::randn(&[N, N], DType::BF16, device)?;
+    let b = Tensor::randn(&[N, N], DType::BF16, device)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        dev.synchronize()?;
+        let start = std::time::Instant::now();
+        for _ in 0..REPEAT {
+            a.matmul(&b)?;
+        }
+        dev.synchronize()?;
+        best = best.min(start.elapsed().as_secs_f64() / f64::from(REPEAT));
+    }
+    Ok(2.0 * (N as f64).powi(3) / best / 1e12)
 }
 
 /// `--cases`: the cases with these ids, in table order (all of them for none).
@@ -138,7 +211,13 @@ fn select(ids: &[String]) -> Result<Vec<&'static Case>, String> {
 }
 
 pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
-    let selected = select(&args.cases)?;
+    let mut selected = select(&args.cases)?;
+    let on_gpu = args.device != Device::Cpu;
+    let mut skipped = Vec::new();
+    if !on_gpu && args.cases.is_empty() {
+        skipped = selected.iter().filter(|c| c.is_large()).map(|c| c.id).collect();
+        selected.retain(|c| !c.is_large());
+    }
     let device = match args.device {
         Device::Cpu => {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -152,11 +231,14 @@ pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
             format!("{} ({})", dev.device(), dev.info().name)
         }
     };
-    let on_gpu = args.device != Device::Cpu;
     let mut torch = if args.pytorch.compare_pytorch && !on_gpu {
         PyTorchSide::absent("no PyTorch column: it is compared on the GPU only")
     } else {
         args.pytorch.side("train.py", "column")
+    };
+    let rate = match on_gpu && selected.iter().any(|c| c.tokens().is_some()) {
+        true => Some(bf16_matrix_rate(args.device).map_err(|e| e.to_string())),
+        false => None,
     };
     let mut measured = Vec::new();
     for case in selected {
@@ -176,20 +258,44 @@ pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
     });
     let (rounds, warmup) = (args.rounds, args.warmup);
     let title = format!(
-        "ferry bench train on {device}: fp32; a step = zero_grad, forward, cross-entropy, \
-         backward, Adam (lr {LR}) step\nmedian ms/step of {rounds} rounds after {warmup} warm-up \
+        "ferry bench train on {device}: fp32 (the _bf16 and 1 B cases in bf16 autocast); a step \
+         = zero_grad, forward, cross-entropy, backward, Adam (lr {LR}) step (the 1 B cases: \
+         AdamW, lr {LARGE_LR}; PyTorch's fused)\nmedian ms/step of {rounds} rounds after {warmup} warm-up \
          rounds per case{pytorch}{}",
         torch.note.as_ref().map_or(String::new(), |n| format!("\n{n}"))
     );
     let report = Report::new("train", title).with_facts(json!({
         "device": device,
-        "optimizer": format!("Adam lr {LR}"),
+        "optimizer": format!("Adam lr {LR}; the 1 B cases AdamW lr {LARGE_LR}"),
         "rounds": rounds,
         "warmup": warmup,
         "pytorch": torch.label,
         "pytorch_note": torch.note,
+        "bf16_matrix_tflops": rate.as_ref().and_then(|r| r.as_ref().ok()),
     }));
-    report_cases(report, &measured, on_gpu).finish(args.json.as_deref())
+    let mut report = report_cases(report, &measured, on_gpu);
+    if measured.iter().any(|m| m.case.tokens().is_some()) {
+        let tflops = rate.as_ref().and_then(|r| r.as_ref().ok().copied());
+        report.table("language models", None, throughput_table(&measured, tflops));
+        match &rate {
+            Some(Ok(tflops)) => report.note(format!(
+                "MFU: model FLOPs (6 per parameter and token, plus causal attention's \
+                 6 x context x width per layer and token) per second over the bf16 matrix \
+                 rate measured in this run, {} TFLOP/s (cuBLAS, 8192-cubed).",
+                significant(*tflops)
+            )),
+            Some(Err(err)) => report.note(format!("no MFU: the matrix rate failed: {err}")),
+            None => {}
+        }
+        report.note("peak: the most bytes each side's allocator held in a timed round.");
+    }
+    if !skipped.is_empty() {
+        report.note(format!(
+            "not run on the CPU unless named with --cases: {}",
+            skipped.join(", ")
+        ));
+    }
+    report.finish(args.json.as_deref())
 }
 
 /// A row per case: medians, ratio, target and verdict, judged only on a GPU (the targets are
@@ -218,6 +324,47 @@ fn cases_table(measured: &[CaseResult<'_>], on_gpu: bool) -> Table {
         let extra = json!({ "widths": widths, "batch": batch, "steps_per_round": m.steps,
                             "final_loss": m.final_loss });
         table.push_with(cells, extra);
+    }
+    table
+}
+
+/// Tokens per second, model FLOP utilization and peak memory of each language-model case.
+fn throughput_table(measured: &[CaseResult<'_>], rate: Option<f64>) -> Table {
+    let mut table = Table::new(&[
+        "case",
+        "ferry tokens/s",
+        "PyTorch tokens/s",
+        "ferry MFU",
+        "PyTorch MFU",
+        "ferry peak GiB",
+        "PyTorch peak GiB",
+    ]);
+    for m in measured {
+        let (Some(tokens), Some(attention)) = (m.case.tokens(), m.case.attention()) else {
+            continue;
+        };
+        let per_s = |ms: Option<f64>| ms.map(|ms| tokens as f64 / ms * 1e3);
+        let flops = flops_per_token(m.parameters, attention, m.case.widths[0]);
+        let mfu = |ms: Option<f64>| {
+            let (tokens_s, rate) = (per_s(ms)?, rate?);
+            Some(tokens_s * flops / (rate * 1e12))
+        };
+        let percent = |x: f64| format!("{:.1}%", 100.0 * x);
+        let gib = |b: Option<u64>| b.map(crate::harness::table::gib);
+        let (ferry, pytorch) = (m.ferry.complete_median(), m.pytorch.complete_median());
+        table.push_with(
+            vec![
+                Cell::text(m.case.id),
+                Cell::number(per_s(ferry)),
+                Cell::number(per_s(pytorch)),
+                Cell::shown(mfu(ferry), percent),
+                Cell::shown(mfu(pytorch), percent),
+                Cell::number(gib(m.ferry_peak)),
+                Cell::number(gib(m.pytorch_peak)),
+            ],
+            json!({ "parameters": m.parameters, "tokens_per_step": tokens,
+                    "model_flops_per_token": flops }),
+        );
     }
     table
 }
@@ -283,6 +430,16 @@ mod tests {
             "train.py's BF16 must be {bf16:?}"
         );
         assert!(script.contains("allow_tf32 = False"));
+        let large: Vec<&str> = CASES.iter().filter(|c| c.is_large()).map(|c| c.id).collect();
+        let large = format!("LARGE = {large:?}").replace('[', "{").replace(']', "}");
+        assert!(script.contains(&large), "train.py's must say `{large}`");
+        assert!(script.contains(&format!("LARGE_LR = {LARGE_LR:e}")));
+        let llama = ferry::models::LlamaConfig::llama_1b();
+        let size = format!(
+            "vocab_size={}, hidden_size={}, intermediate_size={}, num_hidden_layers={},",
+            llama.vocab_size, llama.hidden_size, llama.intermediate_size, llama.num_hidden_layers
+        );
+        assert!(script.contains(&size), "train.py's Llama must be {size}");
         assert!(
             script.contains(&format!("LR = {LR:e}")),
             "train.py must use lr {LR}"
@@ -294,7 +451,8 @@ mod tests {
         assert_eq!(
             err,
             "no case `resnet`; the cases are digits_mlp, mlp_4096, digits_cnn, gpt, \
-             mlp_4096_gemms, mlp_4096_bf16, digits_cnn_bf16, gpt_bf16"
+             mlp_4096_gemms, mlp_4096_bf16, digits_cnn_bf16, gpt_bf16, gpt_1b_b8, gpt_1b_b16, \
+             llama_1b_b8, llama_1b_b16"
         );
     }
 
@@ -340,6 +498,9 @@ done
             case,
             steps: case.steps,
             ferry: Measured::from_samples(ferry.to_vec()),
+            parameters: 0,
+            ferry_peak: None,
+            pytorch_peak: None,
             final_loss: Some(2.3),
             pytorch: Measured::from_samples(pytorch.to_vec()),
         }
@@ -381,5 +542,29 @@ done
         assert_eq!(rows[1][1..], ["3.00", "error", "-", "<= 0.9x PyTorch", "?"]);
         let doc = report(&runs);
         assert_eq!(doc["cases"][1]["met"], serde_json::Value::Null);
+    }
+
+    /// A language model's row: tokens per second from the median step, MFU against the rate
+    /// given, peaks in GiB; the other models have none.
+    #[test]
+    fn language_models_show_tokens_mfu_and_peaks() {
+        let gpt = CASES.iter().find(|c| c.id == "gpt_1b_b8").unwrap();
+        let mut runs = vec![
+            result(&CASES[0], &[0.25], &[0.9]),
+            result(gpt, &[200.0, 100.0, 300.0], &[250.0]),
+        ];
+        runs[1].parameters = 1_000_000_000;
+        runs[1].ferry_peak = Some(3 << 30);
+        let rows = throughput_table(&runs, Some(1000.0)).texts();
+        assert_eq!(rows.len(), 1);
+        // 8 x 1024 tokens in 200 ms; 6e9 + 6 x 20 x 1024 x 2048 FLOPs a token.
+        let tokens_s = 8.0 * 1024.0 / 0.2;
+        let mfu = tokens_s * (6e9 + 6.0 * 20.0 * 1024.0 * 2048.0) / 1e15;
+        assert_eq!(rows[0][..3], ["gpt_1b_b8", "40960", "32768"]);
+        assert_eq!(rows[0][3], format!("{:.1}%", 100.0 * mfu));
+        assert_eq!(rows[0][5..], ["3.00", "-"]);
+        assert_eq!(throughput_table(&runs, None).texts()[0][3], "-");
+        assert_eq!(gpt.tokens(), Some(8192));
+        assert!(CASES.iter().filter(|c| c.is_large()).all(|c| c.target.describe() == "<= PyTorch"));
     }
 }

@@ -6,17 +6,17 @@ use std::time::Instant;
 
 use ferry::memory::cuda::CudaDevice;
 use ferry::nn::{Module, cross_entropy};
-use ferry::optim::Adam;
+use ferry::optim::{Adam, AdamW};
 use ferry::prelude::*;
 
-use super::cases::{CLASSES, Case, LR, Model, Phase, Precision};
+use super::cases::{CLASSES, Case, LARGE_LR, LR, Model, Optimizer, Phase, Precision};
 
 /// What one of ferry's steps runs.
 enum Work {
     /// A training step of `model` on the batch `(x, y)`.
     Train {
         model: Box<dyn Module>,
-        opt: Adam,
+        opt: Box<dyn ferry::optim::Optimizer>,
         x: Tensor,
         y: Tensor,
         precision: Precision,
@@ -31,6 +31,8 @@ pub(crate) struct FerryRun {
     /// The last step's loss, detached, still on the device.
     pub(super) loss: Option<Tensor>,
     pub(crate) cuda: Option<CudaDevice>,
+    /// The model's parameters, all of them counted.
+    pub(crate) parameters: usize,
 }
 
 /// The eight products of an MLP step with `widths` and `batch`: for each layer (fan_in ->
@@ -76,6 +78,7 @@ impl FerryRun {
                     work: Work::Gemms(mlp_gemms(widths, batch, device)?),
                     loss: None,
                     cuda,
+                    parameters: 0,
                 };
                 run.synchronize()?;
                 return Ok(run);
@@ -103,8 +106,34 @@ impl FerryRun {
                 let x = labels(&[batch, context], vocab)?;
                 (Box::new(model), x, labels(&[batch * context], vocab)?)
             }
+            Model::LargeGpt => {
+                let [context, vocab, width, layers] = widths else {
+                    return Err(format!("{}: a large GPT's widths are 4 numbers", case.id).into());
+                };
+                let config = ferry::models::GptConfig {
+                    vocab: *vocab,
+                    context: *context,
+                    width: *width,
+                    layers: *layers,
+                    heads: width / 128,
+                };
+                let model = ferry::models::Gpt::new(config, device)?;
+                let x = labels(&[batch, *context], *vocab)?;
+                (Box::new(model), x, labels(&[batch * context], *vocab)?)
+            }
+            Model::Llama => {
+                let config = ferry::models::LlamaConfig::llama_1b();
+                let (context, vocab) = (widths[0], config.vocab_size);
+                let model = ferry::models::Llama::new(config, device)?;
+                let x = labels(&[batch, context], vocab)?;
+                (Box::new(model), x, labels(&[batch * context], vocab)?)
+            }
         };
-        let opt = Adam::new(model.parameters(), LR)?;
+        let parameters = model.parameters().iter().map(Tensor::numel).sum();
+        let opt: Box<dyn ferry::optim::Optimizer> = match case.optimizer {
+            Optimizer::Adam => Box::new(Adam::new(model.parameters(), LR)?),
+            Optimizer::AdamW => Box::new(AdamW::new(model.parameters(), LARGE_LR)?),
+        };
         let run = Self {
             work: Work::Train {
                 model,
@@ -115,6 +144,7 @@ impl FerryRun {
             },
             loss: None,
             cuda,
+            parameters,
         };
         run.synchronize()?;
         Ok(run)

@@ -55,6 +55,9 @@ impl Tensor {
         v: &Tensor,
         options: AttentionOptions,
     ) -> Result<Tensor> {
+        if let Some(out) = crate::autocast::attention(self, k, v, options)? {
+            return Ok(out);
+        }
         let q = self;
         let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
         let nd = qs.len();
