@@ -1,5 +1,6 @@
-//! Mixed precision: the autocast scope (matrix products and convolutions in bf16/f16 with f32 master weights,
-//! scopes that nest and stay on their thread) and the GradScaler (overflowing steps skipped
+//! Mixed precision: the autocast scope (PyTorch's policy: products, linear layers, convolutions
+//! and attention in bf16/f16 and answering in it, softmax, losses and norms in f32, mixed binary
+//! ops widened to f32, f32 master weights; scopes that nest and stay on their thread) and the GradScaler (overflowing steps skipped
 //! with the scale backed off, growth after the interval, exact unscaling, state dicts).
 
 use ferry::amp::{GradScaler, autocast, autocast_dtype, is_autocast_enabled, without_autocast};
@@ -25,8 +26,8 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// A Linear under bf16 autocast: f32 in and out, the product in bf16 (its node and the bytes
-/// it saves say so), f32 weights and gradients close to an f32 run.
+/// A Linear under bf16 autocast: f32 in, bf16 out (the product and the bias in bf16: the node and
+/// the bytes it saves say so), f32 weights and gradients close to an f32 run.
 fn linear_under_bf16_autocast(device: Device) -> Result<()> {
     let mut layer = Linear::new(16, 8, Device::Cpu)?;
     layer.to(device)?;
@@ -43,9 +44,12 @@ fn linear_under_bf16_autocast(device: Device) -> Result<()> {
 
     let y = autocast(DType::BF16, || layer.forward(&x))?;
     let saved_bf16 = graph.saved_bytes() - base;
-    assert_eq!(y.dtype(), DType::F32, "the product comes back in f32");
-    let matmul = find_matmul(y.node().expect("recorded")).expect("a matmul node");
-    assert_eq!(matmul.meta().dtype, "bf16", "the product ran in bf16");
+    assert_eq!(y.dtype(), DType::BF16, "the layer answers in bf16");
+    let node = y.node().expect("recorded");
+    let product = find_op(node, "linear")
+        .or_else(|| find_matmul(node))
+        .expect("a product node");
+    assert_eq!(product.meta().dtype, "bf16", "the product ran in bf16");
     // The product saves its input x for the weight's gradient: in bf16, half the bytes.
     assert_eq!(saved_f32, 4 * 16 * 4);
     assert_eq!(saved_bf16 * 2, saved_f32);
@@ -53,7 +57,7 @@ fn linear_under_bf16_autocast(device: Device) -> Result<()> {
     let diff = max_abs_diff(&y, &reference);
     assert!(diff < 0.05, "bf16 product off by {diff}");
 
-    y.sum()?.backward()?;
+    y.to_dtype(DType::F32)?.sum()?.backward()?;
     let (w, b) = (layer.weight(), layer.bias().unwrap());
     assert_eq!(
         (w.dtype(), b.dtype()),
@@ -62,19 +66,16 @@ fn linear_under_bf16_autocast(device: Device) -> Result<()> {
     );
     assert_eq!(w.grad().unwrap().dtype(), DType::F32);
     assert_eq!(b.grad().unwrap().dtype(), DType::F32);
-    assert_eq!(
-        values(&b.grad().unwrap()),
-        [4.0; 8],
-        "the bias never left f32"
-    );
+    // Four rows of ones, summed in bf16 and cast back: exact.
+    assert_eq!(values(&b.grad().unwrap()), [4.0; 8]);
     let diff = max_abs_diff(&w.grad().unwrap(), &ref_grad);
     assert!(diff < 0.05, "bf16 weight gradient off by {diff}");
     Ok(())
 }
 device_test!(linear_under_bf16_autocast, linear_under_bf16_autocast);
 
-/// A Conv2d under bf16 autocast: f32 in and out, the convolution in bf16, the bias added in
-/// f32, f32 gradients close to an f32 run.
+/// A Conv2d under bf16 autocast: f32 in, bf16 out (the convolution and its bias in bf16), f32
+/// gradients close to an f32 run.
 fn conv2d_under_bf16_autocast(device: Device) -> Result<()> {
     let options = Conv2dOptions::default().padding(1);
     let mut conv = Conv2d::with_options(3, 4, [3, 3], options, Device::Cpu)?;
@@ -90,20 +91,17 @@ fn conv2d_under_bf16_autocast(device: Device) -> Result<()> {
     conv.bias().unwrap().set_grad(None);
 
     let y = autocast(DType::BF16, || conv.forward(&x))?;
-    assert_eq!(y.dtype(), DType::F32, "the convolution comes back in f32");
+    assert_eq!(y.dtype(), DType::BF16, "the convolution answers in bf16");
     // 27 products of |x| ~ 1 and |w| < 0.2 per output, with 8 bits of mantissa.
     let diff = max_abs_diff(&y, &reference);
     assert!(diff < 0.05, "bf16 convolution off by {diff}");
     assert!(diff > 0.0, "the convolution did not run in bf16");
-    y.sum()?.backward()?;
+    y.to_dtype(DType::F32)?.sum()?.backward()?;
     let (w, b) = (conv.weight(), conv.bias().unwrap());
     assert_eq!(w.grad().unwrap().dtype(), DType::F32);
-    // Each bias entry sums its channel's 2 x 6 x 5 ones, in f32: exact.
-    assert_eq!(
-        values(&b.grad().unwrap()),
-        [60.0; 4],
-        "the bias never left f32"
-    );
+    // Each bias entry sums its channel's 2 x 6 x 5 ones: 60 is exact in bf16 too.
+    assert_eq!(b.grad().unwrap().dtype(), DType::F32);
+    assert_eq!(values(&b.grad().unwrap()), [60.0; 4]);
     let diff = max_abs_diff(&w.grad().unwrap(), &ref_grad);
     let scale = values(&ref_grad).iter().fold(1.0f64, |m, v| m.max(v.abs()));
     assert!(
@@ -124,8 +122,8 @@ fn find_op(node: &NodeHandle<Tensor>, op: &str) -> Option<NodeHandle<Tensor>> {
 
 /// Attention under bf16 autocast, as PyTorch runs `scaled_dot_product_attention`: f32 (and
 /// mixed f32 / bf16) query, key and value attend in bf16 (on CUDA through the fused kernel,
-/// which takes no f32), the output comes back in f32, and the f32 inputs get f32 gradients
-/// close to an f32 run.
+/// which takes no f32) and answer in bf16, and the f32 inputs get f32 gradients close to an f32
+/// run.
 fn attention_under_bf16_autocast(device: Device) -> Result<()> {
     use ferry_tensor::AttentionOptions;
     let make = |shape: &[usize]| -> Result<Tensor> {
@@ -143,7 +141,7 @@ fn attention_under_bf16_autocast(device: Device) -> Result<()> {
     };
     let reference = q.scaled_dot_product_attention(&k, &v, causal)?;
     let grads = |out: &Tensor| -> Result<Vec<Tensor>> {
-        out.sum()?.backward()?;
+        out.to_dtype(DType::F32)?.sum()?.backward()?;
         let grads = [&q, &k, &v].map(|t| t.grad().expect("a gradient"));
         for t in [&q, &k, &v] {
             t.set_grad(None);
@@ -155,7 +153,7 @@ fn attention_under_bf16_autocast(device: Device) -> Result<()> {
     let y = autocast(DType::BF16, || {
         q.scaled_dot_product_attention(&k, &v, causal)
     })?;
-    assert_eq!(y.dtype(), DType::F32, "the attention comes back in f32");
+    assert_eq!(y.dtype(), DType::BF16, "the attention answers in bf16");
     let node = find_op(y.node().expect("recorded"), "scaled_dot_product_attention")
         .expect("an attention node");
     assert_eq!(node.meta().dtype, "bf16", "the attention ran in bf16");
@@ -179,7 +177,7 @@ fn attention_under_bf16_autocast(device: Device) -> Result<()> {
     let mixed = autocast(DType::BF16, || {
         q.scaled_dot_product_attention(&k, &v16, causal)
     })?;
-    assert_eq!(mixed.dtype(), DType::F32);
+    assert_eq!(mixed.dtype(), DType::BF16);
     assert!(max_abs_diff(&mixed, &reference) < 0.05);
     assert!(q.scaled_dot_product_attention(&k, &v16, causal).is_err());
     Ok(())
@@ -195,16 +193,17 @@ fn what_autocast_casts(device: Device) -> Result<()> {
         let y = a.matmul(&b)?;
         let mm = find_matmul(y.node().unwrap()).unwrap();
         assert_eq!(mm.meta().dtype, "f16");
-        y.sum()?.backward()?; // backward inside the scope
+        // Backward inside the scope: the rules run as the forward left the dtypes.
+        y.to_dtype(DType::F32)?.sum()?.backward()?;
         Ok(y)
     })?;
-    assert_eq!(half.dtype(), DType::F32);
+    assert_eq!(half.dtype(), DType::F16);
     assert_eq!(a.grad().unwrap().dtype(), DType::F32);
     assert_eq!(b.grad().unwrap().dtype(), DType::F32);
-    // One operand already bf16: the other is cast to match, the product comes back f32.
+    // One operand already bf16: the other is cast to match, the product answers in bf16.
     let b16 = b.detach().to_dtype(DType::BF16)?;
     let mixed = autocast(DType::BF16, || a.matmul(&b16))?;
-    assert_eq!(mixed.dtype(), DType::F32);
+    assert_eq!(mixed.dtype(), DType::BF16);
     // Both bf16: nothing to cast, the product stays bf16.
     let a16 = a.detach().to_dtype(DType::BF16)?;
     assert_eq!(
@@ -224,6 +223,59 @@ fn what_autocast_casts(device: Device) -> Result<()> {
     Ok(())
 }
 device_test!(what_autocast_casts, what_autocast_casts);
+
+/// The rest of the policy: softmax, log-softmax, cross-entropy and the norms take a bf16 input
+/// in f32 (a norm's bf16 weight too) and answer in f32; a binary op of f32 and bf16 widens to
+/// f32 (outside a scope, the dtype error); gradients come back in each leaf's own dtype.
+fn autocast_keeps_reductions_in_f32_and_widens_mixed_ops(device: Device) -> Result<()> {
+    let x16 = on(device, Tensor::randn(&[4, 6], DType::F32, Device::Cpu)?)?
+        .to_dtype(DType::BF16)?
+        .with_grad()?;
+    let residual = on(device, Tensor::randn(&[4, 6], DType::F32, Device::Cpu)?)?.with_grad()?;
+    let w16 = on(device, Tensor::ones(&[6], DType::F32, Device::Cpu)?)?
+        .to_dtype(DType::BF16)?
+        .with_grad()?;
+    let targets = on(device, Tensor::zeros(&[4], DType::I64, Device::Cpu)?)?;
+    let outs = autocast(DType::BF16, || {
+        Ok([
+            x16.softmax(-1)?,
+            x16.log_softmax(-1)?,
+            x16.cross_entropy(&targets)?,
+            x16.layer_norm(&[6], Some(&w16), None, 1e-5)?,
+            x16.rms_norm(Some(&w16), 1e-6)?,
+            residual.add(&x16)?,
+            x16.mul(&residual)?,
+        ])
+    })?;
+    for out in &outs {
+        assert_eq!(out.dtype(), DType::F32);
+    }
+    // The f32 result equals the op on the f32 copy.
+    let x32 = x16.detach().to_dtype(DType::F32)?;
+    assert_close(&values(&outs[0]), &values(&x32.softmax(-1)?), 1e-6);
+    assert_close(
+        &values(&outs[5]),
+        &values(&residual.detach().add(&x32)?),
+        1e-6,
+    );
+    assert!(
+        residual.add(&x16).is_err(),
+        "outside a scope, mixing is an error"
+    );
+    let mut total = outs[0].sum()?;
+    for out in &outs[1..] {
+        total = total.add(&out.sum()?)?;
+    }
+    total.backward()?;
+    assert_eq!(x16.grad().unwrap().dtype(), DType::BF16);
+    assert_eq!(w16.grad().unwrap().dtype(), DType::BF16);
+    assert_eq!(residual.grad().unwrap().dtype(), DType::F32);
+    Ok(())
+}
+device_test!(
+    autocast_keeps_reductions_in_f32_and_widens_mixed_ops,
+    autocast_keeps_reductions_in_f32_and_widens_mixed_ops
+);
 
 #[test]
 fn scopes_nest_restore_and_stay_on_their_thread() -> Result<()> {

@@ -3,6 +3,7 @@
 
 use ferry_graph::{BackwardOptions, BackwardReport, DetachCut, HookHandle};
 
+use crate::autocast::AutocastGuard;
 use crate::{Result, Tensor, TensorError};
 
 /// Options of [`grad`]. The default: the output gradients are ones, no graph of the backward is
@@ -62,6 +63,8 @@ pub fn grad(
         create_graph: options.create_graph,
         trace: false,
     };
+    // Gradients take their tensors' dtypes, as the forward left them: no autocast in the rules.
+    let _forward_only = AutocastGuard::new(None)?;
     let (grads, _) = ferry_graph::grad(&roots, &targets, backward)?;
     if !options.allow_unused
         && let Some(index) = grads.iter().position(Option::is_none)
@@ -161,6 +164,9 @@ impl Tensor {
             retain_graph: options.retain_graph || options.create_graph,
             ..options
         };
+        // Gradients take their tensors' dtypes, as the forward left them: no autocast in the
+        // rules, even when backward is called inside a scope.
+        let _forward_only = AutocastGuard::new(None)?;
         Ok(node.backward(grad, options)?)
     }
 

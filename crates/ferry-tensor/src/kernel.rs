@@ -75,7 +75,8 @@ impl View for Operand<'_> {
     }
 }
 
-/// A kernel's output: fresh storage holding a contiguous array of its shape, from offset 0.
+/// A kernel's output: fresh storage holding a dense array of its shape from offset 0, in
+/// row-major order (or, from [`Dense::swapped_1_2`], with its axes 1 and 2 stored swapped).
 pub(crate) struct Dense {
     storage: Storage,
     layout: Layout,
@@ -94,7 +95,27 @@ impl Dense {
         Self { storage, layout }
     }
 
-    /// The storage and its contiguous layout.
+    /// `storage`, just allocated for a `[a, b, c, d]` array stored as `[a, c, b, d]` (written so
+    /// by a kernel, as attention writes `[B, H, T, D]` in the `[B, T, H, D]` order that the
+    /// heads are merged back in): the tensor is `[a, b, c, d]` with axes 1 and 2's strides
+    /// swapped, a dense permuted view.
+    pub(crate) fn swapped_1_2(storage: Storage, [a, b, c, d]: [usize; 4]) -> Self {
+        let stored = Layout::contiguous(&[a, c, b, d]);
+        let s = stored.strides();
+        let layout = Layout::from_parts(
+            [a, b, c, d].as_slice().into(),
+            [s[0], s[2], s[1], s[3]].as_slice().into(),
+            0,
+        );
+        debug_assert!(
+            layout
+                .check_fits("dense output", storage.dtype(), storage.bytes())
+                .is_ok()
+        );
+        Self { storage, layout }
+    }
+
+    /// The storage and its layout.
     pub(crate) fn into_parts(self) -> (Storage, Layout) {
         (self.storage, self.layout)
     }

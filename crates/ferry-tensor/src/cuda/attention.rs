@@ -12,12 +12,13 @@ use ferry_cuda::{
     SdpaOutput, SdpaSpec, cudnn_present,
 };
 use ferry_memory::DType;
-use ferry_memory::cuda::DeviceBuffer;
+use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
 
 use super::{Cuda, alloc, buffer, cuda_device, dense, wrap};
 use crate::Result;
-use crate::kernel::{Attention, Dense, Operand, View};
+use crate::kernel::{Attention, Dense, Operand, Source, View};
 use crate::op::attention::Attend;
+use crate::storage::{Buffer, Storage};
 
 /// Whether the fused path is on: libcudnn loads and `FERRY_CUDNN_ATTENTION` is not `0` (set it
 /// to compare with the composed path).
@@ -70,22 +71,103 @@ fn strides([_, b, c, d]: [usize; 4]) -> [usize; 4] {
     [b * c * d, c * d, d, 1]
 }
 
-/// A dense operand as cuDNN reads it.
-fn input<'a>(buffer: &'a DeviceBuffer, x: &impl View, dims: [usize; 4]) -> SdpaInput<'a> {
-    SdpaInput {
-        buffer,
-        offset_bytes: x.layout().offset() * x.dtype().size(),
-        strides: strides(dims),
+/// An operand as cuDNN reads it, in place where it can: any strides whose last axis is
+/// contiguous and whose others step whole 16-byte groups from a 16-byte aligned start (the
+/// layouts cuDNN's kernels take; a head split out of a fused `[B, T, 3C]` projection and
+/// permuted to `[B, H, T, D]` is one). Anything else (a broadcast axis, an odd offset) is copied
+/// to a dense operand first.
+fn readable<'a>(x: &Operand<'a>) -> Result<Source<'a>> {
+    const ALIGN: usize = 16;
+    let size = x.dtype().size();
+    let (shape, strides) = (x.shape(), x.layout().strides());
+    let in_place = shape.len() == 4
+        && (strides[3] == 1 || shape[3] == 1)
+        && (x.layout().offset() * size).is_multiple_of(ALIGN)
+        && shape[..3]
+            .iter()
+            .zip(strides)
+            .all(|(&d, &s)| d == 1 || (s > 0 && (s * size).is_multiple_of(ALIGN)));
+    match in_place {
+        true => Ok(Source::InPlace(*x)),
+        false => dense(x),
     }
 }
 
-/// A fresh output as cuDNN writes it.
+/// An operand (from [`readable`] or [`dense`]) as cuDNN reads it: its own offset and strides
+/// over `dims` (a dense copy's are row-major).
+fn input<'a>(buffer: &'a DeviceBuffer, x: &Source<'_>, dims: [usize; 4]) -> SdpaInput<'a> {
+    let own = x.layout().strides();
+    let strides = match own.len() == 4 {
+        // An axis of one element may carry any stride: cuDNN is given the dense one.
+        true => std::array::from_fn(|i| {
+            if dims[i] == 1 {
+                strides(dims)[i]
+            } else {
+                own[i]
+            }
+        }),
+        false => strides(dims),
+    };
+    SdpaInput {
+        buffer,
+        offset_bytes: x.layout().offset() * x.dtype().size(),
+        strides,
+    }
+}
+
+/// A fresh output as cuDNN writes it: row-major over `dims`.
 fn output(buffer: &mut DeviceBuffer, dims: [usize; 4]) -> SdpaOutput<'_> {
     SdpaOutput {
         buffer,
         offset_bytes: 0,
         strides: strides(dims),
     }
+}
+
+/// A fresh `[B, H, T, D]` output written in `[B, T, H, D]` order, the order a model merges the
+/// heads back in (`permute(0, 2, 1, 3)` then `reshape(B, T, H·D)` is then a view, not a copy)
+/// and the one a projection split into heads arrives in; the tensor made of it is
+/// [`Dense::swapped_1_2`].
+fn output_heads_inside(buffer: &mut DeviceBuffer, [b, h, t, d]: [usize; 4]) -> SdpaOutput<'_> {
+    let [sb, st, sh, sd] = strides([b, t, h, d]);
+    SdpaOutput {
+        buffer,
+        offset_bytes: 0,
+        strides: [sb, sh, st, sd],
+    }
+}
+
+/// Whether `x` (`[B, H, T, D]`) is stored with its heads inside its positions (`[B, T, H, D]`
+/// order): its gradient is then written in that order too, so every gradient has its input's
+/// layout and the ops behind it (the permute and reshape that split the heads) take it as a view.
+fn heads_inside(x: &impl View) -> bool {
+    let (shape, strides) = (x.layout().shape(), x.layout().strides());
+    shape.len() == 4 && shape[1] > 1 && shape[2] > 1 && strides[1] < strides[2]
+}
+
+/// A gradient's output in the order its input `x` is stored in.
+fn output_like<'a>(
+    buffer: &'a mut DeviceBuffer,
+    x: &impl View,
+    dims: [usize; 4],
+) -> SdpaOutput<'a> {
+    match heads_inside(x) {
+        true => output_heads_inside(buffer, dims),
+        false => output(buffer, dims),
+    }
+}
+
+/// The tensor of an [`output_like`] buffer.
+fn wrap_like(dev: &CudaDevice, out: DeviceBuffer, x: &impl View, dims: [usize; 4]) -> Dense {
+    match heads_inside(x) {
+        true => wrap_heads_inside(dev, out, x.dtype(), dims),
+        false => wrap(dev, out, x.dtype(), &dims),
+    }
+}
+
+/// The tensor of an [`output_heads_inside`] buffer.
+fn wrap_heads_inside(dev: &CudaDevice, out: DeviceBuffer, dtype: DType, dims: [usize; 4]) -> Dense {
+    Dense::swapped_1_2(Storage::new(Buffer::Cuda(out), dtype, dev.device()), dims)
 }
 
 /// `None` for what cuDNN cannot run (the op composes instead); other errors stand.
@@ -111,7 +193,7 @@ impl Attention for Cuda {
         };
         let [q_dims, kv_dims, stats_dims] = dims(how);
         let dev = cuda_device(q.device())?;
-        let (q, k, v) = (dense(q)?, dense(k)?, dense(v)?);
+        let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
         let mut out = alloc(&dev, OP, &q_dims, q.dtype())?;
         let mut stats = alloc(&dev, OP, &stats_dims, DType::F32)?;
         let (qb, kb, vb) = (buffer(&q)?, buffer(&k)?, buffer(&v)?);
@@ -119,7 +201,7 @@ impl Attention for Cuda {
             q: input(&qb, &q, q_dims),
             k: input(&kb, &k, kv_dims),
             v: input(&vb, &v, kv_dims),
-            o: output(&mut out, q_dims),
+            o: output_heads_inside(&mut out, q_dims),
             stats: output(&mut stats, stats_dims),
             rng: None,
         };
@@ -127,7 +209,7 @@ impl Attention for Cuda {
         drop((qb, kb, vb));
         Ok(ran.map(|()| {
             (
-                wrap(&dev, out, q.dtype(), &q_dims),
+                wrap_heads_inside(&dev, out, q.dtype(), q_dims),
                 wrap(&dev, stats, DType::F32, &stats_dims[..3]),
             )
         }))
@@ -152,8 +234,8 @@ impl Attention for Cuda {
         }
         let [q_dims, kv_dims, stats_dims] = dims(how);
         let dev = cuda_device(q.device())?;
-        let (q, k, v) = (dense(q)?, dense(k)?, dense(v)?);
-        let (out, g, lse) = (dense(out)?, dense(g)?, dense(lse)?);
+        let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
+        let (out, g, lse) = (readable(out)?, readable(g)?, dense(lse)?);
         let dtype = q.dtype();
         let mut dq = alloc(&dev, OP, &q_dims, dtype)?;
         let mut dk = alloc(&dev, OP, &kv_dims, dtype)?;
@@ -167,18 +249,18 @@ impl Attention for Cuda {
             o: input(&ob, &out, q_dims),
             d_o: input(&gb, &g, q_dims),
             stats: input(&lb, &lse, stats_dims),
-            dq: output(&mut dq, q_dims),
-            dk: output(&mut dk, kv_dims),
-            dv: output(&mut dv, kv_dims),
+            dq: output_like(&mut dq, &q, q_dims),
+            dk: output_like(&mut dk, &k, kv_dims),
+            dv: output_like(&mut dv, &v, kv_dims),
             rng: None,
         };
         let ran = unsupported_is_none(dev.sdpa_backward(&spec, io, dev.default_stream()))?;
         drop((qb, kb, vb, ob, gb, lb));
         Ok(ran.map(|()| {
             [
-                wrap(&dev, dq, dtype, &q_dims),
-                wrap(&dev, dk, dtype, &kv_dims),
-                wrap(&dev, dv, dtype, &kv_dims),
+                wrap_like(&dev, dq, &q, q_dims),
+                wrap_like(&dev, dk, &k, kv_dims),
+                wrap_like(&dev, dv, &v, kv_dims),
             ]
         }))
     }

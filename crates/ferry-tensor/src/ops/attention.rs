@@ -163,6 +163,7 @@ impl Tensor {
             Some(fused) => fused,
             None => {
                 let _no_grad = ferry_graph::no_grad();
+                let _as_given = crate::autocast::AutocastGuard::new(None)?;
                 rules::attention_composed(&q4, &k4, &v4, &how)?
             }
         };

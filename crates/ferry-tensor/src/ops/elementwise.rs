@@ -26,6 +26,9 @@ impl Tensor {
     /// A binary row of the op table, broadcasting; recorded with its rule unless the op is
     /// piecewise constant (no gradient to carry).
     pub(crate) fn binary(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
+        if let Some((a, b)) = crate::autocast::widest(self, rhs)? {
+            return a.binary(&b, op);
+        }
         self.same_kind(op.name(), rhs)?;
         let out = if self.shape() == rhs.shape() {
             // The common case, with nothing to broadcast.

@@ -7,8 +7,9 @@ impl Tensor {
     /// `self [.., in] · weightᵀ ([out, in]) + bias ([out])`, the op of a linear layer.
     ///
     /// On a GPU with cuBLASLt this is one product with the bias added in its epilogue (one node
-    /// in the graph, whose backward is two products and a column sum); on the CPU, inside an
-    /// autocast scope, or without a bias, it is `matmul` then `add`, recorded as those ops.
+    /// in the graph, whose backward is two products and a column sum); on the CPU, or without a
+    /// bias, it is `matmul` then `add`, recorded as those ops. Inside an autocast scope it runs
+    /// in the scope's dtype, every operand cast.
     /// The results are the same either way, up to the order of float additions.
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.linear_then(weight, bias, false)
@@ -50,9 +51,11 @@ impl Tensor {
                 hint: "the bias must be [out_features] = the weight's first axis",
             });
         }
-        // Inside an autocast scope the scope picks the product's precision, so nothing fuses.
+        // Inside an autocast scope, f32 operands are cast and the layer runs in the scope's dtype.
+        if let Some(out) = crate::autocast::linear(self, weight, bias, relu)? {
+            return Ok(out);
+        }
         if let Some(b) = bias
-            && crate::autocast::autocast_dtype().is_none()
             && let Some(out) = backend::fused_linear(self, weight, b, relu)?
         {
             return Ok(record(out, "linear", &[self, weight, b], || {

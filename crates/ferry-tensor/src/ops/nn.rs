@@ -18,6 +18,9 @@ impl Tensor {
     }
 
     fn softmax_along(&self, axis: isize, log: bool) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::in_f32(self)? {
+            return x.softmax_along(axis, log);
+        }
         let op = if log { "log_softmax" } else { "softmax" };
         let axis = self.axis(op, axis)?;
         let last = self.ndim() - 1;
@@ -52,6 +55,9 @@ impl Tensor {
         ignore_index: Option<i64>,
     ) -> Result<Tensor> {
         const OP: &str = "cross_entropy";
+        if let Some(logits) = crate::autocast::in_f32(self)? {
+            return logits.cross_entropy_with(targets, ignore_index);
+        }
         if self.ndim() != 2 || targets.shape() != [self.shape()[0]] {
             return Err(TensorError::ShapeMismatch {
                 op: OP,

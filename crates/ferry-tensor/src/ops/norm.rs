@@ -25,6 +25,9 @@ impl Tensor {
         eps: f64,
     ) -> Result<Tensor> {
         const OP: &str = "layer_norm";
+        if let Some([Some(x), w, b]) = crate::autocast::norm_in_f32(self, weight, bias)? {
+            return x.layer_norm(normalized_shape, w.as_ref(), b.as_ref(), eps);
+        }
         let nd = normalized_shape.len();
         if nd == 0 || nd > self.ndim() || self.shape()[self.ndim() - nd..] != *normalized_shape {
             return Err(TensorError::InvalidArgument {
@@ -96,6 +99,9 @@ impl Tensor {
     /// square per row, never a normalized copy.
     pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         const OP: &str = "rms_norm";
+        if let Some([Some(x), w, _]) = crate::autocast::norm_in_f32(self, weight, None)? {
+            return x.rms_norm(w.as_ref(), eps);
+        }
         let Some(&cols) = self.shape().last() else {
             return Err(TensorError::InvalidArgument {
                 op: OP,

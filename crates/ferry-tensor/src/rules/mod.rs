@@ -330,6 +330,13 @@ pub(crate) fn narrow(x: &Tensor, axis: usize, start: usize) -> Rule<(Shape, usiz
         |_, (shape, axis, start), g, _| {
             let (axis, start) = (*axis, *start);
             let len = g.shape()[axis];
+            if !g.requires_grad() {
+                // One fill and one copy of the slice, instead of two pads and a copy of all of
+                // it through `cat` (which only a gradient with history of its own needs).
+                let full = Tensor::zeros(shape, g.dtype(), g.device())?;
+                full.narrow(axis as isize, start, len)?.assign(g)?;
+                return Ok(smallvec![Some(full)]);
+            }
             let pad = |n: usize| {
                 let mut s = shape.to_vec();
                 s[axis] = n;

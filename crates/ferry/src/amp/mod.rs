@@ -1,20 +1,25 @@
-//! Mixed precision: an autocast scope that runs matrix products in `bf16` (or `f16`) while the
-//! model's weights stay `f32`, and a [`GradScaler`] for `f16` training.
+//! Mixed precision: an autocast scope that runs matrix products, linear layers, convolutions and
+//! attention in `bf16` (or `f16`) while the model's weights stay `f32`, and a [`GradScaler`] for
+//! `f16` training.
 //!
-//! Inside [`autocast`], every matrix product with an `f32` operand ([`Tensor::matmul`](crate::Tensor::matmul), so
-//! [`Linear`](crate::nn::Linear) too) casts its `f32` operands to the scope's dtype, multiplies
-//! in it, and casts the product back to `f32`; so does every convolution
-//! ([`Tensor::conv2d`](crate::Tensor::conv2d), [`Conv2d`](crate::nn::Conv2d)), whose bias is
-//! added in `f32`. Everything else (reductions, softmax,
-//! cross-entropy, normalisation, the loss) therefore runs in `f32`. The casts are recorded ops,
-//! so the graph holds, for each product, a `to_dtype` into the low precision for each `f32`
-//! operand, the `matmul` itself (saving its low-precision operands: half the bytes of an `f32`
-//! product), and a `to_dtype` back to `f32`. Backward runs the product's gradient in the low
-//! precision and casts it to `f32` on its way to the weights, whose gradients are `f32`.
+//! Inside [`autocast`] the policy is PyTorch's `torch.autocast`:
+//! - [`Tensor::matmul`](crate::Tensor::matmul), [`Tensor::linear`](crate::Tensor::linear) (so
+//!   [`Linear`](crate::nn::Linear)), [`Tensor::conv2d`](crate::Tensor::conv2d) (so
+//!   [`Conv2d`](crate::nn::Conv2d)) and
+//!   [`Tensor::scaled_dot_product_attention`](crate::Tensor::scaled_dot_product_attention) cast
+//!   their `f32` operands (biases too) to the scope's dtype and answer in it, so the activations
+//!   between two products stay in the low precision: the next product takes them without a cast,
+//!   and an activation between them (GELU, SiLU x gate, dropout) moves half the bytes;
+//! - softmax, log-softmax, cross-entropy, layer and RMS norms take a low-precision input in `f32`
+//!   and answer in `f32`;
+//! - a binary elementwise op of an `f32` and a low-precision operand runs in `f32` (a residual
+//!   stream in `f32` plus a block's `bf16` output stays `f32`); outside a scope that mix is an
+//!   error.
 //!
-//! Key decision: the product comes back as `f32` rather than staying in the low precision. One
-//! cast per product buys that no other op needs an autocast rule and no mixed-dtype arithmetic
-//! arises (an `f32` bias added to a `bf16` product would be a dtype mismatch).
+//! The casts are recorded ops, so each product saves its low-precision operands (half the bytes
+//! of an `f32` product) and backward brings every gradient back to its tensor's dtype: the
+//! weights' gradients are `f32`. Backward itself runs without autocast, in the dtypes the forward
+//! left, even when called inside a scope.
 //!
 //! `bf16` has the exponent range of `f32` and needs no loss scaling. `f16` does: its smallest
 //! normal number is 6e-5, and small gradients flush to zero. [`GradScaler`] multiplies the loss
@@ -28,9 +33,13 @@
 //!
 //! let layer = Linear::new(4, 2, Device::Cpu)?;
 //! let x = Tensor::randn(&[8, 4], DType::F32, Device::Cpu)?;
-//! let y = autocast(DType::BF16, || layer.forward(&x))?;
-//! assert_eq!(y.dtype(), DType::F32); // computed in bf16, handed back in f32
-//! y.sum()?.backward()?;
+//! let loss = autocast(DType::BF16, || {
+//!     let y = layer.forward(&x)?;
+//!     assert_eq!(y.dtype(), DType::BF16); // the layer runs and answers in bf16
+//!     y.log_softmax(-1)?.mean() // log-softmax runs in f32
+//! })?;
+//! assert_eq!(loss.dtype(), DType::F32);
+//! loss.backward()?;
 //! assert_eq!(layer.weight().grad().unwrap().dtype(), DType::F32);
 //! # Ok::<(), ferry::TensorError>(())
 //! ```
@@ -42,8 +51,8 @@ pub use scaler::GradScaler;
 
 use ferry_tensor::{DType, Result};
 
-/// Runs `f` with matrix products in `dtype` (`DType::BF16`, or `DType::F16` with a
-/// [`GradScaler`]) on this thread, and returns its result. Scopes nest: the innermost wins,
+/// Runs `f` with matrix products, linear layers, convolutions and attention in `dtype`
+/// (`DType::BF16`, or `DType::F16` with a [`GradScaler`]) on this thread, and returns its result. Scopes nest: the innermost wins,
 /// and the state before the call is restored when it returns (or unwinds). Any other dtype is
 /// an error.
 pub fn autocast<T>(dtype: DType, f: impl FnOnce() -> Result<T>) -> Result<T> {

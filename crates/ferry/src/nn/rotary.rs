@@ -87,7 +87,9 @@ impl Rotary {
     }
 
     /// `x` (`[.., len, head_dim]`) rotated by the tables of [`Rotary::tables`] (`[len,
-    /// head_dim]`, broadcast over the leading axes).
+    /// head_dim]`, broadcast over the leading axes). Tables of another float dtype are cast to
+    /// `x`'s: the rotation runs in `x`'s precision (a `bf16` query under autocast is rotated in
+    /// `bf16`, with no round trip through `f32`).
     pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         if x.shape().last() != Some(&self.head_dim) {
             return Err(TensorError::InvalidArgument {
@@ -99,6 +101,11 @@ impl Rotary {
                 ),
             });
         }
+        let (cos, sin) = match cos.dtype() == x.dtype() {
+            true => (cos.clone(), sin.clone()),
+            false => (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?),
+        };
+        let (cos, sin) = (&cos, &sin);
         let half = self.head_dim / 2;
         let (first, second) = (x.narrow(-1, 0, half)?, x.narrow(-1, half, half)?);
         let rotated = Tensor::cat(&[&second.neg()?, &first], -1)?;

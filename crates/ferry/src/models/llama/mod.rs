@@ -156,7 +156,12 @@ impl Llama {
             });
         }
         let mut x = self.embed_tokens.forward(ids)?;
-        let (cos, sin) = self.rotary.tables(0, shape[1], x.dtype(), x.device())?;
+        // Under autocast the projections answer in its dtype, and so do the tables: the
+        // rotation then runs in that dtype (PyTorch's would widen to f32 and cast back).
+        let table_dtype = crate::amp::autocast_dtype()
+            .filter(|_| x.dtype() == DType::F32)
+            .unwrap_or(x.dtype());
+        let (cos, sin) = self.rotary.tables(0, shape[1], table_dtype, x.device())?;
         for layer in &self.layers {
             x = layer.forward(&x, &self.config, &self.rotary, &cos, &sin)?;
         }
