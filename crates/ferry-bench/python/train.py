@@ -192,11 +192,15 @@ class Runs:
 
     def get(self, case):
         if case != self._case:
-            self._case, self._run = None, None
-            self.torch.cuda.empty_cache()
+            self.clear()
             self._run = Run(self.torch, case)
             self._case = case
         return self._run
+
+    def clear(self):
+        """Frees the case held, and the allocator's cache."""
+        self._case, self._run = None, None
+        self.torch.cuda.empty_cache()
 
 
 def describe(torch):
@@ -219,9 +223,45 @@ def start(torch):
     return Runs(torch), describe(torch)
 
 
+def losses(runs, line):
+    """`losses CASE STEPS DIR` (`ferry bench train --losses`): transformers' Llama loaded from
+    DIR (written by ferry's save_pretrained), trained STEPS steps on DIR/batches.safetensors
+    (i64 [steps, batch, context + 1]) with bf16 autocast and fused AdamW; every step's loss."""
+    parts = line.split()
+    if len(parts) != 4 or parts[1] not in LARGE or not parts[1].startswith("llama"):
+        raise ValueError(f"expected `losses llama_1b_bN STEPS DIR`, got {line.strip()!r}")
+    steps, directory = int(parts[2]), parts[3]
+    torch = runs.torch
+    runs.clear()
+    import transformers
+    from safetensors.torch import load_file
+
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        directory, torch_dtype=torch.float32, attn_implementation="sdpa").cuda()
+    batches = load_file(os.path.join(directory, "batches.safetensors"))["batches"].cuda()
+    if batches.shape[0] < steps:
+        raise ValueError(f"batches.safetensors holds {batches.shape[0]} steps, not {steps}")
+    opt = torch.optim.AdamW(model.parameters(), lr=LARGE_LR, fused=True)
+    out = []
+    for step in range(steps):
+        x, y = batches[step, :, :-1], batches[step, :, 1:]
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=x, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(y.numel(), -1), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    del model, opt, batches
+    torch.cuda.empty_cache()
+    return {"case": parts[1], "steps": steps, "losses": out}
+
+
 def answer(runs, line):
     """One round of `CASE STEPS`: its mean ms per step, and the most bytes the caching
-    allocator held during it."""
+    allocator held during it; or a `losses` request."""
+    if line.startswith("losses "):
+        return losses(runs, line)
     case, steps = parse_request(line)
     run = runs.get(case)
     runs.torch.cuda.reset_peak_memory_stats()

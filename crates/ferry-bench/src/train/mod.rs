@@ -26,6 +26,7 @@
 //! `step` (ferry's side of a case), `profile` (where a step's time goes).
 
 mod cases;
+mod losses;
 mod profile;
 mod step;
 
@@ -73,6 +74,14 @@ pub struct TrainBenchArgs {
     /// as run and with the host ahead, and per kernel.
     #[arg(long)]
     profile: bool,
+    /// Instead of timing, train each selected Llama case this many steps on real text, ferry and
+    /// PyTorch from the same initial weights on the same batches, and compare the losses.
+    #[arg(long, value_name = "STEPS", value_parser = clap::value_parser!(u32).range(1..))]
+    losses: Option<u32>,
+    /// Where --losses writes the initial weights and the batches [default: a folder in the
+    /// system's temporary directory].
+    #[arg(long, value_name = "DIR")]
+    losses_dir: Option<PathBuf>,
 }
 
 /// The line python/train.py answers with one round: `CASE STEPS`.
@@ -236,6 +245,9 @@ pub fn run(args: TrainBenchArgs) -> Result<(), Box<dyn Error>> {
     } else {
         args.pytorch.side("train.py", "column")
     };
+    if let Some(steps) = args.losses {
+        return run_losses(&args, &selected, steps, &mut torch, &device);
+    }
     let rate = match on_gpu && selected.iter().any(|c| c.tokens().is_some()) {
         true => Some(bf16_matrix_rate(args.device).map_err(|e| e.to_string())),
         false => None,
@@ -326,6 +338,83 @@ fn cases_table(measured: &[CaseResult<'_>], on_gpu: bool) -> Table {
         table.push_with(cells, extra);
     }
     table
+}
+
+/// `--losses`: each selected Llama case's loss curves on both sides, in a table.
+fn run_losses(
+    args: &TrainBenchArgs,
+    selected: &[&Case],
+    steps: u32,
+    torch: &mut PyTorchSide,
+    device: &str,
+) -> Result<(), Box<dyn Error>> {
+    let dir = args
+        .losses_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join("ferry-train-losses"));
+    let mut table = Table::new(&[
+        "case",
+        "steps",
+        "ferry first",
+        "PyTorch first",
+        "ferry last",
+        "PyTorch last",
+        "worst gap",
+        "at step",
+        "goal",
+        "met",
+    ]);
+    let mut errors = Vec::new();
+    for case in selected.iter().filter(|c| c.model == cases::Model::Llama) {
+        eprintln!("training {} for {steps} steps on each side ...", case.id);
+        let curves = match losses::compare(case, args.device, steps as usize, torch.torch(), &dir) {
+            Ok(curves) => curves,
+            Err(err) => {
+                errors.push(format!("{}: {err}", case.id));
+                continue;
+            }
+        };
+        if let Err(err) = &curves.pytorch {
+            errors.push(format!("{} (PyTorch): {err}", case.id));
+        }
+        let pytorch = curves.pytorch.as_deref().ok();
+        let worst = curves.worst_gap();
+        let cell = |x: Option<&f64>| Cell::shown(x.copied(), |v| format!("{v:.4}"));
+        table.push_with(
+            vec![
+                Cell::text(case.id),
+                Cell::count(steps),
+                cell(curves.ferry.first()),
+                cell(pytorch.and_then(<[f64]>::first)),
+                cell(curves.ferry.last()),
+                cell(pytorch.and_then(<[f64]>::last)),
+                Cell::shown(worst.map(|w| w.1), |g| format!("{g:.2e}")),
+                Cell::text(worst.map_or(String::new(), |w| w.0.to_string())),
+                Cell::text(format!("<= {:.0e}", losses::LOSS_GOAL)),
+                Cell::text(match worst {
+                    Some((_, g)) if g <= losses::LOSS_GOAL => "met",
+                    Some(_) => "MISSED",
+                    None => "?",
+                }),
+            ],
+            json!({ "ferry_losses": curves.ferry, "pytorch_losses": pytorch }),
+        );
+    }
+    let title = format!(
+        "ferry bench train --losses {steps} on {device}: the Llama from the same initial weights \
+         on the same batches of text (bf16 autocast, AdamW lr {LARGE_LR}); PyTorch: \
+         transformers' LlamaForCausalLM with SDPA and fused AdamW"
+    );
+    let mut report = Report::new("train_losses", title);
+    report.table("losses", None, table);
+    report.note("worst gap: the largest |ferry - PyTorch| / PyTorch over the steps.");
+    if selected.iter().all(|c| c.model != cases::Model::Llama) {
+        report.note("no Llama case selected: --losses compares llama_1b_b8 or llama_1b_b16.");
+    }
+    for error in errors {
+        report.note(format!("error: {error}"));
+    }
+    report.finish(args.json.as_deref())
 }
 
 /// Tokens per second, model FLOP utilization and peak memory of each language-model case.
