@@ -91,3 +91,5 @@ mod lr_schedule;
 mod grad_clip;
 // Mixed precision: autocast scopes and the GradScaler.
 mod amp;
+// Recomputed regions: the same gradients as without, dropout and autocast included, and less kept.
+mod recompute;

@@ -1,10 +1,38 @@
 //! Running backward from tensors: `backward`, `autograd::grad` for gradients returned instead of
 //! accumulated, hooks, retained gradients, and DOT drawings of a tensor's graph.
 
+use std::cell::Cell;
+
 use ferry_graph::{BackwardOptions, BackwardReport, DetachCut, HookHandle};
 
 use crate::autocast::AutocastGuard;
 use crate::{Result, Tensor, TensorError};
+
+thread_local! {
+    /// Whether this thread is inside [`grad`], which leaves `.grad` alone: a recomputed region,
+    /// whose parameters get their gradients while it runs, refuses it.
+    static FUNCTIONAL: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether this thread is inside [`grad`].
+pub(crate) fn in_functional_grad() -> bool {
+    FUNCTIONAL.with(Cell::get)
+}
+
+/// Marks this thread as inside [`grad`] until dropped.
+struct FunctionalGrad(bool);
+
+impl FunctionalGrad {
+    fn enter() -> Self {
+        Self(FUNCTIONAL.with(|f| f.replace(true)))
+    }
+}
+
+impl Drop for FunctionalGrad {
+    fn drop(&mut self) {
+        FUNCTIONAL.with(|f| f.set(self.0));
+    }
+}
 
 /// Options of [`grad`]. The default: the output gradients are ones, no graph of the backward is
 /// recorded, saved buffers are freed, and every input must be reached.
@@ -65,6 +93,7 @@ pub fn grad(
     };
     // Gradients take their tensors' dtypes, as the forward left them: no autocast in the rules.
     let _forward_only = AutocastGuard::new(None)?;
+    let _functional = FunctionalGrad::enter();
     let (grads, _) = ferry_graph::grad(&roots, &targets, backward)?;
     if !options.allow_unused
         && let Some(index) = grads.iter().position(Option::is_none)

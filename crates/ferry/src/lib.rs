@@ -68,6 +68,7 @@ pub mod autograd {
         GradOptions, OffloadGuard, OffloadOptions, OffloadStats, grad, offload_saved,
     };
     pub use ferry_tensor::gradcheck::{gradcheck, gradgradcheck};
+    pub use ferry_tensor::recompute;
 }
 pub use ferry_transfer::{
     Batch, ChunkPlan, ChunkSpec, ChunkStream, DEFAULT_IN_FLIGHT, DeviceLoader, DeviceMove,

@@ -1,0 +1,179 @@
+//! Recomputed regions (`ferry_tensor::recompute`): the gradients of every parameter and input
+//! equal the region's without recomputation (bit for bit on the CPU), dropout and autocast
+//! included; only the region's inputs are kept; and what a region cannot do is refused, named.
+
+use ferry::amp::autocast;
+use ferry_tensor::autograd::{self, GradOptions};
+use ferry_tensor::{DType, Device, Result, Tensor, manual_seed, recompute};
+use ferry_tests::{device_test, on, values};
+
+/// A block as models have them: `x + W2·dropout(gelu(W1·x))`, its weights captured.
+fn block(
+    w1: &Tensor,
+    w2: &Tensor,
+    p: f64,
+) -> impl Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static {
+    let (w1, w2) = (w1.clone(), w2.clone());
+    move |x: &[Tensor]| {
+        let h = x[0].matmul(&w1.t()?)?.gelu()?.dropout(p, true)?;
+        x[0].add(&h.matmul(&w2.t()?)?)
+    }
+}
+
+struct Run {
+    x_grad: Vec<f64>,
+    w_grads: [Vec<f64>; 2],
+    loss: Vec<f64>,
+}
+
+/// Two blocks on `x`, each recomputed or not, then a sum; the gradients.
+fn two_blocks(device: Device, recomputed: bool, p: f64, low: Option<DType>) -> Result<Run> {
+    manual_seed(7);
+    let make = |shape: &[usize]| -> Result<Tensor> {
+        on(
+            device,
+            Tensor::randn(shape, DType::F32, Device::Cpu)?.mul_scalar(0.3)?,
+        )?
+        .with_grad()
+    };
+    let (w1, w2) = (make(&[32, 16])?, make(&[16, 32])?);
+    let x = make(&[8, 16])?;
+    manual_seed(11); // the dropout masks
+    let forward = || -> Result<Tensor> {
+        let f = block(&w1, &w2, p);
+        let mut h = x.clone();
+        for _ in 0..2 {
+            h = match recomputed {
+                true => recompute(&[&h], block(&w1, &w2, p))?,
+                false => f(&[h])?,
+            };
+        }
+        h.to_dtype(DType::F32)?.tanh()?.sum()
+    };
+    let loss = match low {
+        Some(dtype) => autocast(dtype, forward)?,
+        None => forward()?,
+    };
+    loss.backward()?;
+    Ok(Run {
+        x_grad: values(&x.grad().unwrap()),
+        w_grads: [values(&w1.grad().unwrap()), values(&w2.grad().unwrap())],
+        loss: values(&loss),
+    })
+}
+
+fn same_gradients(device: Device) -> Result<()> {
+    for (p, low) in [(0.0, None), (0.3, None), (0.3, Some(DType::BF16))] {
+        let plain = two_blocks(device, false, p, low)?;
+        let again = two_blocks(device, true, p, low)?;
+        let what = format!("dropout {p}, autocast {low:?}");
+        assert_eq!(plain.loss, again.loss, "{what}: loss");
+        if device == Device::Cpu {
+            // Every host kernel is deterministic: the same bits.
+            assert_eq!(plain.x_grad, again.x_grad, "{what}: x");
+            assert_eq!(plain.w_grads, again.w_grads, "{what}: weights");
+        } else {
+            let close = |a: &[f64], b: &[f64]| {
+                a.iter()
+                    .zip(b)
+                    .all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + x.abs()))
+            };
+            assert!(close(&plain.x_grad, &again.x_grad), "{what}: x");
+            for i in 0..2 {
+                assert!(close(&plain.w_grads[i], &again.w_grads[i]), "{what}: w{i}");
+            }
+        }
+    }
+    Ok(())
+}
+device_test!(
+    recomputed_regions_give_the_gradients_of_plain_ones,
+    same_gradients
+);
+
+/// A region keeps its input alone: the graph's saved bytes after the forward are the input's,
+/// against every intermediate of the plain block.
+#[test]
+fn a_region_keeps_only_its_inputs() -> Result<()> {
+    let w1 = Tensor::randn(&[256, 64], DType::F32, Device::Cpu)?.with_grad()?;
+    let w2 = Tensor::randn(&[64, 256], DType::F32, Device::Cpu)?.with_grad()?;
+    let x = Tensor::randn(&[128, 64], DType::F32, Device::Cpu)?.with_grad()?;
+    let graph = w1.graph().expect("a leaf has a graph");
+    let base = graph.saved_bytes();
+    let plain = block(&w1, &w2, 0.0)(std::slice::from_ref(&x))?;
+    let plain_bytes = graph.saved_bytes() - base;
+    drop(plain);
+    let base = graph.saved_bytes();
+    let region = recompute(&[&x], block(&w1, &w2, 0.0))?;
+    let region_bytes = graph.saved_bytes() - base;
+    assert_eq!(region_bytes, 128 * 64 * 4, "the input alone");
+    assert!(
+        plain_bytes >= 3 * 128 * 256 * 4,
+        "the plain block keeps its hidden activations: {plain_bytes}"
+    );
+    assert_eq!(region.shape(), [128, 64]);
+    Ok(())
+}
+
+#[test]
+fn what_a_region_cannot_do_is_refused() -> Result<()> {
+    let w = Tensor::randn(&[4, 4], DType::F32, Device::Cpu)?.with_grad()?;
+    let x = Tensor::randn(&[2, 4], DType::F32, Device::Cpu)?.with_grad()?;
+    let f = {
+        let w = w.clone();
+        move |i: &[Tensor]| i[0].matmul(&w)
+    };
+    // No input that requires grad: its parameters would never get theirs.
+    let plain = x.detach();
+    let err = recompute(&[&plain], f.clone()).unwrap_err().to_string();
+    assert!(err.contains("no input requires a gradient"), "{err}");
+    // An input written in place before backward.
+    let y = x.detach().copy()?.with_grad()?;
+    let h = y.mul_scalar(2.0)?;
+    let out = recompute(&[&h], f.clone())?;
+    ferry_tensor::with_no_grad(|| h.assign(&Tensor::zeros(&[2, 4], DType::F32, Device::Cpu)?))?;
+    let err = out.sum()?.backward().unwrap_err().to_string();
+    assert!(err.contains("modified in place"), "{err}");
+    // `grad` leaves .grad alone; a region cannot.
+    let out = recompute(&[&x], f.clone())?;
+    let err = autograd::grad(&[&out.sum()?], &[&x], GradOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("call `backward()`"), "{err}");
+    // Outside grad mode the closure just runs.
+    let out = ferry_tensor::with_no_grad(|| recompute(&[&x], f.clone()))?;
+    assert!(!out.requires_grad());
+    Ok(())
+}
+
+/// `nn::Recomputed` around a module: the plain module's gradients, bit for bit on the CPU, and a
+/// parameter stepped between the forward and its backward is refused.
+#[test]
+fn a_recomputed_module_trains_as_the_plain_one() -> Result<()> {
+    use ferry::nn::{Linear, Module, Recomputed, Sequential, Tanh};
+    let make = || -> Result<Sequential> {
+        manual_seed(3);
+        Ok(Sequential::new()
+            .push(Linear::new(16, 64, Device::Cpu)?)
+            .push(Tanh)
+            .push(Linear::new(64, 16, Device::Cpu)?))
+    };
+    let (plain, region) = (make()?, Recomputed::new(make()?));
+    let x = Tensor::randn(&[8, 16], DType::F32, Device::Cpu)?;
+    plain.forward(&x.with_grad()?)?.sum()?.backward()?;
+    region.forward(&x.with_grad()?)?.sum()?.backward()?;
+    let grads = |m: &dyn Module| -> Vec<Vec<f64>> {
+        m.parameters()
+            .iter()
+            .map(|p| values(&p.grad().unwrap()))
+            .collect()
+    };
+    assert_eq!(grads(&plain), grads(&region));
+
+    let out = region.forward(&x.with_grad()?)?;
+    let w = region.parameters()[0].clone();
+    ferry_tensor::with_no_grad(|| w.assign(&w.mul_scalar(0.5)?))?;
+    let err = out.sum()?.backward().unwrap_err().to_string();
+    assert!(err.contains("written in place between"), "{err}");
+    Ok(())
+}
