@@ -4,7 +4,7 @@
 use ferry::memory::{DType, Device};
 use ferry::tensor::Buffer;
 use ferry::{PendingTensor, Tensor, TransferPath, TransferReport};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::dlpack;
@@ -23,7 +23,8 @@ pub fn torch_name(dtype: DType) -> &'static str {
     }
 }
 
-/// A dtype from torch's or ferry's name (`float32`, `torch.float32`, `f32`, ...).
+/// A dtype from torch's or ferry's name (`float32`, `torch.float32`, `f32`, ...); anything else
+/// is a `TypeError`, as torch's `t.to(dtype=...)` raises.
 pub fn parse_dtype(name: &str) -> PyResult<DType> {
     let name = name.strip_prefix("torch.").unwrap_or(name);
     let dtype = match name {
@@ -34,7 +35,7 @@ pub fn parse_dtype(name: &str) -> PyResult<DType> {
         "int64" | "long" => DType::I64,
         "uint8" => DType::U8,
         other => other.parse().map_err(|_| {
-            PyValueError::new_err(format!(
+            PyTypeError::new_err(format!(
                 "unknown dtype `{other}`: use float32, float64, float16, bfloat16, int64 or uint8"
             ))
         })?,

@@ -68,6 +68,29 @@ def test_autograd_sends_the_gradient_home_in_the_source_dtype():
     assert torch.equal(x.grad, torch.full((8, 4), 3.0))
 
 
+def test_a_move_in_the_graph_reports_as_any_other():
+    x = torch.randn(8, 4, requires_grad=True)
+    y, report = ferry.to(x, "cpu", dtype=torch.float64, report=True)
+    assert y.requires_grad and report is not None
+    assert report.path == "same_device" and report.grad_bytes_copied == 0
+
+
+def test_a_bad_dtype_is_a_type_error_as_in_torch():
+    with pytest.raises(TypeError, match="unknown dtype"):
+        ferry.to(torch.ones(2), "cpu", dtype="float7")
+
+
+def test_second_derivatives_flow_through_a_move():
+    # y = sum(x^2) through a move to f64 plus sum(x^3) directly: dy/dx = 2x + 3x^2, and the
+    # derivative of its sum is 2 + 6x, which needs the move's backward to be in the graph.
+    x = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    y = (ferry.to(x, "cpu", dtype=torch.float64) ** 2).sum() + (x.double() ** 3).sum()
+    (dy,) = torch.autograd.grad(y, x, create_graph=True)
+    assert torch.allclose(dy, 2 * x.detach() + 3 * x.detach() ** 2)
+    (d2y,) = torch.autograd.grad(dy.sum(), x)
+    assert torch.equal(d2y, torch.tensor([5.0, -4.0, 14.0]))
+
+
 def test_no_grad_moves_record_nothing():
     x = torch.randn(4, requires_grad=True)
     with torch.no_grad():

@@ -236,16 +236,20 @@ def _autograd_move():
         """A device move in torch's graph: backward moves the gradient home (device, dtype)."""
 
         @staticmethod
-        def forward(ctx, t, device, dtype):
+        def forward(ctx, t, device, dtype, reports=None):
             ctx.home = (_device_name(t.device), _dtype_name(t.dtype))
-            out, _ = _move(t.detach(), device, dtype, False)
+            out, report = _move(t.detach(), device, dtype, False)
+            if reports is not None:
+                reports.append(report)
             return out
 
         @staticmethod
         def backward(ctx, grad):
+            # The gradient goes home through this same Function: under create_graph its move
+            # is in the graph too, so second derivatives flow through it (a raw copy here
+            # would cut them silently).
             device, dtype = ctx.home
-            back, _ = _move(grad.contiguous(), device, dtype, False)
-            return back, None, None
+            return Move.apply(grad.contiguous(), device, dtype), None, None, None
 
     return Move
 
@@ -272,8 +276,9 @@ def to(t, device, dtype=None, non_blocking: bool = False, report: bool = False):
     if getattr(t, "requires_grad", False) and torch.is_grad_enabled():
         if _MOVE is None:
             _MOVE = _autograd_move()
-        out = _MOVE.apply(t, device, dtype)
-        return (out, None) if report else out
+        reports = []
+        out = _MOVE.apply(t, device, dtype, reports)
+        return (out, reports[0]) if report else out
     out, rep = _move(t, device, dtype, non_blocking)
     return (out, rep) if report else out
 
