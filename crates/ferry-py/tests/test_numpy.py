@@ -103,6 +103,12 @@ def test_memory_stats_are_about_a_gpu():
     if not ferry.cuda_available():
         with pytest.raises(ferry.FerryError):
             _ferry.memory_stats("cuda:0")
+        # As torch.cuda's: an int, "cuda" or nothing name a GPU (here there is none to read).
+        for device in (0, "cuda", None):
+            with pytest.raises(ferry.FerryError):
+                ferry.memory_stats(device)
+            with pytest.raises(ferry.FerryError):
+                ferry.reset_peak_memory_stats(device)
 
 
 def misaligned_f32(n):

@@ -380,6 +380,9 @@ def test_offload_saved_leaves_nothing_behind_when_the_host_runs_ahead():
 def test_memory_stats_count_ferrys_device_memory():
     ferry.reset_peak_memory_stats("cuda:0")
     before = ferry.memory_stats("cuda:0")["allocated_bytes"]
+    for device in (0, None, torch.device("cuda", 0)):
+        stats = ferry.memory_stats(device)
+        assert stats["allocated_bytes.all.current"] == stats["allocated_bytes"] == before
     on_gpu = ferry.to(torch.randn(1 << 20), "cuda")
     stats = ferry.memory_stats("cuda:0")
     assert stats["allocated_bytes"] >= before + (4 << 20)

@@ -57,9 +57,6 @@ __all__ = [
 __version__ = _ferry.__version__
 
 cuda_available = _ferry.cuda_available
-empty_cache = _ferry.empty_cache
-memory_stats = _ferry.memory_stats
-reset_peak_memory_stats = _ferry.reset_peak_memory_stats
 pinned_budget = _ferry.pinned_budget
 pinned_stats = _ferry.pinned_stats
 set_pinned_budget = _ferry.set_pinned_budget
@@ -101,6 +98,39 @@ def _device_name(device) -> str:
         initialized = torch is not None and torch.cuda.is_initialized()
         return f"cuda:{torch.cuda.current_device()}" if initialized else "cuda:0"
     return text
+
+
+def _gpu_name(device) -> str:
+    """'cuda:N' for the memory functions: a str, an int, a torch.device, or None for torch's
+    current device, as torch.cuda's own take."""
+    return _device_name("cuda" if device is None else device)
+
+
+def memory_stats(device=None) -> dict:
+    """The statistics of ferry's allocator on GPU ``device`` (``None``: torch's current device;
+    an int, ``"cuda:N"`` or a ``torch.device``), ferry's own memory only: ``allocated_bytes``,
+    ``reserved_bytes``, ``peak_allocated_bytes``, ``allocations``, ``cache_hits``,
+    ``device_allocations``, ``frees``, and the same bytes under ``torch.cuda.memory_stats``'s
+    names (``allocated_bytes.all.current``, ``allocated_bytes.all.peak``,
+    ``reserved_bytes.all.current``)."""
+    stats = _ferry.memory_stats(_gpu_name(device))
+    stats["allocated_bytes.all.current"] = stats["allocated_bytes"]
+    stats["allocated_bytes.all.peak"] = stats["peak_allocated_bytes"]
+    stats["reserved_bytes.all.current"] = stats["reserved_bytes"]
+    return stats
+
+
+def empty_cache(device=None) -> None:
+    """Returns the cached blocks of ferry's allocator on GPU ``device`` (as
+    :func:`memory_stats` takes it) to the driver, like ``torch.cuda.empty_cache``; ``"cpu"``
+    empties the pinned pool instead."""
+    _ferry.empty_cache(_gpu_name(device))
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    """Starts ``peak_allocated_bytes`` of GPU ``device`` (as :func:`memory_stats` takes it) over
+    from what is allocated now."""
+    _ferry.reset_peak_memory_stats(_gpu_name(device))
 
 
 def _dtype_name(dtype) -> str | None:
