@@ -5,9 +5,15 @@
 //! Temporary names are `.NAME.PID.NANOS.N.tmp`: the process id, the clock in nanoseconds when
 //! the file was made and a counter, opened with `create_new` (and retried under another name
 //! should one exist). A process id alone repeats across containers, and a save killed in one
-//! would block every later save of the same target. Temporaries of the same target that no
-//! one has written to for a minute before a save began (left by a killed save) are removed
-//! once the save is in place.
+//! would block every later save of the same target.
+//!
+//! A save holds an exclusive lock on its temporary (`flock` on Unix) from the moment it exists;
+//! the system drops it when the writer exits, killed or not. Once a save is in place it removes
+//! the temporaries of the same target that nobody holds (left by saves that died) and, as
+//! before, those no one has written to for a minute before it began (an older ferry's, which
+//! took no lock). A temporary a live process is writing stays: its lock is held. The one race
+//! left is a temporary made and not yet locked in the same microseconds as another process's
+//! scan: that save then fails at its rename, loudly, and loses nothing.
 
 use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
@@ -76,6 +82,17 @@ impl TempFile {
             // The default mode (0o666 on Unix) less the umask, as for any file the user creates.
             match OpenOptions::new().write(true).create_new(true).open(&path) {
                 Ok(file) => {
+                    // Held until the file is closed: the mark of a live writer.
+                    file.try_lock().map_err(|e| DurableError::Io {
+                        path: path.clone(),
+                        source: match e {
+                            std::fs::TryLockError::Error(e) => e,
+                            std::fs::TryLockError::WouldBlock => io::Error::new(
+                                io::ErrorKind::WouldBlock,
+                                "another process locked this new temporary file",
+                            ),
+                        },
+                    })?;
                     return Ok(Self {
                         path,
                         file,
@@ -148,8 +165,14 @@ fn is_temporary_of(file: &str, target_name: &str) -> bool {
             .all(|f| !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// Removes temporaries of `target` last written more than [`STALE_AFTER`] before `started`.
-/// Best effort: a temporary that cannot be read or removed stays, and the save stands.
+/// Whether no live process holds `path`'s lock: its writer is gone (or never took one).
+fn unheld(path: &Path) -> bool {
+    File::open(path).is_ok_and(|f| f.try_lock().is_ok())
+}
+
+/// Removes the temporaries of `target` that no writer holds, and those last written more than
+/// [`STALE_AFTER`] before `started`. Best effort: a temporary that cannot be read or removed
+/// stays, and the save stands.
 fn remove_stale(target: &Path, started: SystemTime) {
     let Some(name) = target.file_name().and_then(|n| n.to_str()) else {
         return;
@@ -163,11 +186,11 @@ fn remove_stale(target: &Path, started: SystemTime) {
         if !file.to_str().is_some_and(|f| is_temporary_of(f, name)) {
             continue;
         }
-        let stale = entry
+        let old = entry
             .metadata()
             .and_then(|m| m.modified())
             .is_ok_and(|modified| modified < cutoff);
-        if stale {
+        if old || unheld(&entry.path()) {
             let _ = std::fs::remove_file(entry.path());
         }
     }
@@ -217,6 +240,27 @@ mod tests {
         assert_eq!((path, synced), (target.clone(), dir.path().to_path_buf()));
         assert_eq!(std::fs::read(&target).unwrap(), b"new");
         assert!(!temp_path.exists());
+    }
+
+    /// A save in place removes the temporaries nobody holds (their writer died) and keeps one a
+    /// live writer holds, however fresh both are.
+    #[test]
+    fn a_save_removes_dead_writers_temporaries_and_keeps_live_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("w.bin");
+        let dead = dir.path().join(".w.bin.4242.1733000000000000000.0.tmp");
+        std::fs::write(&dead, b"left by a killed save").unwrap();
+        let live = write_new(&target, b"still being written");
+        write_new(&target, b"new").persist(&target).unwrap();
+        assert!(!dead.exists(), "nobody held it: its writer is gone");
+        assert!(live.path.exists(), "its writer holds it");
+        assert_eq!(std::fs::read(&target).unwrap(), b"new");
+        let live_path = live.path.clone();
+        drop(live);
+        assert!(
+            !live_path.exists(),
+            "dropped unpersisted: removed by its own writer"
+        );
     }
 
     #[test]
