@@ -80,6 +80,17 @@ def test_a_bad_dtype_is_a_type_error_as_in_torch():
         ferry.to(torch.ones(2), "cpu", dtype="float7")
 
 
+def test_a_stream_still_reports_after_its_with_block():
+    x = torch.randn(64, 8)
+    with ferry.stream_to(x, chunks=4) as stream:
+        rows = sum(len(chunk.rows) for chunk in stream)
+        inside = stream.report
+    assert rows == 64 and inside is not None
+    after = stream.report
+    assert after is not None and (after.path, after.chunks) == (inside.path, inside.chunks)
+    assert stream.report is after and stream.waited_ms >= 0.0  # fixed once closed
+
+
 def test_second_derivatives_flow_through_a_move():
     # y = sum(x^2) through a move to f64 plus sum(x^3) directly: dy/dx = 2x + 3x^2, and the
     # derivative of its sum is 2 + 6x, which needs the move's backward to be in the graph.

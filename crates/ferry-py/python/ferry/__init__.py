@@ -11,7 +11,9 @@ and dtype as it does for ``t.to(...)``::
     y.sum().backward()                    # x.grad is on cuda:0
     h = ferry.to(x.detach(), "cpu", dtype=torch.float16)
     p = ferry.to(x.detach(), "cpu", non_blocking=True)
-    host = p.wait()                       # handed out only once the copy has landed
+    # a PendingMove while the copy is in flight, else the tensor itself (landed, or beyond the
+    # pinned budget): wait() hands the tensor out only once the copy has landed
+    host = p.wait() if isinstance(p, ferry.PendingMove) else p
 
 Errors are ``ferry.FerryError`` (a ``RuntimeError``) with ferry's message, which names the fix.
 """
@@ -435,6 +437,9 @@ class ChunkStream:
         self._inner = inner
         self._source = source if _is_torch(source) else None
         self._version = self._source._version if self._source is not None else None
+        # What waited_ms and report said when the stream was closed: they stay readable after
+        # a `with` block, as the docs print them.
+        self._closed = None
 
     def __iter__(self):
         return self
@@ -457,13 +462,17 @@ class ChunkStream:
     def waited_ms(self) -> float:
         """How long iteration has waited for copies, in all (near 0 when the work per chunk
         outlasts a chunk's copy)."""
-        return self._inner.waited_ms
+        return self._inner.waited_ms if self._closed is None else self._closed[0]
 
     @property
     def report(self) -> TransferReport | None:
-        return self._inner.report
+        """The stream's report (``None`` until it has one); what it was at ``close()`` stays
+        readable after it, and after the ``with`` block."""
+        return self._inner.report if self._closed is None else self._closed[1]
 
     def close(self) -> None:
+        if self._closed is None:
+            self._closed = (self._inner.waited_ms, self._inner.report)
         self._inner.close()
         self._source = None
 
