@@ -404,3 +404,131 @@ fn the_tensor_check_sees_paths_and_skips_comments_and_longer_names() {
         .collect();
     assert_eq!(lines, [1, 2, 3]);
 }
+
+/// The Python entry points that only read a field or call an accessor that cannot fail (a
+/// counter, a handle, a shape): everything else ferry-py exposes runs under `guarded`.
+const UNGUARDED_ACCESSORS: &[&str] = &[
+    "path",
+    "staging",
+    "gradient_stream",
+    "upload_stream",
+    "device",
+    "steps",
+    "pinned_bytes",
+    "state_bytes",
+    "__iter__",
+    "__len__",
+    "shape",
+    "dtype",
+    "is_pinned",
+    "__dlpack_device__",
+    "__repr__",
+];
+
+/// The index just past the brace that closes the one opened before `start`.
+fn block_end(source: &str, start: usize) -> usize {
+    let mut depth = 1;
+    for (i, c) in source[start..].char_indices() {
+        depth += match c {
+            '{' => 1,
+            '}' => -1,
+            _ => 0,
+        };
+        if depth == 0 {
+            return start + i + 1;
+        }
+    }
+    source.len()
+}
+
+/// Each function of `block` (`fn NAME ... {`) and whether its body calls `guarded(`.
+fn functions_guarded(block: &str) -> Vec<(String, bool)> {
+    let mut found = Vec::new();
+    let mut at = 0;
+    while let Some(i) = block[at..].find("fn ") {
+        let start = at + i + 3;
+        let name: String = block[start..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let Some(open) = block[start..].find('{') else {
+            break;
+        };
+        // `fn` inside a type (`impl Fn(..)`, a pointer) ends at a `;` before any body.
+        if let Some(semi) = block[start..].find(';')
+            && semi < open
+        {
+            at = start + semi;
+            continue;
+        }
+        let body_start = start + open + 1;
+        let end = block_end(block, body_start);
+        found.push((name, block[body_start..end].contains("guarded(")));
+        at = end;
+    }
+    found
+}
+
+/// Every `#[pyfunction]` and every method of a `#[pymethods]` block, with whether it is guarded.
+fn python_entry_points(source: &str) -> Vec<(String, bool)> {
+    let code = code(source);
+    let mut found = Vec::new();
+    for (marker, whole_block) in [("#[pyfunction]", false), ("#[pymethods]", true)] {
+        let mut at = 0;
+        while let Some(i) = code[at..].find(marker) {
+            let start = at + i + marker.len();
+            let Some(open) = code[start..].find('{') else {
+                break;
+            };
+            let body_start = start + open + 1;
+            let end = block_end(&code, body_start);
+            if whole_block {
+                found.extend(functions_guarded(&code[body_start..end - 1]));
+            } else {
+                found.extend(functions_guarded(&code[start..end]).into_iter().take(1));
+            }
+            at = end;
+        }
+    }
+    found
+}
+
+/// Issue 42: a panic inside ferry-py would reach Python as pyo3's `PanicException` (a
+/// `BaseException` that `except Exception` does not catch); every entry point but the plain
+/// accessors runs under `errors::guarded`, which makes one a `FerryError` naming the bug.
+#[test]
+fn every_python_entry_point_is_under_the_panic_guard() {
+    let src = ferry_tests::repo_root().join("crates/ferry-py/src");
+    let mut unguarded = Vec::new();
+    let mut seen = 0;
+    for file in rust_files(&src) {
+        let source = std::fs::read_to_string(&file).unwrap();
+        for (name, guarded) in python_entry_points(&source) {
+            seen += 1;
+            if !guarded && !UNGUARDED_ACCESSORS.contains(&name.as_str()) {
+                unguarded.push(format!("{}: {name}", file.display()));
+            }
+        }
+    }
+    assert!(
+        seen > 50,
+        "found only {seen} entry points: the scan is broken"
+    );
+    assert!(
+        unguarded.is_empty(),
+        "wrap these in `guarded(|| ...)`:\n{}",
+        unguarded.join("\n")
+    );
+}
+
+#[test]
+fn the_guard_check_sees_functions_and_methods() {
+    let source = "#[pyfunction]\npub fn a(x: u8) -> PyResult<u8> { guarded(|| Ok(x)) }\n\
+                  #[pymethods]\nimpl T {\n fn b(&self) -> u8 { if true { 1 } else { 2 } }\n \
+                  fn c(&self) -> PyResult<()> { guarded(|| Ok(())) }\n}\n\
+                  fn helper() { }\n";
+    assert_eq!(
+        python_entry_points(source),
+        [("a".into(), true), ("b".into(), false), ("c".into(), true)]
+    );
+}

@@ -55,54 +55,68 @@ impl PyPendingSave {
 
     /// Whether every tensor has been copied.
     fn snapshot_taken(&self) -> PyResult<bool> {
-        let guard = self.inner.lock();
-        Ok(guard.as_ref().ok_or_else(gone)?.is_snapshot_taken())
+        guarded(|| {
+            let guard = self.inner.lock();
+            Ok(guard.as_ref().ok_or_else(gone)?.is_snapshot_taken())
+        })
     }
 
     /// Whether the call copied every GPU tensor on its GPU (`device_copy`): torch's writes to
     /// them then need not wait for the snapshot.
     fn device_copied_all(&self) -> PyResult<bool> {
-        let guard = self.inner.lock();
-        Ok(guard.as_ref().ok_or_else(gone)?.device_copied_all())
+        guarded(|| {
+            let guard = self.inner.lock();
+            Ok(guard.as_ref().ok_or_else(gone)?.device_copied_all())
+        })
     }
 
     /// Whether the save has finished, well or not.
     fn done(&self) -> PyResult<bool> {
-        let guard = self.inner.lock();
-        Ok(guard.as_ref().is_none_or(PendingSave::is_finished))
+        guarded(|| {
+            let guard = self.inner.lock();
+            Ok(guard.as_ref().is_none_or(PendingSave::is_finished))
+        })
     }
 
     /// Blocks (without the GIL) until every tensor has been copied.
     fn wait_snapshot(&self, py: Python<'_>) -> PyResult<()> {
-        let guard = self.inner.lock();
-        let pending = guard.as_ref().ok_or_else(gone)?;
-        py.detach(|| pending.wait_snapshot());
-        Ok(())
+        guarded(|| {
+            let guard = self.inner.lock();
+            let pending = guard.as_ref().ok_or_else(gone)?;
+            py.detach(|| pending.wait_snapshot());
+            Ok(())
+        })
     }
 
     /// Lets the file be renamed over the target once written (the package calls it after
     /// checking torch's version counters).
     fn confirm(&self) -> PyResult<()> {
-        let guard = self.inner.lock();
-        guard.as_ref().ok_or_else(gone)?.confirm();
-        Ok(())
+        guarded(|| {
+            let guard = self.inner.lock();
+            guard.as_ref().ok_or_else(gone)?.confirm();
+            Ok(())
+        })
     }
 
     /// Keeps the target as it was: the file is removed once written, and wait() raises with
     /// `reason`.
     fn abandon(&self, reason: String) -> PyResult<()> {
-        let guard = self.inner.lock();
-        guard.as_ref().ok_or_else(gone)?.abandon(reason);
-        Ok(())
+        guarded(|| {
+            let guard = self.inner.lock();
+            guard.as_ref().ok_or_else(gone)?.abandon(reason);
+            Ok(())
+        })
     }
 
     /// Waits (without the GIL) for the file to be synced and renamed; its report as a dict.
     fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let pending = self.inner.lock().take().ok_or_else(gone)?;
-        let report = py
-            .detach(|| pending.wait())
-            .map_err(|e| FerryError::new_err(e.to_string()))?;
-        report_dict(py, &report)
+        guarded(|| {
+            let pending = self.inner.lock().take().ok_or_else(gone)?;
+            let report = py
+                .detach(|| pending.wait())
+                .map_err(|e| FerryError::new_err(e.to_string()))?;
+            report_dict(py, &report)
+        })
     }
 }
 

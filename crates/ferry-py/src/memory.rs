@@ -52,9 +52,11 @@ pub fn pinned_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 
 /// Whether a CUDA driver and at least one GPU are there.
 #[pyfunction]
-pub fn cuda_available() -> bool {
-    ferry::memory::cuda::driver_present()
-        && ferry::memory::cuda::devices().is_ok_and(|d| !d.is_empty())
+pub fn cuda_available() -> PyResult<bool> {
+    guarded(|| {
+        Ok(ferry::memory::cuda::driver_present()
+            && ferry::memory::cuda::devices().is_ok_and(|d| !d.is_empty()))
+    })
 }
 
 /// Frees the cached blocks of `device`'s allocator (`cuda:N`) or of the pinned pool (`cpu`).

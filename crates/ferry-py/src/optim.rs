@@ -100,14 +100,16 @@ impl PyOffloadAdamW {
     /// Parameter `i`'s landing tensor (pinned, its shape and dtype), for torch to copy its
     /// gradient into on the gradient stream.
     fn landing(&self, i: usize) -> PyResult<PyTensor> {
-        let tensor = self
-            .inner
-            .landing(i)
-            .ok_or_else(|| PyValueError::new_err(format!("OffloadAdamW: no parameter {i}")))?;
-        // Its only device use is the gradient copy, which the optimizer waits for.
-        Ok(PyTensor {
-            inner: tensor,
-            ordered_by_caller: true,
+        guarded(|| {
+            let tensor = self
+                .inner
+                .landing(i)
+                .ok_or_else(|| PyValueError::new_err(format!("OffloadAdamW: no parameter {i}")))?;
+            // Its only device use is the gradient copy, which the optimizer waits for.
+            Ok(PyTensor {
+                inner: tensor,
+                ordered_by_caller: true,
+            })
         })
     }
 
@@ -115,9 +117,11 @@ impl PyOffloadAdamW {
     /// thread has read the last gradient handed over for it (staged: and a landing buffer is
     /// taken for it, which `landing(i)` then gives).
     fn wait_landing(&self, py: Python<'_>, i: usize) -> PyResult<()> {
-        let inner = &self.inner;
-        py.detach(|| inner.wait_landing(i)).map_err(to_py)?;
-        Ok(())
+        guarded(|| {
+            let inner = &self.inner;
+            py.detach(|| inner.wait_landing(i)).map_err(to_py)?;
+            Ok(())
+        })
     }
 
     /// When the pinned buffers are staged, the sentence that says so (see
@@ -182,9 +186,12 @@ impl PyOffloadAdamW {
     }
 
     /// Drops the gradients held since the last step (nothing without held gradients).
-    fn zero_grad(&self, py: Python<'_>) {
-        let inner = &self.inner;
-        py.detach(|| inner.zero_grad());
+    fn zero_grad(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| {
+            let inner = &self.inner;
+            py.detach(|| inner.zero_grad());
+            Ok(())
+        })
     }
 
     /// Waits for the steps of every gradient handed over, then makes torch's stream `stream`
@@ -228,11 +235,14 @@ impl PyOffloadAdamW {
 
     /// The state as `(name, host tensor)` pairs: `step`, `lr`, and per parameter `{i}.master`
     /// and, once stepped, `{i}.exp_avg` and `{i}.exp_avg_sq` (copies).
-    fn state(&self, py: Python<'_>) -> Vec<(String, PyTensor)> {
-        py.detach(|| self.inner.state_dict())
-            .into_iter()
-            .map(|(name, t)| (name, PyTensor::new(t)))
-            .collect()
+    fn state(&self, py: Python<'_>) -> PyResult<Vec<(String, PyTensor)>> {
+        guarded(|| {
+            let state = py.detach(|| self.inner.state_dict());
+            Ok(state
+                .into_iter()
+                .map(|(name, t)| (name, PyTensor::new(t)))
+                .collect())
+        })
     }
 
     /// Replaces the state with `(name, host tensor)` pairs named as [`Self::state`] names them.

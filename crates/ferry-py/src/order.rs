@@ -20,7 +20,7 @@ use ferry::memory::cuda::{CudaDevice, Stream};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
-use crate::errors::to_py;
+use crate::errors::{guarded, to_py};
 
 /// torch's current stream on one GPU, for the length of one call.
 pub struct TorchStream {
@@ -85,8 +85,11 @@ static CURRENT_STREAMS: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
 /// Registers `source(ordinals) -> [handle, ...]`, which returns torch's current stream on each
 /// GPU ordinal it is given (an empty list when torch has not initialized CUDA).
 #[pyfunction]
-pub fn set_current_streams(source: Py<PyAny>) {
-    *CURRENT_STREAMS.lock() = Some(source);
+pub fn set_current_streams(source: Py<PyAny>) -> PyResult<()> {
+    guarded(|| {
+        *CURRENT_STREAMS.lock() = Some(source);
+        Ok(())
+    })
 }
 
 /// torch's current stream on GPU `ordinal`, asked through the registered source: `None` when

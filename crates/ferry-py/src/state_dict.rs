@@ -74,14 +74,16 @@ impl PyStateDictMove {
     #[new]
     #[pyo3(signature = (device, streams=None))]
     fn new(device: &str, streams: Option<HashMap<usize, u64>>) -> PyResult<Self> {
-        Ok(Self {
-            device: parse_device(device)?,
-            given: streams,
-            gpus: Vec::new(),
-            entries: Vec::new(),
-            early_bytes: 0,
-            realigned_bytes: 0,
-            finished: false,
+        guarded(|| {
+            Ok(Self {
+                device: parse_device(device)?,
+                given: streams,
+                gpus: Vec::new(),
+                entries: Vec::new(),
+                early_bytes: 0,
+                realigned_bytes: 0,
+                finished: false,
+            })
         })
     }
 
@@ -281,14 +283,16 @@ pub fn move_state_dict<'py>(
     streams: Option<HashMap<usize, u64>>,
     sources: Option<HashMap<String, String>>,
 ) -> PyResult<(Bound<'py, PyDict>, PyReport)> {
-    let mut ongoing = PyStateDictMove::new(device, streams)?;
-    let sources = sources.unwrap_or_default();
-    for (name, value) in state_dict.iter() {
-        let name: String = name.extract()?;
-        let source = sources.get(&name).map(String::as_str);
-        ongoing.add(py, name, &value, source)?;
-    }
-    ongoing.finish(py, None)
+    guarded(|| {
+        let mut ongoing = PyStateDictMove::new(device, streams)?;
+        let sources = sources.unwrap_or_default();
+        for (name, value) in state_dict.iter() {
+            let name: String = name.extract()?;
+            let source = sources.get(&name).map(String::as_str);
+            ongoing.add(py, name, &value, source)?;
+        }
+        ongoing.finish(py, None)
+    })
 }
 
 /// `t` (contiguous, on a GPU) copied into fresh pinned memory on `stream` after `producers`,

@@ -67,7 +67,7 @@ impl PyChunkStream {
             match py.detach(|| stream.next()) {
                 None => Ok(None),
                 Some(Err(err)) => {
-                    self.close(py);
+                    self.close(py)?;
                     Err(to_py(err))
                 }
                 Some(Ok(chunk)) => {
@@ -86,22 +86,26 @@ impl PyChunkStream {
 
     /// Milliseconds `next()` has waited for copies in all.
     #[getter]
-    fn waited_ms(&self) -> f64 {
-        self.inner
-            .as_ref()
-            .map_or(0.0, |s| s.waited().as_secs_f64() * 1e3)
+    fn waited_ms(&self) -> PyResult<f64> {
+        guarded(|| {
+            let waited = self.inner.as_ref().map(|s| s.waited());
+            Ok(waited.map_or(0.0, |w| w.as_secs_f64() * 1e3))
+        })
     }
 
     /// What the stream has done so far: bytes handed out, staging peak, pieces.
     #[getter]
-    fn report(&self) -> Option<PyReport> {
-        self.inner.as_ref().map(|s| PyReport::from(&s.report()))
+    fn report(&self) -> PyResult<Option<PyReport>> {
+        guarded(|| Ok(self.inner.as_ref().map(|s| PyReport::from(&s.report()))))
     }
 
     /// Stops early: waits for the copies in flight and gives the staging back.
-    fn close(&mut self, py: Python<'_>) {
-        if let Some(stream) = self.inner.take() {
-            py.detach(move || drop(stream));
-        }
+    fn close(&mut self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| {
+            if let Some(stream) = self.inner.take() {
+                py.detach(move || drop(stream));
+            }
+            Ok(())
+        })
     }
 }

@@ -172,15 +172,18 @@ impl PyPending {
 #[pymethods]
 impl PyPending {
     /// Whether the copy has finished (never blocks).
-    fn ready(&self) -> bool {
-        match &self.in_flight {
-            Some(InFlight::Landing { tensor, .. }) => match &*tensor.storage().read() {
-                Buffer::Pinned(b) => b.is_ready(),
-                _ => true,
-            },
-            Some(InFlight::Queued(pending, _)) => pending.is_ready(),
-            None => true,
-        }
+    fn ready(&self) -> PyResult<bool> {
+        guarded(|| {
+            let ready = match &self.in_flight {
+                Some(InFlight::Landing { tensor, .. }) => match &*tensor.storage().read() {
+                    Buffer::Pinned(b) => b.is_ready(),
+                    _ => true,
+                },
+                Some(InFlight::Queued(pending, _)) => pending.is_ready(),
+                None => true,
+            };
+            Ok(ready)
+        })
     }
 
     /// Makes `stream` (a handle of GPU `ordinal`: torch's current stream) wait on the device for
