@@ -1,0 +1,44 @@
+"""What a typed program calls in ferry, checked by mypy in CI (`.ci/run`) against the package's
+annotations and `_ferry.pyi`: a wrong stub, or an annotation that drifts from what the package
+returns, fails here. Never run; only type-checked."""
+
+import numpy as np
+
+import ferry
+from ferry import _ferry
+
+
+def moves(x: np.ndarray) -> None:
+    t: _ferry.Tensor = _ferry.from_dlpack(x)
+    shape: list[int] = t.shape
+    dtype: str = t.dtype
+    moved, report = _ferry.to_chunked(x, "cpu", chunks=2)
+    path: str = report.path
+    bytes_moved: int = report.bytes_moved
+    pending: _ferry.Pending = _ferry.to_async(x, "cpu")
+    landed, _ = pending.wait()
+    stream: _ferry.ChunkStream = _ferry.stream_to(x, chunks=4)
+    for index, start, stop, chunk in stream:
+        rows: int = stop - start
+    waited: float = stream.waited_ms
+    stream.close()
+    print(shape, dtype, moved, path, bytes_moved, landed, index, rows, chunk, waited)
+
+
+def memory() -> None:
+    available: bool = ferry.cuda_available()
+    if available:
+        stats: dict = ferry.memory_stats(0)
+        ferry.reset_peak_memory_stats()
+        ferry.empty_cache("cuda:0")
+        print(stats["allocated_bytes.all.current"])
+    budget: int = _ferry.pinned_budget()
+    print(budget)
+
+
+def errors() -> None:
+    try:
+        _ferry.to(np.ones(3), "tpu")
+    except ferry.FerryError as err:
+        message: str = str(err)
+        print(message)
