@@ -163,6 +163,11 @@ pub struct TrainArgs {
     /// (OffloadAdamW::hold_gradients), where their global norm is taken.
     #[arg(long)]
     pub offload_optimizer: bool,
+    /// gpt: run each transformer block as a recomputed region (ferry::autograd::recompute):
+    /// the forward keeps only each block's input, and backward runs the block again; the same
+    /// gradients for the memory of the blocks' activations.
+    #[arg(long)]
+    pub recompute: bool,
     /// Cap ferry's device allocator, as FERRY_DEVICE_BUDGET does: bytes, or a size such as
     /// 6G. Beyond it allocations fail with the out-of-memory error.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
@@ -238,6 +243,13 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     }
     if matches!(args.task, Task::Gpt | Task::Llama) {
         return gpt::train(args);
+    }
+    if args.recompute {
+        return Err(
+            "--recompute runs the gpt's transformer blocks as recomputed regions; the \
+                    digits models have none"
+                .into(),
+        );
     }
     let gz = match &args.data {
         Some(path) => std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?,

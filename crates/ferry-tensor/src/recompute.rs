@@ -37,8 +37,7 @@ pub type RegionFn = dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync;
 
 /// Runs `f` on `inputs` as a recomputed region: inside it nothing is saved for backward; the
 /// node recorded for it keeps `inputs` alone and runs `f` again when backward reaches it (see the
-/// module docs). Outside grad mode, or when no input requires a gradient and no parameter could
-/// get one through the region, `f` simply runs.
+/// module docs). Outside grad mode, or on inference data, `f` simply runs.
 ///
 /// `f` must compute the same function both times from the same inputs, parameters and random
 /// draws (ferry's generator is put back for the second run; a closure that reads other state, or

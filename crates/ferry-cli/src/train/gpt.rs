@@ -201,6 +201,13 @@ type Named = (Box<dyn Module>, &'static str);
 
 /// The model `ferry train` was asked for, sized by the flags, with its name.
 fn model(args: &TrainArgs, vocab: usize, device: Device) -> Result<Named, Box<dyn Error>> {
+    if args.recompute && args.task == super::Task::Llama {
+        return Err(
+            "--recompute runs the gpt's blocks as recomputed regions; the llama has no \
+                    such option yet"
+                .into(),
+        );
+    }
     if args.task != super::Task::Llama {
         let config = GptConfig {
             vocab,
@@ -209,7 +216,9 @@ fn model(args: &TrainArgs, vocab: usize, device: Device) -> Result<Named, Box<dy
             layers: args.layers,
             heads: args.heads,
         };
-        return Ok((Box::new(Gpt::new(config, device)?), "gpt"));
+        let mut gpt = Gpt::new(config, device)?;
+        gpt.set_recompute(args.recompute);
+        return Ok((Box::new(gpt), "gpt"));
     }
     let kv_heads = args.kv_heads.unwrap_or(if args.heads.is_multiple_of(2) {
         args.heads / 2

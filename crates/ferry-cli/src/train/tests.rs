@@ -45,6 +45,7 @@ fn args(out: &Path, epochs: usize) -> TrainArgs {
         kv_heads: None,
         steps_per_epoch: 100,
         offload_optimizer: false,
+        recompute: false,
         device_budget: None,
     }
 }
@@ -521,5 +522,29 @@ fn resume_with_no_good_epoch_names_the_directory_and_every_file() {
     ] {
         assert!(err.contains(&needed), "{needed:?} not in: {err}");
     }
+    std::fs::remove_dir_all(&out).ok();
+}
+
+/// `--recompute` trains the GPT as without it (the same loss after the same steps: recomputed
+/// blocks give the plain gradients bit for bit on the CPU); the other tasks refuse it.
+#[test]
+fn recomputed_blocks_train_the_gpt_as_plain_ones() {
+    let out = scratch("gpt-recompute");
+    let gpt = |recompute: bool| TrainArgs {
+        task: Task::Gpt,
+        steps_per_epoch: 3,
+        recompute,
+        ..args(&out.join(if recompute { "again" } else { "plain" }), 1)
+    };
+    let plain = train(&gpt(false)).unwrap();
+    let again = train(&gpt(true)).unwrap();
+    assert_eq!(plain.history[0].loss, again.history[0].loss);
+    let err = train(&TrainArgs {
+        recompute: true,
+        ..args(&out, 1)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("digits models have none"), "{err}");
     std::fs::remove_dir_all(&out).ok();
 }

@@ -1,6 +1,10 @@
 //! A small character-level GPT: GPT-2's shape at a small size.
 
-use crate::nn::{Embedding, LayerNorm, Linear, Module, scaled_dot_product_attention};
+use std::sync::Arc;
+
+use crate::nn::{
+    Embedding, LayerNorm, Linear, Module, recompute_forward, scaled_dot_product_attention,
+};
 use crate::{DType, Device, Result, Tensor, TensorError};
 
 /// The size of a [`Gpt`].
@@ -19,6 +23,7 @@ pub struct GptConfig {
 }
 
 /// One pre-norm transformer block.
+#[derive(Clone)]
 struct Block {
     ln1: LayerNorm,
     qkv: Linear,
@@ -49,6 +54,8 @@ struct Block {
 /// ```
 pub struct Gpt {
     config: GptConfig,
+    /// Whether each block runs as a recomputed region ([`Gpt::set_recompute`]).
+    recompute: bool,
     tok: Embedding,
     pos: Embedding,
     blocks: Vec<Block>,
@@ -100,6 +107,7 @@ impl Gpt {
             .collect::<Result<_>>()?;
         Ok(Self {
             config,
+            recompute: false,
             tok: Embedding::from_weight(normal(&[vocab, width], 0.02, device)?)?,
             pos: Embedding::from_weight(normal(&[context, width], 0.02, device)?)?,
             blocks,
@@ -116,6 +124,25 @@ impl Gpt {
     /// Where its parameters are.
     pub fn device(&self) -> Device {
         self.tok.weight().device()
+    }
+
+    /// Runs each block as a recomputed region ([`autograd::recompute`](crate::autograd::recompute)):
+    /// the forward keeps only each block's input for backward, which runs the block again (with
+    /// the same dropout masks and autocast dtype) to rebuild the rest. The same gradients, for
+    /// the memory of every block's activations but its input; PyTorch's
+    /// `torch.utils.checkpoint` on every block.
+    pub fn set_recompute(&mut self, on: bool) {
+        self.recompute = on;
+    }
+}
+
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Block::forward(self, x)
+    }
+
+    fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        self.visit(prefix, f);
     }
 }
 
@@ -190,7 +217,11 @@ impl Module for Gpt {
             .forward(input)?
             .add(&self.pos.forward(&positions)?)?;
         for block in &self.blocks {
-            x = block.forward(&x)?;
+            x = match self.recompute {
+                // The region holds the block's own tensors (a clone of their handles).
+                true => recompute_forward(Arc::new(block.clone()), &x)?,
+                false => block.forward(&x)?,
+            };
         }
         self.head.forward(&self.ln_f.forward(&x)?)
     }

@@ -55,6 +55,7 @@ pub use linear::Linear;
 pub use loss::{cross_entropy, mse};
 pub use pool::{AvgPool2d, Flatten, MaxPool2d};
 pub use recomputed::Recomputed;
+pub(crate) use recomputed::recompute_forward;
 pub use rms_norm::RmsNorm;
 pub use rotary::{RopeScaling, Rotary};
 pub use sequential::Sequential;

@@ -56,27 +56,47 @@ fn versions(module: &impl Module) -> Vec<(Tensor, u64)> {
     out
 }
 
+/// An error unless `module`'s parameters are the tensors, at the versions, of `expected`.
+fn unchanged(module: &impl Module, expected: &[(Tensor, u64)]) -> Result<()> {
+    let now = versions(module);
+    let same = now.len() == expected.len()
+        && now
+            .iter()
+            .zip(expected)
+            .all(|((p, v), (q, w))| p.shares_storage(q) && v == w);
+    match same {
+        true => Ok(()),
+        false => Err(TensorError::InvalidArgument {
+            op: "Recomputed",
+            message: "the module's parameters were replaced or written in place between its \
+                      forward and the backward that runs it again; step the optimizer (or move \
+                      the module) after backward"
+                .into(),
+        }),
+    }
+}
+
+/// `module.forward(input)` as a recomputed region (for a model's own blocks, each shared by an
+/// `Arc` with the region); the second run refuses parameters replaced or written in place since
+/// the first.
+pub(crate) fn recompute_forward<M: Module + Send + Sync + 'static>(
+    module: Arc<M>,
+    input: &Tensor,
+) -> Result<Tensor> {
+    let expected = versions(&*module);
+    recompute(&[input], move |x| {
+        unchanged(&*module, &expected)?;
+        module.forward(&x[0])
+    })
+}
+
 impl<M: Module + Send + Sync + 'static> Module for Recomputed<M> {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         let module = Arc::clone(&self.module);
         let expected = versions(&*module.read());
         recompute(&[input], move |x| {
             let module = module.read();
-            let now = versions(&*module);
-            let same = now.len() == expected.len()
-                && now
-                    .iter()
-                    .zip(&expected)
-                    .all(|((p, v), (q, w))| p.shares_storage(q) && v == w);
-            if !same {
-                return Err(TensorError::InvalidArgument {
-                    op: "Recomputed",
-                    message: "the module's parameters were replaced or written in place between \
-                              its forward and the backward that runs it again; step the \
-                              optimizer (or move the module) after backward"
-                        .into(),
-                });
-            }
+            unchanged(&*module, &expected)?;
             module.forward(&x[0])
         })
     }
