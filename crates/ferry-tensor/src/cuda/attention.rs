@@ -108,17 +108,11 @@ fn readable<'a>(x: &Operand<'a>) -> Result<Source<'a>> {
 /// An operand (from [`readable`] or [`dense`]) as cuDNN reads it: its own offset and strides
 /// over `dims` (a dense copy's are row-major).
 fn input<'a>(buffer: &'a DeviceBuffer, x: &Source<'_>, dims: [usize; 4]) -> SdpaInput<'a> {
-    let own = x.layout().strides();
+    let (own, dense) = (x.layout().strides(), strides(dims));
     let strides = match own.len() == 4 {
         // An axis of one element may carry any stride: cuDNN is given the dense one.
-        true => std::array::from_fn(|i| {
-            if dims[i] == 1 {
-                strides(dims)[i]
-            } else {
-                own[i]
-            }
-        }),
-        false => strides(dims),
+        true => std::array::from_fn(|i| if dims[i] == 1 { dense[i] } else { own[i] }),
+        false => dense,
     };
     SdpaInput {
         buffer,
@@ -127,25 +121,37 @@ fn input<'a>(buffer: &'a DeviceBuffer, x: &Source<'_>, dims: [usize; 4]) -> Sdpa
     }
 }
 
-/// A fresh output as cuDNN writes it: row-major over `dims`.
-fn output(buffer: &mut DeviceBuffer, dims: [usize; 4]) -> SdpaOutput<'_> {
+/// A fresh `[B, H, T, D]` output as cuDNN writes it: row-major, or with `heads_inside`, in
+/// `[B, T, H, D]` order, the order a model merges the heads back in (`permute(0, 2, 1, 3)` then
+/// `reshape(B, T, H·D)` is then a view, not a copy) and the one a projection split into heads
+/// arrives in.
+fn output(buffer: &mut DeviceBuffer, dims: [usize; 4], heads_inside: bool) -> SdpaOutput<'_> {
+    let [b, h, t, d] = dims;
+    let strides = match heads_inside {
+        true => {
+            let [sb, st, sh, sd] = strides([b, t, h, d]);
+            [sb, sh, st, sd]
+        }
+        false => strides(dims),
+    };
     SdpaOutput {
         buffer,
         offset_bytes: 0,
-        strides: strides(dims),
+        strides,
     }
 }
 
-/// A fresh `[B, H, T, D]` output written in `[B, T, H, D]` order, the order a model merges the
-/// heads back in (`permute(0, 2, 1, 3)` then `reshape(B, T, H·D)` is then a view, not a copy)
-/// and the one a projection split into heads arrives in; the tensor made of it is
-/// [`Dense::swapped_1_2`].
-fn output_heads_inside(buffer: &mut DeviceBuffer, [b, h, t, d]: [usize; 4]) -> SdpaOutput<'_> {
-    let [sb, st, sh, sd] = strides([b, t, h, d]);
-    SdpaOutput {
-        buffer,
-        offset_bytes: 0,
-        strides: [sb, sh, st, sd],
+/// The tensor of an [`output`] buffer ([`Dense::swapped_1_2`] for one written heads inside).
+fn wrap_output(
+    dev: &CudaDevice,
+    out: DeviceBuffer,
+    dtype: DType,
+    dims: [usize; 4],
+    heads_inside: bool,
+) -> Dense {
+    match heads_inside {
+        true => Dense::swapped_1_2(Storage::new(Buffer::Cuda(out), dtype, dev.device()), dims),
+        false => wrap(dev, out, dtype, &dims),
     }
 }
 
@@ -155,31 +161,6 @@ fn output_heads_inside(buffer: &mut DeviceBuffer, [b, h, t, d]: [usize; 4]) -> S
 fn heads_inside(x: &impl View) -> bool {
     let (shape, strides) = (x.layout().shape(), x.layout().strides());
     in_place() && shape.len() == 4 && shape[1] > 1 && shape[2] > 1 && strides[1] < strides[2]
-}
-
-/// A gradient's output in the order its input `x` is stored in.
-fn output_like<'a>(
-    buffer: &'a mut DeviceBuffer,
-    x: &impl View,
-    dims: [usize; 4],
-) -> SdpaOutput<'a> {
-    match heads_inside(x) {
-        true => output_heads_inside(buffer, dims),
-        false => output(buffer, dims),
-    }
-}
-
-/// The tensor of an [`output_like`] buffer.
-fn wrap_like(dev: &CudaDevice, out: DeviceBuffer, x: &impl View, dims: [usize; 4]) -> Dense {
-    match heads_inside(x) {
-        true => wrap_heads_inside(dev, out, x.dtype(), dims),
-        false => wrap(dev, out, x.dtype(), &dims),
-    }
-}
-
-/// The tensor of an [`output_heads_inside`] buffer.
-fn wrap_heads_inside(dev: &CudaDevice, out: DeviceBuffer, dtype: DType, dims: [usize; 4]) -> Dense {
-    Dense::swapped_1_2(Storage::new(Buffer::Cuda(out), dtype, dev.device()), dims)
 }
 
 /// `None` for what cuDNN cannot run (the op composes instead); other errors stand.
@@ -213,21 +194,15 @@ impl Attention for Cuda {
             q: input(&qb, &q, q_dims),
             k: input(&kb, &k, kv_dims),
             v: input(&vb, &v, kv_dims),
-            o: match in_place() {
-                true => output_heads_inside(&mut out, q_dims),
-                false => output(&mut out, q_dims),
-            },
-            stats: output(&mut stats, stats_dims),
+            o: output(&mut out, q_dims, in_place()),
+            stats: output(&mut stats, stats_dims, false),
             rng: None,
         };
         let ran = unsupported_is_none(dev.sdpa_forward(&spec, io, dev.default_stream()))?;
         drop((qb, kb, vb));
         Ok(ran.map(|()| {
             (
-                match in_place() {
-                    true => wrap_heads_inside(&dev, out, q.dtype(), q_dims),
-                    false => wrap(&dev, out, q.dtype(), &q_dims),
-                },
+                wrap_output(&dev, out, q.dtype(), q_dims, in_place()),
                 wrap(&dev, stats, DType::F32, &stats_dims[..3]),
             )
         }))
@@ -254,6 +229,7 @@ impl Attention for Cuda {
         let dev = cuda_device(q.device())?;
         let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
         let (out, g, lse) = (readable(out)?, readable(g)?, dense(lse)?);
+        let inside = [heads_inside(&q), heads_inside(&k), heads_inside(&v)];
         let dtype = q.dtype();
         let mut dq = alloc(&dev, OP, &q_dims, dtype)?;
         let mut dk = alloc(&dev, OP, &kv_dims, dtype)?;
@@ -267,18 +243,18 @@ impl Attention for Cuda {
             o: input(&ob, &out, q_dims),
             d_o: input(&gb, &g, q_dims),
             stats: input(&lb, &lse, stats_dims),
-            dq: output_like(&mut dq, &q, q_dims),
-            dk: output_like(&mut dk, &k, kv_dims),
-            dv: output_like(&mut dv, &v, kv_dims),
+            dq: output(&mut dq, q_dims, inside[0]),
+            dk: output(&mut dk, kv_dims, inside[1]),
+            dv: output(&mut dv, kv_dims, inside[2]),
             rng: None,
         };
         let ran = unsupported_is_none(dev.sdpa_backward(&spec, io, dev.default_stream()))?;
         drop((qb, kb, vb, ob, gb, lb));
         Ok(ran.map(|()| {
             [
-                wrap_like(&dev, dq, &q, q_dims),
-                wrap_like(&dev, dk, &k, kv_dims),
-                wrap_like(&dev, dv, &v, kv_dims),
+                wrap_output(&dev, dq, dtype, q_dims, inside[0]),
+                wrap_output(&dev, dk, dtype, kv_dims, inside[1]),
+                wrap_output(&dev, dv, dtype, kv_dims, inside[2]),
             ]
         }))
     }
