@@ -279,11 +279,16 @@ impl PyTorch {
 
     /// One timed sample of `case`, in milliseconds.
     pub fn sample(&mut self, case: &str) -> Result<f64, String> {
+        self.sample_with_reply(case).map(|(ms, _)| ms)
+    }
+
+    /// [`PyTorch::sample`] with the whole reply, for the figures a script sends beside the time.
+    pub fn sample_with_reply(&mut self, case: &str) -> Result<(f64, Value), String> {
         let reply = self.request(case)?;
-        reply
-            .get("ms")
-            .and_then(Value::as_f64)
-            .ok_or_else(|| format!("the PyTorch script answered {reply} to `{case}`"))
+        match reply.get("ms").and_then(Value::as_f64) {
+            Some(ms) => Ok((ms, reply)),
+            None => Err(format!("the PyTorch script answered {reply} to `{case}`")),
+        }
     }
 
     /// Sends one request line and returns the JSON object that answers it (an `error` reply

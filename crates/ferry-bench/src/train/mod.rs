@@ -143,14 +143,11 @@ fn measure<'a>(
             }
         }
         if let (Some(torch), false) = (torch.as_deref_mut(), m.pytorch.is_failed()) {
-            let reply = torch.request(&request(case, steps));
-            let ms = reply.as_ref().map_err(Clone::clone).and_then(|r| {
-                r.get("ms")
-                    .and_then(serde_json::Value::as_f64)
-                    .ok_or_else(|| format!("the PyTorch script answered {r}"))
-            });
+            let (ms, peak) = match torch.sample_with_reply(&request(case, steps)) {
+                Ok((ms, reply)) => (Ok(ms), reply.get("peak_bytes").and_then(|p| p.as_u64())),
+                Err(err) => (Err(err), None),
+            };
             if m.pytorch.record(ms, timed) && timed {
-                let peak = reply.ok().and_then(|r| r.get("peak_bytes")?.as_u64());
                 m.pytorch_peak = m.pytorch_peak.max(peak);
             }
         }
