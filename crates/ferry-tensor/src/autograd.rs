@@ -298,6 +298,17 @@ struct TensorRule<S: RuleState> {
     backward: BackwardFn<S>,
 }
 
+/// Adds a buffer of `bytes` identified by `key` to `buffers` unless one with that key is there
+/// already: a rule that keeps one storage twice owns it once.
+pub(crate) fn keep_once(buffers: &mut SavedBuffers, key: usize, bytes: usize) {
+    if !buffers.iter().any(|b: &SavedBuffer| b.key == Some(key)) {
+        buffers.push(SavedBuffer {
+            key: Some(key),
+            bytes,
+        });
+    }
+}
+
 impl<S: RuleState> Backward<Tensor> for TensorRule<S> {
     fn backward(
         &self,
@@ -326,12 +337,7 @@ impl<S: RuleState> Backward<Tensor> for TensorRule<S> {
                 Kept::Offloaded { data, .. } => (Arc::as_ptr(data) as usize, data.bytes()),
             };
             // mul(x, x) keeps one storage once.
-            if !buffers.iter().any(|b: &SavedBuffer| b.key == Some(key)) {
-                buffers.push(SavedBuffer {
-                    key: Some(key),
-                    bytes,
-                });
-            }
+            keep_once(&mut buffers, key, bytes);
         }
         buffers
     }

@@ -20,12 +20,13 @@
 use std::sync::Arc;
 
 use ferry_graph::{
-    Backward, BackwardContext, BackwardOptions, BoxError, InputGrads, NodeMeta, SavedBuffer,
-    SavedBuffers, enable_grad, is_grad_enabled, no_grad,
+    Backward, BackwardContext, BackwardOptions, BoxError, InputGrads, NodeMeta, SavedBuffers,
+    enable_grad, is_grad_enabled, no_grad,
 };
 use ferry_memory::DType;
 
 use crate::autocast::{AutocastGuard, autocast_dtype};
+use crate::autograd::keep_once;
 use crate::ops::create::{RngState, rng_state, set_rng_state};
 use crate::tensor::Autograd;
 use crate::{Result, Tensor, TensorError};
@@ -207,13 +208,11 @@ impl Backward<Tensor> for Region {
     fn saved(&self) -> SavedBuffers {
         let mut buffers = SavedBuffers::new();
         for t in &self.inputs {
-            let key = Arc::as_ptr(t.storage()) as usize;
-            if !buffers.iter().any(|b: &SavedBuffer| b.key == Some(key)) {
-                buffers.push(SavedBuffer {
-                    key: Some(key),
-                    bytes: t.storage().bytes(),
-                });
-            }
+            keep_once(
+                &mut buffers,
+                Arc::as_ptr(t.storage()) as usize,
+                t.storage().bytes(),
+            );
         }
         buffers
     }
