@@ -10,9 +10,8 @@
 //! the host's blocked attention, softmax's and nll's one-pass gradients) are capabilities the backend answers: each such trait method's default
 //! returns `Ok(None)`, so a device without the kernel or library says nothing, and the op or
 //! rule composes the same result from primitives. Which libraries load, and the switches that
-//! turn them off (`FERRY_CUBLASLT`, `FERRY_CUDNN`, `FERRY_CUDNN_ATTENTION`) or on
-//! (`FERRY_CUDNN_IN_PLACE`), are read by the device's kernels, never
-//! above this module.
+//! turn them off (`FERRY_CUBLASLT`, `FERRY_CUDNN`, `FERRY_CUDNN_ATTENTION`), are read by the
+//! device's kernels, never above this module.
 //!
 //! Adding a fused op touches (attention, RMSNorm and cross-entropy were added this way):
 //! 1. the op table: its public method in `ops/<family>.rs`, which calls the fused path here and

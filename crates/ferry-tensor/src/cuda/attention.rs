@@ -29,17 +29,6 @@ fn enabled() -> bool {
     })
 }
 
-/// Whether operands are read in place through their strides and outputs written with the heads
-/// inside the positions (`FERRY_CUDNN_IN_PLACE=1`); otherwise every operand is made dense first
-/// and every output is row-major `[B, H, T, D]`. Off by default until the H200 has passed
-/// `nn::attention_on_strided_heads` with it on: cuDNN's own test there covers queries, outputs
-/// and their gradients stored `[B, T, H, D]`, not keys and values at an offset inside a fused
-/// projection.
-fn in_place() -> bool {
-    static IN_PLACE: OnceLock<bool> = OnceLock::new();
-    *IN_PLACE.get_or_init(|| std::env::var("FERRY_CUDNN_IN_PLACE").is_ok_and(|v| v == "1"))
-}
-
 /// cuDNN's description of the call, when the fused path may take it.
 fn spec(how: &Attend, dtype: DType) -> Option<SdpaSpec> {
     let d = how.dims;
@@ -91,8 +80,7 @@ fn readable<'a>(x: &Operand<'a>) -> Result<Source<'a>> {
     const ALIGN: usize = 16;
     let size = x.dtype().size();
     let (shape, strides) = (x.shape(), x.layout().strides());
-    let in_place = in_place()
-        && shape.len() == 4
+    let in_place = shape.len() == 4
         && (strides[3] == 1 || shape[3] == 1)
         && (x.layout().offset() * size).is_multiple_of(ALIGN)
         && shape[..3]
@@ -160,7 +148,7 @@ fn wrap_output(
 /// layout and the ops behind it (the permute and reshape that split the heads) take it as a view.
 fn heads_inside(x: &impl View) -> bool {
     let (shape, strides) = (x.layout().shape(), x.layout().strides());
-    in_place() && shape.len() == 4 && shape[1] > 1 && shape[2] > 1 && strides[1] < strides[2]
+    shape.len() == 4 && shape[1] > 1 && shape[2] > 1 && strides[1] < strides[2]
 }
 
 /// `None` for what cuDNN cannot run (the op composes instead); other errors stand.
@@ -194,7 +182,7 @@ impl Attention for Cuda {
             q: input(&qb, &q, q_dims),
             k: input(&kb, &k, kv_dims),
             v: input(&vb, &v, kv_dims),
-            o: output(&mut out, q_dims, in_place()),
+            o: output(&mut out, q_dims, true),
             stats: output(&mut stats, stats_dims, false),
             rng: None,
         };
@@ -202,7 +190,7 @@ impl Attention for Cuda {
         drop((qb, kb, vb));
         Ok(ran.map(|()| {
             (
-                wrap_output(&dev, out, q.dtype(), q_dims, in_place()),
+                wrap_output(&dev, out, q.dtype(), q_dims, true),
                 wrap(&dev, stats, DType::F32, &stats_dims[..3]),
             )
         }))
