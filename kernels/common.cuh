@@ -105,6 +105,37 @@ __device__ __forceinline__ u64 strided_offset(const Strided& s, u64 i) {
 #define FERRY_GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
 
+// ---- packed access ---------------------------------------------------------------------------
+// Elementwise kernels move V neighbouring elements in one access of up to 16 bytes (one load
+// instruction instead of V: a 2-byte element read alone uses an eighth of each transaction).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+    T v[V];
+};
+
+// Elements per access for element types of `bytes` bytes: 16 bytes' worth.
+#define FERRY_PACK(bytes) (16 / (bytes))
+
+__device__ __forceinline__ bool aligned_to(const void* p, u64 bytes) { return ((u64)p) % bytes == 0; }
+
+// Whether `s` over a buffer at `base` of `size`-byte elements can be walked V elements at a time:
+// element k*V (row-major) and the V-1 after it are adjacent in memory and the first sits on a
+// V-element boundary. A contiguous layout qualifies from an aligned start (its last partial run,
+// when the count is no multiple of V, goes element by element); a strided one when its last axis
+// is contiguous and a multiple of V long and every other axis steps whole runs (a broadcast
+// axis steps none: a bias added along rows qualifies).
+template <int V>
+__device__ __forceinline__ bool packs(const Strided& s, const void* base, u64 size) {
+    if (!aligned_to(base, size * V) || s.offset % V != 0) return false;
+    if (s.contiguous == 1) return true;
+    if (s.ndim == 0) return false;
+    const unsigned int last = s.ndim - 1;
+    if (s.strides[last] != 1 || s.shape[last] % V != 0) return false;
+    for (unsigned int d = 0; d < last; ++d)
+        if (s.shape[d] != 1 && s.strides[d] % V != 0) return false;
+    return true;
+}
+
 // Math overloads resolved by the accumulation type (float or double).
 __device__ __forceinline__ float m_exp(float v) { return expf(v); }
 __device__ __forceinline__ double m_exp(double v) { return exp(v); }

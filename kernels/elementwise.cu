@@ -8,7 +8,21 @@ template <typename T>
 __device__ void unary(int op, double scalar, const T* x, Strided lx, T* out, u64 n) {
     typedef typename Num<T>::Acc A;
     const A c = (A)scalar;
-    FERRY_GRID_STRIDE(i, n) {
+    constexpr int V = FERRY_PACK(sizeof(T));
+    typedef Pack<T, V> P;
+    u64 done = 0;
+    if (packs<V>(lx, x, sizeof(T)) && aligned_to(out, sizeof(P))) {
+        const u64 runs = n / V;
+        FERRY_GRID_STRIDE(k, runs) {
+            P p = *(const P*)(x + strided_offset(lx, k * V));
+#pragma unroll
+            for (int j = 0; j < V; ++j) p.v[j] = Num<T>::store(ferry_unary(op, Num<T>::load(p.v[j]), c));
+            ((P*)out)[k] = p;
+        }
+        done = runs * V;
+    }
+    FERRY_GRID_STRIDE(r, n - done) {
+        const u64 i = done + r;
         A v = Num<T>::load(x[strided_offset(lx, i)]);
         out[i] = Num<T>::store(ferry_unary(op, v, c));
     }
@@ -18,7 +32,23 @@ __device__ void unary(int op, double scalar, const T* x, Strided lx, T* out, u64
 template <typename T>
 __device__ void binary(int op, const T* a, Strided la, const T* b, Strided lb, T* out, u64 n) {
     typedef typename Num<T>::Acc A;
-    FERRY_GRID_STRIDE(i, n) {
+    constexpr int V = FERRY_PACK(sizeof(T));
+    typedef Pack<T, V> P;
+    u64 done = 0;
+    if (packs<V>(la, a, sizeof(T)) && packs<V>(lb, b, sizeof(T)) && aligned_to(out, sizeof(P))) {
+        const u64 runs = n / V;
+        FERRY_GRID_STRIDE(k, runs) {
+            P x = *(const P*)(a + strided_offset(la, k * V));
+            const P y = *(const P*)(b + strided_offset(lb, k * V));
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                x.v[j] = Num<T>::store(ferry_binary(op, Num<T>::load(x.v[j]), Num<T>::load(y.v[j])));
+            ((P*)out)[k] = x;
+        }
+        done = runs * V;
+    }
+    FERRY_GRID_STRIDE(r, n - done) {
+        const u64 i = done + r;
         A x = Num<T>::load(a[strided_offset(la, i)]);
         A y = Num<T>::load(b[strided_offset(lb, i)]);
         out[i] = Num<T>::store(ferry_binary(op, x, y));
@@ -38,20 +68,61 @@ __device__ void compare(int op, const T* a, Strided la, const T* b, Strided lb, 
 // ---- casts, copies, fills --------------------------------------------------------------------
 template <typename S, typename D>
 __device__ void cast(const S* x, Strided lx, D* out, u64 n) {
-    FERRY_GRID_STRIDE(i, n) {
-        out[i] = Num<D>::store((typename Num<D>::Acc)Num<S>::load(x[strided_offset(lx, i)]));
+    typedef typename Num<D>::Acc A;
+    constexpr int V = FERRY_PACK(sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D));
+    typedef Pack<S, V> In;
+    typedef Pack<D, V> Out;
+    u64 done = 0;
+    if (packs<V>(lx, x, sizeof(S)) && aligned_to(out, sizeof(Out))) {
+        const u64 runs = n / V;
+        FERRY_GRID_STRIDE(k, runs) {
+            const In p = *(const In*)(x + strided_offset(lx, k * V));
+            Out q;
+#pragma unroll
+            for (int j = 0; j < V; ++j) q.v[j] = Num<D>::store((A)Num<S>::load(p.v[j]));
+            ((Out*)out)[k] = q;
+        }
+        done = runs * V;
+    }
+    FERRY_GRID_STRIDE(r, n - done) {
+        const u64 i = done + r;
+        out[i] = Num<D>::store((A)Num<S>::load(x[strided_offset(lx, i)]));
     }
 }
 
 template <typename T>
 __device__ void copy(const T* x, Strided lx, T* out, Strided lout, u64 n) {
-    FERRY_GRID_STRIDE(i, n) { out[strided_offset(lout, i)] = x[strided_offset(lx, i)]; }
+    constexpr int V = FERRY_PACK(sizeof(T));
+    typedef Pack<T, V> P;
+    u64 done = 0;
+    if (packs<V>(lx, x, sizeof(T)) && packs<V>(lout, out, sizeof(T))) {
+        const u64 runs = n / V;
+        FERRY_GRID_STRIDE(k, runs) {
+            *(P*)(out + strided_offset(lout, k * V)) = *(const P*)(x + strided_offset(lx, k * V));
+        }
+        done = runs * V;
+    }
+    FERRY_GRID_STRIDE(r, n - done) {
+        const u64 i = done + r;
+        out[strided_offset(lout, i)] = x[strided_offset(lx, i)];
+    }
 }
 
 template <typename T>
 __device__ void fill(T* out, u64 n, double value) {
+    constexpr int V = FERRY_PACK(sizeof(T));
+    typedef Pack<T, V> P;
     const T v = Num<T>::store((typename Num<T>::Acc)value);
-    FERRY_GRID_STRIDE(i, n) { out[i] = v; }
+    u64 done = 0;
+    if (aligned_to(out, sizeof(P))) {
+        P p;
+#pragma unroll
+        for (int j = 0; j < V; ++j) p.v[j] = v;
+        const u64 runs = n / V;
+        FERRY_GRID_STRIDE(k, runs) { ((P*)out)[k] = p; }
+        done = runs * V;
+    }
+    FERRY_GRID_STRIDE(r, n - done) { out[done + r] = v; }
 }
 
 template <typename T>
