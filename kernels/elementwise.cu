@@ -156,6 +156,37 @@ __device__ void random(T* out, u64 n, u64 seed, int normal) {
     }
 }
 
+// ---- rotary position embedding -----------------------------------------------------------------
+// Over rows of `2 * half` elements: out = x * cos + rotate_half(x) * sin, rotate_half(x) =
+// [-x2, x1] (the halves of the row); with `inverse` the transposed map, the rotation's gradient:
+// out = g * cos + [(g * sin)2, -(g * sin)1]. One thread per pair (i, i + half) of a row: it
+// reads both elements and both table entries once and writes both outputs. cos and sin share
+// one layout (`lt`), broadcast to x's shape; out is contiguous in x's shape.
+template <typename T>
+__device__ void rotary(const T* x, Strided lx, const T* cos, const T* sin, Strided lt, T* out,
+                       u64 pairs, u64 half, int inverse) {
+    typedef typename Num<T>::Acc A;
+    const unsigned int last = lx.ndim - 1;
+    const u64 x_step = half * lx.strides[last], t_step = half * lt.strides[last];
+    FERRY_GRID_STRIDE(p, pairs) {
+        const u64 i = (p / half) * 2 * half + p % half;  // the first of the pair, row-major
+        const u64 xo = strided_offset(lx, i), to = strided_offset(lt, i);
+        const A x1 = Num<T>::load(x[xo]), x2 = Num<T>::load(x[xo + x_step]);
+        const A c1 = Num<T>::load(cos[to]), c2 = Num<T>::load(cos[to + t_step]);
+        const A s1 = Num<T>::load(sin[to]), s2 = Num<T>::load(sin[to + t_step]);
+        A y1, y2;
+        if (inverse) {
+            y1 = x1 * c1 + x2 * s2;
+            y2 = x2 * c2 - x1 * s1;
+        } else {
+            y1 = x1 * c1 - x2 * s1;
+            y2 = x2 * c2 + x1 * s2;
+        }
+        out[i] = Num<T>::store(y1);
+        out[i + half] = Num<T>::store(y2);
+    }
+}
+
 // ---- exported instantiations -------------------------------------------------------------------
 #define FLOAT_KERNELS(T)                                                                          \
     extern "C" __global__ void unary_##T(int op, double s, const T* x, Strided lx, T* o, u64 n) { \
@@ -167,6 +198,10 @@ __device__ void random(T* out, u64 n, u64 seed, int normal) {
     }                                                                                             \
     extern "C" __global__ void random_##T(T* o, u64 n, u64 seed, int normal) {                   \
         random<T>(o, n, seed, normal);                                                            \
+    }                                                                                             \
+    extern "C" __global__ void rotary_##T(const T* x, Strided lx, const T* c, const T* s,         \
+                                          Strided lt, T* o, u64 pairs, u64 half, int inverse) {   \
+        rotary<T>(x, lx, c, s, lt, o, pairs, half, inverse);                                      \
     }
 FLOAT_KERNELS(float)
 FLOAT_KERNELS(double)

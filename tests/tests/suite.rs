@@ -8,6 +8,8 @@ mod grad_reduce;
 mod grad_shape;
 // Numerical gradients and references of index_select, gather, scatter_add, embedding, layer_norm.
 mod grad_index;
+// rotary_embedding: references, numerical gradients, strided inputs, half precision, errors.
+mod rotary;
 // rms_norm: references, numerical gradients, f32 and half against f64, bf16's rounding order.
 mod rms_norm;
 // GELU, SiLU, sin, cos, clamp, maximum/minimum, where_cond, masked_fill, permute, stack, dropout.

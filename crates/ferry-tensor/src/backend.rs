@@ -100,6 +100,24 @@ pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     on(x.device()).cast(&view(x), dtype).map(tensor)
 }
 
+/// The rotary embedding of `x` (with `inverse`, its transpose) in one pass, where the device has
+/// the kernel; `cos` and `sin` (one shape) are broadcast to `x`'s shape here.
+pub(crate) fn rotary(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    inverse: bool,
+) -> Result<Option<Tensor>> {
+    let (Some(lc), Some(ls)) = (
+        cos.layout().broadcast_to(x.shape()),
+        sin.layout().broadcast_to(x.shape()),
+    ) else {
+        return Ok(None);
+    };
+    let out = on(x.device()).rotary(&view(x), &view_as(cos, &lc), &view_as(sin, &ls), inverse)?;
+    Ok(out.map(tensor))
+}
+
 pub(crate) fn reduce(x: &Tensor, axis: usize, op: ReduceOp) -> Result<Tensor> {
     on(x.device()).reduce(&view(x), axis, op).map(tensor)
 }

@@ -205,6 +205,19 @@ pub(crate) trait Elementwise {
     fn compare(&self, a: &Operand<'_>, b: &Operand<'_>, op: CmpOp) -> Result<Dense>;
     /// Every element converted to `dtype`.
     fn cast(&self, x: &Operand<'_>, dtype: DType) -> Result<Dense>;
+    /// The rotary position embedding over the last axis of `x` (even length), `x * cos +
+    /// rotate_half(x) * sin` with `rotate_half(x) = [-x2, x1]`, or with `inverse` its transpose
+    /// (the gradient's map), in one pass; `cos` and `sin` have one layout, broadcast to `x`'s
+    /// shape, and `x`'s dtype. `None` where the device composes it.
+    fn rotary(
+        &self,
+        _x: &Operand<'_>,
+        _cos: &Operand<'_>,
+        _sin: &Operand<'_>,
+        _inverse: bool,
+    ) -> Result<Option<Dense>> {
+        Ok(None)
+    }
 }
 
 /// Reductions, softmax and the cross-entropy loss's last step, with their gradients.

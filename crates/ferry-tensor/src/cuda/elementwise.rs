@@ -69,6 +69,41 @@ impl Elementwise for Cuda {
             Ok(())
         })
     }
+
+    fn rotary(
+        &self,
+        x: &Operand<'_>,
+        cos: &Operand<'_>,
+        sin: &Operand<'_>,
+        inverse: bool,
+    ) -> Result<Option<Dense>> {
+        const OP: &str = "rotary_embedding";
+        float_only(OP, x.dtype())?;
+        let half = x.shape().last().map_or(0, |d| d / 2);
+        let pairs = x.numel() / 2;
+        if half == 0 || cos.layout() != sin.layout() {
+            return Ok(None);
+        }
+        let out = with_output(x.device(), OP, x.shape(), x.dtype(), |dev, out| {
+            let f = Kernel::Rotary(x.dtype()).load(dev)?;
+            let lx = KernelLayout::of(OP, x.layout())?;
+            let lt = KernelLayout::of(OP, cos.layout())?;
+            let (xb, cb, sb) = (buffer(x)?, buffer(cos)?, buffer(sin)?);
+            launch(dev, &f, pairs)
+                .arg_buffer(&xb)
+                .arg_pod(&lx)
+                .arg_buffer(&cb)
+                .arg_buffer(&sb)
+                .arg_pod(&lt)
+                .arg_buffer_mut(out)
+                .arg_u64(pairs as u64)
+                .arg_u64(half as u64)
+                .arg_i32(i32::from(inverse))
+                .run()?;
+            Ok(())
+        })?;
+        Ok(Some(out))
+    }
 }
 
 fn zip(

@@ -96,6 +96,8 @@ pub(crate) enum Kernel {
     Dropout(DType),
     /// Dropout's backward from the saved mask.
     MaskedScale(DType),
+    /// The rotary position embedding (half rotation), or its transpose.
+    Rotary(DType),
 }
 
 /// `$prefix` followed by the C name of `$dtype`'s element type, as a `&'static str`.
@@ -183,6 +185,7 @@ impl Kernel {
             Kernel::Where(d) => typed_name!("where_", d),
             Kernel::Dropout(d) => typed_name!("dropout_", d),
             Kernel::MaskedScale(d) => typed_name!("masked_scale_", d),
+            Kernel::Rotary(d) => typed_name!("rotary_", d),
         }
     }
 
@@ -222,6 +225,7 @@ pub(crate) fn every_kernel() -> Vec<Kernel> {
                 Kernel::Unary(d),
                 Kernel::Binary(d),
                 Kernel::Random(d),
+                Kernel::Rotary(d),
                 Kernel::ReduceRow(d),
                 Kernel::ReduceCol(d),
                 Kernel::SumColTiled(d),

@@ -398,6 +398,24 @@ pub(crate) fn softmax(log: bool) -> Rule<bool> {
     })
 }
 
+/// The rotary embedding: the gradient is the transposed rotation of `g` by the same tables,
+/// one kernel where the device has one (composed, and so differentiable, otherwise). Keeps the
+/// tables alone.
+pub(crate) fn rotary() -> Rule<()> {
+    Rule::new(Save::input(1).and(Save::input(2)), (), |saved, _, g, _| {
+        let (cos, sin) = (saved.input(1)?, saved.input(2)?);
+        let fused = match ferry_graph::is_grad_enabled() {
+            true => None,
+            false => crate::backend::rotary(g, &cos, &sin, true)?,
+        };
+        let dx = match fused {
+            Some(dx) => dx,
+            None => crate::ops::rotary_composed(g, &cos, &sin, true)?,
+        };
+        Ok(smallvec![Some(dx), None, None])
+    })
+}
+
 /// `-mean(logp[i, targets[i]])`: the gradient is `-g / n` at each row's target, zero elsewhere.
 /// Keeps the targets (one `i64` per row), not a one-hot matrix.
 pub(crate) fn nll(logp: &Tensor, targets: &Tensor) -> Rule<usize> {

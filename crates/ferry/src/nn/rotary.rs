@@ -87,9 +87,11 @@ impl Rotary {
     }
 
     /// `x` (`[.., len, head_dim]`) rotated by the tables of [`Rotary::tables`] (`[len,
-    /// head_dim]`, broadcast over the leading axes). Tables of another float dtype are cast to
-    /// `x`'s: the rotation runs in `x`'s precision (a `bf16` query under autocast is rotated in
-    /// `bf16`, with no round trip through `f32`).
+    /// head_dim]`, broadcast over the leading axes; reshaped to `[len, 1, head_dim]` they rotate
+    /// a `[B, len, heads, head_dim]` projection before its heads are moved out). Tables of another
+    /// float dtype are cast to `x`'s: the rotation runs in `x`'s precision (a `bf16` query under
+    /// autocast is rotated in `bf16`, with no round trip through `f32`). One kernel each way on
+    /// a GPU ([`Tensor::rotary_embedding`]).
     pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         if x.shape().last() != Some(&self.head_dim) {
             return Err(TensorError::InvalidArgument {
@@ -105,11 +107,7 @@ impl Rotary {
             true => (cos.clone(), sin.clone()),
             false => (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?),
         };
-        let (cos, sin) = (&cos, &sin);
-        let half = self.head_dim / 2;
-        let (first, second) = (x.narrow(-1, 0, half)?, x.narrow(-1, half, half)?);
-        let rotated = Tensor::cat(&[&second.neg()?, &first], -1)?;
-        x.mul(cos)?.add(&rotated.mul(sin)?)
+        x.rotary_embedding(&cos, &sin)
     }
 }
 

@@ -181,14 +181,14 @@ impl Layer {
         let (b, t) = (x.shape()[0], x.shape()[1]);
         let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let h = self.input_layernorm.forward(x)?;
-        let split = |proj: &Linear, n: usize| -> Result<Tensor> {
-            proj.forward(&h)?
-                .reshape(&[b, t, n, hd])?
-                .permute(&[0, 2, 1, 3])
-        };
-        let q = rotary.apply(&split(&self.q_proj, heads)?, cos, sin)?;
-        let k = rotary.apply(&split(&self.k_proj, kv_heads)?, cos, sin)?;
-        let v = split(&self.v_proj, kv_heads)?;
+        // Each projection as [B, T, heads, D]; rotated there (the tables as [T, 1, D]), where it
+        // is dense, and its heads moved out as a view that attention reads in place.
+        let project = |proj: &Linear, n: usize| proj.forward(&h)?.reshape(&[b, t, n, hd]);
+        let heads_out = |x: Tensor| x.permute(&[0, 2, 1, 3]);
+        let (cos, sin) = (cos.reshape(&[t, 1, hd])?, sin.reshape(&[t, 1, hd])?);
+        let q = heads_out(rotary.apply(&project(&self.q_proj, heads)?, &cos, &sin)?)?;
+        let k = heads_out(rotary.apply(&project(&self.k_proj, kv_heads)?, &cos, &sin)?)?;
+        let v = heads_out(project(&self.v_proj, kv_heads)?)?;
         let y = scaled_dot_product_attention(&q, &k, &v, true)?;
         let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, heads * hd])?;
         let x = x.add(&self.o_proj.forward(&y)?)?;
