@@ -257,11 +257,47 @@ def losses(runs, line):
     return {"case": parts[1], "steps": steps, "losses": out}
 
 
+def profile(runs, line):
+    """`profile CASE STEPS` (`ferry bench train --profile`): the GPU kernels of STEPS of
+    PyTorch's steps of CASE under torch.profiler, summed by name, per step: the same view as
+    ferry's kernel table, so the two can be set side by side."""
+    parts = line.split()
+    if len(parts) != 3:
+        raise ValueError(f"expected `profile CASE STEPS`, got {line.strip()!r}")
+    case, steps = parts[1], int(parts[2])
+    torch = runs.torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    run = runs.get(case)
+    run.step()  # outside the profile: the first step after a round may allocate
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run.step()
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        if getattr(event, "device_type", None) != DeviceType.CUDA:
+            continue
+        total = getattr(event, "device_time_total", None)
+        if total is None:
+            total = event.cuda_time_total
+        if total > 0:
+            kernels.append({"name": event.key, "launches": event.count / steps,
+                            "us": total / steps})
+    kernels.sort(key=lambda k: -k["us"])
+    return {"case": case, "steps": steps, "kernels": kernels}
+
+
 def answer(runs, line):
     """One round of `CASE STEPS`: its mean ms per step, and the most bytes the caching
-    allocator held during it; or a `losses` request."""
+    allocator held during it; or a `losses` or `profile` request."""
     if line.startswith("losses "):
         return losses(runs, line)
+    if line.startswith("profile "):
+        return profile(runs, line)
     case, steps = parse_request(line)
     run = runs.get(case)
     runs.torch.cuda.reset_peak_memory_stats()

@@ -71,7 +71,8 @@ pub struct TrainBenchArgs {
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     cases: Vec<String>,
     /// After each case's rounds, show where ferry's step spends its time on the GPU: per phase,
-    /// as run and with the host ahead, and per kernel.
+    /// as run and with the host ahead, and per kernel; with --compare-pytorch, PyTorch's kernels
+    /// too (torch.profiler) and both sides summed by category.
     #[arg(long)]
     profile: bool,
     /// Instead of timing, train each selected Llama case this many steps on real text, ferry and
@@ -155,10 +156,19 @@ fn measure<'a>(
             break;
         }
     }
-    if let (true, Some(run)) = (profile, ferry.as_mut())
-        && let Err(err) = profile::profile(case, run, steps.min(20))
-    {
-        println!("profile of {}: {err}", case.id);
+    if let (true, Some(run)) = (profile, ferry.as_mut()) {
+        let profiled = steps.min(20);
+        match profile::profile(case, run, profiled) {
+            Ok(kernels) if !kernels.is_empty() => {
+                if let (Some(torch), false) = (torch.as_deref_mut(), m.pytorch.is_failed())
+                    && let Err(err) = profile::compare_with_pytorch(case, &kernels, torch, profiled)
+                {
+                    println!("PyTorch's profile of {}: {err}", case.id);
+                }
+            }
+            Ok(_) => {}
+            Err(err) => println!("profile of {}: {err}", case.id),
+        }
     }
     if let Some(loss) = ferry.as_ref().and_then(|run| run.loss.as_ref()) {
         match loss.item() {

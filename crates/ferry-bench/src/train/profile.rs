@@ -9,6 +9,10 @@
 //! that point wait for the host again, which shows as their host time). *Kernels*: in the host-
 //! ahead steps, every launch, GEMM and convolution timed on its own (the device's kernel
 //! profiler), summed by name per step.
+//!
+//! With `--compare-pytorch` PyTorch's side profiles the same number of its own steps under
+//! torch.profiler (its kernels summed by name per step), and both sides' kernels are summed
+//! into the same categories (GEMMs, attention, elementwise, copies and casts, ...), side by side.
 
 use std::error::Error;
 use std::time::Instant;
@@ -17,8 +21,11 @@ use ferry::cuda_libs::Profiling;
 use ferry::memory::cuda::{CudaDevice, Event};
 use ferry::prelude::*;
 
+use serde_json::Value;
+
 use super::cases::{Case, PHASES, Phase};
 use super::step::FerryRun;
+use crate::harness::pytorch::PyTorch;
 use crate::harness::table::{Cell, Table};
 
 /// Products the GPU runs ahead of each host-ahead step (about 2.6 ms each on an H200 in f32).
@@ -67,11 +74,24 @@ fn phase_times(
     Ok((host.map(|t| t / n), gpu.map(|t| t / n)))
 }
 
-/// Profiles `steps` of ferry's steps of `case` on its GPU and prints the three views.
-pub(crate) fn profile(case: &Case, run: &mut FerryRun, steps: u32) -> Result<(), Box<dyn Error>> {
+/// One kernel's time in a step: launches and microseconds per step.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct StepKernel {
+    pub name: String,
+    pub launches: f64,
+    pub us: f64,
+}
+
+/// Profiles `steps` of ferry's steps of `case` on its GPU, prints the three views, and returns
+/// the kernels per step (empty without a GPU).
+pub(crate) fn profile(
+    case: &Case,
+    run: &mut FerryRun,
+    steps: u32,
+) -> Result<Vec<StepKernel>, Box<dyn Error>> {
     let Some(dev) = run.cuda.clone() else {
         println!("profile of {}: needs a GPU", case.id);
-        return Ok(());
+        return Ok(Vec::new());
     };
     let device = dev.device();
     let side = [HEAD_START_SIDE, HEAD_START_SIDE];
@@ -132,5 +152,184 @@ pub(crate) fn profile(case: &Case, run: &mut FerryRun, steps: u32) -> Result<(),
     row("all".into(), Some(launches), total);
     println!();
     table.print();
+    Ok(kernels
+        .into_iter()
+        .map(|k| StepKernel {
+            us: k.total_ms * 1e3 / n,
+            launches: k.launches as f64 / n,
+            name: k.name,
+        })
+        .collect())
+}
+
+/// The categories both sides' kernels are summed into, in the order they are printed.
+const CATEGORIES: [&str; 8] = [
+    "GEMMs",
+    "fused attention",
+    "elementwise",
+    "copies and casts",
+    "reductions and losses",
+    "norms",
+    "optimizer",
+    "other",
+];
+
+/// The category of a kernel, by ferry's names (kernels/*.cu, cuBLAS and cuDNN calls as the
+/// profiler names them) and by PyTorch's (ATen's templates, cuBLAS's, FlashAttention's and
+/// cuDNN's kernels as torch.profiler names them).
+pub(crate) fn category(name: &str) -> &'static str {
+    let n = name.to_ascii_lowercase();
+    let has = |parts: &[&str]| parts.iter().any(|p| n.contains(p));
+    if has(&["sdpa", "flash", "fmha", "attention", "attn"]) {
+        "fused attention"
+    } else if has(&["gemm", "nvjet", "cutlass", "xmma", "s16816", "cublas", "matmul"]) {
+        "GEMMs"
+    } else if has(&["adam", "multi_tensor_apply", "optim"]) {
+        "optimizer"
+    } else if has(&["layer_norm", "rms_norm", "layernorm", "rmsnorm", "gammabeta"]) {
+        "norms"
+    } else if has(&["copy", "cast_", "gather_regions", "cat_array", "catarray"]) {
+        "copies and casts"
+    } else if has(&[
+        "reduce", "sum_", "softmax", "nll", "cross_entropy", "logsumexp",
+    ]) {
+        "reductions and losses"
+    } else if has(&[
+        "elementwise", "binary_", "unary_", "where_", "fill_", "compare_", "dropout",
+        "masked_scale", "rotary_", "arange_", "random_", "functor",
+    ]) {
+        "elementwise"
+    } else {
+        "other"
+    }
+}
+
+/// PyTorch's kernels per step for `steps` of its steps of `case` (its `profile` request).
+fn pytorch_kernels(torch: &mut PyTorch, case: &Case, steps: u32) -> Result<Vec<StepKernel>, String> {
+    let reply = torch.request(&format!("profile {} {steps}", case.id))?;
+    let kernels = reply
+        .get("kernels")
+        .and_then(Value::as_array)
+        .ok_or_else(|| format!("PyTorch's profile reply has no kernels: {reply}"))?;
+    Ok(kernels
+        .iter()
+        .filter_map(|k| {
+            Some(StepKernel {
+                name: k.get("name")?.as_str()?.to_string(),
+                launches: k.get("launches")?.as_f64()?,
+                us: k.get("us")?.as_f64()?,
+            })
+        })
+        .collect())
+}
+
+/// Prints PyTorch's kernel table for `case` and both sides' kernels summed by category.
+pub(crate) fn compare_with_pytorch(
+    case: &Case,
+    ferry: &[StepKernel],
+    torch: &mut PyTorch,
+    steps: u32,
+) -> Result<(), String> {
+    let theirs = pytorch_kernels(torch, case, steps)?;
+    let us = |v: f64| Cell::text(format!("{v:.1}"));
+    let mut table = Table::new(&["PyTorch kernel", "launches/step", "µs/step"]);
+    for k in theirs.iter().take(30) {
+        // Template arguments make ATen's names hundreds of characters long.
+        let short: String = k.name.chars().take(110).collect();
+        table.push(vec![Cell::text(short), Cell::text(format!("{:.1}", k.launches)), us(k.us)]);
+    }
+    let rest: f64 = theirs.iter().skip(30).map(|k| k.us).sum();
+    if theirs.len() > 30 {
+        table.push(vec![Cell::text(format!("{} more", theirs.len() - 30)), Cell::text(""), us(rest)]);
+    }
+    println!();
+    println!("PyTorch's kernels in {} ({steps} steps under torch.profiler, means per step):", case.id);
+    table.print();
+    let sums = |kernels: &[StepKernel]| {
+        let mut by = [0.0f64; CATEGORIES.len()];
+        let mut launches = [0.0f64; CATEGORIES.len()];
+        for k in kernels {
+            let i = CATEGORIES.iter().position(|c| *c == category(&k.name)).unwrap_or(7);
+            by[i] += k.us;
+            launches[i] += k.launches;
+        }
+        (by, launches)
+    };
+    let ((ours, our_launches), (their, their_launches)) = (sums(ferry), sums(&theirs));
+    let ms = |v: f64| Cell::text(format!("{:.2}", v / 1e3));
+    let count = |v: f64| Cell::text(format!("{v:.0}"));
+    let mut side = Table::new(&[
+        "category",
+        "ferry ms/step",
+        "PyTorch ms/step",
+        "ferry - PyTorch",
+        "ferry launches",
+        "PyTorch launches",
+    ]);
+    for (i, name) in CATEGORIES.iter().enumerate() {
+        side.push(vec![
+            Cell::text(*name),
+            ms(ours[i]),
+            ms(their[i]),
+            ms(ours[i] - their[i]),
+            count(our_launches[i]),
+            count(their_launches[i]),
+        ]);
+    }
+    let total = |v: &[f64]| v.iter().sum::<f64>();
+    side.push(vec![
+        Cell::text("all kernels"),
+        ms(total(&ours)),
+        ms(total(&their)),
+        ms(total(&ours) - total(&their)),
+        count(total(&our_launches)),
+        count(total(&their_launches)),
+    ]);
+    println!();
+    println!(
+        "{}: kernel time by category, ferry (host ahead, each launch timed) and PyTorch \
+         (torch.profiler):",
+        case.id
+    );
+    side.print();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::category;
+
+    /// Names as each profiler printed them on the H200 (ferry's) and as ATen, cuBLAS and the
+    /// attention libraries name theirs.
+    #[test]
+    fn both_sides_kernels_fall_in_the_same_categories() {
+        let cases = [
+            ("gemm+bias 8192x8192x2048 TN BF16", "GEMMs"),
+            ("gemm 2048x8192x8192 NT BF16", "GEMMs"),
+            ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "GEMMs"),
+            ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "GEMMs"),
+            ("cudnn sdpa Backward SdpaSpec { batch: 8 }", "fused attention"),
+            ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "fused attention"),
+            ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "fused attention"),
+            ("binary_bf16", "elementwise"),
+            ("unary_bf16", "elementwise"),
+            ("rotary_bf16", "elementwise"),
+            ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+            ("cast_float_bf16", "copies and casts"),
+            ("copy_b16", "copies and casts"),
+            ("void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>", "copies and casts"),
+            ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>", "copies and casts"),
+            ("sum_col_tiled_bf16", "reductions and losses"),
+            ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "reductions and losses"),
+            ("cross_entropy_backward_float", "reductions and losses"),
+            ("layer_norm_backward_float", "norms"),
+            ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>", "norms"),
+            ("adam_float", "optimizer"),
+            ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+            ("index_select_b32", "other"),
+        ];
+        for (name, want) in cases {
+            assert_eq!(category(name), want, "{name}");
+        }
+    }
 }
