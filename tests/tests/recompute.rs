@@ -229,3 +229,79 @@ fn a_gpt_with_recomputed_blocks_trains_as_the_plain_one() -> Result<()> {
     }
     Ok(())
 }
+
+/// ferry's GPT under a memory plan made from its own profiled blocks: the plan frees what it
+/// predicts (the blocks it recomputes saved their bytes in the profile), its peak fits the
+/// target, and loss and gradients equal the plain model's bit for bit on the CPU; a plan of the
+/// wrong length is refused.
+#[test]
+fn a_gpt_under_a_memory_plan_trains_as_the_plain_one() -> Result<()> {
+    use ferry::autograd::{Choice, MemoryPlan};
+    use ferry::models::{Gpt, GptConfig};
+    use ferry::nn::{Module, cross_entropy};
+    let config = GptConfig {
+        vocab: 32,
+        context: 16,
+        width: 32,
+        layers: 4,
+        heads: 4,
+    };
+    let ids = Tensor::from_vec((0..32).map(|i| (i * 7 % 32) as i64).collect(), &[2, 16])?;
+    let targets = Tensor::from_vec((0..32).map(|i| (i * 5 % 32) as i64).collect(), &[32])?;
+    let run = |plan: Option<&[Choice]>| -> Result<(Vec<f64>, Vec<Vec<f64>>, usize)> {
+        manual_seed(9);
+        let mut gpt = Gpt::new(config, Device::Cpu)?;
+        if let Some(choices) = plan {
+            gpt.set_plan(choices)?;
+        }
+        let graph = gpt.parameters()[0].graph().expect("a leaf has a graph");
+        let base = graph.saved_bytes();
+        let loss = cross_entropy(&gpt.forward(&ids)?.reshape(&[32, 32])?, &targets)?;
+        let saved = graph.saved_bytes() - base;
+        loss.backward()?;
+        let grads = gpt
+            .parameters()
+            .iter()
+            .map(|p| values(&p.grad().unwrap()))
+            .collect();
+        Ok((values(&loss), grads, saved))
+    };
+
+    manual_seed(9);
+    let gpt = Gpt::new(config, Device::Cpu)?;
+    let costs = gpt.profile_blocks(&ids)?;
+    assert_eq!(costs.len(), 4);
+    for cost in &costs {
+        assert_eq!(cost.input_bytes, 2 * 16 * 32 * 4, "{cost:?}");
+        assert!(cost.saved_bytes > cost.input_bytes, "{cost:?}");
+    }
+    let kept: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
+    // Half of the blocks' own bytes: two blocks recomputed (no link on the CPU).
+    let target = kept - costs[0].saved_bytes - costs[1].saved_bytes;
+    let plan = MemoryPlan::new(&costs, None, target)?;
+    assert!(plan.reached(), "{plan}");
+    let choices = plan.choices();
+    let recomputed = choices.iter().filter(|c| **c == Choice::Recompute).count();
+    assert_eq!(recomputed, 2, "{plan}");
+    assert_eq!(
+        choices[3],
+        Choice::Keep,
+        "the last block is rebuilt at once: {plan}"
+    );
+
+    let (plain, planned) = (run(None)?, run(Some(&choices))?);
+    assert_eq!(plain.0, planned.0, "loss");
+    assert_eq!(plain.1, planned.1, "gradients");
+    let freed: u64 = costs
+        .iter()
+        .zip(&choices)
+        .filter(|(_, c)| **c == Choice::Recompute)
+        .map(|(cost, _)| cost.saved_bytes)
+        .sum();
+    assert_eq!((plain.2 - planned.2) as u64, freed, "{plan}");
+
+    let mut gpt = Gpt::new(config, Device::Cpu)?;
+    let err = gpt.set_plan(&[Choice::Keep]).unwrap_err().to_string();
+    assert!(err.contains("one choice per block"), "{err}");
+    Ok(())
+}

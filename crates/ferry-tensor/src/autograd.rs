@@ -24,8 +24,10 @@ use crate::{Result, Tensor, TensorError};
 
 pub use crate::backward::{GradOptions, grad};
 pub use offload::{OffloadGuard, OffloadOptions, OffloadStats, offload_saved};
+pub use plan::{Choice, Link, MemoryPlan, PlannedRegion, RegionCost};
 
 mod offload;
+mod plan;
 
 /// Which tensors of the forward pass a rule keeps for backward: some inputs, the output, or
 /// nothing (shapes and scalars travel in the rule's state).

@@ -65,7 +65,8 @@ pub mod autograd {
         no_grad, with_no_grad,
     };
     pub use ferry_tensor::autograd::{
-        GradOptions, OffloadGuard, OffloadOptions, OffloadStats, grad, offload_saved,
+        Choice, GradOptions, Link, MemoryPlan, OffloadGuard, OffloadOptions, OffloadStats,
+        PlannedRegion, RegionCost, grad, offload_saved,
     };
     pub use ferry_tensor::gradcheck::{gradcheck, gradgradcheck};
     pub use ferry_tensor::recompute;

@@ -1,10 +1,8 @@
 //! A small character-level GPT: GPT-2's shape at a small size.
 
-use std::sync::Arc;
-
-use crate::nn::{
-    Embedding, LayerNorm, Linear, Module, recompute_forward, scaled_dot_product_attention,
-};
+use crate::autograd::{Choice, RegionCost};
+use crate::nn::planned::{check_choices, forward_planned, profile_blocks};
+use crate::nn::{Embedding, LayerNorm, Linear, Module, scaled_dot_product_attention};
 use crate::{DType, Device, Result, Tensor, TensorError};
 
 /// The size of a [`Gpt`].
@@ -54,8 +52,8 @@ struct Block {
 /// ```
 pub struct Gpt {
     config: GptConfig,
-    /// Whether each block runs as a recomputed region ([`Gpt::set_recompute`]).
-    recompute: bool,
+    /// What each block does with what it saves ([`Gpt::set_plan`]): all kept by default.
+    plan: Vec<Choice>,
     tok: Embedding,
     pos: Embedding,
     blocks: Vec<Block>,
@@ -107,7 +105,7 @@ impl Gpt {
             .collect::<Result<_>>()?;
         Ok(Self {
             config,
-            recompute: false,
+            plan: vec![Choice::Keep; layers],
             tok: Embedding::from_weight(normal(&[vocab, width], 0.02, device)?)?,
             pos: Embedding::from_weight(normal(&[context, width], 0.02, device)?)?,
             blocks,
@@ -132,7 +130,42 @@ impl Gpt {
     /// the memory of every block's activations but its input; PyTorch's
     /// `torch.utils.checkpoint` on every block.
     pub fn set_recompute(&mut self, on: bool) {
-        self.recompute = on;
+        let choice = if on { Choice::Recompute } else { Choice::Keep };
+        self.plan = vec![choice; self.blocks.len()];
+    }
+
+    /// Runs each block as `choices` says (one per block, in order; from
+    /// [`MemoryPlan::choices`](crate::autograd::MemoryPlan::choices)): kept, offloaded (its
+    /// saved activations to pinned host memory, inside an offload scope of its own), or
+    /// recomputed in backward. The gradients are the same whatever the choices.
+    pub fn set_plan(&mut self, choices: &[Choice]) -> Result<()> {
+        check_choices("Gpt::set_plan", self.blocks.len(), choices)?;
+        self.plan = choices.to_vec();
+        Ok(())
+    }
+
+    /// One forward of `input` (i64 ids `[B, T]`) with every block kept and timed on its own:
+    /// each block's forward time, the bytes its rules save beyond its input, and its input's
+    /// bytes, for [`MemoryPlan::new`](crate::autograd::MemoryPlan::new). The device is
+    /// synchronized around each block: a profile, not a step.
+    pub fn profile_blocks(&self, input: &Tensor) -> Result<Vec<RegionCost>> {
+        profile_blocks(&self.blocks, &self.embed(input)?)
+    }
+
+    /// The token and position embeddings of `input`, checked against the context.
+    fn embed(&self, input: &Tensor) -> Result<Tensor> {
+        let t = input.shape()[1];
+        if t > self.config.context {
+            return Err(TensorError::InvalidArgument {
+                op: "Gpt::forward",
+                message: format!(
+                    "{t} positions but the model has {}; crop the input to the last {}",
+                    self.config.context, self.config.context
+                ),
+            });
+        }
+        let positions = Tensor::arange(0.0, t as f64, DType::I64, input.device())?;
+        self.tok.forward(input)?.add(&self.pos.forward(&positions)?)
     }
 }
 
@@ -201,28 +234,7 @@ impl Block {
 impl Module for Gpt {
     /// `input`: i64 ids `[B, T]` (T <= context); returns logits `[B, T, vocab]`.
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let t = input.shape()[1];
-        if t > self.config.context {
-            return Err(TensorError::InvalidArgument {
-                op: "Gpt::forward",
-                message: format!(
-                    "{t} positions but the model has {}; crop the input to the last {}",
-                    self.config.context, self.config.context
-                ),
-            });
-        }
-        let positions = Tensor::arange(0.0, t as f64, DType::I64, input.device())?;
-        let mut x = self
-            .tok
-            .forward(input)?
-            .add(&self.pos.forward(&positions)?)?;
-        for block in &self.blocks {
-            x = match self.recompute {
-                // The region holds the block's own tensors (a clone of their handles).
-                true => recompute_forward(Arc::new(block.clone()), &x)?,
-                false => block.forward(&x)?,
-            };
-        }
+        let x = forward_planned(&self.blocks, &self.plan, &self.embed(input)?)?;
         self.head.forward(&self.ln_f.forward(&x)?)
     }
 
