@@ -2,7 +2,7 @@
 //! machine, in one run.
 //!
 //! It owns every benchmark (one module per `ferry bench` subcommand: `transfer`, `train`, `attention`,
-//! `autograd`, `pipeline`, `checkpoint`, `offload`, `optim`, `offload-optim`, `peer`, `ddp`), their PyTorch twins (the
+//! `autograd`, `pipeline`, `checkpoint`, `offload`, `memory`, `optim`, `offload-optim`, `peer`, `ddp`), their PyTorch twins (the
 //! scripts in `python/`, beside this crate's sources) and the harness they share (`harness`):
 //! the skip without a GPU, PyTorch's side and its notes, [`Measured`] samples and their
 //! statistics, tables ([`print_table`]) and verdicts, and the JSON file with the run's facts
@@ -39,7 +39,8 @@ macro_rules! benches {
     ($($name:ident)*) => { $(#[cfg(feature = "benches")] mod $name;)* };
 }
 benches! {
-    attention autograd checkpoint ddp offload offload_optim optim peer pipeline train transfer
+    attention autograd checkpoint ddp memory offload offload_optim optim peer pipeline train
+    transfer
 }
 
 /// `ferry bench`: which benchmark to run, with its flags.
@@ -77,6 +78,10 @@ enum BenchCommand {
     /// save_on_cpu(pin_memory=True) alongside. --sweep: MLPs across layers x width x batch and
     /// transformer blocks, each against the link bound and the peak goal.
     Offload(offload::OffloadArgs),
+    /// Activation memory against step time for ferry's GPT: everything kept, every block
+    /// recomputed, every block offloaded, and the memory plan at five targets (a curve, with the
+    /// goals at full recomputation's bytes and at half the saved activations).
+    Memory(memory::MemoryArgs),
     /// ferry's CPU AdamW (the host half of optimizer offload) in parameters/s on one large
     /// tensor and on a Llama's tensors, against the host's copy bandwidth and, with
     /// --compare-pytorch, torch's fused CPU AdamW. Needs no GPU.
@@ -106,6 +111,7 @@ pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
         BenchCommand::Pipeline(args) => pipeline::run(args),
         BenchCommand::Checkpoint(args) => checkpoint::run(args),
         BenchCommand::Offload(args) => offload::run(args),
+        BenchCommand::Memory(args) => memory::run(args),
         BenchCommand::Optim(args) => optim::run(args),
         BenchCommand::OffloadOptim(args) => offload_optim::run(args),
         BenchCommand::Peer(args) => peer::run(args),

@@ -26,6 +26,8 @@ mod grid;
 mod summary;
 mod sweep;
 
+pub(crate) use sweep::measure_link;
+
 #[derive(Args, Debug)]
 pub struct OffloadArgs {
     #[command(flatten)]

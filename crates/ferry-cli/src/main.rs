@@ -45,7 +45,8 @@ enum Command {
     /// `transfer` (device moves), `train` (training steps), `attention` (fused attention's
     /// TFLOP/s), `autograd` (graph memory, threads,
     /// per-op overhead), `pipeline` (frames from the GPU to the host), `checkpoint` (state dicts
-    /// saved and loaded), `offload` (activation offload), `optim` (CPU AdamW), `offload-optim`
+    /// saved and loaded), `offload` (activation offload), `memory` (the memory plan's curve
+    /// against recomputation and offload), `optim` (CPU AdamW), `offload-optim`
     /// (optimizer state on the host), `peer` (GPU to GPU), `ddp` (data-parallel training).
     #[cfg(feature = "bench")]
     Bench(ferry_bench::BenchArgs),

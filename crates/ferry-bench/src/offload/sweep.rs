@@ -244,7 +244,10 @@ fn row_json(row: &Row) -> Value {
 
 /// Times 1 GiB device -> pinned, pinned -> device, and both at once (two buffers each way),
 /// on copy streams like offload's; one untimed round first.
-fn measure_link(dev: &CudaDevice, samples: u32) -> Result<LinkRun, Box<dyn Error>> {
+pub(crate) fn measure_link(
+    dev: &CudaDevice,
+    samples: u32,
+) -> Result<LinkRun, Box<dyn Error>> {
     let pool = PinnedPool::global()?;
     let (out_stream, in_stream) = (dev.new_stream()?, dev.new_stream()?);
     let home = dev.default_stream();

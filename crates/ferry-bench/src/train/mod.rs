@@ -160,7 +160,7 @@ fn measure<'a>(
         let profiled = steps.min(20);
         match profile::profile(case, run, profiled) {
             Ok(kernels) if !kernels.is_empty() => {
-                if let (Some(torch), false) = (torch.as_deref_mut(), m.pytorch.is_failed())
+                if let (Some(torch), false) = (torch, m.pytorch.is_failed())
                     && let Err(err) = profile::compare_with_pytorch(case, &kernels, torch, profiled)
                 {
                     println!("PyTorch's profile of {}: {err}", case.id);

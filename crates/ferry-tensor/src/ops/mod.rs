@@ -23,4 +23,3 @@ pub(crate) mod select;
 pub(crate) mod shape;
 
 pub use crate::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
-pub(crate) use nn::rotary_composed;

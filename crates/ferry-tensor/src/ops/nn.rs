@@ -84,7 +84,7 @@ impl Tensor {
         {
             return Ok(record(out, OP, &[self, cos, sin], rules::rotary));
         }
-        rotary_composed(self, cos, sin, false)
+        rules::rotary_composed(self, cos, sin, false)
     }
 
     /// Mean cross-entropy of `[n, classes]` logits against `[n]` class indices (`i64`), as one
@@ -186,53 +186,5 @@ impl Tensor {
         let classes_row = Tensor::arange(0.0, classes as f64, indices.dtype(), indices.device())?;
         // [.., 1] against [classes]: a 0-d index gives [classes], not [1, classes].
         indices.unsqueeze(-1)?.eq(&classes_row)?.to_dtype(dtype)
-    }
-}
-
-/// [`Tensor::rotary_embedding`] (with `inverse`, its transpose: `x * cos + [(x * sin)2,
-/// -(x * sin)1]`, the gradient's map) from recorded ops: the CPU's path, and the one that
-/// differentiates with respect to the tables or twice.
-pub(crate) fn rotary_composed(
-    x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    inverse: bool,
-) -> Result<Tensor> {
-    let half = x.shape()[x.ndim() - 1] / 2;
-    let halves = |t: &Tensor| -> Result<(Tensor, Tensor)> {
-        Ok((t.narrow(-1, 0, half)?, t.narrow(-1, half, half)?))
-    };
-    let turned = match inverse {
-        false => {
-            let (x1, x2) = halves(x)?;
-            Tensor::cat(&[&x2.neg()?, &x1], -1)?.mul(sin)?
-        }
-        true => {
-            let (s1, s2) = halves(&x.mul(sin)?)?;
-            Tensor::cat(&[&s2, &s1.neg()?], -1)?
-        }
-    };
-    x.mul(cos)?.add(&turned)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::Device;
-
-    /// The inverse map is the rotation's transpose (what its gradient needs): `<rot(x), g> ==
-    /// <x, rot_inv(g)>` for any x and g, the tables broadcast as the Llama's are.
-    #[test]
-    fn the_inverse_rotation_is_the_transpose() -> Result<()> {
-        let shape = [2, 5, 3, 8];
-        let x = Tensor::randn(&shape, DType::F64, Device::Cpu)?;
-        let g = Tensor::randn(&shape, DType::F64, Device::Cpu)?;
-        let cos = Tensor::randn(&[5, 1, 8], DType::F64, Device::Cpu)?;
-        let sin = Tensor::randn(&[5, 1, 8], DType::F64, Device::Cpu)?;
-        let forward = rotary_composed(&x, &cos, &sin, false)?.mul(&g)?.sum()?;
-        let back = x.mul(&rotary_composed(&g, &cos, &sin, true)?)?.sum()?;
-        let (a, b) = (forward.item()?, back.item()?);
-        assert!((a - b).abs() <= 1e-12 * a.abs().max(1.0), "{a} vs {b}");
-        Ok(())
     }
 }

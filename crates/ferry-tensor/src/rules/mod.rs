@@ -410,10 +410,36 @@ pub(crate) fn rotary() -> Rule<()> {
         };
         let dx = match fused {
             Some(dx) => dx,
-            None => crate::ops::rotary_composed(g, &cos, &sin, true)?,
+            None => rotary_composed(g, &cos, &sin, true)?,
         };
         Ok(smallvec![Some(dx), None, None])
     })
+}
+
+/// [`Tensor::rotary_embedding`] (with `inverse`, its transpose: `x * cos + [(x * sin)2,
+/// -(x * sin)1]`, the gradient's map) from recorded ops: the CPU's path, and the one that
+/// differentiates with respect to the tables or twice.
+pub(crate) fn rotary_composed(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    inverse: bool,
+) -> Result<Tensor> {
+    let half = x.shape()[x.ndim() - 1] / 2;
+    let halves = |t: &Tensor| -> Result<(Tensor, Tensor)> {
+        Ok((t.narrow(-1, 0, half)?, t.narrow(-1, half, half)?))
+    };
+    let turned = match inverse {
+        false => {
+            let (x1, x2) = halves(x)?;
+            Tensor::cat(&[&x2.neg()?, &x1], -1)?.mul(sin)?
+        }
+        true => {
+            let (s1, s2) = halves(&x.mul(sin)?)?;
+            Tensor::cat(&[&s2, &s1.neg()?], -1)?
+        }
+    };
+    x.mul(cos)?.add(&turned)
 }
 
 /// `-mean(logp[i, targets[i]])`: the gradient is `-g / n` at each row's target, zero elsewhere.
@@ -471,4 +497,26 @@ pub(crate) fn dropout(mask: Tensor, scale: f64) -> Rule<f64> {
         Ok(smallvec![Some(g.masked_scale(&saved.aux()?, scale)?)])
     })
     .with_aux(mask)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Device;
+
+    /// The inverse map is the rotation's transpose (what its gradient needs): `<rot(x), g> ==
+    /// <x, rot_inv(g)>` for any x and g, the tables broadcast as the Llama's are.
+    #[test]
+    fn the_inverse_rotation_is_the_transpose() -> Result<()> {
+        let shape = [2, 5, 3, 8];
+        let x = Tensor::randn(&shape, DType::F64, Device::Cpu)?;
+        let g = Tensor::randn(&shape, DType::F64, Device::Cpu)?;
+        let cos = Tensor::randn(&[5, 1, 8], DType::F64, Device::Cpu)?;
+        let sin = Tensor::randn(&[5, 1, 8], DType::F64, Device::Cpu)?;
+        let forward = rotary_composed(&x, &cos, &sin, false)?.mul(&g)?.sum()?;
+        let back = x.mul(&rotary_composed(&g, &cos, &sin, true)?)?.sum()?;
+        let (a, b) = (forward.item()?, back.item()?);
+        assert!((a - b).abs() <= 1e-12 * a.abs().max(1.0), "{a} vs {b}");
+        Ok(())
+    }
 }

@@ -1,0 +1,452 @@
+//! `ferry bench memory`: activation memory against step time for ferry's GPT, each point a way
+//! to hold what backward needs: everything kept, every block recomputed (PyTorch's
+//! `torch.utils.checkpoint` per block), every block offloaded (ferry's offload scope alone), and
+//! the memory plan ([`ferry::autograd::MemoryPlan`]) at five targets from 90% of the plain
+//! activation bytes down to what recomputing every block keeps. The plan is made once per target
+//! from one profiled step (each block's forward time and saved bytes) and the link's rates
+//! measured in the same run; each point is the median step over `--samples` and the most bytes
+//! the allocator held above the model and its batch.
+//!
+//! On a machine without a GPU it profiles and plans the smallest case and prints the plans (the
+//! curve needs a GPU: the link, the device's peak).
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use ferry::autograd::{Choice, Link, MemoryPlan};
+use ferry::memory::cuda::CudaDevice;
+use ferry::models::{Gpt, GptConfig};
+use ferry::prelude::*;
+use serde_json::json;
+
+use crate::harness;
+use crate::harness::goal::{Bound, Goal};
+use crate::harness::measure::Measured;
+use crate::harness::table::{Cell, Report, Table, gib};
+use crate::offload::measure_link;
+
+#[derive(Args, Debug)]
+pub struct MemoryArgs {
+    /// Write every number to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Timed steps per point; the table shows their median.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    samples: u32,
+    /// Untimed steps per point before the samples.
+    #[arg(long, default_value_t = 1)]
+    warmup: u32,
+    /// Only these cases (ids joined by commas: gpt2_small, gpt_1b_b8).
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    cases: Vec<String>,
+}
+
+/// A model and batch to draw the curve of.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    id: &'static str,
+    config: GptConfig,
+    batch: usize,
+    /// bf16 autocast (weights in f32).
+    bf16: bool,
+}
+
+const CASES: [Case; 2] = [
+    // nanoGPT's GPT-2 small shape in f32, batch 12 x 1024 (issue 41's anchor), bytes as tokens.
+    Case {
+        id: "gpt2_small",
+        config: GptConfig {
+            vocab: 256,
+            context: 1024,
+            width: 768,
+            layers: 12,
+            heads: 12,
+        },
+        batch: 12,
+        bf16: false,
+    },
+    // The 1 B GPT of `ferry bench train`, bf16 autocast, batch 8 x 1024.
+    Case {
+        id: "gpt_1b_b8",
+        config: GptConfig {
+            vocab: 256,
+            context: 1024,
+            width: 2048,
+            layers: 20,
+            heads: 16,
+        },
+        batch: 8,
+        bf16: true,
+    },
+];
+
+/// The plan's targets, as fractions of the way from the plain activation bytes (0) to what
+/// recomputing every block keeps (1): 90% of plain first, full recompute's bytes last.
+const TARGETS: [f64; 5] = [0.0, 0.25, 0.5, 0.75, 1.0];
+
+const AT_FULL_RECOMPUTE: Goal = Goal {
+    name: "the plan at full recomputation's activation bytes: step / no plan",
+    metric: "plan_at_recompute_peak_step_ratio",
+    bound: Bound::AtMost(1.05),
+};
+
+const AT_HALF: Goal = Goal {
+    name: "the plan with the saved activations halved: step / no plan",
+    metric: "plan_at_half_step_ratio",
+    bound: Bound::AtMost(1.03),
+};
+
+/// One way of running the step and what it measured.
+struct Point {
+    label: String,
+    choices: Vec<Choice>,
+    /// The plan's prediction, when it is a plan.
+    plan: Option<MemoryPlan>,
+    ms: Measured,
+    peak: u64,
+}
+
+/// A case's model, batch and step.
+struct Run {
+    gpt: Gpt,
+    ids: Tensor,
+    targets: Tensor,
+    bf16: bool,
+}
+
+impl Run {
+    fn new(case: &Case, device: Device) -> ferry::Result<Self> {
+        let gpt = Gpt::new(case.config, device)?;
+        let tokens = case.batch * case.config.context;
+        let ids = |n: usize| -> ferry::Result<Tensor> {
+            Tensor::rand(&[n], DType::F32, device)?
+                .mul_scalar(case.config.vocab as f64)?
+                .to_dtype(DType::I64)
+        };
+        Ok(Self {
+            gpt,
+            ids: ids(tokens)?.reshape(&[case.batch, case.config.context])?,
+            targets: ids(tokens)?,
+            bf16: case.bf16,
+        })
+    }
+
+    fn loss(&self) -> ferry::Result<Tensor> {
+        let forward = || -> ferry::Result<Tensor> {
+            let logits = self.gpt.forward(&self.ids)?;
+            let flat = logits.reshape(&[self.targets.shape()[0], self.gpt.config().vocab])?;
+            ferry::nn::cross_entropy(&flat, &self.targets)
+        };
+        match self.bf16 {
+            true => ferry::amp::autocast(DType::BF16, forward),
+            false => forward(),
+        }
+    }
+
+    /// The blocks' costs from one profiled forward (autocast as the step runs).
+    fn profile(&self) -> ferry::Result<Vec<ferry::autograd::RegionCost>> {
+        let profile = || self.gpt.profile_blocks(&self.ids);
+        match self.bf16 {
+            true => ferry::amp::autocast(DType::BF16, profile),
+            false => profile(),
+        }
+    }
+
+    fn clear_grads(&self) {
+        for p in self.gpt.parameters() {
+            p.set_grad(None);
+        }
+    }
+
+    /// One step with `choices`: its milliseconds and the allocator's peak above what it held
+    /// before.
+    fn step(&mut self, dev: &CudaDevice, choices: &[Choice]) -> ferry::Result<(f64, u64)> {
+        self.gpt.set_plan(choices)?;
+        self.clear_grads();
+        dev.synchronize()?;
+        let base = dev.memory_stats().allocated_bytes;
+        dev.reset_peak();
+        let started = Instant::now();
+        self.loss()?.backward()?;
+        dev.synchronize()?;
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        let peak = dev.memory_stats().peak_allocated_bytes.saturating_sub(base) as u64;
+        Ok((ms, peak))
+    }
+}
+
+pub fn run(args: MemoryArgs) -> Result<(), Box<dyn Error>> {
+    let cases = harness::select(&CASES, &args.cases, "case", |c| c.id)?;
+    let dev = match harness::cuda_device(0) {
+        Ok(dev) => dev,
+        Err(err) => return plans_on_the_cpu(&err.to_string()),
+    };
+    eprintln!("measuring the link ...");
+    let link = measure_link(&dev, 3)?
+        .speed()
+        .map(|s| Link {
+            to_host_bytes_per_ms: s.d2h_bytes_per_ms,
+            to_device_bytes_per_ms: s.h2d_bytes_per_ms,
+        })
+        .ok_or("the link's copies gave no time")?;
+    let title = format!(
+        "ferry bench memory on {}: activation bytes against step time, ferry's GPT; median of {} \
+         steps after {} per point; the link measured in this run: {:.1} GB/s to the host, {:.1} \
+         GB/s back",
+        dev.device(),
+        args.samples,
+        args.warmup,
+        link.to_host_bytes_per_ms / 1e6,
+        link.to_device_bytes_per_ms / 1e6
+    );
+    let mut report = Report::new("memory", title);
+    let mut judged = Vec::new();
+    let mut all = Vec::new();
+    for case in cases {
+        eprintln!("measuring {} ...", case.id);
+        let points = curve(&dev, case, link, &args)?;
+        let plain_ms = points[0].ms.median();
+        let plain_peak = points[0].peak;
+        let mut table = Table::new(&[
+            "way",
+            "step ms",
+            "vs no plan",
+            "peak GiB",
+            "peak vs no plan",
+            "predicted extra ms",
+            "choices (k keep, o offload, r recompute)",
+        ]);
+        for p in &points {
+            let ratio = |v: Option<f64>| plain_ms.zip(v).map(|(a, b)| b / a);
+            table.push(vec![
+                Cell::text(p.label.clone()),
+                Cell::median(&p.ms),
+                Cell::shown(ratio(p.ms.median()), |r| format!("{r:.3}x")),
+                Cell::text(format!("{:.2}", gib(p.peak))),
+                Cell::text(format!("{:.2}", p.peak as f64 / plain_peak.max(1) as f64)),
+                Cell::shown(p.plan.as_ref().map(MemoryPlan::extra_ms), |v| {
+                    format!("{v:.2}")
+                }),
+                Cell::text(letters(&p.choices)),
+            ]);
+        }
+        report.table("curve", Some(format!("{} ({})", case.id, describe(case))), table);
+        let step_ratio = |label: &str| {
+            let p = points.iter().find(|p| p.label == label)?;
+            Some(p.ms.median()? / plain_ms?)
+        };
+        judged.push(AT_FULL_RECOMPUTE.judge(
+            step_ratio("plan at 100%"),
+            format!("{} (recompute every block: {:?})", case.id, step_ratio("recompute every block")),
+        ));
+        judged.push(AT_HALF.judge(step_ratio("plan at 50%"), case.id.to_string()));
+        for rival in ["recompute every block", "offload every block"] {
+            let dominated = dominates(&points, rival);
+            report.note(format!(
+                "{}: the plan's curve {} {rival} (a plan point at or below its peak and its step)",
+                case.id,
+                match dominated {
+                    Some(true) => "meets or beats",
+                    Some(false) => "does NOT meet",
+                    None => "could not be compared with",
+                }
+            ));
+        }
+        all.push(json!({
+            "case": case.id,
+            "points": points.iter().map(|p| json!({
+                "way": p.label,
+                "median_ms": p.ms.median(),
+                "samples_ms": p.ms.samples_ms,
+                "peak_bytes": p.peak,
+                "choices": letters(&p.choices),
+                "predicted_extra_ms": p.plan.as_ref().map(MemoryPlan::extra_ms),
+                "predicted_peak_bytes": p.plan.as_ref().map(MemoryPlan::peak_bytes),
+            })).collect::<Vec<_>>(),
+        }));
+        for p in points.iter().filter_map(|p| p.plan.as_ref()) {
+            if !p.reached() {
+                report.note(format!("{}: {}", case.id, p.to_string().lines().next().unwrap_or("")));
+            }
+        }
+    }
+    report.goals(judged);
+    report.print();
+    if let Some(path) = &args.json {
+        let mut doc = report.json();
+        doc["cases"] = json!(all);
+        harness::write_json(path, &doc, "memory")?;
+    }
+    Ok(())
+}
+
+/// The case's points: no plan, every block recomputed, every block offloaded, the plan at each
+/// target.
+fn curve(
+    dev: &CudaDevice,
+    case: &Case,
+    link: Link,
+    args: &MemoryArgs,
+) -> Result<Vec<Point>, Box<dyn Error>> {
+    let mut run = Run::new(case, dev.device())?;
+    let layers = case.config.layers;
+    let costs = run.profile()?;
+    let plain_bytes: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
+    let recompute_bytes = MemoryPlan::new(&costs, None, 1)?.peak_bytes();
+    let mut points = vec![
+        point("no plan", vec![Choice::Keep; layers], None),
+        point("recompute every block", vec![Choice::Recompute; layers], None),
+        point("offload every block", vec![Choice::Offload; layers], None),
+    ];
+    for fraction in TARGETS {
+        // 90% of plain at the first target, recompute's bytes at the last.
+        let start = plain_bytes as f64 * 0.9;
+        let target = start - fraction * (start - recompute_bytes as f64);
+        let plan = MemoryPlan::new(&costs, Some(link), target.max(1.0) as u64)?;
+        let label = match fraction {
+            0.0 => "plan at 90% of no plan".to_string(),
+            f => format!("plan at {:.0}%", 100.0 * f),
+        };
+        points.push(point(&label, plan.choices(), Some(plan)));
+    }
+    // The halved point of the goal: half the blocks' own bytes.
+    let saved: u64 = costs.iter().map(|c| c.saved_bytes).sum();
+    let half = MemoryPlan::new(&costs, Some(link), plain_bytes - saved / 2)?;
+    points.push(point("plan at 50%", half.choices(), Some(half)));
+    points.retain({
+        let mut seen = Vec::new();
+        move |p: &Point| {
+            let fresh = !seen.contains(&p.label);
+            seen.push(p.label.clone());
+            fresh
+        }
+    });
+    for p in &mut points {
+        for round in 0..args.warmup + args.samples {
+            match run.step(dev, &p.choices) {
+                Ok((ms, peak)) if round >= args.warmup => {
+                    p.ms.push(ms);
+                    p.peak = p.peak.max(peak);
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    p.ms.fail(err.to_string());
+                    break;
+                }
+            }
+        }
+        dev.empty_cache()?;
+    }
+    Ok(points)
+}
+
+fn point(label: &str, choices: Vec<Choice>, plan: Option<MemoryPlan>) -> Point {
+    Point {
+        label: label.to_string(),
+        choices,
+        plan,
+        ms: Measured::new(),
+        peak: 0,
+    }
+}
+
+fn describe(case: &Case) -> String {
+    let c = case.config;
+    format!(
+        "GPT {}x{}, {} heads, batch {} x {}, {}",
+        c.layers,
+        c.width,
+        c.heads,
+        case.batch,
+        c.context,
+        if case.bf16 { "bf16 autocast" } else { "f32" }
+    )
+}
+
+/// `choices` as one letter each.
+fn letters(choices: &[Choice]) -> String {
+    choices
+        .iter()
+        .map(|c| match c {
+            Choice::Keep => 'k',
+            Choice::Offload => 'o',
+            Choice::Recompute => 'r',
+        })
+        .collect()
+}
+
+/// Whether some plan point has a peak at or below `rival`'s and a step at or below its step;
+/// `None` when either was not measured.
+fn dominates(points: &[Point], rival: &str) -> Option<bool> {
+    let r = points.iter().find(|p| p.label == rival)?;
+    let r_ms = r.ms.median()?;
+    let plans: Vec<_> = points.iter().filter(|p| p.plan.is_some()).collect();
+    if plans.iter().any(|p| p.ms.median().is_none()) {
+        return None;
+    }
+    Some(plans.iter().any(|p| p.peak <= r.peak && p.ms.median().unwrap_or(f64::MAX) <= r_ms))
+}
+
+/// Without a GPU: the plans of the smallest case at a tiny batch, from a profile on the CPU
+/// (no link: keep or recompute only).
+fn plans_on_the_cpu(why: &str) -> Result<(), Box<dyn Error>> {
+    println!("ferry bench memory: {}", harness::without_cuda(&why, "the plans a CPU profile gives"));
+    let mut case = CASES[0];
+    case.batch = 1;
+    case.config.context = 128;
+    let run = Run::new(&case, Device::Cpu)?;
+    let costs = run.profile()?;
+    let plain: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
+    for fraction in [0.75, 0.5] {
+        let plan = MemoryPlan::new(&costs, None, (plain as f64 * fraction) as u64)?;
+        println!("\n{} at batch 1 x 128, target {:.0}% of its activations:", case.id, 100.0 * fraction);
+        print!("{plan}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn measured(label: &str, ms: f64, peak: u64, plan: bool) -> Point {
+        let costs = [ferry::autograd::RegionCost {
+            forward_ms: 1.0,
+            saved_bytes: 1,
+            input_bytes: 1,
+        }];
+        let mut p = point(
+            label,
+            vec![Choice::Keep],
+            plan.then(|| MemoryPlan::new(&costs, None, 2).unwrap()),
+        );
+        p.ms.push(ms);
+        p.peak = peak;
+        p
+    }
+
+    #[test]
+    fn a_rival_is_met_only_by_a_plan_point_at_or_below_it_in_both() {
+        let points = [
+            measured("recompute every block", 120.0, 10, false),
+            measured("plan at 50%", 110.0, 12, true),
+            measured("plan at 100%", 118.0, 10, true),
+        ];
+        assert_eq!(dominates(&points, "recompute every block"), Some(true));
+        let slower = [
+            measured("recompute every block", 120.0, 10, false),
+            measured("plan at 50%", 110.0, 12, true),
+            measured("plan at 100%", 121.0, 10, true),
+        ];
+        assert_eq!(dominates(&slower, "recompute every block"), Some(false));
+        assert_eq!(dominates(&slower, "offload every block"), None);
+    }
+
+    #[test]
+    fn choices_print_one_letter_each() {
+        use Choice::{Keep, Offload, Recompute};
+        assert_eq!(letters(&[Keep, Offload, Recompute, Keep]), "kork");
+    }
+}
