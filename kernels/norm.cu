@@ -12,14 +12,26 @@
 #define NORM_ROWS 8    // threads per column in that block
 
 template <typename A>
-__device__ A norm_block_sum(A v, A* scratch) {
-    scratch[threadIdx.x] = v;
+__device__ __forceinline__ A norm_warp_sum(A v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The sum over the block of each thread's v: each warp by shuffles, then the first warp sums the
+// warps' sums; every thread gets the total. `scratch` holds 32 values.
+template <typename A>
+__device__ A norm_block_warp_sum(A v, A* scratch) {
+    const unsigned int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = norm_warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    for (unsigned int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) scratch[threadIdx.x] += scratch[threadIdx.x + s];
-        __syncthreads();
+    if (warp == 0) {
+        v = threadIdx.x < (blockDim.x >> 5) ? scratch[lane] : (A)0;
+        v = norm_warp_sum(v);
+        if (lane == 0) scratch[0] = v;
     }
-    A r = scratch[0];
+    __syncthreads();
+    const A r = scratch[0];
     __syncthreads();
     return r;
 }
@@ -28,19 +40,19 @@ template <typename T>
 __device__ void layer_norm(const T* x, const T* w, const T* b, T* y,
                            typename Num<T>::Acc* stats, u64 rows, u64 cols, double eps) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[NORM_THREADS];
+    __shared__ A scratch[32];
     for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* r = x + row * cols;
         T* o = y + row * cols;
         A s = 0;
         for (u64 j = threadIdx.x; j < cols; j += blockDim.x) s += Num<T>::load(r[j]);
-        const A mean = norm_block_sum(s, scratch) / (A)cols;
+        const A mean = norm_block_warp_sum(s, scratch) / (A)cols;
         A q = 0;
         for (u64 j = threadIdx.x; j < cols; j += blockDim.x) {
             A d = Num<T>::load(r[j]) - mean;
             q += d * d;
         }
-        const A rstd = (A)1 / m_sqrt(norm_block_sum(q, scratch) / (A)cols + (A)eps);
+        const A rstd = (A)1 / m_sqrt(norm_block_warp_sum(q, scratch) / (A)cols + (A)eps);
         for (u64 j = threadIdx.x; j < cols; j += blockDim.x) {
             A v = (Num<T>::load(r[j]) - mean) * rstd;
             if (w) v *= Num<T>::load(w[j]);
@@ -60,7 +72,7 @@ __device__ void layer_norm_backward(const T* g, const T* x, const T* w,
                                     const typename Num<T>::Acc* stats, T* dx, u64 rows,
                                     u64 cols) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[NORM_THREADS];
+    __shared__ A scratch[32];
     for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* gr = g + row * cols;
         const T* xr = x + row * cols;
@@ -73,8 +85,8 @@ __device__ void layer_norm_backward(const T* g, const T* x, const T* w,
             s1 += gw;
             s2 += gw * (Num<T>::load(xr[j]) - mean) * rstd;
         }
-        const A m1 = norm_block_sum(s1, scratch) / (A)cols;
-        const A m2 = norm_block_sum(s2, scratch) / (A)cols;
+        const A m1 = norm_block_warp_sum(s1, scratch) / (A)cols;
+        const A m2 = norm_block_warp_sum(s2, scratch) / (A)cols;
         for (u64 j = threadIdx.x; j < cols; j += blockDim.x) {
             A gw = Num<T>::load(gr[j]);
             if (w) gw *= Num<T>::load(w[j]);
@@ -163,31 +175,6 @@ NORM_KERNELS(bf16)
 // most 1024) reducing by warp shuffles; the row's 1/sqrt(mean(x²) + eps) is kept in `rstd`
 // ([rows], in the accumulation type). The normalized value is rounded to T before the weight
 // multiplies it (transformers' LlamaRMSNorm order; exact for float and double).
-
-template <typename A>
-__device__ __forceinline__ A norm_warp_sum(A v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// The sum over the block of each thread's v: each warp by shuffles, then the first warp sums the
-// warps' sums; every thread gets the total. `scratch` holds 32 values.
-template <typename A>
-__device__ A norm_block_warp_sum(A v, A* scratch) {
-    const unsigned int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = norm_warp_sum(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = threadIdx.x < (blockDim.x >> 5) ? scratch[lane] : (A)0;
-        v = norm_warp_sum(v);
-        if (lane == 0) scratch[0] = v;
-    }
-    __syncthreads();
-    const A r = scratch[0];
-    __syncthreads();
-    return r;
-}
 
 template <typename T>
 __device__ void rms_norm(const T* x, const T* w, T* y, typename Num<T>::Acc* rstd, u64 rows,

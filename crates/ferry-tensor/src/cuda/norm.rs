@@ -13,7 +13,7 @@ use crate::Result;
 use crate::kernel::{Dense, Norm, Operand, View};
 use crate::op::stats_dtype;
 
-/// Threads per row block: a power of two (the block sum halves), at most 256, about one per
+/// Threads per row block: a power of two from 32 (the block sum goes warp by warp) to 256, about one per
 /// column for short rows.
 /// Clamped before rounding: the next power of two of a count near `usize::MAX` overflows.
 fn row_threads(cols: usize) -> u32 {
