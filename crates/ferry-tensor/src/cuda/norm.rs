@@ -13,8 +13,8 @@ use crate::Result;
 use crate::kernel::{Dense, Norm, Operand, View};
 use crate::op::stats_dtype;
 
-/// Threads per row block: a power of two from 32 (the block sum goes warp by warp) to 256, about one per
-/// column for short rows.
+/// Threads per row block: a power of two from 32 (the block sum goes warp by warp) to 256,
+/// about one per column for short rows.
 /// Clamped before rounding: the next power of two of a count near `usize::MAX` overflows.
 fn row_threads(cols: usize) -> u32 {
     cols.clamp(32, 256).next_power_of_two() as u32
