@@ -305,3 +305,51 @@ fn a_gpt_under_a_memory_plan_trains_as_the_plain_one() -> Result<()> {
     assert!(err.contains("one choice per block"), "{err}");
     Ok(())
 }
+
+/// The Llama under a plan made from its own profiled layers (under bf16 autocast, as it trains):
+/// the plain model's loss and gradients bit for bit on the CPU, every layer recomputed included.
+#[test]
+fn a_llama_under_a_memory_plan_trains_as_the_plain_one() -> Result<()> {
+    use ferry::autograd::{Choice, MemoryPlan};
+    use ferry::models::{Llama, LlamaConfig};
+    use ferry::nn::{Module, cross_entropy};
+    let config = LlamaConfig::new(32, 32, 64, 3, 4, 2);
+    let ids = Tensor::from_vec((0..24).map(|i| (i * 7 % 32) as i64).collect(), &[2, 12])?;
+    let targets = Tensor::from_vec((0..24).map(|i| (i * 5 % 32) as i64).collect(), &[24])?;
+    let run = |choices: &[Choice]| -> Result<(Vec<f64>, Vec<Vec<f64>>)> {
+        manual_seed(3);
+        let mut llama = Llama::new(config.clone(), Device::Cpu)?;
+        llama.set_plan(choices)?;
+        let loss = autocast(DType::BF16, || {
+            cross_entropy(&llama.forward(&ids)?.reshape(&[24, 32])?, &targets)
+        })?;
+        loss.backward()?;
+        let grads = llama
+            .parameters()
+            .iter()
+            .map(|p| values(&p.grad().unwrap()))
+            .collect();
+        Ok((values(&loss), grads))
+    };
+    manual_seed(3);
+    let llama = Llama::new(config.clone(), Device::Cpu)?;
+    let costs = autocast(DType::BF16, || llama.profile_blocks(&ids))?;
+    assert_eq!(costs.len(), 3);
+    assert!(
+        costs.iter().all(|c| c.saved_bytes > 0 && c.input_bytes > 0),
+        "{costs:?}"
+    );
+    let kept: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
+    let plan = MemoryPlan::new(&costs, None, kept - costs[0].saved_bytes)?;
+    assert!(plan.reached(), "{plan}");
+
+    let plain = run(&[Choice::Keep; 3])?;
+    for choices in [plan.choices(), vec![Choice::Recompute; 3]] {
+        let planned = run(&choices)?;
+        assert_eq!(plain.0, planned.0, "loss under {choices:?}");
+        assert_eq!(plain.1, planned.1, "gradients under {choices:?}");
+    }
+    let mut llama = Llama::new(config, Device::Cpu)?;
+    assert!(llama.set_plan(&[Choice::Keep; 2]).is_err());
+    Ok(())
+}

@@ -3,6 +3,8 @@
 
 use ferry_tensor::{DType, Device, Result, Tensor, TensorError};
 
+use crate::autograd::{Choice, RegionCost};
+use crate::nn::planned::{check_choices, forward_planned, profile_blocks};
 use crate::nn::{Embedding, Linear, Module, RmsNorm, Rotary, scaled_dot_product_attention};
 
 mod config;
@@ -27,6 +29,7 @@ type Source<'a> = dyn FnMut(&str, &[usize], Kind) -> Result<Tensor> + 'a;
 
 /// One decoder layer: pre-norm grouped-query attention with rotary positions, then a pre-norm
 /// SiLU-gated MLP, each added to the residual stream.
+#[derive(Clone)]
 struct Layer {
     input_layernorm: RmsNorm,
     q_proj: Linear,
@@ -65,6 +68,38 @@ pub struct Llama {
     norm: RmsNorm,
     lm_head: Option<Linear>,
     rotary: Rotary,
+    /// What each layer does with what it saves ([`Llama::set_plan`]): all kept by default.
+    plan: Vec<Choice>,
+}
+
+/// A layer with what its forward reads beside its input (the configuration, the rotary tables
+/// of this call): one module of one input, as the planned forward runs and recomputes it.
+#[derive(Clone)]
+struct Positioned {
+    layer: Layer,
+    config: LlamaConfig,
+    rotary: Rotary,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Module for Positioned {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let Positioned {
+            layer,
+            config,
+            rotary,
+            cos,
+            sin,
+        } = self;
+        layer.forward(x, config, rotary, cos, sin)
+    }
+
+    fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        for (name, module) in self.layer.modules() {
+            module.visit_parameters(&format!("{prefix}{name}."), f);
+        }
+    }
 }
 
 impl Llama {
@@ -121,6 +156,7 @@ impl Llama {
         };
         let rotary = Rotary::new(hd, c.rope_theta, c.rope_scaling)?;
         Ok(Self {
+            plan: vec![Choice::Keep; config.num_hidden_layers],
             config,
             embed_tokens,
             layers,
@@ -140,9 +176,42 @@ impl Llama {
         self.embed_tokens.weight().device()
     }
 
+    /// Runs each layer as `choices` says (one per layer, in order; from
+    /// [`MemoryPlan::choices`](crate::autograd::MemoryPlan::choices)): kept, offloaded (its
+    /// saved activations to pinned host memory) or recomputed in backward. The gradients are the
+    /// same whatever the choices.
+    pub fn set_plan(&mut self, choices: &[Choice]) -> Result<()> {
+        check_choices("Llama::set_plan", self.layers.len(), choices)?;
+        self.plan = choices.to_vec();
+        Ok(())
+    }
+
+    /// Runs every layer as a recomputed region (`true`) or keeps everything (`false`):
+    /// PyTorch's `torch.utils.checkpoint` on every layer.
+    pub fn set_recompute(&mut self, on: bool) {
+        let choice = if on { Choice::Recompute } else { Choice::Keep };
+        self.plan = vec![choice; self.layers.len()];
+    }
+
+    /// One forward of `ids` with every layer kept and timed on its own: each layer's forward
+    /// time, the bytes its rules save beyond its input, and its input's bytes, for
+    /// [`MemoryPlan::new`](crate::autograd::MemoryPlan::new). Run it under the autocast the steps
+    /// use. The device is synchronized around each layer: a profile, not a step.
+    pub fn profile_blocks(&self, ids: &Tensor) -> Result<Vec<RegionCost>> {
+        let (x, layers) = self.embedded(ids)?;
+        profile_blocks(&layers, &x)
+    }
+
     /// The hidden states after the final norm, `[B, T, hidden_size]`, for `ids` (`i64`, `[B,
     /// T]`).
     pub fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
+        let (x, layers) = self.embedded(ids)?;
+        self.norm
+            .forward(&forward_planned(&layers, &self.plan, &x)?)
+    }
+
+    /// The embedded `ids` and the layers with this call's rotary tables.
+    fn embedded(&self, ids: &Tensor) -> Result<(Tensor, Vec<Positioned>)> {
         let shape = ids.shape();
         let max = self.config.max_position_embeddings;
         if shape.len() != 2 || ids.dtype() != DType::I64 || shape[1] > max {
@@ -155,17 +224,25 @@ impl Llama {
                 ),
             });
         }
-        let mut x = self.embed_tokens.forward(ids)?;
+        let x = self.embed_tokens.forward(ids)?;
         // Under autocast the projections answer in its dtype, and so do the tables: the
         // rotation then runs in that dtype (PyTorch's would widen to f32 and cast back).
         let table_dtype = crate::amp::autocast_dtype()
             .filter(|_| x.dtype() == DType::F32)
             .unwrap_or(x.dtype());
         let (cos, sin) = self.rotary.tables(0, shape[1], table_dtype, x.device())?;
-        for layer in &self.layers {
-            x = layer.forward(&x, &self.config, &self.rotary, &cos, &sin)?;
-        }
-        self.norm.forward(&x)
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| Positioned {
+                layer: layer.clone(),
+                config: self.config.clone(),
+                rotary: self.rotary.clone(),
+                cos: cos.clone(),
+                sin: sin.clone(),
+            })
+            .collect();
+        Ok((x, layers))
     }
 }
 
