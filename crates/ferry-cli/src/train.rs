@@ -163,9 +163,9 @@ pub struct TrainArgs {
     /// (OffloadAdamW::hold_gradients), where their global norm is taken.
     #[arg(long)]
     pub offload_optimizer: bool,
-    /// gpt: run each transformer block as a recomputed region (ferry::autograd::recompute):
-    /// the forward keeps only each block's input, and backward runs the block again; the same
-    /// gradients for the memory of the blocks' activations.
+    /// gpt and llama: run each transformer block (layer) as a recomputed region
+    /// (ferry::autograd::recompute): the forward keeps only each block's input, and backward
+    /// runs the block again; the same gradients for the memory of the blocks' activations.
     #[arg(long)]
     pub recompute: bool,
     /// Cap ferry's device allocator, as FERRY_DEVICE_BUDGET does: bytes, or a size such as
@@ -246,8 +246,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, Box<dyn Error>> {
     }
     if args.recompute {
         return Err(
-            "--recompute runs the gpt's transformer blocks as recomputed regions; the \
-                    digits models have none"
+            "--recompute runs the gpt's and the llama's transformer blocks as recomputed \
+                    regions; the digits models have none"
                 .into(),
         );
     }

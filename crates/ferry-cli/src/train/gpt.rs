@@ -201,13 +201,6 @@ type Named = (Box<dyn Module>, &'static str);
 
 /// The model `ferry train` was asked for, sized by the flags, with its name.
 fn model(args: &TrainArgs, vocab: usize, device: Device) -> Result<Named, Box<dyn Error>> {
-    if args.recompute && args.task == super::Task::Llama {
-        return Err(
-            "--recompute runs the gpt's blocks as recomputed regions; the llama has no \
-                    such option yet"
-                .into(),
-        );
-    }
     if args.task != super::Task::Llama {
         let config = GptConfig {
             vocab,
@@ -237,7 +230,9 @@ fn model(args: &TrainArgs, vocab: usize, device: Device) -> Result<Named, Box<dy
         )
         .into());
     }
-    Ok((Box::new(Llama::new(config, device)?), "llama"))
+    let mut llama = Llama::new(config, device)?;
+    llama.set_recompute(args.recompute);
+    Ok((Box::new(llama), "llama"))
 }
 
 /// `ferry train gpt`: trains (or resumes) the character-level GPT, checkpointing and redrawing
