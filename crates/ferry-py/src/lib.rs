@@ -4,11 +4,10 @@
 //! It owns the exchange with Python: DLPack both ways (`dlpack`), the Python handles of a ferry
 //! tensor, a pending move and a transfer report (`tensor`), the moves themselves (`moves`) and
 //! streaming (`streaming`), run with the GIL released, their order with torch's current stream
-//! (`order`), optimizer offload for torch parameters (`optim`), the memory plan for a torch
-//! model's measured costs (`plan`), and the pools' budgets and statistics (`memory`). Every
-//! entry point runs in `errors::guarded`, so no Rust panic reaches Python as one. It does not
-//! own autograd across the boundary: that is a `torch.autograd.Function` in the Python
-//! package, so torch's own graph records the move.
+//! (`order`), optimizer offload for torch parameters (`optim`), and the pools' budgets and
+//! statistics (`memory`). Every entry point runs in `errors::guarded`, so no Rust panic
+//! reaches Python as one. It does not own autograd across the boundary: that is a
+//! `torch.autograd.Function` in the Python package, so torch's own graph records the move.
 //!
 //! Key decision: every tensor crosses by DLPack, never by copy. A torch tensor handed to ferry
 //! is used in place and kept alive by ferry's buffer; a ferry result handed to torch keeps the
@@ -22,7 +21,6 @@ mod memory;
 mod moves;
 mod optim;
 mod order;
-mod plan;
 mod state_dict;
 mod streaming;
 mod tensor;
@@ -50,7 +48,6 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(moves::pin, m)?)?;
     m.add_function(wrap_pyfunction!(moves::record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(order::set_current_streams, m)?)?;
-    m.add_function(wrap_pyfunction!(plan::plan_memory, m)?)?;
     m.add_function(wrap_pyfunction!(memory::pinned_budget, m)?)?;
     m.add_function(wrap_pyfunction!(memory::set_pinned_budget, m)?)?;
     m.add_function(wrap_pyfunction!(memory::pinned_stats, m)?)?;
