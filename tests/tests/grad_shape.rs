@@ -172,3 +172,75 @@ fn softmax_family(device: Device) -> Result<()> {
     Ok(())
 }
 device_test!(softmax_log_softmax_cross_entropy, softmax_family);
+
+/// Three views narrowed out of one product (a fused q/k/v projection's heads), used apart: the
+/// gradients are right, overlapping views included, and the second and third views add into
+/// the gradient the first one started instead of passing padded buffers of their own.
+fn narrowed_views_share_one_gradient(device: Device) -> Result<()> {
+    let (x, w) = (randn(device, &[4, 3])?, randn(device, &[3, 9])?);
+    let heads = |t: &Tensor| -> Result<[Tensor; 3]> {
+        Ok([t.narrow(1, 0, 3)?, t.narrow(1, 3, 3)?, t.narrow(1, 6, 3)?])
+    };
+    check_grad(
+        "three heads of one product",
+        |v| {
+            let [q, k, h] = heads(&v[0].matmul(&v[1])?)?;
+            q.mul(&k)?.add(&h.tanh()?)
+        },
+        [x.clone(), w.clone()],
+    )?;
+    check_grad(
+        "overlapping views of one product",
+        |v| {
+            let p = v[0].matmul(&v[1])?;
+            p.narrow(1, 0, 5)?.mul(&p.narrow(1, 2, 5)?)
+        },
+        [x.clone(), w.clone()],
+    )?;
+
+    let (x, w) = (x.with_grad()?, w.with_grad()?);
+    let [q, k, h] = heads(&x.matmul(&w)?)?;
+    let report = q.mul(&k)?.add(&h)?.sum()?.backward_traced()?;
+    let narrows: Vec<usize> = report
+        .trace
+        .iter()
+        .filter(|step| step.meta.op == "narrow")
+        .map(|step| step.passed.len())
+        .collect();
+    assert_eq!(narrows.len(), 3, "{:#?}", report.trace);
+    assert_eq!(
+        narrows.iter().filter(|&&n| n == 0).count(),
+        2,
+        "two of three views add in place: {narrows:?}"
+    );
+    Ok(())
+}
+device_test!(narrowed_views, narrowed_views_share_one_gradient);
+
+/// One gradient handed to two inputs (`add`'s backward) is never written in place by a view of
+/// one of them: the other input's gradient stays its own. The view is recorded first, so
+/// backward reaches it after `add` has handed out the shared gradient.
+fn a_shared_gradient_is_left_alone(device: Device) -> Result<()> {
+    let x = randn(device, &[4, 3])?.with_grad()?;
+    let (c, d) = (randn(device, &[2, 3])?, randn(device, &[4, 3])?);
+    let (u, v) = (x.mul_scalar(2.0)?, x.mul_scalar(3.0)?);
+    let viewed = u.narrow(0, 1, 2)?.mul(&c)?.sum()?;
+    let loss = viewed.add(&u.add(&v)?.mul(&d)?.sum()?)?;
+    loss.backward()?;
+    // d/dx = 2 (d + c placed at rows 1..3) + 3 d.
+    let (c, d) = (c.to_vec_f64()?, d.to_vec_f64()?);
+    let want: Vec<f64> = (0..12)
+        .map(|i| {
+            let (row, col) = (i / 3, i % 3);
+            let placed = if (1..3).contains(&row) {
+                c[(row - 1) * 3 + col]
+            } else {
+                0.0
+            };
+            2.0 * (d[i] + placed) + 3.0 * d[i]
+        })
+        .collect();
+    ferry_tests::assert_close(&x.grad().unwrap().to_vec_f64()?, &want, 1e-12);
+    Ok(())
+}
+device_test!(shared_gradient, a_shared_gradient_is_left_alone);

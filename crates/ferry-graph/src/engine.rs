@@ -4,6 +4,7 @@
 //! A leaf accumulates as soon as its gradient is complete, ahead of every rule: its hooks (a
 //! bucket's all-reduce, a gradient's copy to the host) start while backward goes on.
 
+use std::cell::RefCell;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::BuildHasherDefault;
 
@@ -16,7 +17,7 @@ use crate::GraphError;
 use crate::graph::{NodeHandle, RuleSlot};
 use crate::group::AddressHasher;
 use crate::mode::{enable_grad, no_grad};
-use crate::node::{BackwardContext, GradValue, NodeMeta, OffloadedSave};
+use crate::node::{BackwardContext, GradValue, NodeMeta, OffloadedSave, PendingInputs};
 
 /// How to run backward.
 #[derive(Debug, Clone, Copy, Default)]
@@ -295,7 +296,22 @@ impl<G: GradValue> Run<G> {
                 }
             }
             if wanted.iter().any(|&w| w) {
-                out = self.run_rule(&handle, &grad, &wanted, report)?;
+                // The rule may add into its inputs' gradients so far (see
+                // `BackwardContext::with_accumulated`): lent to it for the call.
+                let inputs = self
+                    .graph
+                    .edges(index)
+                    .filter(|e| self.needed[e.target().index()])
+                    .map(|e| (*e.weight(), e.target().index()))
+                    .collect();
+                let grads = RefCell::new(std::mem::take(&mut self.grads));
+                let pending = PendingInputs {
+                    grads: &grads,
+                    inputs,
+                };
+                let ran = self.run_rule(&handle, &grad, &wanted, report, pending);
+                self.grads = grads.into_inner();
+                out = ran?;
                 if let Some(step) = &mut step {
                     step.passed = out.iter().map(|(s, g)| (*s, g.describe())).collect();
                     step.passed.sort_by_key(|(s, _)| *s);
@@ -312,6 +328,7 @@ impl<G: GradValue> Run<G> {
         grad: &G,
         wanted: &[bool],
         report: &mut BackwardReport,
+        pending: PendingInputs<'_, G>,
     ) -> Result<SmallVec<[(usize, G); 2]>, GraphError> {
         let node = &handle.0;
         let op = node.meta.op;
@@ -342,6 +359,7 @@ impl<G: GradValue> Run<G> {
         let ctx = BackwardContext {
             node: handle,
             create_graph: self.options.create_graph,
+            pending,
         };
         let grads = rule
             .backward(&ctx, grad, wanted)

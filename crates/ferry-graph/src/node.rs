@@ -1,6 +1,7 @@
 //! What a node is made of: its backward rule, what the rule saved, its description, and the
 //! gradient-value trait.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ferry_memory::Device;
@@ -59,6 +60,15 @@ pub type SavedBuffers = SmallVec<[SavedBuffer; 2]>;
 pub struct BackwardContext<'a, G: GradValue> {
     pub(crate) node: &'a NodeHandle<G>,
     pub(crate) create_graph: bool,
+    pub(crate) pending: PendingInputs<'a, G>,
+}
+
+/// The gradients a backward has accumulated so far for every node, and which of them belong to
+/// the inputs of the rule that runs.
+pub(crate) struct PendingInputs<'a, G> {
+    pub(crate) grads: &'a RefCell<Vec<Option<G>>>,
+    /// `(input slot, node)` for each input the rule is asked for.
+    pub(crate) inputs: SmallVec<[(usize, usize); 2]>,
 }
 
 impl<G: GradValue> BackwardContext<'_, G> {
@@ -72,6 +82,25 @@ impl<G: GradValue> BackwardContext<'_, G> {
     /// Whether this backward records its own graph (higher-order gradients).
     pub fn create_graph(&self) -> bool {
         self.create_graph
+    }
+
+    /// Runs `f` on the gradient this backward has accumulated so far for the node of input
+    /// `slot` (`None` when nothing has reached that node yet, or the input is not asked for),
+    /// so that a rule can add its part into it in place and return `None` for that input,
+    /// instead of a gradient the engine then adds whole. A narrowed view does this: the
+    /// gradients of the three heads split out of a fused projection fill one buffer instead of
+    /// three padded ones summed. The engine reaches that node only after every rule that feeds
+    /// it has run, so nothing reads the gradient meanwhile; `f` must check that nothing else
+    /// holds it (a rule may hand one gradient to two inputs).
+    pub fn with_accumulated<R>(&self, slot: usize, f: impl FnOnce(Option<&mut G>) -> R) -> R {
+        let pending = &self.pending;
+        let Some(&(_, node)) = pending.inputs.iter().find(|(s, _)| *s == slot) else {
+            return f(None);
+        };
+        match pending.grads.try_borrow_mut() {
+            Ok(mut grads) => f(grads.get_mut(node).and_then(Option::as_mut)),
+            Err(_) => f(None),
+        }
     }
 }
 

@@ -264,6 +264,16 @@ impl Saved<'_> {
         self.find(Slot::Input(i))
     }
 
+    /// Runs `f` on the gradient accumulated so far in this backward for input `i`'s node,
+    /// when it is a dense buffer nothing else holds (no other handle, no view, no history), so
+    /// the rule may add into it in place and return `None` for that input; else `f(None)`.
+    /// See [`BackwardContext::with_accumulated`].
+    pub fn with_accumulated<R>(&self, i: usize, f: impl FnOnce(Option<&mut Tensor>) -> R) -> R {
+        self.ctx.with_accumulated(i, |acc| {
+            f(acc.filter(|t| t.is_alone() && !t.requires_grad()))
+        })
+    }
+
     /// The auxiliary tensor of [`Rule::with_aux`].
     pub fn aux(&self) -> Result<Tensor> {
         self.find(Slot::Aux)
@@ -355,6 +365,17 @@ impl<S: RuleState> Backward<Tensor> for TensorRule<S> {
     }
 }
 
+impl Tensor {
+    /// Whether this handle is the only one to its buffer and sees all of it, densely: nothing
+    /// else (another handle, a view, a caller) would see a write into it.
+    pub(crate) fn is_alone(&self) -> bool {
+        Arc::strong_count(&self.0) == 1
+            && Arc::strong_count(self.storage()) == 1
+            && self.is_contiguous()
+            && self.layout().offset() == 0
+    }
+}
+
 impl ferry_graph::GradValue for Tensor {
     fn accumulate(&mut self, other: Self) -> std::result::Result<(), BoxError> {
         *self = self.add(&other)?;
@@ -364,8 +385,7 @@ impl ferry_graph::GradValue for Tensor {
     fn into_kept(self) -> std::result::Result<Self, BoxError> {
         // Alone in its buffer and dense: keep it as is. Otherwise a copy of its own (a stride-0
         // view from `sum`'s backward, or one buffer `add`'s backward passed to both inputs).
-        let alone = Arc::strong_count(&self.0) == 1 && Arc::strong_count(self.storage()) == 1;
-        if alone && self.is_contiguous() && self.layout().offset() == 0 {
+        if self.is_alone() {
             Ok(self)
         } else {
             Ok(self.copy()?)

@@ -16,6 +16,12 @@ fn row_rstd<const COLS: usize>(x: &[Tensor], _: &Tensor) -> usize {
     x[0].numel() / COLS * 4
 }
 
+/// The rotation's cos and sin tables, `[T, 1, D]` each, in the input's dtype.
+fn rotary_tables(x: &[Tensor], _: &Tensor) -> usize {
+    let s = x[0].shape();
+    2 * s[1] * s[3] * x[0].dtype().size()
+}
+
 /// Attention's log-sum-exp: one f32 per query row of the output `[.., q_len, v_dim]`.
 fn row_log_sum_exp(_: &[Tensor], out: &Tensor) -> usize {
     out.numel() / out.shape()[out.ndim() - 1] * 4
@@ -222,6 +228,27 @@ pub(super) fn cases() -> Vec<Case> {
             },
         )
         .backward(&["masked_scale"]),
+        // One node keeping the two tables (built inside, wanting no gradient); the CPU composes
+        // it, its products keeping the same tables. parity.py has no rotation to mirror.
+        Case::new(
+            "rotary_embedding",
+            &["rotary_embedding"],
+            &[F(&[2, 3, 4, 8])],
+            |x| {
+                let (t, d) = (x[0].shape()[1], x[0].shape()[3]);
+                let angles = Tensor::arange(0.0, (t * d) as f64, x[0].dtype(), x[0].device())?
+                    .reshape(&[t, 1, d])?
+                    .mul_scalar(0.37)?;
+                x[0].rotary_embedding(&angles.cos()?, &angles.sin()?)
+            },
+            Keeps {
+                unnamed: rotary_tables,
+                ..Keeps::inputs(&[])
+            },
+        )
+        .on_cpu(&["narrow", "neg", "cat", "mul", "add"])
+        .backward(&["mul", "cat"])
+        .no_parity(),
         // One node keeping x, the weight and an inverse root mean square per row; its backward
         // under create_graph recomputes the statistic with recorded ops.
         Case::new(

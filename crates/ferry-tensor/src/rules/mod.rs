@@ -327,10 +327,26 @@ pub(crate) fn narrow(x: &Tensor, axis: usize, start: usize) -> Rule<(Shape, usiz
     Rule::new(
         Save::NOTHING,
         (x.dims(), axis, start),
-        |_, (shape, axis, start), g, _| {
+        |saved, (shape, axis, start), g, _| {
             let (axis, start) = (*axis, *start);
             let len = g.shape()[axis];
             if !g.requires_grad() {
+                // Another view of the same input got there first (the heads split out of a
+                // fused projection, a chunk): add into its gradient's slice in place, instead of
+                // a full buffer of this view's own that the engine would add whole.
+                let added = saved.with_accumulated(0, |acc| -> Result<bool> {
+                    let Some(acc) =
+                        acc.filter(|a| a.shape() == &shape[..] && a.same_kind("narrow", g).is_ok())
+                    else {
+                        return Ok(false);
+                    };
+                    let slice = acc.narrow(axis as isize, start, len)?;
+                    slice.assign(&slice.add(g)?)?;
+                    Ok(true)
+                })?;
+                if added {
+                    return Ok(smallvec![None]);
+                }
                 // One fill and one copy of the slice, instead of two pads and a copy of all of
                 // it through `cat` (which only a gradient with history of its own needs).
                 let full = Tensor::zeros(shape, g.dtype(), g.device())?;
