@@ -134,8 +134,10 @@ def test_a_write_that_could_reach_the_snapshot_keeps_the_old_file(tmp_path, devi
 
 def test_bad_arguments_are_refused_with_the_fix(tmp_path):
     t = torch.zeros(4)
+    # {"a": [1, 2]} is a nested state now (test_nested_and_dcp.py); an object JSON cannot hold
+    # is still refused.
     with pytest.raises(TypeError, match="not a torch.Tensor"):
-        ferry.save_async(tmp_path / "a.safetensors", {"a": [1, 2]})
+        ferry.save_async(tmp_path / "a.safetensors", {"a": object()})
     with pytest.raises(TypeError, match="pageable"):
         ferry.save_async(tmp_path / "a.safetensors", {"a": t}, memory=1.5)
     with pytest.raises(ValueError, match="positive"):
@@ -218,3 +220,41 @@ def test_a_device_copy_is_not_overtaken_by_a_write_on_torchs_side_stream(tmp_pat
     assert torch.equal(_load(path)["x"], expected.cpu())
     side.synchronize()
     assert bool((x == -1.0).all()), "the write ran"
+
+
+_STEPS_WHILE_ANOTHER_THREAD_SAVES = """
+import faulthandler, os, sys, threading, torch, ferry
+faulthandler.dump_traceback_later(60, exit=True)
+model = torch.nn.Linear(256, 256)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+stop = False
+def saver():
+    while not stop:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        ferry.save_async(os.path.join(sys.argv[1], "x.safetensors"), state).wait()
+thread = threading.Thread(target=saver)
+thread.start()
+for _ in range(400):
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+stop = True
+thread.join()
+print("ok")
+"""
+
+
+def test_a_save_waited_for_on_another_thread_never_deadlocks_the_optimizers_barrier(tmp_path):
+    # dcp.async_save's pattern: a thread waits for its save while the training thread steps.
+    # The extension's wait_snapshot waits without the GIL holding the save's lock; a step's
+    # barrier asking the same save then held the GIL waiting for that lock (400 steps
+    # deadlocked every time before the package serialized its calls). In a child process, so
+    # that a deadlock fails the test instead of hanging the suite.
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _STEPS_WHILE_ANOTHER_THREAD_SAVES, str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

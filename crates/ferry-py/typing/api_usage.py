@@ -2,6 +2,8 @@
 annotations and `_ferry.pyi`: a wrong stub, or an annotation that drifts from what the package
 returns, fails here. Never run; only type-checked."""
 
+from typing import Any
+
 import numpy as np
 
 import ferry
@@ -42,3 +44,27 @@ def errors() -> None:
     except ferry.FerryError as err:
         message: str = str(err)
         print(message)
+
+
+def checkpoints(model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+    pending: ferry.PendingSave = ferry.save_async(
+        "ckpt.safetensors", {"model": model_state, "optim": optim_state}, metadata={"step": "7"}
+    )
+    taken: bool = pending.snapshot_taken()
+    report: dict[str, Any] = pending.wait()
+    flat: ferry.PendingSave = ferry.save_async("flat.safetensors", model_state, memory=1 << 20)
+    flat.wait_snapshot()
+    state = ferry.load("ckpt.safetensors", device="cpu")
+    on_gpu = ferry.load("ckpt.safetensors", 0)
+    strings: dict[str, str] = ferry.load_metadata("ckpt.safetensors")
+    print(taken, report["bytes"], state["optim"], on_gpu, strings)
+
+
+def distributed_checkpoints(state: dict[str, Any]) -> None:
+    import ferry.dcp
+
+    writer = ferry.dcp.FerryStorageWriter("ckpt/step-100", overwrite=False, memory="pinned")
+    reader = ferry.dcp.FerryStorageReader("ckpt/step-100")
+    staged: dict[str, Any] = ferry.dcp.FerryStager().stage(state)
+    info = ferry.dcp.StorageInfo("__0_0.safetensors", 64, 16, name="model.weight")
+    print(writer.checkpoint_id, reader.checkpoint_id, staged, info.relative_path)

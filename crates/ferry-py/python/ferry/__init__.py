@@ -40,6 +40,8 @@ __all__ = [
     "empty_cache",
     "empty_pinned",
     "from_torch",
+    "load",
+    "load_metadata",
     "memory_stats",
     "move_state_dict",
     "offload_saved",
@@ -500,13 +502,14 @@ def stream_to(t, chunks=None, max_staging_bytes=None) -> ChunkStream:
 
 
 from .offload import offload_saved  # noqa: E402  (uses the moves above)
-from .checkpoint import PendingSave, save_async  # noqa: E402
+from .checkpoint import PendingSave, load, load_metadata, save_async  # noqa: E402
 
 
 def __getattr__(name):
-    # ferry.optim subclasses torch.optim.Optimizer, so it imports torch: only on first use.
-    if name == "optim":
+    # ferry.optim subclasses torch.optim.Optimizer and ferry.dcp torch.distributed.checkpoint's
+    # storage classes, so they import torch: only on first use.
+    if name in ("optim", "dcp"):
         import importlib
 
-        return importlib.import_module(".optim", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'ferry' has no attribute {name!r}")

@@ -1,4 +1,11 @@
-"""Checkpoints that do not stall training: ``ferry.save_async(path, tensors)``.
+"""Checkpoints that do not stall training: ``ferry.save_async(path, state)``, and
+``ferry.load(path, device)`` to read them back.
+
+``state`` is a dict of name to tensor (a model's ``state_dict()``), written as it is, or a
+nested state (``{"model": model.state_dict(), "optim": opt.state_dict()}``): its tensors are
+written under their dotted paths (``optim.state.0.exp_avg``) and everything else (the
+``param_groups``, ints, floats, strings, None) as one JSON description in the header, from
+which :func:`load` rebuilds the state exactly (``ferry/state_tree.py`` has the scheme).
 
 The call returns at once; ferry's threads copy the tensors (GPU tensors through a bounded
 pinned ring on a copy stream, host tensors by all cores) and write a safetensors file with
@@ -31,10 +38,14 @@ What waits for what:
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from . import _ferry
+from . import _ferry, state_tree
+from .checkpoint_file import CHECKSUM_KEY, read_file, read_header
 
 _LOCK = threading.Lock()
 _IN_FLIGHT: "weakref.WeakSet[PendingSave]" = weakref.WeakSet()
@@ -48,11 +59,19 @@ def _check_in_flight(reading_only: bool = False) -> None:
     with _LOCK:
         flying = list(_IN_FLIGHT)
     for pending in flying:
-        if reading_only and pending._private:
-            if pending.snapshot_taken():
-                pending.wait_snapshot()
-            continue
-        pending.wait_snapshot()
+        try:
+            if pending._checked:
+                continue
+            if reading_only and pending._private:
+                if pending.snapshot_taken():
+                    pending.wait_snapshot()
+                continue
+            pending.wait_snapshot()
+        except ValueError:
+            # Waited for meanwhile on the thread that owns it (dcp.async_save's writer, say),
+            # which checked it before taking it: nothing is left to wait for.
+            if not pending._checked:
+                raise
 
 
 def _before_optimizer_step(optimizer, args, kwargs):
@@ -79,12 +98,18 @@ class PendingSave:
     """A save in flight: ``wait()`` gives its report (a dict of sizes, times and memory) or
     raises its error; ``wait_snapshot()`` blocks until every tensor is copied."""
 
-    def __init__(self, inner, watched):
+    def __init__(self, inner: _ferry.PendingSave, watched: list) -> None:
         self._inner = inner
         # (name, tensor, version) of each tensor torch may write before its copy is taken.
         self._watched = watched
         self._private = not watched
         self._checked = False
+        # The extension's wait_snapshot holds the save's lock while it waits without the GIL:
+        # a second thread calling into the save then would wait for that lock holding the GIL,
+        # which the first needs back (the optimizer's barrier on the training thread, while
+        # dcp.async_save's thread waits for its save). Calls go through this lock first, which
+        # waits without the GIL.
+        self._calls = threading.RLock()
 
     @property
     def path(self) -> str:
@@ -92,18 +117,32 @@ class PendingSave:
 
     def done(self) -> bool:
         """Whether the file is written (or the save failed)."""
-        return self._inner.done()
+        # A thread waiting for the snapshot holds the lock: the file is not written yet.
+        if not self._calls.acquire(blocking=False):
+            return False
+        try:
+            return self._inner.done()
+        finally:
+            self._calls.release()
 
     def snapshot_taken(self) -> bool:
         """Whether every tensor has been copied."""
-        return self._inner.snapshot_taken()
+        if not self._calls.acquire(blocking=False):
+            return False
+        try:
+            return self._inner.snapshot_taken()
+        finally:
+            self._calls.release()
 
     def wait_snapshot(self) -> None:
         """Blocks until every tensor is copied; in-place writes to them are safe after it."""
         if self._checked:
             return
-        self._inner.wait_snapshot()
-        self._check()
+        with self._calls:
+            if self._checked:
+                return
+            self._inner.wait_snapshot()
+            self._check()
 
     def _check(self) -> None:
         # Runs right after the snapshot, before the caller writes: a version that moved was
@@ -125,10 +164,12 @@ class PendingSave:
         self._watched = []
         _untrack(self)
 
-    def wait(self) -> dict:
+    def wait(self) -> dict[str, Any]:
         """Waits for the file to be synced and renamed; returns the report."""
         try:
             self.wait_snapshot()
+            # Checked: no thread enters the extension's wait_snapshot any more, so this wait
+            # (which holds no lock while it waits) needs no turn.
             return self._inner.wait()
         finally:
             _untrack(self)
@@ -136,7 +177,7 @@ class PendingSave:
     def __del__(self):
         # The file is kept only once checked: do it now, while the tensors are known.
         try:
-            if not self._checked and not self._inner.done():
+            if not self._checked and not self.done():
                 self.wait_snapshot()
         except Exception:
             pass
@@ -146,11 +187,51 @@ class PendingSave:
         return f"PendingSave({self.path!r}, {state})"
 
 
+# The dtypes ferry's files hold (ferry-tensor's DType).
+WRITABLE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "uint8")
+
+
+def _named_tensors(tensors: Any, torch: Any) -> tuple[list[tuple[str, Any]], str | None]:
+    """The (name, tensor) pairs to write and, for a nested state, its description."""
+    if isinstance(tensors, Mapping):
+
+        def is_tensor(value: Any) -> bool:
+            return isinstance(value, torch.Tensor)
+
+        if state_tree.is_flat(tensors, is_tensor):
+            return list(tensors.items()), None
+        return state_tree.flatten(tensors, is_tensor)
+    items = list(tensors)
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise TypeError(
+                f"save_async: {item!r} is not a (name, tensor) pair: pass a dict (flat or "
+                "nested) or a list of pairs"
+            )
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"save_async: {name!r} is a {type(t).__name__}, not a torch.Tensor")
+    return [(str(k), t) for k, t in items], None
+
+
 def save_async(
-    path, tensors, *, memory="pageable", staging_bytes=None, metadata=None, device_copy=False
+    path: str | os.PathLike[str],
+    tensors: Mapping[Any, Any] | Sequence[tuple[str, Any]],
+    *,
+    memory: str | int = "pageable",
+    staging_bytes: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+    device_copy: bool = False,
 ) -> PendingSave:
-    """Starts writing ``tensors`` (a dict of name to torch tensor, a state dict say, or a list of
-    pairs) to ``path`` and returns a :class:`PendingSave` at once.
+    """Starts writing ``tensors`` to ``path`` and returns a :class:`PendingSave` at once.
+
+    ``tensors``: a dict of name to torch tensor (a state dict; written as it is), a list of
+    (name, tensor) pairs, or a nested state of dicts, lists and tuples whose leaves are tensors,
+    None, bools, ints, floats and strings (``{"model": model.state_dict(), "optim":
+    opt.state_dict()}``): its tensors are written under their paths joined with ``"."``, the
+    rest as a JSON description under ``"ferry.structure"`` in the header (see
+    ``ferry/state_tree.py``); :func:`load` rebuilds it. The path comes first (``torch.save``
+    and safetensors' ``save_file`` take the object first: the swapped order is refused).
 
     ``memory``: ``"pageable"`` (default: the snapshot in pageable host memory, freed as the
     file is written), ``"pinned"`` (straight into pinned memory within
@@ -161,12 +242,50 @@ def save_async(
     writes after the call never wait."""
     import torch
 
-    items = list(tensors.items()) if hasattr(tensors, "items") else list(tensors)
-    names = [str(k) for k, _ in items]
+    if not isinstance(path, (str, os.PathLike)):
+        if isinstance(tensors, (str, os.PathLike)):
+            raise TypeError(
+                "save_async takes the path first, then the state: ferry.save_async(path, state) "
+                "(torch.save and safetensors' save_file take the object first)"
+            )
+        raise TypeError(f"save_async: the path is a {type(path).__name__}: give a str or a Path")
+    named, structure = _named_tensors(tensors, torch)
+    header = dict(metadata or {})
+    for key in (state_tree.STRUCTURE_KEY, CHECKSUM_KEY):
+        if key in header:
+            raise ValueError(
+                f"save_async: metadata key {key!r} is reserved: ferry writes its own entry "
+                "under it; store your value under another key"
+            )
+    if structure is not None:
+        header[state_tree.STRUCTURE_KEY] = structure
+    return start_save(path, named, header, memory, staging_bytes, device_copy)
+
+
+def start_save(
+    path: str | os.PathLike[str],
+    named: list[tuple[str, Any]],
+    header: dict[str, str],
+    memory: str | int = "pageable",
+    staging_bytes: int | None = None,
+    device_copy: bool = False,
+    owned: bool = False,
+) -> PendingSave:
+    """:func:`save_async` of (name, tensor) pairs and a header. ``owned``: the tensors are the
+    caller's private copies (a staged state), which nothing writes while they are saved: no
+    version check, and optimizer steps do not wait for their snapshot."""
+    import torch
+
+    names = [name for name, _ in named]
     detached = []
-    for name, t in items:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"save_async: {name!r} is a {type(t).__name__}, not a torch.Tensor")
+    for name, t in named:
+        dtype = str(t.dtype).replace("torch.", "")
+        if dtype not in WRITABLE_DTYPES:
+            raise TypeError(
+                f"save_async: {name!r} is a {t.dtype} tensor; ferry's files hold "
+                f"{', '.join(WRITABLE_DTYPES)}: convert it first (integers to int64, bools to "
+                "uint8)"
+            )
         detached.append(t.detach())
     gpus = sorted({t.device.index or 0 for t in detached if t.device.type == "cuda"})
     streams = [(g, torch.cuda.current_stream(g).cuda_stream) for g in gpus]
@@ -186,7 +305,7 @@ def save_async(
     to_dlpack = getattr(torch._C, "_to_dlpack", None)
     capsules = [to_dlpack(t) for t in detached] if to_dlpack is not None else detached
     inner = _ferry.save_async(
-        str(path), names, capsules, streams, mode, bound, metadata=metadata,
+        str(path), names, capsules, streams, mode, bound, metadata=header or None,
         device_copy=bool(device_copy), **extra
     )
     # The GPU tensors copied in the call are the save's own: torch's writes no longer reach
@@ -195,8 +314,53 @@ def save_async(
     watched = [
         (name, t, version)
         for name, t, version in zip(names, detached, versions)
-        if not (copied and t.is_cuda)
+        if not (owned or (copied and t.is_cuda))
     ]
     pending = PendingSave(inner, watched)
     _track(pending)
     return pending
+
+
+def _target(device: Any) -> str:
+    from . import _device_name
+
+    name = _device_name(device)
+    if name == "cpu" or (name.startswith("cuda:") and name[5:].isdigit()):
+        return name
+    raise ValueError(
+        f"load: device={device!r}: use 'cpu', 'cuda', 'cuda:N', a GPU index or a torch.device"
+    )
+
+
+def load(path: str | os.PathLike[str], device: Any = "cpu") -> Any:
+    """What :func:`save_async` wrote to ``path``, its tensors on ``device`` (``"cpu"``,
+    ``"cuda"`` (torch's current device), ``"cuda:N"``, an int or a ``torch.device``): the
+    nested state as it was given, or, for a flat save (or any safetensors file), a dict of name
+    to tensor in file order.
+
+    The file is checked before anything is returned: a truncated or damaged file, one that is
+    not safetensors, or a tensor whose bytes differ from the CRC32 ferry recorded is a
+    ``FerryError`` naming the file and the problem; a missing file a ``FileNotFoundError``.
+    The tensors are read into host memory (the whole file at once); for a GPU they then cross
+    with :func:`ferry.move_state_dict`, the dtypes ferry moves, and torch's ``.to`` the others."""
+    target = _target(device)
+    tensors, metadata = read_file(path)
+    if target != "cpu":
+        from . import move_state_dict
+
+        movable = {k: t for k, t in tensors.items() if str(t.dtype)[6:] in WRITABLE_DTYPES}
+        moved = move_state_dict(movable, target) if movable else {}
+        tensors = {k: moved[k] if k in moved else t.to(target) for k, t in tensors.items()}
+    structure = metadata.get(state_tree.STRUCTURE_KEY)
+    if structure is None:
+        return tensors
+    return state_tree.rebuild(structure, tensors, os.fspath(path))
+
+
+def load_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The strings given as ``metadata`` to the :func:`save_async` that wrote ``path`` (ferry's
+    own entries left out); only the header is read, and checked."""
+    shown = os.fspath(path)
+    with open(path, "rb") as f:
+        header = read_header(f, shown)
+    return {k: v for k, v in header.metadata.items() if k != state_tree.STRUCTURE_KEY}
