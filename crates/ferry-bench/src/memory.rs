@@ -412,11 +412,7 @@ mod tests {
     use super::*;
 
     fn measured(label: &str, ms: f64, peak: u64, plan: bool) -> Point {
-        let costs = [ferry::autograd::RegionCost {
-            forward_ms: 1.0,
-            saved_bytes: 1,
-            input_bytes: 1,
-        }];
+        let costs = [ferry::autograd::RegionCost::new(1.0, 1, 1)];
         let mut p = point(
             label,
             vec![Choice::Keep],

@@ -4,10 +4,11 @@
 //! It owns the exchange with Python: DLPack both ways (`dlpack`), the Python handles of a ferry
 //! tensor, a pending move and a transfer report (`tensor`), the moves themselves (`moves`) and
 //! streaming (`streaming`), run with the GIL released, their order with torch's current stream
-//! (`order`), optimizer offload for torch parameters (`optim`), and the pools' budgets and
-//! statistics (`memory`). Every entry point runs in `errors::guarded`, so no Rust panic
-//! reaches Python as one. It does not own autograd across the boundary: that is a
-//! `torch.autograd.Function` in the Python package, so torch's own graph records the move.
+//! (`order`), optimizer offload for torch parameters (`optim`), the pools' budgets and
+//! statistics (`memory`), and ferry's memory planner for `ferry.plan` (`plan`). Every entry
+//! point runs in `errors::guarded`, so no Rust panic reaches Python as one. It does not own
+//! autograd across the boundary: that is a `torch.autograd.Function` in the Python package, so
+//! torch's own graph records the move.
 //!
 //! Key decision: every tensor crosses by DLPack, never by copy. A torch tensor handed to ferry
 //! is used in place and kept alive by ferry's buffer; a ferry result handed to torch keeps the
@@ -21,6 +22,7 @@ mod memory;
 mod moves;
 mod optim;
 mod order;
+mod plan;
 mod state_dict;
 mod streaming;
 mod tensor;
@@ -56,6 +58,7 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory::memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(memory::empty_pinned, m)?)?;
     m.add_function(wrap_pyfunction!(memory::reset_peak_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(plan::plan_memory, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

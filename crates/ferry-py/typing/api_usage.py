@@ -68,3 +68,13 @@ def distributed_checkpoints(state: dict[str, Any]) -> None:
     staged: dict[str, Any] = ferry.dcp.FerryStager().stage(state)
     info = ferry.dcp.StorageInfo("__0_0.safetensors", 64, 16, name="model.weight")
     print(writer.checkpoint_id, reader.checkpoint_id, staged, info.relative_path)
+
+
+def memory_plan(model: Any, step: Any) -> None:
+    import ferry.plan
+
+    plan = ferry.plan.MemoryPlan.profile(model, step, fraction=0.5)
+    with plan:
+        step()
+    smaller: ferry.plan.MemoryPlan = plan.retarget(fraction=0.4)
+    print(plan.explain(), smaller.predicted_peak_bytes, smaller.reachable)

@@ -506,9 +506,10 @@ from .checkpoint import PendingSave, load, load_metadata, save_async  # noqa: E4
 
 
 def __getattr__(name):
-    # ferry.optim subclasses torch.optim.Optimizer and ferry.dcp torch.distributed.checkpoint's
-    # storage classes, so they import torch: only on first use.
-    if name in ("optim", "dcp"):
+    # ferry.optim subclasses torch.optim.Optimizer, ferry.dcp torch.distributed.checkpoint's
+    # storage classes, and ferry.plan wraps torch modules, so they import torch: only on first
+    # use.
+    if name in ("optim", "dcp", "plan"):
         import importlib
 
         return importlib.import_module("." + name, __name__)

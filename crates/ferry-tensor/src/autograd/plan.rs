@@ -1,48 +1,159 @@
 //! A memory plan for a step's saved activations: each region of the forward (a model's blocks,
 //! run one after another) keeps what its rules save on the device, offloads it to host memory, or
-//! recomputes it in backward, chosen from costs measured in one profiled step so that the bytes
-//! on the device fit a target at the least predicted extra time.
+//! recomputes it in backward, chosen from costs measured in one profiled step so that the
+//! activation bytes at the step's peak fit a target at the least predicted extra time. This is
+//! ferry's one planner: ferry's own models use it, and so does `ferry.plan` for PyTorch models
+//! (through `ferry._ferry.plan_memory`), which only measures and applies.
 //!
 //! # The cost model
 //!
-//! Region `i` has a forward time `f_i`, the bytes its rules save beyond its input (`s_i`) and
-//! the bytes of its input (`x_i`). The input stays on the device whatever is chosen (the region
-//! before produced it, and a recomputed region starts from it), so the bytes at the end of the
-//! forward are `sum x + sum s over kept regions`.
+//! A step ([`StepCost`]) is its regions in forward order ([`RegionCost`]), the bytes alive through
+//! the regions' backward that no single region owns (`shared_bytes`, plus every region's
+//! `input_bytes`), the bytes saved after the last region and freed before the regions' backward
+//! (`head_bytes`: the loss's), the gradients of the parameters outside the regions
+//! (`outside_grad_bytes`), the link to host memory (none: nothing is offloaded) and the host
+//! memory offload may take (`host_bytes`, none: no bound).
 //!
-//! - **Recompute** frees `s_i` for `f_i` more milliseconds (the region's forward runs again in
-//!   backward). While region `i`'s backward runs its activations are back, and those of the
-//!   regions before it are still held: the plan's peak counts that moment too.
-//! - **Offload** frees `s_i` for no time when the link has room: the copy out starts when the
-//!   region ends and must be done when the forward ends (else the bytes are still on the device
-//!   at the peak), one copy at a time on the link; the copy back starts when the backward of the
-//!   region after it starts and must be done before region `i`'s backward starts, else the step
-//!   waits the difference. Backward is taken to cost twice the forward, a recomputed region's
-//!   three times. The last regions, with no forward left to hide their copy, cannot be
-//!   offloaded; what the link moves inside the step is all that offload can take.
-//! - **Keep** costs nothing and frees nothing.
+//! A region holds on the device from its forward until its backward: kept, its `saved_bytes`;
+//! offloaded, the part of them offload cannot move (`saved_bytes - offloadable_bytes`);
+//! recomputed, the input bytes nothing else saves (`unsaved_input_bytes`). The currency is the
+//! activation bytes at the step's peak, the larger of
 //!
-//! The plan starts from keeping everything and, until the peak fits, takes the single change
-//! (a kept region offloaded or recomputed) that adds the least predicted time per byte it frees;
-//! a free offload goes first. When even the last change leaves the peak above the target, the
-//! plan says so ([`MemoryPlan::reached`]) and stands at the least peak it found.
+//! - the end of the forward: shared + head + what every region holds, and
+//! - each region `k`'s backward: shared + what the regions before `k` hold + `k`'s saved bytes
+//!   (back: kept, uploaded or rebuilt; plus its unsaved input if recomputed) + region `k-1`'s
+//!   offloadable bytes if it is offloaded (uploaded while `k`'s backward runs) + the gradients of
+//!   the regions after `k` and of the parameters outside the regions.
+//!
+//! So recomputing the last region frees nothing when nothing follows it (its bytes come back
+//! while every earlier region still holds its own).
+//!
+//! - **Recompute** costs the region's forward milliseconds again; a region that writes its input
+//!   in place (`recomputable: false`) is never recomputed.
+//! - **Offload** is free where the link hides it, and only chosen there: the copies out queue on
+//!   the link in forward order from the end of each offloaded region and must all be done by the
+//!   end of the forward (from each offloaded region on, their bytes over the rate to host fit the
+//!   forward milliseconds after it); region `i`'s copy back starts when region `i+1`'s backward
+//!   starts and must land before region `i`'s (its bytes over the rate to device fit `i+1`'s
+//!   backward milliseconds, plus its forward if `i+1` is recomputed). The last region, with no
+//!   compute after it, is never offloaded; the offloaded bytes fit `host_bytes`. A backward not
+//!   measured is taken as twice the forward.
+//! - **Keep** costs nothing.
+//!
+//! The choice: from keeping everything, offload the earliest regions first (they have the widest
+//! windows) while each fits and does not raise the peak, until the target is met; then
+//! recompute, each time the region that lowers the peak at the least milliseconds per byte,
+//! except that the last pick is the cheapest region that alone reaches the target where that
+//! costs less (where no region lowers the peak, the one freeing the most bytes per millisecond
+//! of its own); then drop the recomputes the target no longer needs, or turn them into offloads
+//! that now fit (a recompute lengthens the window of the region before it), the most expensive
+//! first. The least reachable peak comes from recomputing every region that frees bytes so,
+//! offloading instead where that fits and does not raise the peak, and keeping where that does
+//! not raise it either. A target below it plans that least peak and says so
+//! ([`MemoryPlan::reached`], [`MemoryPlan::least_bytes`]); a target of 0, above the plain step's
+//! peak, or a step whose regions save nothing is an error.
 
 use std::fmt;
 
 use crate::{Result, TensorError};
 
+mod cost;
+#[cfg(test)]
+mod tests;
+
 const OP: &str = "memory plan";
 
-/// What one region of the forward costs, from a profiled step.
+/// What one region of the forward costs, from a profiled step. [`RegionCost::new`] gives the
+/// three figures every profile has; the rest default to: backward twice the forward, all saved
+/// bytes offloadable, no unsaved input, recomputable, no gradients.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RegionCost {
     /// Milliseconds of its forward: what recomputing it costs again in backward.
     pub forward_ms: f64,
-    /// Bytes its rules save beyond its input (each buffer once): what keeping it holds and
-    /// offloading or recomputing it frees.
+    /// Bytes only its rules save, not the input of any region (each buffer once): what keeping it
+    /// holds and offloading or recomputing it frees.
     pub saved_bytes: u64,
-    /// Bytes of its input, which stays on the device whatever the plan chooses.
+    /// Bytes of its input that stay on the device whatever the plan chooses (its rules save it,
+    /// or the region before keeps it): counted with the step's shared bytes.
     pub input_bytes: u64,
+    /// Milliseconds of its backward, as measured; `None`: twice the forward.
+    pub backward_ms: Option<f64>,
+    /// The part of `saved_bytes` offload can move; `None`: all of it.
+    pub offloadable_bytes: Option<u64>,
+    /// Bytes of its input that nothing saves: held from the forward to the backward only when the
+    /// region is recomputed (the recompute starts from them).
+    pub unsaved_input_bytes: u64,
+    /// False where the region writes its input in place: a recompute would read the new values.
+    pub recomputable: bool,
+    /// Bytes of the gradients its backward gives its parameters.
+    pub grad_bytes: u64,
+}
+
+impl RegionCost {
+    /// A region of `forward_ms`, `saved_bytes` beyond its input and `input_bytes` of input, the
+    /// other figures at their defaults.
+    pub fn new(forward_ms: f64, saved_bytes: u64, input_bytes: u64) -> Self {
+        Self {
+            forward_ms,
+            saved_bytes,
+            input_bytes,
+            ..Self::default()
+        }
+    }
+
+    /// Milliseconds of its backward: as measured, else twice the forward.
+    pub fn backward(&self) -> f64 {
+        self.backward_ms.unwrap_or(2.0 * self.forward_ms)
+    }
+
+    /// Bytes offload moves: `offloadable_bytes`, else all saved bytes.
+    pub fn offloadable(&self) -> u64 {
+        self.offloadable_bytes.unwrap_or(self.saved_bytes)
+    }
+}
+
+impl Default for RegionCost {
+    fn default() -> Self {
+        Self {
+            forward_ms: 0.0,
+            saved_bytes: 0,
+            input_bytes: 0,
+            backward_ms: None,
+            offloadable_bytes: None,
+            unsaved_input_bytes: 0,
+            recomputable: true,
+            grad_bytes: 0,
+        }
+    }
+}
+
+/// A profiled step: its regions and what lies outside them; see the module docs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepCost {
+    /// The regions, in forward order.
+    pub regions: Vec<RegionCost>,
+    /// Saved bytes no single region owns (what several regions or the code before them save),
+    /// alive through the regions' backward.
+    pub shared_bytes: u64,
+    /// Bytes saved after the last region (the loss's), freed before the regions' backward.
+    pub head_bytes: u64,
+    /// Gradients of the parameters outside the regions, counted from the regions' backward on.
+    pub outside_grad_bytes: u64,
+    /// The link to host memory; `None` where nothing can be offloaded (a CPU).
+    pub link: Option<Link>,
+    /// The host memory offload may take; `None`: no bound.
+    pub host_bytes: Option<u64>,
+}
+
+impl StepCost {
+    /// A step of `regions` alone over `link`.
+    pub fn new(regions: &[RegionCost], link: Option<Link>) -> Self {
+        Self {
+            regions: regions.to_vec(),
+            link,
+            ..Self::default()
+        }
+    }
 }
 
 /// The link between the device and host memory, as measured: bytes per millisecond each way
@@ -93,8 +204,8 @@ pub struct PlannedRegion {
     pub choice: Choice,
     /// Its measured cost.
     pub cost: RegionCost,
-    /// Milliseconds the choice is predicted to add to the step (a recompute's forward, an
-    /// offload's wait for its copy back).
+    /// Milliseconds the choice is predicted to add to the step (a recompute's forward; an
+    /// offload the planner chooses adds none).
     pub extra_ms: f64,
 }
 
@@ -105,71 +216,86 @@ pub struct MemoryPlan {
     target_bytes: u64,
     peak_bytes: u64,
     plain_bytes: u64,
+    least_bytes: u64,
     extra_ms: f64,
     step_ms: f64,
+    offload_fits: bool,
 }
 
 impl MemoryPlan {
-    /// Plans `regions` (in forward order) for at most `target_bytes` of activations on the
-    /// device; `link` is `None` where nothing can be offloaded (a CPU). A target at or above
-    /// what keeping everything holds keeps everything; a target below the least the regions
-    /// can reach plans that least and says so ([`MemoryPlan::reached`]). A target of 0, no
-    /// regions, or a cost that is not finite and non-negative is an error.
+    /// Plans `regions` (in forward order, nothing outside them) for at most `target_bytes` of
+    /// activations at the peak; `link` is `None` where nothing can be offloaded (a CPU). See
+    /// [`MemoryPlan::for_step`].
     pub fn new(regions: &[RegionCost], link: Option<Link>, target_bytes: u64) -> Result<Self> {
-        check(regions, link, target_bytes)?;
-        let mut choices = vec![Choice::Keep; regions.len()];
-        let mut now = evaluate(regions, link, &choices).expect("keeping everything is feasible");
-        while now.peak > target_bytes {
-            let mut best: Option<(f64, u64, usize, Choice, Outcome)> = None;
-            for i in 0..regions.len() {
-                if choices[i] != Choice::Keep {
-                    continue;
-                }
-                for choice in [Choice::Offload, Choice::Recompute] {
-                    if choice == Choice::Offload && link.is_none() {
-                        continue;
-                    }
-                    choices[i] = choice;
-                    let outcome = evaluate(regions, link, &choices);
-                    choices[i] = Choice::Keep;
-                    let Some(outcome) = outcome else { continue };
-                    let freed = now.peak.saturating_sub(outcome.peak);
-                    if freed == 0 {
-                        continue;
-                    }
-                    let per_byte = (outcome.extra_ms - now.extra_ms).max(0.0) / freed as f64;
-                    let better = best
-                        .as_ref()
-                        .is_none_or(|(b, f, ..)| per_byte < *b || (per_byte == *b && freed > *f));
-                    if better {
-                        best = Some((per_byte, freed, i, choice, outcome));
-                    }
-                }
-            }
-            let Some((_, _, i, choice, outcome)) = best else {
-                break; // nothing left frees a byte: the least peak stands
-            };
-            choices[i] = choice;
-            now = outcome;
+        Self::for_step(&StepCost::new(regions, link), target_bytes)
+    }
+
+    /// Plans `step` for at most `target_bytes` of activations at the peak. A target at the plain
+    /// step's peak keeps everything; a target below the least the regions can reach plans that
+    /// least and says so ([`MemoryPlan::reached`]). A target of 0 or above the plain peak, regions
+    /// that save nothing, no regions, or a cost that is not finite and non-negative is an error.
+    pub fn for_step(step: &StepCost, target_bytes: u64) -> Result<Self> {
+        check(step)?;
+        let least = step.least_choices();
+        let least_bytes = step.peak_bytes(&least);
+        check_target(step, target_bytes, least_bytes)?;
+        let choices = step.choose(target_bytes, least);
+        Ok(Self::from_choices(step, choices, target_bytes, least_bytes))
+    }
+
+    /// What `choices` (one per region, as forced by a caller) are predicted to give, with the
+    /// target at their peak. Offloads that do not fit the link are predicted at no extra time;
+    /// [`MemoryPlan::offload_fits`] tells.
+    pub fn with_choices(step: &StepCost, choices: &[Choice]) -> Result<Self> {
+        check(step)?;
+        if choices.len() != step.regions.len() {
+            return Err(TensorError::InvalidArgument {
+                op: OP,
+                message: format!(
+                    "{} choices for {} regions: give one choice per region, in forward order",
+                    choices.len(),
+                    step.regions.len()
+                ),
+            });
         }
-        let forward: f64 = regions.iter().map(|r| r.forward_ms).sum();
-        Ok(Self {
-            regions: regions
+        let least_bytes = step.peak_bytes(&step.least_choices());
+        let peak = step.peak_bytes(choices);
+        Ok(Self::from_choices(
+            step,
+            choices.to_vec(),
+            peak,
+            least_bytes,
+        ))
+    }
+
+    fn from_choices(step: &StepCost, choices: Vec<Choice>, target: u64, least: u64) -> Self {
+        let extra = |r: &RegionCost, c: Choice| match c {
+            Choice::Recompute => r.forward_ms,
+            _ => 0.0,
+        };
+        Self {
+            regions: step
+                .regions
                 .iter()
                 .zip(&choices)
-                .zip(&now.per_region_ms)
-                .map(|((&cost, &choice), &extra_ms)| PlannedRegion {
+                .map(|(&cost, &choice)| PlannedRegion {
                     choice,
                     cost,
-                    extra_ms,
+                    extra_ms: extra(&cost, choice),
                 })
                 .collect(),
-            target_bytes,
-            peak_bytes: now.peak,
-            plain_bytes: plain_peak(regions),
-            extra_ms: now.extra_ms,
-            step_ms: 3.0 * forward,
-        })
+            target_bytes: target,
+            peak_bytes: step.peak_bytes(&choices),
+            plain_bytes: step.plain_bytes(),
+            least_bytes: least,
+            extra_ms: step.extra_ms(&choices),
+            step_ms: step
+                .regions
+                .iter()
+                .map(|r| r.forward_ms + r.backward())
+                .sum(),
+            offload_fits: step.offload_fits(&choices),
+        }
     }
 
     /// Every region's choice, in forward order.
@@ -182,7 +308,7 @@ impl MemoryPlan {
         &self.regions
     }
 
-    /// Whether the predicted peak fits the target.
+    /// Whether the predicted peak fits the target (a target at or above the least peak).
     pub fn reached(&self) -> bool {
         self.peak_bytes <= self.target_bytes
     }
@@ -192,8 +318,8 @@ impl MemoryPlan {
         self.target_bytes
     }
 
-    /// The predicted most activation bytes on the device (at the end of the forward, or while
-    /// a recomputed or returned region's backward runs).
+    /// The predicted most activation bytes on the device (at the end of the forward, or during
+    /// some region's backward).
     pub fn peak_bytes(&self) -> u64 {
         self.peak_bytes
     }
@@ -203,12 +329,23 @@ impl MemoryPlan {
         self.plain_bytes
     }
 
-    /// Predicted milliseconds the plan adds to the step.
+    /// The least peak any plan of these regions reaches.
+    pub fn least_bytes(&self) -> u64 {
+        self.least_bytes
+    }
+
+    /// Predicted milliseconds the plan adds to the step: a forward per recomputed region.
     pub fn extra_ms(&self) -> f64 {
         self.extra_ms
     }
 
-    /// The predicted step without a plan: the forward and a backward of twice its time.
+    /// Whether the link moves every offloaded region out and back inside the compute around it,
+    /// within the host memory (always true for a plan the planner chose).
+    pub fn offload_fits(&self) -> bool {
+        self.offload_fits
+    }
+
+    /// The predicted step without a plan: every region's forward and backward.
     pub fn step_ms(&self) -> f64 {
         self.step_ms
     }
@@ -219,11 +356,12 @@ impl fmt::Display for MemoryPlan {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         writeln!(
             f,
-            "memory plan: peak {:.1} MiB of activations (target {:.1}, everything kept {:.1}){}, \
-             predicted step {:.2} ms + {:.2} ms ({:.3}x)",
+            "memory plan: peak {:.1} MiB of activations (target {:.1}, everything kept {:.1}, \
+             least {:.1}){}, predicted step {:.2} ms + {:.2} ms ({:.3}x)",
             mib(self.peak_bytes),
             mib(self.target_bytes),
             mib(self.plain_bytes),
+            mib(self.least_bytes),
             if self.reached() {
                 String::new()
             } else {
@@ -238,17 +376,18 @@ impl fmt::Display for MemoryPlan {
         )?;
         writeln!(
             f,
-            "{:>6}  {:<9}  {:>10}  {:>10}  {:>10}  {:>9}",
-            "region", "choice", "saved MiB", "input MiB", "forward ms", "extra ms"
+            "{:>6}  {:<9}  {:>10}  {:>10}  {:>10}  {:>11}  {:>9}",
+            "region", "choice", "saved MiB", "input MiB", "forward ms", "backward ms", "extra ms"
         )?;
         for (i, r) in self.regions.iter().enumerate() {
             writeln!(
                 f,
-                "{i:>6}  {:<9}  {:>10.1}  {:>10.1}  {:>10.3}  {:>9.3}",
+                "{i:>6}  {:<9}  {:>10.1}  {:>10.1}  {:>10.3}  {:>11.3}  {:>9.3}",
                 r.choice.to_string(),
                 mib(r.cost.saved_bytes),
                 mib(r.cost.input_bytes),
                 r.cost.forward_ms,
+                r.cost.backward(),
                 r.extra_ms
             )?;
         }
@@ -256,32 +395,58 @@ impl fmt::Display for MemoryPlan {
     }
 }
 
-fn check(regions: &[RegionCost], link: Option<Link>, target_bytes: u64) -> Result<()> {
-    let invalid = |message: String| Err(TensorError::InvalidArgument { op: OP, message });
-    if regions.is_empty() {
+fn invalid<T>(message: String) -> Result<T> {
+    Err(TensorError::InvalidArgument { op: OP, message })
+}
+
+/// Refuses costs no plan can be made of, naming the fix.
+fn check(step: &StepCost) -> Result<()> {
+    if step.regions.is_empty() {
         return invalid(
             "no regions to plan: give one cost per block of the forward (its time, the bytes \
              its rules save, its input's bytes)"
                 .into(),
         );
     }
-    if target_bytes == 0 {
-        return invalid(
-            "a target of 0 bytes cannot be met (each region's input stays on the device); \
-             ask for at least the inputs' bytes"
-                .into(),
-        );
+    let time = |ms: f64| ms.is_finite() && ms >= 0.0;
+    for (i, r) in step.regions.iter().enumerate() {
+        if !time(r.forward_ms) {
+            return invalid(format!(
+                "region {i}'s forward time is {} ms; it must be finite and >= 0",
+                r.forward_ms
+            ));
+        }
+        if let Some(ms) = r.backward_ms.filter(|ms| !time(*ms)) {
+            return invalid(format!(
+                "region {i}'s backward time is {ms} ms; it must be finite and >= 0 (or not given: \
+                 twice the forward)"
+            ));
+        }
+        if r.offloadable() > r.saved_bytes {
+            return invalid(format!(
+                "region {i}'s offloadable_bytes ({}) exceed its saved_bytes ({}); offload moves \
+                 a part of what the region saves",
+                r.offloadable(),
+                r.saved_bytes
+            ));
+        }
     }
-    if let Some(i) = regions
-        .iter()
-        .position(|r| !(r.forward_ms.is_finite() && r.forward_ms >= 0.0))
-    {
-        return invalid(format!(
-            "region {i}'s forward time is {} ms; it must be finite and >= 0",
-            regions[i].forward_ms
-        ));
+    let total = || -> Option<u64> {
+        let outside = step
+            .shared_bytes
+            .checked_add(step.head_bytes)?
+            .checked_add(step.outside_grad_bytes)?;
+        step.regions.iter().try_fold(outside, |sum, r| {
+            sum.checked_add(r.saved_bytes)?
+                .checked_add(r.input_bytes)?
+                .checked_add(r.unsaved_input_bytes)?
+                .checked_add(r.grad_bytes)
+        })
+    };
+    if total().is_none() {
+        return invalid("the step's bytes add up past 2^64; give them in bytes, not bits".into());
     }
-    if let Some(link) = link {
+    if let Some(link) = step.link {
         let rates = [link.to_host_bytes_per_ms, link.to_device_bytes_per_ms];
         if rates.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
             return invalid(format!(
@@ -293,220 +458,27 @@ fn check(regions: &[RegionCost], link: Option<Link>, target_bytes: u64) -> Resul
     Ok(())
 }
 
-/// The peak with every region kept.
-fn plain_peak(regions: &[RegionCost]) -> u64 {
-    regions.iter().map(|r| r.input_bytes + r.saved_bytes).sum()
-}
-
-/// What a set of choices is predicted to give.
-struct Outcome {
-    peak: u64,
-    extra_ms: f64,
-    per_region_ms: Vec<f64>,
-}
-
-/// The peak and extra time of `choices`, or `None` when an offload's copy out cannot be done
-/// by the end of the forward (it would free nothing at the peak).
-fn evaluate(regions: &[RegionCost], link: Option<Link>, choices: &[Choice]) -> Option<Outcome> {
-    let n = regions.len();
-    let inputs: u64 = regions.iter().map(|r| r.input_bytes).sum();
-    let on_device = |i: usize| match choices[i] {
-        Choice::Keep => regions[i].saved_bytes,
-        _ => 0,
-    };
-    // At the end of the forward; then, in backward, region i's own bytes (back on the device
-    // or rebuilt) beside the kept bytes of the regions before it.
-    let kept: u64 = (0..n).map(on_device).sum();
-    let mut peak = inputs + kept;
-    let mut before = 0u64;
-    for i in 0..n {
-        if choices[i] != Choice::Keep {
-            peak = peak.max(inputs + before + regions[i].saved_bytes);
-        }
-        before += on_device(i);
-    }
-    let mut per_region_ms = vec![0.0; n];
-    for i in 0..n {
-        if choices[i] == Choice::Recompute {
-            per_region_ms[i] = regions[i].forward_ms;
-        }
-    }
-    if choices.contains(&Choice::Offload) {
-        let link = link?;
-        // Copies out, one at a time, each from the end of its region.
-        let mut end_of = Vec::with_capacity(n);
-        let mut t = 0.0;
-        for r in regions {
-            t += r.forward_ms;
-            end_of.push(t);
-        }
-        let forward_end = t;
-        let mut link_free = 0.0f64;
-        for i in (0..n).filter(|&i| choices[i] == Choice::Offload) {
-            let start = link_free.max(end_of[i]);
-            link_free = start + regions[i].saved_bytes as f64 / link.to_host_bytes_per_ms;
-            if link_free > forward_end {
-                return None;
-            }
-        }
-        // Backward from the last region: each copy back starts when the backward of the region
-        // after it starts and must land before its own; a late one holds the step up.
-        let backward_ms = |i: usize| {
-            let f = regions[i].forward_ms;
-            match choices[i] {
-                Choice::Recompute => 3.0 * f,
-                _ => 2.0 * f,
-            }
-        };
-        let (mut clock, mut link_free) = (forward_end, forward_end);
-        let mut starts = vec![0.0; n];
-        for i in (0..n).rev() {
-            starts[i] = clock;
-            if choices[i] == Choice::Offload {
-                let allowed = if i + 1 < n { starts[i + 1] } else { clock };
-                let start = link_free.max(allowed);
-                link_free = start + regions[i].saved_bytes as f64 / link.to_device_bytes_per_ms;
-                let wait = (link_free - clock).max(0.0);
-                per_region_ms[i] = wait;
-                clock += wait;
-                starts[i] = clock;
-            }
-            clock += backward_ms(i);
-        }
-    }
-    Some(Outcome {
-        peak,
-        extra_ms: per_region_ms.iter().sum(),
-        per_region_ms,
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MIB: u64 = 1 << 20;
-
-    fn blocks(n: usize, forward_ms: f64, saved: u64, input: u64) -> Vec<RegionCost> {
-        vec![
-            RegionCost {
-                forward_ms,
-                saved_bytes: saved,
-                input_bytes: input,
-            };
-            n
-        ]
-    }
-
-    #[test]
-    fn a_target_at_the_plain_peak_keeps_everything() {
-        let regions = blocks(4, 1.0, 100 * MIB, 10 * MIB);
-        let plan = MemoryPlan::new(&regions, None, 440 * MIB).unwrap();
-        assert_eq!(plan.choices(), vec![Choice::Keep; 4]);
-        assert_eq!(plan.peak_bytes(), 440 * MIB);
-        assert!(plan.reached());
-        assert_eq!(plan.extra_ms(), 0.0);
-    }
-
-    #[test]
-    fn without_a_link_the_cheapest_per_byte_is_recomputed_first() {
-        let mut regions = blocks(4, 2.0, 100 * MIB, 10 * MIB);
-        regions[2].forward_ms = 0.5; // as many bytes for a quarter of the time
-        let plan = MemoryPlan::new(&regions, None, 400 * MIB).unwrap();
-        assert_eq!(
-            plan.choices(),
-            [Choice::Keep, Choice::Keep, Choice::Recompute, Choice::Keep]
+/// Refuses a target no plan can mean, naming the fix.
+fn check_target(step: &StepCost, target_bytes: u64, least_bytes: u64) -> Result<()> {
+    if step.regions.iter().all(|r| r.saved_bytes == 0) {
+        return invalid(
+            "the regions save no tensors for backward: there is nothing to keep, offload or \
+             recompute; profile a step that runs them with grad enabled, or pass regions that do"
+                .into(),
         );
-        assert_eq!(plan.extra_ms(), 0.5);
-        assert!(plan.reached());
     }
-
-    #[test]
-    fn offload_takes_what_the_link_hides_and_recompute_the_rest() {
-        // 100 MiB a block at 5 GB/s is about 21 ms a copy, one at a time; each block computes
-        // 20 ms forward: the copies of blocks 0 to 5 are done by the end of the forward (160
-        // ms), block 6's would not be. To keep one block, block 6 is recomputed.
-        let regions = blocks(8, 20.0, 100 * MIB, 10 * MIB);
-        let link = Some(Link::gb_per_s(5.0, 5.0));
-        let plan = MemoryPlan::new(&regions, link, 80 * MIB + 100 * MIB).unwrap();
-        use Choice::{Keep, Offload, Recompute};
-        let want = [
-            Offload, Offload, Offload, Offload, Offload, Offload, Recompute, Keep,
-        ];
-        assert_eq!(plan.choices(), want, "{plan}");
-        assert!(plan.reached(), "{plan}");
-        // Only the recompute costs time: every copy back landed inside the backward.
-        assert_eq!(plan.extra_ms(), 20.0, "{plan}");
+    if target_bytes == 0 {
+        return invalid(format!(
+            "a target of 0 bytes: the target is the activation bytes the step may hold at its \
+             peak and must be > 0 (the least this step reaches is {least_bytes})"
+        ));
     }
-
-    #[test]
-    fn a_copy_back_that_lands_late_is_counted() {
-        // Copies back at 1 GB/s: block 0's 100 MiB take about 105 ms from the start of block
-        // 1's backward, which lasts 40 ms: it waits about 65 ms.
-        let regions = blocks(2, 20.0, 100 * MIB, 0);
-        let link = Link {
-            to_host_bytes_per_ms: 1e9,
-            to_device_bytes_per_ms: 1e6,
-        };
-        let offloaded = evaluate(&regions, Some(link), &[Choice::Offload, Choice::Keep]).unwrap();
-        let late = 100.0 * MIB as f64 / 1e6 - 40.0;
-        assert!(
-            (offloaded.extra_ms - late).abs() < 1e-9,
-            "{}",
-            offloaded.extra_ms
-        );
-        // Nothing left of the forward hides the last block's copy out.
-        assert!(evaluate(&regions, Some(link), &[Choice::Keep, Choice::Offload]).is_none());
+    let plain = step.plain_bytes();
+    if target_bytes > plain {
+        return invalid(format!(
+            "target_bytes={target_bytes} is above what the step saves without a plan ({plain}): \
+             there is nothing to free; run without a plan, or pass a lower target"
+        ));
     }
-
-    #[test]
-    fn a_slow_link_recomputes_instead() {
-        // 1 GB/s: a 100 MiB copy takes about 105 ms, longer than the whole forward.
-        let regions = blocks(4, 5.0, 100 * MIB, 10 * MIB);
-        let plan = MemoryPlan::new(&regions, Some(Link::gb_per_s(1.0, 1.0)), 250 * MIB).unwrap();
-        assert!(
-            plan.choices().iter().all(|c| *c != Choice::Offload),
-            "{plan}"
-        );
-        assert!(plan.reached(), "{plan}");
-    }
-
-    #[test]
-    fn an_unreachable_target_runs_at_the_least_peak_and_says_so() {
-        let regions = blocks(3, 1.0, 100 * MIB, 10 * MIB);
-        let plan = MemoryPlan::new(&regions, None, MIB).unwrap();
-        assert!(!plan.reached());
-        // Recomputing the last block would free nothing: its backward rebuilds it at once.
-        use Choice::{Keep, Recompute};
-        assert_eq!(plan.choices(), [Recompute, Recompute, Keep], "{plan}");
-        // The inputs and one block's activations.
-        assert_eq!(plan.peak_bytes(), 30 * MIB + 100 * MIB);
-        assert!(plan.to_string().contains("below the least"), "{plan}");
-    }
-
-    #[test]
-    fn the_backward_peak_counts_a_rebuilt_region() {
-        // Recomputing only the first of two regions frees its bytes at the end of the forward,
-        // but they are back while its backward runs: no lower than keeping the other alone.
-        let regions = blocks(2, 1.0, 100 * MIB, 0);
-        let plan = MemoryPlan::new(&regions, None, 100 * MIB).unwrap();
-        assert!(plan.reached(), "{plan}");
-        assert_eq!(plan.peak_bytes(), 100 * MIB);
-    }
-
-    #[test]
-    fn bad_input_is_refused_naming_the_fix() {
-        let regions = blocks(2, 1.0, MIB, MIB);
-        let says = |r: Result<MemoryPlan>, what: &str| {
-            let msg = r.expect_err("an error").to_string();
-            assert!(msg.contains(what), "{msg}");
-        };
-        says(MemoryPlan::new(&[], None, MIB), "one cost per block");
-        says(MemoryPlan::new(&regions, None, 0), "at least the inputs");
-        let mut nan = regions.clone();
-        nan[1].forward_ms = f64::NAN;
-        says(MemoryPlan::new(&nan, None, MIB), "region 1");
-        let dead = Link::gb_per_s(0.0, 1.0);
-        says(MemoryPlan::new(&regions, Some(dead), MIB), "no link");
-    }
+    Ok(())
 }

@@ -69,11 +69,11 @@ pub(crate) fn profile_blocks<M: Module>(blocks: &[M], x: &Tensor) -> Result<Vec<
         let input_bytes = x.nbytes() as u64;
         // The block's rules saved its input too (a norm reads it): counted as the input's.
         let grown = saved(&y).saturating_sub(before);
-        costs.push(RegionCost {
+        costs.push(RegionCost::new(
             forward_ms,
-            saved_bytes: grown.saturating_sub(input_bytes),
+            grown.saturating_sub(input_bytes),
             input_bytes,
-        });
+        ));
         x = y;
     }
     Ok(costs)

@@ -1,0 +1,404 @@
+"""``ferry.plan``: a memory plan for an unmodified ``torch.nn.Module`` in eager mode. Each of the
+model's repeated blocks (a *region*) keeps what autograd saves in it, offloads it to pinned host
+memory, or recomputes it in backward; the choice comes from one profiled step and a target for
+the activation bytes at the step's peak (what autograd saves, and the parameter gradients
+backward has made by then)::
+
+    plan = ferry.plan.MemoryPlan.profile(model, lambda: loss_fn(model(x)).backward(),
+                                         fraction=0.5)
+    print(plan)                    # per region: choice, saved bytes, predicted extra ms
+    for x in batches:
+        with plan:
+            loss_fn(model(x)).backward()
+        print(plan.explain())      # now with the measured ms of the last step
+
+The planner is ferry's one planner, in Rust (``ferry::autograd::MemoryPlan``): ``choose``,
+``predict_peak``, ``offload_fits`` and ``extra_ms`` pass the measured costs (``StepCost``) to it.
+This package measures (``_plan_torch``) and applies. Offload is free where the link moves a
+region's tensors out inside the forward compute that follows it and back inside the backward of
+the next region; recompute costs one forward of the region. Offload comes first, then
+recompute, cheapest per byte freed; the rest is kept. See docs/memory-plan.md for the model and
+what it assumes.
+
+Recompute is ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``
+around the region's forward (dropout draws the same masks again); offload is ferry's
+``offload_saved`` scope, entered only inside the chosen regions.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from . import cuda_available
+from ._plan_costs import (CHOICES, Choice, Decision, Link, RegionCost, StepCost, choose,
+                          extra_ms, forced, offload_fits, predict_peak)
+from ._plan_torch import (_bytes, _Clock, _grad_bytes, _host_room, _measure_link,
+                          _model_device, _RegionOffload, _RegionWatch, _SavedBytes, _tensors,
+                          find_regions)
+
+__all__ = ["CHOICES", "Choice", "Decision", "Link", "MemoryPlan", "PlanError", "RegionCost",
+           "StepCost", "TargetUnreachable", "choose", "extra_ms", "find_regions", "offload_fits",
+           "predict_peak"]
+
+
+class PlanError(RuntimeError):
+    """What profiling or applying a plan found wrong with the model or the step; the message
+    names the fix."""
+
+
+class TargetUnreachable(UserWarning):
+    """The target is below the least peak the plan reaches (``least_bytes``); the plan runs at
+    that least peak. ``warnings.simplefilter("error", TargetUnreachable)`` makes it raise."""
+
+    def __init__(self, message: str, least_bytes: int):
+        super().__init__(message)
+        self.least_bytes = least_bytes
+
+
+_APPLIED: "weakref.WeakKeyDictionary[nn.Module, MemoryPlan]" = weakref.WeakKeyDictionary()
+
+
+class MemoryPlan:
+    """Per region of a model, keep, offload or recompute what autograd saves, chosen to bring
+    the step's activation bytes at its peak (saved tensors, and the parameter gradients backward
+    has made by then) to a target at the least predicted time.
+
+    Build it with ``MemoryPlan.profile(model, step_fn, target_bytes=... | fraction=...)``, or
+    from costs of your own with ``MemoryPlan(regions, cost, target_bytes=... | fraction=... |
+    choices=...)``. ``fraction`` is of the plain step's peak (``cost.plain_bytes``);
+    ``choices`` forces a choice per region (``"keep"``, ``"offload"``, ``"recompute"``). A
+    target below the least peak the plan reaches warns ``TargetUnreachable`` and plans for that
+    least peak (``reachable`` is False, ``least_bytes`` says it).
+
+    Use it around each step (``with plan:``) or for good (``plan.apply()`` until
+    ``plan.remove()``); either way one plan serves every step. ``str(plan)`` / ``explain()``
+    tell, per region, the choice, its saved bytes, its predicted and, after a step, measured ms.
+    """
+
+    def __init__(self, regions: Sequence[nn.Module], cost: StepCost, *,
+                 target_bytes: Optional[int] = None, fraction: Optional[float] = None,
+                 choices: Optional[Sequence[str]] = None, min_offload_bytes: int = 1 << 20,
+                 device: Optional[torch.device] = None):
+        self.regions: Tuple[nn.Module, ...] = tuple(regions)
+        if len(self.regions) != len(cost.regions):
+            raise ValueError(f"{len(self.regions)} modules for {len(cost.regions)} region costs")
+        if len({id(m) for m in self.regions}) != len(self.regions):
+            raise ValueError("a module is given twice in regions")
+        self.cost = cost
+        self.min_offload_bytes = min_offload_bytes
+        self.device = device if device is not None else (
+            _model_device(self.regions[0]) if self.regions else torch.device("cpu"))
+        given = sum(x is not None for x in (target_bytes, fraction, choices))
+        if given != 1:
+            raise ValueError("pass exactly one of target_bytes=, fraction= (of the plain step's "
+                             "activation bytes at the peak) or choices=")
+        if choices is not None:
+            self.decision = self._forced(choices)
+        else:
+            if fraction is not None:
+                if not 0 < fraction <= 1:
+                    raise ValueError(f"fraction={fraction}: it is a part of the plain step's "
+                                     "activation bytes at the peak and must be in (0, 1]")
+                target_bytes = max(1, int(fraction * cost.plain_bytes))
+            assert target_bytes is not None
+            self.decision = choose(cost, target_bytes)
+            if not self.decision.reachable:
+                warnings.warn(TargetUnreachable(
+                    f"target {_bytes(target_bytes)} of activations is below the least "
+                    f"this plan reaches, {_bytes(self.decision.least_bytes)} "
+                    f"({self.decision.least_bytes} bytes): planned for that instead",
+                    self.decision.least_bytes), stacklevel=2)
+        self._applied = self._entered_applied = False
+        self._wrapped: List[Tuple[nn.Module, Any]] = []
+        self._watch: Optional[_RegionWatch] = None
+        self._scope: Optional[_RegionOffload] = None
+
+    def _forced(self, choices: Sequence[str]) -> Decision:
+        if len(choices) != len(self.regions):
+            raise ValueError(f"{len(choices)} choices for {len(self.regions)} regions")
+        for region, choice in zip(self.cost.regions, choices):
+            if choice not in CHOICES:
+                raise ValueError(
+                    f"region {region.name}: choice {choice!r} is not one of {CHOICES}")
+            if choice == "offload" and self.cost.link is None:
+                raise ValueError(f"region {region.name}: offload needs a GPU and its link to "
+                                 "pinned host memory; on the CPU choose keep or recompute")
+            if choice == "recompute" and not region.recomputable:
+                raise ValueError(f"region {region.name} writes in place to its input, so a "
+                                 "recompute would read the new values: keep or offload it")
+        picked: Tuple[Choice, ...] = tuple(choices)  # type: ignore[arg-type]
+        return forced(self.cost, picked)
+
+    @classmethod
+    def profile(cls, model: nn.Module, step_fn: Callable[[], Any], *,
+                target_bytes: Optional[int] = None, fraction: Optional[float] = None,
+                regions: Optional[Sequence[nn.Module]] = None, warmup: int = 1,
+                min_offload_bytes: int = 1 << 20) -> MemoryPlan:
+        """Runs ``step_fn`` (a forward and backward of ``model``) ``warmup`` times, then once
+        more measuring each region, and plans for the target. The steps accumulate gradients as
+        any step does; the RNG streams are left as they were."""
+        if warmup < 0:
+            raise ValueError(f"warmup={warmup} must be >= 0")
+        if sum(x is not None for x in (target_bytes, fraction)) != 1:
+            raise ValueError("pass exactly one of target_bytes= or fraction= (of the plain "
+                             "step's activation bytes at the peak)")
+        names = {m: name for name, m in model.named_modules()}
+        modules = list(find_regions(model) if regions is None else regions)
+        _check_regions(modules, names)
+        device = _model_device(model)
+        cuda = device.type == "cuda"
+        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if cuda else []
+        counter = _SavedBytes(model, len(modules), min_offload_bytes)
+        with torch.random.fork_rng(devices=devices):
+            for _ in range(warmup):
+                step_fn()
+            watch = _RegionWatch(modules, _Clock(device), on_enter=counter.enter)
+            counter.watch = watch
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                    step_fn()
+                if cuda:
+                    torch.cuda.synchronize(device)
+            finally:
+                watch.remove()
+        not_run = [names[m] for i, m in enumerate(modules) if not watch.spans[i]]
+        if not_run:
+            raise PlanError(f"the step did not run regions {not_run}: pass regions= that "
+                            "step_fn runs")
+        if not any(use.savers for use in counter.uses):
+            raise PlanError("the step saved no tensors for backward: run the forward in step_fn "
+                            "with grad enabled (not under torch.no_grad() or inference_mode)")
+        times = [watch.times(i) for i in range(len(modules))]
+        link = _measure_link(device) if cuda and cuda_available() else None
+        host = _host_room() if link is not None else None
+        grads = [_grad_bytes(m.parameters()) for m in modules]
+        inside = {id(p) for m in modules for p in m.parameters()}
+        outside = _grad_bytes(p for p in model.parameters() if id(p) not in inside)
+        costs = counter.costs([names[m] for m in modules], [(f or 0.0, b) for f, b in times],
+                              grads)
+        # Forward order, as the windows of the cost model need it.
+        order = sorted(range(len(modules)), key=watch.entered.index)
+        cost = StepCost(tuple(costs[i] for i in order), counter.shared, counter.head, link, host,
+                        outside)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", TargetUnreachable)
+            plan = cls([modules[i] for i in order], cost, target_bytes=target_bytes,
+                       fraction=fraction, min_offload_bytes=min_offload_bytes, device=device)
+        for warning in caught:  # told at the caller's line
+            warnings.warn(warning.message, stacklevel=2)
+        return plan
+
+    def retarget(self, *, target_bytes: Optional[int] = None, fraction: Optional[float] = None,
+                 choices: Optional[Sequence[str]] = None) -> MemoryPlan:
+        """A plan for the same regions and measured costs with another target (not applied)."""
+        return MemoryPlan(self.regions, self.cost, target_bytes=target_bytes, fraction=fraction,
+                          choices=choices, min_offload_bytes=self.min_offload_bytes,
+                          device=self.device)
+
+    @property
+    def choices(self) -> Tuple[Choice, ...]:
+        return self.decision.choices
+
+    @property
+    def target_bytes(self) -> int:
+        return self.decision.target_bytes
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.decision.peak_bytes
+
+    @property
+    def least_bytes(self) -> int:
+        return self.decision.least_bytes
+
+    @property
+    def reachable(self) -> bool:
+        return self.decision.reachable
+
+    @property
+    def predicted_extra_ms(self) -> float:
+        return self.decision.extra_ms
+
+    # -- applying --
+
+    def apply(self) -> None:
+        """Wraps the recomputed regions' forwards and hooks the regions (a no-op if applied)."""
+        if self._applied:
+            return
+        for module, region in zip(self.regions, self.cost.regions):
+            owner = _APPLIED.get(module)
+            if owner is not None and owner is not self:
+                raise PlanError(f"region {region.name} is under another plan: remove() that "
+                                "plan first")
+        if "offload" in self.choices and self._scope is None:
+            self._scope = _RegionOffload(self.min_offload_bytes)
+        self._watch = _RegionWatch(self.regions, _Clock(self.device), on_enter=self._enter,
+                                   on_exit=self._exit, on_backward=self._backward)
+        for i, choice in enumerate(self.choices):
+            if choice == "recompute":
+                self._wrap(i)
+        for module in self.regions:
+            _APPLIED[module] = self
+        self._applied = True
+
+    def remove(self) -> None:
+        """Gives the regions their own forwards back (a no-op if not applied). A backward still
+        to run on a graph built under the plan still recomputes and uploads as planned."""
+        if not self._applied:
+            return
+        for module, own in self._wrapped:
+            if own is None:
+                module.__dict__.pop("forward", None)
+            else:
+                setattr(module, "forward", own)
+        self._wrapped = []
+        if self._watch is not None:
+            self._watch.remove()  # its spans stay readable for explain()
+        if self._scope is not None:
+            self._scope.exit()
+        for module in self.regions:
+            if _APPLIED.get(module) is self:
+                del _APPLIED[module]
+        self._applied = False
+
+    def __enter__(self) -> MemoryPlan:
+        self._entered_applied = not self._applied
+        self.apply()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._entered_applied:
+            self.remove()
+
+    def _enter(self, i: int, inputs: Any) -> None:
+        if self._scope is not None:
+            self._scope.settle()  # lets go of the tensors whose copies out have landed
+        watch = self._watch
+        if i == 0 and watch is not None and len(watch.spans[0]) > 1:
+            # The first region again: a new step; measure it afresh.
+            latest = watch.spans[0][-1]
+            watch.reset()
+            watch.spans[0].append(latest)
+            watch.entered.append(0)
+        if self.choices[i] == "offload" and self._scope is not None:
+            self._scope.enter(i, inputs)
+
+    def _exit(self, i: int) -> None:
+        if self._scope is not None:
+            if self.choices[i] == "offload":
+                self._scope.exit()
+            self._scope.settle()
+
+    def _backward(self, i: int) -> None:
+        if i and self.choices[i - 1] == "offload" and self._scope is not None:
+            self._scope.upload(i - 1)
+
+    def _wrap(self, i: int) -> None:
+        module = self.regions[i]
+        own = module.__dict__.get("forward")
+        inner = module.forward
+        name = self.cost.regions[i].name
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
+            versions = [(t, t._version) for t in _tensors((args, kwargs))]
+            calls = [0]
+
+            def run(a: Tuple[Any, ...], k: Dict[str, Any]) -> Any:
+                calls[0] += 1
+                if calls[0] > 1 and any(t._version != v for t, v in versions):
+                    raise PlanError(
+                        f"region {name}: an input was written in place after its forward ran, "
+                        "so its recompute would read the new values; keep this region "
+                        "(plan.retarget(choices=...)) or make that write out of place")
+                return inner(*a, **k)
+
+            # (args, kwargs) as two arguments: checkpoint then finds the devices of tensors
+            # passed by keyword too, and restores their RNG state for the recompute.
+            return checkpoint(run, args, kwargs, use_reentrant=False, preserve_rng_state=True)
+
+        setattr(module, "forward", forward)
+        self._wrapped.append((module, own))
+
+    # -- explaining --
+
+    def measured(self) -> Tuple[Tuple[Optional[float], Optional[float]], ...]:
+        """Per region, the forward and backward ms of the last step run under the plan
+        (recompute included in the backward; None: not run yet). Waits for a GPU's events."""
+        watch = self._watch
+        if watch is None:
+            return tuple((None, None) for _ in self.regions)
+        return tuple(watch.times(i) for i in range(len(self.regions)))
+
+    def explain(self) -> str:
+        cost, d = self.cost, self.decision
+        link = ("none: keep or recompute only" if cost.link is None else
+                f"{cost.link.to_host / 1e9:.1f} GB/s to host, "
+                f"{cost.link.to_device / 1e9:.1f} GB/s to device")
+        lines = [
+            f"MemoryPlan over {len(self.regions)} regions; activation bytes at the peak: "
+            f"target {_bytes(d.target_bytes)}, predicted {_bytes(d.peak_bytes)} (plain "
+            f"{_bytes(cost.plain_bytes)}, least reachable {_bytes(d.least_bytes)}"
+            + ("" if d.reachable else ": the target is below it") + ")",
+            f"predicted extra {d.extra_ms:.2f} ms per step; link: {link}",
+        ]
+        header = ("region", "choice", "saved", "fwd ms", "bwd ms", "pred. extra ms",
+                  "meas. fwd ms", "meas. bwd ms", "meas. extra ms")
+        rows = [header]
+        for region, choice, predicted, (mf, mb) in zip(cost.regions, d.choices,
+                                                       d.region_extra_ms, self.measured()):
+            extra = "-" if mf is None or mb is None else \
+                f"{mf + mb - region.forward_ms - region.backward:.2f}"
+            rows.append((region.name, choice, _bytes(region.saved_bytes),
+                         f"{region.forward_ms:.2f}",
+                         f"{region.backward:.2f}" + ("*" if region.backward_ms is None else ""),
+                         f"{predicted:.2f}", "-" if mf is None else f"{mf:.2f}",
+                         "-" if mb is None else f"{mb:.2f}", extra))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                  for row in rows]
+        lines.append(f"outside the regions: {_bytes(cost.shared_bytes)} shared (region inputs, "
+                     f"saved before them), {_bytes(cost.head_bytes)} after the last (kept)")
+        if any(r.backward_ms is None for r in cost.regions):
+            lines.append("* backward not measured: twice the forward assumed")
+        if self._scope is not None:
+            stats = self._scope.stats
+            lines.append("offload, last step: " + ", ".join(
+                f"{k} {stats[k]}" for k in ("offloaded", "offloaded_bytes", "prefetched",
+                                            "fetched_on_demand", "read_in_place")))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def __repr__(self) -> str:
+        return (f"MemoryPlan(choices={list(self.choices)}, target_bytes={self.target_bytes}, "
+                f"predicted_peak_bytes={self.predicted_peak_bytes})")
+
+
+def _check_regions(modules: Sequence[nn.Module], names: Dict[nn.Module, str]) -> None:
+    if not modules:
+        raise ValueError("regions=[] is empty: pass the model's repeated blocks, or leave "
+                         "regions out to take the children of its largest nn.ModuleList")
+    for m in modules:
+        if not isinstance(m, nn.Module) or m not in names:
+            raise ValueError(f"region {m!r:.60} is not a submodule of the model: pass modules "
+                             "of the model being profiled")
+        if _APPLIED.get(m) is not None:
+            raise PlanError(f"region {names[m]} is under a plan: remove() it to profile the "
+                            "plain step")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("a module is given twice in regions")
+    for a in modules:
+        for b in modules:
+            if a is not b and any(c is b for c in a.modules()):
+                raise ValueError(f"region {names[b]} is inside region {names[a]}: regions must "
+                                 "not nest; pass one level of blocks")
