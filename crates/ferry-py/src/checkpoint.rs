@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use ferry::checkpoint::{
     AsyncSaveOptions, AsyncSaveReport, Checkpoint, DEFAULT_STAGING_BYTES, PendingSave,
-    SnapshotMemory,
+    SnapshotMemory, SnapshotWaiter,
 };
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
@@ -24,6 +24,10 @@ use crate::order::{TorchStream, torch_or_default};
 #[pyclass(name = "PendingSave", module = "ferry._ferry")]
 pub struct PyPendingSave {
     inner: Mutex<Option<PendingSave>>,
+    /// Waits for the snapshot without `inner`'s lock: a thread waiting (without the GIL) must
+    /// not hold a lock that another thread, holding the GIL, then blocks on (an optimizer
+    /// step's barrier asks `snapshot_taken` while a saving thread waits).
+    snapshot: SnapshotWaiter,
     path: String,
 }
 
@@ -81,9 +85,11 @@ impl PyPendingSave {
     /// Blocks (without the GIL) until every tensor has been copied.
     fn wait_snapshot(&self, py: Python<'_>) -> PyResult<()> {
         guarded(|| {
-            let guard = self.inner.lock();
-            let pending = guard.as_ref().ok_or_else(gone)?;
-            py.detach(|| pending.wait_snapshot());
+            if self.inner.lock().is_none() {
+                return Err(gone());
+            }
+            let snapshot = self.snapshot.clone();
+            py.detach(|| snapshot.wait());
             Ok(())
         })
     }
@@ -197,6 +203,7 @@ pub fn save_async(
             .detach(|| ck.save_async(&path, options))
             .map_err(|e| FerryError::new_err(e.to_string()))?;
         let save = PyPendingSave {
+            snapshot: pending.snapshot_waiter(),
             inner: Mutex::new(Some(pending)),
             path: shown,
         };

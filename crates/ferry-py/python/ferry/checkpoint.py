@@ -104,11 +104,11 @@ class PendingSave:
         self._watched = watched
         self._private = not watched
         self._checked = False
-        # The extension's wait_snapshot holds the save's lock while it waits without the GIL:
-        # a second thread calling into the save then would wait for that lock holding the GIL,
-        # which the first needs back (the optimizer's barrier on the training thread, while
-        # dcp.async_save's thread waits for its save). Calls go through this lock first, which
-        # waits without the GIL.
+        # One thread at a time waits for the snapshot and checks the versions (the check runs
+        # once, before any caller writes): the optimizer's barrier on the training thread and
+        # dcp.async_save's thread may both get here. Another thread meanwhile answers "not yet"
+        # rather than waiting (this lock is taken without the GIL; the extension's own wait
+        # holds none of its locks either, so no thread holding the GIL ever waits on one).
         self._calls = threading.RLock()
 
     @property

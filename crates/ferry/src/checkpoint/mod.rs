@@ -59,7 +59,7 @@ mod write;
 
 pub use error::{CheckpointError, Mismatch};
 pub use format::CHECKSUM_KEY;
-pub use pending::{AsyncSaveReport, PendingSave, save_async};
+pub use pending::{AsyncSaveReport, PendingSave, SnapshotWaiter, save_async};
 pub use plan::{AsyncSaveOptions, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions, SnapshotMemory};
 pub use read::Verified;
 pub use stage::CheckpointReport;

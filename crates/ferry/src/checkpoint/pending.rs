@@ -148,9 +148,14 @@ impl PendingSave {
     /// [`PendingSave::wait`] returns): a barrier before writes that do not go through ferry's
     /// tensors (another runtime's, over the same memory).
     pub fn wait_snapshot(&self) {
-        let mut state = self.shared.lock();
-        while state.snapshot.is_none() {
-            state = self.shared.wait(state);
+        self.snapshot_waiter().wait();
+    }
+
+    /// A handle that waits for this save's snapshot without the save itself, so a caller can
+    /// wait on one thread while another asks the save other questions (or waits for it).
+    pub fn snapshot_waiter(&self) -> SnapshotWaiter {
+        SnapshotWaiter {
+            shared: Arc::clone(&self.shared),
         }
     }
 
@@ -186,6 +191,30 @@ impl PendingSave {
                     .into(),
             })
         })
+    }
+}
+
+/// Waits for one save's snapshot ([`PendingSave::snapshot_waiter`]).
+#[derive(Clone)]
+pub struct SnapshotWaiter {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for SnapshotWaiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotWaiter")
+            .field("path", &self.shared.path)
+            .finish()
+    }
+}
+
+impl SnapshotWaiter {
+    /// Blocks until every tensor has been copied, as [`PendingSave::wait_snapshot`].
+    pub fn wait(&self) {
+        let mut state = self.shared.lock();
+        while state.snapshot.is_none() {
+            state = self.shared.wait(state);
+        }
     }
 }
 
