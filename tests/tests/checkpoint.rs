@@ -1306,3 +1306,56 @@ fn killed_saves_leave_nothing_behind() {
     checkpoint::save(&target, &[("w".to_string(), w)]).unwrap();
     assert_eq!(listing(&dir), ["ckpt.safetensors"]);
 }
+
+/// One checkpoint saved twice is the same bytes twice (metadata in a fixed order), and a file
+/// with empty tensors at one offset, named against their file order, verifies every time.
+#[test]
+fn saves_are_byte_for_byte_repeatable_and_empty_tensors_verify() {
+    let dir = scratch("repeatable");
+    let mut ck = Checkpoint::from_tensors(vec![
+        (
+            "w".into(),
+            Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap(),
+        ),
+        (
+            "z_empty".into(),
+            Tensor::from_slice::<f32>(&[], &[0]).unwrap(),
+        ),
+        (
+            "a_empty".into(),
+            Tensor::from_slice::<f32>(&[], &[0, 4]).unwrap(),
+        ),
+        // Five empty tensors and one other: at most two offsets, so some share one.
+        (
+            "q_empty".into(),
+            Tensor::from_slice::<f32>(&[], &[2, 0]).unwrap(),
+        ),
+        (
+            "c_empty".into(),
+            Tensor::from_slice::<f32>(&[], &[0]).unwrap(),
+        ),
+        (
+            "m_empty".into(),
+            Tensor::from_slice::<f32>(&[], &[0, 0]).unwrap(),
+        ),
+    ]);
+    for (key, value) in [
+        ("step", "7"),
+        ("epoch", "2"),
+        ("model", "gpt"),
+        ("lr", "3e-4"),
+    ] {
+        ck.set_metadata(key, value);
+    }
+    let (first, second) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+    ck.save(&first).unwrap();
+    ck.save(&second).unwrap();
+    assert_eq!(
+        std::fs::read(&first).unwrap(),
+        std::fs::read(&second).unwrap()
+    );
+    for _ in 0..16 {
+        checkpoint::verify(&first).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

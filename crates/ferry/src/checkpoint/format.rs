@@ -8,7 +8,7 @@
 //! the other metadata), so a damaged shape or metadata value is caught too. Every checksum has
 //! eight digits, so the header's length is known before the data is written and hashed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use ferry_tensor::DType;
@@ -66,7 +66,7 @@ pub(super) fn header_checksum(
     tensors: &[(String, TensorInfo)],
     metadata: &BTreeMap<String, String>,
 ) -> u32 {
-    let described: Vec<_> = tensors
+    let mut described: Vec<_> = tensors
         .iter()
         .map(|(k, info)| {
             (
@@ -77,6 +77,9 @@ pub(super) fn header_checksum(
             )
         })
         .collect();
+    // In file order, and among empty tensors at one offset by name: a reader that sorts by
+    // offset cannot tell their order, so the description must not depend on it.
+    described.sort_by(|a, b| (a.3, a.0).cmp(&(b.3, b.0)));
     let others: BTreeMap<&String, &String> = metadata
         .iter()
         .filter(|(k, _)| k.as_str() != CHECKSUM_KEY)
@@ -94,14 +97,31 @@ pub(super) fn header_bytes(
     metadata: &BTreeMap<String, String>,
     checksums: &Checksums,
 ) -> Result<Vec<u8>, CheckpointError> {
-    let mut entries: HashMap<String, String> = metadata.clone().into_iter().collect();
+    let mut entries = metadata.clone();
     entries.insert(CHECKSUM_KEY.into(), checksums.encode());
-    let header = Metadata::new(Some(entries), tensors.to_vec())
-        .and_then(|meta| Ok(serde_json::to_string(&meta)?))
-        .map_err(|e| CheckpointError::Format {
-            path: path.to_path_buf(),
-            reason: format!("cannot describe the tensors: {e}"),
-        })?;
+    let failed = |e: &dyn std::fmt::Display| CheckpointError::Format {
+        path: path.to_path_buf(),
+        reason: format!("cannot describe the tensors: {e}"),
+    };
+    // safetensors checks the layout (offsets in order, no gaps, sizes that match)...
+    Metadata::new(
+        Some(entries.clone().into_iter().collect()),
+        tensors.to_vec(),
+    )
+    .map_err(|e| failed(&e))?;
+    // ...but serializes its metadata from a HashMap, in an order that changes from run to
+    // run: the header is written here instead, the metadata sorted and the tensors in file
+    // order, so one save gives the same bytes every time.
+    let text = |r: serde_json::Result<String>| r.map_err(|e| failed(&e));
+    let mut header = format!(
+        "{{\"__metadata__\":{}",
+        text(serde_json::to_string(&entries))?
+    );
+    for (name, info) in tensors {
+        let (name, info) = (serde_json::to_string(name), serde_json::to_string(info));
+        header.push_str(&format!(",{}:{}", text(name)?, text(info)?));
+    }
+    header.push('}');
     let mut bytes = header.into_bytes();
     bytes.resize(bytes.len().next_multiple_of(8), b' ');
     if bytes.len() as u64 > MAX_HEADER_LEN {
