@@ -194,9 +194,10 @@ def read_header(f: io.BufferedIOBase, path: str) -> Header:
         and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
     ):
         raise _format_error(path, "its __metadata__ is not a map of strings to strings")
-    # File order; ties (empty tensors) keep the header's order, which is the writer's.
+    # File order; empty tensors at one offset by name, as the header's CRC32 describes them.
     entries = sorted(
-        (_entry(path, name, info) for name, info in doc.items()), key=lambda e: (e.start, e.end)
+        (_entry(path, name, info) for name, info in doc.items()),
+        key=lambda e: (e.start, e.end, e.name),
     )
     at = 0
     for entry in entries:
