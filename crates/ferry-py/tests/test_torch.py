@@ -276,6 +276,18 @@ def test_empty_pinned_needs_the_pinned_pool():
     assert t.shape == (4, 4) and t.dtype == torch.float16 and t.is_pinned()
 
 
+@cuda
+def test_empty_pinned_beyond_the_budget_raises_as_torch_does():
+    budget = ferry.pinned_budget()
+    try:
+        ferry.set_pinned_budget(1 << 20)
+        with pytest.raises(ferry.FerryError, match="pinned budget") as err:
+            ferry.empty_pinned((1 << 20,), torch.float32)
+        assert isinstance(err.value, RuntimeError)
+    finally:
+        ferry.set_pinned_budget(budget)
+
+
 def test_to_async_needs_a_gpu_side():
     with pytest.raises(ValueError, match="to_async moves to or from a GPU"):
         ferry.to_async(torch.ones(3), "cpu")

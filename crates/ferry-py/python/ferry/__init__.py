@@ -360,11 +360,21 @@ def move_state_dict(state_dict, device, report: bool = False):
 
 def empty_pinned(shape, dtype="float32"):
     """An uninitialised host tensor (torch) of ``shape`` in page-locked memory from ferry's
-    pinned pool, or ``None`` when the pinned budget has no room. Its block returns to the pool
-    when torch frees the tensor, once the work torch had queued on its current stream by then
-    has run (a copy from it still in flight, say); see :func:`record_stream` for others."""
-    block = _ferry.empty_pinned(list(shape), _dtype_name(dtype))
-    return None if block is None else to_torch(block)
+    pinned pool. Its block returns to the pool when torch frees the tensor, once the work torch
+    had queued on its current stream by then has run (a copy from it still in flight, say); see
+    :func:`record_stream` for others. Beyond the pinned budget it raises ``FerryError`` (a
+    ``RuntimeError``), as ``torch.empty(..., pin_memory=True)`` raises when it cannot pin."""
+    shape = list(shape)
+    block = _ferry.empty_pinned(shape, _dtype_name(dtype))
+    if block is None:
+        stats = _ferry.pinned_stats()
+        raise FerryError(
+            f"empty_pinned: a {dtype} tensor of shape {tuple(shape)} does not fit ferry's pinned "
+            f"budget ({stats['budget_bytes']} bytes, {stats['allocated_bytes']} in use): free "
+            "pinned tensors, raise the budget with ferry.set_pinned_budget(...), or use "
+            "pageable memory (torch.empty)"
+        )
+    return to_torch(block)
 
 
 def pin_(t):
