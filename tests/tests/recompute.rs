@@ -178,21 +178,28 @@ fn a_recomputed_module_trains_as_the_plain_one() -> Result<()> {
     Ok(())
 }
 
-/// ferry's GPT with each block recomputed: the plain model's loss and gradients, bit for bit on
-/// the CPU, under bf16 autocast too, for a fraction of the saved bytes.
-#[test]
-fn a_gpt_with_recomputed_blocks_trains_as_the_plain_one() -> Result<()> {
-    use ferry::models::{Gpt, GptConfig};
-    use ferry::nn::{Module, cross_entropy};
-    let config = GptConfig {
+/// A GPT of `layers` blocks (vocabulary 32, context 16, width 32, 4 heads), a batch of 2 x 16
+/// ids and the 32 targets of its positions.
+fn tiny_gpt(layers: usize) -> Result<(ferry::models::GptConfig, Tensor, Tensor)> {
+    let config = ferry::models::GptConfig {
         vocab: 32,
         context: 16,
         width: 32,
-        layers: 3,
+        layers,
         heads: 4,
     };
     let ids = Tensor::from_vec((0..32).map(|i| (i * 7 % 32) as i64).collect(), &[2, 16])?;
     let targets = Tensor::from_vec((0..32).map(|i| (i * 5 % 32) as i64).collect(), &[32])?;
+    Ok((config, ids, targets))
+}
+
+/// ferry's GPT with each block recomputed: the plain model's loss and gradients, bit for bit on
+/// the CPU, under bf16 autocast too, for a fraction of the saved bytes.
+#[test]
+fn a_gpt_with_recomputed_blocks_trains_as_the_plain_one() -> Result<()> {
+    use ferry::models::Gpt;
+    use ferry::nn::{Module, cross_entropy};
+    let (config, ids, targets) = tiny_gpt(3)?;
     for low in [None, Some(DType::BF16)] {
         let run = |recompute: bool| -> Result<(Vec<f64>, Vec<Vec<f64>>, usize)> {
             manual_seed(5);
@@ -237,17 +244,9 @@ fn a_gpt_with_recomputed_blocks_trains_as_the_plain_one() -> Result<()> {
 #[test]
 fn a_gpt_under_a_memory_plan_trains_as_the_plain_one() -> Result<()> {
     use ferry::autograd::{Choice, MemoryPlan};
-    use ferry::models::{Gpt, GptConfig};
+    use ferry::models::Gpt;
     use ferry::nn::{Module, cross_entropy};
-    let config = GptConfig {
-        vocab: 32,
-        context: 16,
-        width: 32,
-        layers: 4,
-        heads: 4,
-    };
-    let ids = Tensor::from_vec((0..32).map(|i| (i * 7 % 32) as i64).collect(), &[2, 16])?;
-    let targets = Tensor::from_vec((0..32).map(|i| (i * 5 % 32) as i64).collect(), &[32])?;
+    let (config, ids, targets) = tiny_gpt(4)?;
     let run = |plan: Option<&[Choice]>| -> Result<(Vec<f64>, Vec<Vec<f64>>, usize)> {
         manual_seed(9);
         let mut gpt = Gpt::new(config, Device::Cpu)?;

@@ -467,49 +467,6 @@ def test_an_input_written_after_a_recomputed_forward_raises_instead_of_a_wrong_g
 # -- offload -------------------------------------------------------------------------------------
 
 
-class _Event:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-class _Stream:
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-
-@pytest.fixture
-def host_offload(monkeypatch):
-    """offload_saved's bookkeeping on host tensors (as in test_torch.py): streams and events
-    stubbed out, host tensors offloadable, plain torch memory in place of ferry's pinned pool."""
-    import contextlib
-    import types
-
-    from ferry import offload
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    pinned = types.SimpleNamespace(empty_pinned=lambda shape, dtype, ordered: torch.empty(shape))
-    monkeypatch.setattr(offload, "_ferry", pinned)
-    monkeypatch.setattr(offload, "to_torch", lambda block: block)
-
-    def offloadable(self, t):
-        base = t._base if t._base is not None else t
-        return t.numel() * t.element_size() >= self.min_bytes and base.grad_fn is not None
-
-    monkeypatch.setattr(offload.offload_saved, "_offloadable", offloadable)
-
-
 def test_offload_is_restricted_to_its_regions_and_uploads_a_region_ahead(host_offload,
                                                                          monkeypatch):
     from ferry import plan as plan_module

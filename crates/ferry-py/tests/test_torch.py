@@ -413,25 +413,6 @@ def test_memory_stats_count_ferrys_device_memory():
     del on_gpu
 
 
-class _Event:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-class _Stream:
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-
 def tanh_mlp(blocks: int = 6, width: int = 64):
     """``blocks`` of Linear(width, width) and tanh, seeded: each tanh output is one saved
     activation."""
@@ -440,31 +421,6 @@ def tanh_mlp(blocks: int = 6, width: int = 64):
     for _ in range(blocks):
         layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers)
-
-
-@pytest.fixture
-def host_offload(monkeypatch):
-    """offload_saved's bookkeeping on host tensors: streams and events stubbed out, host
-    tensors offloadable, plain torch memory in place of ferry's pinned pool."""
-    import contextlib
-    import types
-
-    from ferry import offload
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    pinned = types.SimpleNamespace(empty_pinned=lambda shape, dtype, ordered: torch.empty(shape))
-    monkeypatch.setattr(offload, "_ferry", pinned)
-    monkeypatch.setattr(offload, "to_torch", lambda block: block)
-
-    def offloadable(self, t):
-        base = t._base if t._base is not None else t
-        return t.numel() * t.element_size() >= self.min_bytes and base.grad_fn is not None
-
-    monkeypatch.setattr(offload.offload_saved, "_offloadable", offloadable)
 
 
 def test_offload_bookkeeping_on_host_tensors(host_offload):
@@ -616,10 +572,13 @@ def test_a_scope_lets_go_of_its_pinned_blocks_when_backward_ends(host_offload, m
     does not hold a step's worth of pinned memory in between (seen on the H200: 10 GiB)."""
     running = []
 
-    class Slow(_Event):  # reports running until waited for
+    class Slow:  # an event that reports running until waited for
         def __init__(self):
             self.done = False
             running.append(self)
+
+        def record(self, stream=None):
+            pass
 
         def query(self):
             return self.done
