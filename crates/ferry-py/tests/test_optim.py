@@ -153,6 +153,41 @@ def test_state_dicts_go_both_ways_with_torch_adamw():
 
 
 @cuda
+def test_frozen_parameters_are_skipped_as_torch_adamw_skips_them():
+    # The first layer's weight frozen: it keeps its values, gets no state, and the state dict's
+    # indices are torch's (every parameter of the groups counted).
+    a, b = _model(), _model()
+    for model in (a, b):
+        model[0].weight.requires_grad_(False)
+    ref = torch.optim.AdamW(_groups(a, 1e-2), lr=1e-2, foreach=False)
+    off = OffloadAdamW(_groups(b, 1e-2), lr=1e-2)
+    frozen = b[0].weight.detach().clone()
+    _train((a, ref), (b, off), 4)
+    _close(a, b, rtol=1e-5)
+    assert torch.equal(b[0].weight, frozen)
+    ours, theirs = off.state_dict(), ref.state_dict()
+    assert sorted(ours["state"]) == sorted(theirs["state"]) == [1, 2, 3]
+    assert ours["param_groups"][0]["params"] == theirs["param_groups"][0]["params"]
+    resumed_model = copy.deepcopy(a)
+    resumed = OffloadAdamW(_groups(resumed_model, 1e-2), lr=1e-2)
+    resumed.load_state_dict(theirs)
+    _train((a, ref), (resumed_model, resumed), 2, first_seed=10)
+    _close(a, resumed_model, rtol=1e-5)
+
+
+@cuda
+def test_groups_come_through_the_constructor():
+    model = _model()
+    off = OffloadAdamW(model[0].parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="pass every group to OffloadAdamW"):
+        off.add_param_group({"params": list(model[2].parameters())})
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter requires grad"):
+        OffloadAdamW(model.parameters(), lr=1e-3)
+
+
+@cuda
 def test_a_state_dict_of_other_parameters_is_refused():
     _, offloaded = _pair()
     other = OffloadAdamW(_model().parameters(), lr=1e-3)

@@ -106,12 +106,23 @@ class OffloadAdamW(_optimizer_base()):
             amsgrad=False, maximize=False,
         )
         super().__init__(params, defaults)
-        self._params = [p for group in self.param_groups for p in group["params"]]
-        self._group = [group for group in self.param_groups for _ in group["params"]]
-        if len({id(p) for p in self._params}) != len(self._params):
+        every = [p for group in self.param_groups for p in group["params"]]
+        if len({id(p) for p in every}) != len(every):
             raise ValueError("OffloadAdamW: a parameter appears twice")
+        # Frozen parameters (requires_grad=False) stay in the groups, as torch's AdamW keeps
+        # them, but never get state: the engine steps the others. `_index[k]` is the position
+        # among every parameter (the state dict's index) of the engine's parameter k.
+        self._index = [i for i, p in enumerate(every) if p.requires_grad]
+        if not self._index:
+            raise ValueError(
+                "OffloadAdamW: no parameter requires grad, so none would ever be stepped"
+            )
+        self._params = [every[i] for i in self._index]
+        groups = [group for group in self.param_groups for _ in group["params"]]
+        self._group = [groups[i] for i in self._index]
         first = self._params[0]
-        for i, p in enumerate(self._params):
+        for k, p in enumerate(self._params):
+            i = self._index[k]
             problem = None
             if not p.is_cuda:
                 problem = (
@@ -124,8 +135,6 @@ class OffloadAdamW(_optimizer_base()):
                 problem = f"is {p.dtype}; offload steps float32, bfloat16 or float16 parameters"
             elif not p.is_contiguous():
                 problem = "is not contiguous; offload copies whole parameters"
-            elif not p.requires_grad:
-                problem = "does not require grad, so it would never get a gradient"
             if problem:
                 raise ValueError(f"OffloadAdamW: parameter {i} {problem}")
         self._device = first.device
@@ -159,6 +168,17 @@ class OffloadAdamW(_optimizer_base()):
     def __del__(self):
         for hook in getattr(self, "_hooks", ()):
             hook.remove()
+
+    def add_param_group(self, param_group):
+        """Groups come only through the constructor: the host state (master weights, moments,
+        pinned buffers) of every parameter is laid out there, so a group added later is refused
+        rather than silently left unstepped."""
+        if hasattr(self, "_engine"):
+            raise ValueError(
+                "OffloadAdamW.add_param_group: the host state is laid out when the optimizer is "
+                "made; pass every group to OffloadAdamW([...]) (make a new optimizer to add one)"
+            )
+        super().add_param_group(param_group)
 
     def _send(self, p, i):
         """Sends parameter ``i``'s gradient down and hands it to ferry's step thread."""
@@ -249,11 +269,11 @@ class OffloadAdamW(_optimizer_base()):
         named = dict(self._engine.state())
         steps = float(self._engine.steps())
         state = {}
-        for i in range(len(self._params)):
+        for k, i in enumerate(self._index):
             entry = {"step": torch.tensor(steps)}
             for name in ("exp_avg", "exp_avg_sq", "master"):
-                if f"{i}.{name}" in named:
-                    entry[name] = to_torch(named[f"{i}.{name}"])
+                if f"{k}.{name}" in named:
+                    entry[name] = to_torch(named[f"{k}.{name}"])
             state[i] = entry
         groups, start = [], 0
         for group in self.param_groups:
@@ -277,8 +297,9 @@ class OffloadAdamW(_optimizer_base()):
             )
         saved_ids = [pid for g in groups for pid in g["params"]]
         entries, steps = [], 0
-        for i, (pid, p) in enumerate(zip(saved_ids, self._params)):
-            entry = state_dict["state"].get(pid, {})
+        for k, p in enumerate(self._params):
+            i = self._index[k]
+            entry = state_dict["state"].get(saved_ids[i], {})
 
             def host(t, name, i=i, p=p):
                 t = t.detach().to("cpu", torch.float32).contiguous()
@@ -290,10 +311,10 @@ class OffloadAdamW(_optimizer_base()):
                 return t
 
             master = entry.get("master")
-            entries.append((f"{i}.master", host(p if master is None else master, "master")))
+            entries.append((f"{k}.master", host(p if master is None else master, "master")))
             if "exp_avg" in entry:
-                entries.append((f"{i}.exp_avg", host(entry["exp_avg"], "exp_avg")))
-                entries.append((f"{i}.exp_avg_sq", host(entry["exp_avg_sq"], "exp_avg_sq")))
+                entries.append((f"{k}.exp_avg", host(entry["exp_avg"], "exp_avg")))
+                entries.append((f"{k}.exp_avg_sq", host(entry["exp_avg_sq"], "exp_avg_sq")))
             if "step" in entry:
                 steps = max(steps, int(float(entry["step"])))
         for group, saved in zip(self.param_groups, groups):
