@@ -10,7 +10,8 @@ it). ``--json FILE`` writes every sample. ``--models`` runs the real-model bench
 (``bench_models.py``: activation offload and state dicts of GPT-2, Llama and ViT), and
 ``--optimizer-offload`` the optimizer-offload one (``bench_optim.py``: a 1B Llama's step with
 AdamW on the GPU, ``ferry.optim.OffloadAdamW``, torchao's CPUOffloadOptimizer and the simple
-offload).
+offload). ``--memory`` runs issue 41's memory curves (``bench_memory.py``: ferry.plan against
+torch's checkpointing, save_on_cpu and ferry.offload_saved, with PNGs).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 import ferry
 
-from . import bench_harness, bench_models, bench_optim
+from . import bench_harness, bench_memory, bench_models, bench_optim
 
 MB = 1 << 20
 
@@ -169,14 +170,20 @@ def _offload_rows(gb: float, samples: int, warmup: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ferry.bench", description=__doc__)
     parser.add_argument("--mb", type=int, default=400, help="tensor size in MB (default 400)")
-    parser.add_argument("--samples", type=int, help="default 9 (5 with --models)")
-    parser.add_argument("--warmup", type=int, help="default 2 (1 with --models)")
+    parser.add_argument("--samples", type=int, help="default 9 (5 with --models or --memory)")
+    parser.add_argument("--warmup", type=int, help="default 2 (1 with --models or --memory)")
     parser.add_argument("--offload-gb", type=float, default=2.0,
                         help="saved activations of the offload step in GB (0: skip it)")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--models", nargs="?", const=",".join(bench_models.MODELS), metavar="LIST",
                         help="only the real-model rows, of these models (default: "
                              f"{','.join(bench_models.MODELS)})")
+    parser.add_argument("--memory", nargs="?", const=",".join(bench_memory.MODELS), metavar="LIST",
+                        help="only the memory-plan curves, of these models (default: "
+                             f"{','.join(bench_memory.MODELS)})")
+    parser.add_argument("--png", metavar="DIR",
+                        help="with --memory: where the curves' PNGs go (default docs/img from the "
+                             "repository's root, else the current directory)")
     parser.add_argument("--optimizer-offload", action="store_true",
                         help="only the optimizer-offload rows (bench_optim.py): a 1B Llama's step "
                              "with AdamW on the GPU, ferry.optim.OffloadAdamW, torchao and the "
@@ -196,6 +203,8 @@ def main(argv=None) -> int:
         return 0
     if args.optimizer_offload:
         return bench_optim.run(args)
+    if args.memory is not None:
+        return bench_memory.run(args)
     if args.models is not None or args.profile:
         return bench_models.run(args)
     args.samples = 9 if args.samples is None else args.samples
