@@ -1,7 +1,7 @@
 //! The `ferry` command: the transfer-methods table (`methods`), the machine's devices (`doctor`),
 //! autograd graphs (`graph`), training demos (`train`), checkpoint checks (`checkpoint`) and the
 //! benchmarks (`bench`: `transfer`, `train`, `attention`, `autograd`, `pipeline`, `checkpoint`, `offload`,
-//! `optim`, `offload-optim`, `peer`, `ddp`), each side by side with PyTorch in one run. The
+//! `memory`, `optim`, `offload-optim`, `peer`, `ddp`), each side by side with PyTorch in one run. The
 //! benchmarks are the default feature `bench`; `--no-default-features` builds the binary without
 //! them.
 #![forbid(unsafe_code)]
