@@ -1,4 +1,4 @@
-//! `ferry bench memory`: activation memory against step time for ferry's GPT, each point a way
+//! `ferry bench memory`: activation memory against step time for ferry's GPT and Llama, each point a way
 //! to hold what backward needs: everything kept, every block recomputed (PyTorch's
 //! `torch.utils.checkpoint` per block), every block offloaded (ferry's offload scope alone), and
 //! the memory plan ([`ferry::autograd::MemoryPlan`]) at five targets from 90% of the plain
@@ -17,7 +17,7 @@ use std::time::Instant;
 use clap::Args;
 use ferry::autograd::{Choice, Link, MemoryPlan};
 use ferry::memory::cuda::CudaDevice;
-use ferry::models::{Gpt, GptConfig};
+use ferry::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use ferry::prelude::*;
 use serde_json::json;
 
@@ -38,49 +38,69 @@ pub struct MemoryArgs {
     /// Untimed steps per point before the samples.
     #[arg(long, default_value_t = 1)]
     warmup: u32,
-    /// Only these cases (ids joined by commas: gpt2_small, gpt_1b_b8).
+    /// Only these cases (ids joined by commas: gpt2_small, gpt_1b_b8, llama_1b_b4).
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     cases: Vec<String>,
 }
 
 /// A model and batch to draw the curve of.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Case {
     id: &'static str,
-    config: GptConfig,
+    arch: Arch,
     batch: usize,
+    /// Positions a sample.
+    context: usize,
     /// bf16 autocast (weights in f32).
     bf16: bool,
 }
 
-const CASES: [Case; 2] = [
-    // nanoGPT's GPT-2 small shape in f32, batch 12 x 1024 (issue 41's anchor), bytes as tokens.
-    Case {
-        id: "gpt2_small",
-        config: GptConfig {
+/// Which of ferry's models, at which size.
+#[derive(Debug, Clone)]
+enum Arch {
+    Gpt(GptConfig),
+    Llama(LlamaConfig),
+}
+
+fn cases() -> Vec<Case> {
+    let gpt = |width, layers, heads| {
+        Arch::Gpt(GptConfig {
             vocab: 256,
             context: 1024,
-            width: 768,
-            layers: 12,
-            heads: 12,
-        },
-        batch: 12,
-        bf16: false,
-    },
-    // The 1 B GPT of `ferry bench train`, bf16 autocast, batch 8 x 1024.
-    Case {
-        id: "gpt_1b_b8",
-        config: GptConfig {
-            vocab: 256,
+            width,
+            layers,
+            heads,
+        })
+    };
+    vec![
+        // nanoGPT's GPT-2 small shape in f32, batch 12 x 1024 (issue 41's anchor), bytes as
+        // tokens.
+        Case {
+            id: "gpt2_small",
+            arch: gpt(768, 12, 12),
+            batch: 12,
             context: 1024,
-            width: 2048,
-            layers: 20,
-            heads: 16,
+            bf16: false,
         },
-        batch: 8,
-        bf16: true,
-    },
-];
+        // The 1 B GPT of `ferry bench train`, bf16 autocast, batch 8 x 1024.
+        Case {
+            id: "gpt_1b_b8",
+            arch: gpt(2048, 20, 16),
+            batch: 8,
+            context: 1024,
+            bf16: true,
+        },
+        // The Llama of `ferry bench train` (0.97 B), bf16 autocast, batch 4 x 1024 (issue
+        // 41's batch for the 0.95 B Llama).
+        Case {
+            id: "llama_1b_b4",
+            arch: Arch::Llama(LlamaConfig::llama_1b()),
+            batch: 4,
+            context: 1024,
+            bf16: true,
+        },
+    ]
+}
 
 /// The plan's targets, as fractions of the way from the plain activation bytes (0) to what
 /// recomputing every block keeps (1): 90% of plain first, full recompute's bytes last.
@@ -108,9 +128,40 @@ struct Point {
     peak: u64,
 }
 
+/// One of ferry's models, as the bench drives it.
+enum Model {
+    Gpt(Gpt),
+    Llama(Llama),
+}
+
+impl Model {
+    fn as_module(&self) -> &dyn Module {
+        match self {
+            Model::Gpt(m) => m,
+            Model::Llama(m) => m,
+        }
+    }
+
+    fn profile_blocks(&self, ids: &Tensor) -> ferry::Result<Vec<ferry::autograd::RegionCost>> {
+        match self {
+            Model::Gpt(m) => m.profile_blocks(ids),
+            Model::Llama(m) => m.profile_blocks(ids),
+        }
+    }
+
+    fn set_plan(&mut self, choices: &[Choice]) -> ferry::Result<()> {
+        match self {
+            Model::Gpt(m) => m.set_plan(choices),
+            Model::Llama(m) => m.set_plan(choices),
+        }
+    }
+}
+
 /// A case's model, batch and step.
 struct Run {
-    gpt: Gpt,
+    model: Model,
+    vocab: usize,
+    layers: usize,
     ids: Tensor,
     targets: Tensor,
     bf16: bool,
@@ -118,16 +169,25 @@ struct Run {
 
 impl Run {
     fn new(case: &Case, device: Device) -> ferry::Result<Self> {
-        let gpt = Gpt::new(case.config, device)?;
-        let tokens = case.batch * case.config.context;
+        let (model, vocab, layers) = match &case.arch {
+            Arch::Gpt(c) => (Model::Gpt(Gpt::new(*c, device)?), c.vocab, c.layers),
+            Arch::Llama(c) => (
+                Model::Llama(Llama::new(c.clone(), device)?),
+                c.vocab_size,
+                c.num_hidden_layers,
+            ),
+        };
+        let tokens = case.batch * case.context;
         let ids = |n: usize| -> ferry::Result<Tensor> {
             Tensor::rand(&[n], DType::F32, device)?
-                .mul_scalar(case.config.vocab as f64)?
+                .mul_scalar(vocab as f64)?
                 .to_dtype(DType::I64)
         };
         Ok(Self {
-            gpt,
-            ids: ids(tokens)?.reshape(&[case.batch, case.config.context])?,
+            model,
+            vocab,
+            layers,
+            ids: ids(tokens)?.reshape(&[case.batch, case.context])?,
             targets: ids(tokens)?,
             bf16: case.bf16,
         })
@@ -135,8 +195,8 @@ impl Run {
 
     fn loss(&self) -> ferry::Result<Tensor> {
         let forward = || -> ferry::Result<Tensor> {
-            let logits = self.gpt.forward(&self.ids)?;
-            let flat = logits.reshape(&[self.targets.shape()[0], self.gpt.config().vocab])?;
+            let logits = self.model.as_module().forward(&self.ids)?;
+            let flat = logits.reshape(&[self.targets.shape()[0], self.vocab])?;
             ferry::nn::cross_entropy(&flat, &self.targets)
         };
         match self.bf16 {
@@ -147,7 +207,7 @@ impl Run {
 
     /// The blocks' costs from one profiled forward (autocast as the step runs).
     fn profile(&self) -> ferry::Result<Vec<ferry::autograd::RegionCost>> {
-        let profile = || self.gpt.profile_blocks(&self.ids);
+        let profile = || self.model.profile_blocks(&self.ids);
         match self.bf16 {
             true => ferry::amp::autocast(DType::BF16, profile),
             false => profile(),
@@ -155,7 +215,7 @@ impl Run {
     }
 
     fn clear_grads(&self) {
-        for p in self.gpt.parameters() {
+        for p in self.model.as_module().parameters() {
             p.set_grad(None);
         }
     }
@@ -163,7 +223,7 @@ impl Run {
     /// One step with `choices`: its milliseconds and the allocator's peak above what it held
     /// before.
     fn step(&mut self, dev: &CudaDevice, choices: &[Choice]) -> ferry::Result<(f64, u64)> {
-        self.gpt.set_plan(choices)?;
+        self.model.set_plan(choices)?;
         self.clear_grads();
         dev.synchronize()?;
         let base = dev.memory_stats().allocated_bytes;
@@ -178,7 +238,8 @@ impl Run {
 }
 
 pub fn run(args: MemoryArgs) -> Result<(), Box<dyn Error>> {
-    let cases = harness::select(&CASES, &args.cases, "case", |c| c.id)?;
+    let all = cases();
+    let cases = harness::select(&all, &args.cases, "case", |c| c.id)?;
     let dev = match harness::cuda_device(0) {
         Ok(dev) => dev,
         Err(err) => return plans_on_the_cpu(&err.to_string()),
@@ -291,7 +352,7 @@ fn curve(
     args: &MemoryArgs,
 ) -> Result<Vec<Point>, Box<dyn Error>> {
     let mut run = Run::new(case, dev.device())?;
-    let layers = case.config.layers;
+    let layers = run.layers;
     let costs = run.profile()?;
     let plain_bytes: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
     let recompute_bytes = MemoryPlan::new(&costs, None, 1)?.peak_bytes();
@@ -353,16 +414,15 @@ fn point(label: &str, choices: Vec<Choice>, plan: Option<MemoryPlan>) -> Point {
 }
 
 fn describe(case: &Case) -> String {
-    let c = case.config;
-    format!(
-        "GPT {}x{}, {} heads, batch {} x {}, {}",
-        c.layers,
-        c.width,
-        c.heads,
-        case.batch,
-        c.context,
-        if case.bf16 { "bf16 autocast" } else { "f32" }
-    )
+    let model = match &case.arch {
+        Arch::Gpt(c) => format!("GPT {}x{}, {} heads", c.layers, c.width, c.heads),
+        Arch::Llama(c) => format!(
+            "Llama {}x{}, {} heads, {} for keys and values",
+            c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads
+        ),
+    };
+    let precision = if case.bf16 { "bf16 autocast" } else { "f32" };
+    format!("{model}, batch {} x {}, {precision}", case.batch, case.context)
 }
 
 /// `choices` as one letter each.
@@ -393,9 +453,9 @@ fn dominates(points: &[Point], rival: &str) -> Option<bool> {
 /// (no link: keep or recompute only).
 fn plans_on_the_cpu(why: &str) -> Result<(), Box<dyn Error>> {
     println!("ferry bench memory: {}", harness::without_cuda(&why, "the plans a CPU profile gives"));
-    let mut case = CASES[0];
+    let mut case = cases().swap_remove(0);
     case.batch = 1;
-    case.config.context = 128;
+    case.context = 128;
     let run = Run::new(&case, Device::Cpu)?;
     let costs = run.profile()?;
     let plain: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
@@ -438,6 +498,19 @@ mod tests {
         ];
         assert_eq!(dominates(&slower, "recompute every block"), Some(false));
         assert_eq!(dominates(&slower, "offload every block"), None);
+    }
+
+    #[test]
+    fn the_cases_are_named_once_and_described() {
+        let all = cases();
+        let mut ids: Vec<&str> = all.iter().map(|c| c.id).collect();
+        ids.dedup();
+        assert_eq!(ids.len(), all.len());
+        let llama = all.iter().find(|c| c.id == "llama_1b_b4").unwrap();
+        assert_eq!(
+            describe(llama),
+            "Llama 19x2048, 32 heads, 4 for keys and values, batch 4 x 1024, bf16 autocast"
+        );
     }
 
     #[test]
