@@ -106,6 +106,13 @@ fn cases() -> Vec<Case> {
 /// recomputing every block keeps (1): 90% of plain first, full recompute's bytes last.
 const TARGETS: [f64; 5] = [0.0, 0.25, 0.5, 0.75, 1.0];
 
+/// The labels the goals and notes look points up by.
+const NO_PLAN: &str = "no plan";
+const RECOMPUTE_ALL: &str = "recompute every block";
+const OFFLOAD_ALL: &str = "offload every block";
+const PLAN_AT_RECOMPUTE: &str = "plan at full recomputation's bytes";
+const PLAN_AT_HALF: &str = "plan with the saved bytes halved";
+
 const AT_FULL_RECOMPUTE: Goal = Goal {
     name: "the plan at full recomputation's activation bytes: step / no plan",
     metric: "plan_at_recompute_peak_step_ratio",
@@ -299,11 +306,11 @@ pub fn run(args: MemoryArgs) -> Result<(), Box<dyn Error>> {
             Some(p.ms.median()? / plain_ms?)
         };
         judged.push(AT_FULL_RECOMPUTE.judge(
-            step_ratio("plan at 100%"),
-            format!("{} (recompute every block: {:?})", case.id, step_ratio("recompute every block")),
+            step_ratio(PLAN_AT_RECOMPUTE),
+            format!("{} ({RECOMPUTE_ALL}: {:?})", case.id, step_ratio(RECOMPUTE_ALL)),
         ));
-        judged.push(AT_HALF.judge(step_ratio("plan at 50%"), case.id.to_string()));
-        for rival in ["recompute every block", "offload every block"] {
+        judged.push(AT_HALF.judge(step_ratio(PLAN_AT_HALF), case.id.to_string()));
+        for rival in [RECOMPUTE_ALL, OFFLOAD_ALL] {
             let dominated = dominates(&points, rival);
             report.note(format!(
                 "{}: the plan's curve {} {rival} (a plan point at or below its peak and its step)",
@@ -357,33 +364,21 @@ fn curve(
     let plain_bytes: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
     let recompute_bytes = MemoryPlan::new(&costs, None, 1)?.peak_bytes();
     let mut points = vec![
-        point("no plan", vec![Choice::Keep; layers], None),
-        point("recompute every block", vec![Choice::Recompute; layers], None),
-        point("offload every block", vec![Choice::Offload; layers], None),
+        point(NO_PLAN, vec![Choice::Keep; layers], None),
+        point(RECOMPUTE_ALL, vec![Choice::Recompute; layers], None),
+        point(OFFLOAD_ALL, vec![Choice::Offload; layers], None),
     ];
     for fraction in TARGETS {
         // 90% of plain at the first target, recompute's bytes at the last.
         let start = plain_bytes as f64 * 0.9;
         let target = start - fraction * (start - recompute_bytes as f64);
         let plan = MemoryPlan::new(&costs, Some(link), target.max(1.0) as u64)?;
-        let label = match fraction {
-            0.0 => "plan at 90% of no plan".to_string(),
-            f => format!("plan at {:.0}%", 100.0 * f),
-        };
-        points.push(point(&label, plan.choices(), Some(plan)));
+        points.push(point(&target_label(fraction), plan.choices(), Some(plan)));
     }
     // The halved point of the goal: half the blocks' own bytes.
     let saved: u64 = costs.iter().map(|c| c.saved_bytes).sum();
     let half = MemoryPlan::new(&costs, Some(link), plain_bytes - saved / 2)?;
-    points.push(point("plan at 50%", half.choices(), Some(half)));
-    points.retain({
-        let mut seen = Vec::new();
-        move |p: &Point| {
-            let fresh = !seen.contains(&p.label);
-            seen.push(p.label.clone());
-            fresh
-        }
-    });
+    points.push(point(PLAN_AT_HALF, half.choices(), Some(half)));
     for p in &mut points {
         for round in 0..args.warmup + args.samples {
             match run.step(dev, &p.choices) {
@@ -401,6 +396,15 @@ fn curve(
         dev.empty_cache()?;
     }
     Ok(points)
+}
+
+/// The label of the plan's point at `fraction` of [`TARGETS`].
+fn target_label(fraction: f64) -> String {
+    match fraction {
+        0.0 => "plan at 90% of no plan's bytes".to_string(),
+        1.0 => PLAN_AT_RECOMPUTE.to_string(),
+        f => format!("plan {:.0}% of the way to full recomputation", 100.0 * f),
+    }
 }
 
 fn point(label: &str, choices: Vec<Choice>, plan: Option<MemoryPlan>) -> Point {
@@ -511,6 +515,19 @@ mod tests {
             describe(llama),
             "Llama 19x2048, 32 heads, 4 for keys and values, batch 4 x 1024, bf16 autocast"
         );
+    }
+
+    /// The goals find their points by label: no two points of a curve share one (the halved
+    /// point once shared the middle target's and was dropped).
+    #[test]
+    fn every_point_of_a_curve_has_its_own_label() {
+        let mut labels: Vec<String> = TARGETS.iter().map(|&f| target_label(f)).collect();
+        labels.extend([NO_PLAN, RECOMPUTE_ALL, OFFLOAD_ALL, PLAN_AT_HALF].map(String::from));
+        let count = labels.len();
+        labels.sort();
+        labels.dedup();
+        assert_eq!(labels.len(), count, "{labels:?}");
+        assert!(labels.iter().any(|l| l == PLAN_AT_RECOMPUTE));
     }
 
     #[test]
