@@ -289,21 +289,18 @@ impl<G: GradValue> Run<G> {
                 }
             }
         } else {
+            // The inputs the rule is asked for: by slot, and with their nodes, whose gradients
+            // so far the rule may add into (`BackwardContext::with_accumulated`).
             let mut wanted: SmallVec<[bool; 4]> = SmallVec::from_elem(false, node.edges.len());
+            let mut inputs = SmallVec::new();
             for edge in self.graph.edges(index) {
                 if self.needed[edge.target().index()] {
                     wanted[*edge.weight()] = true;
+                    inputs.push((*edge.weight(), edge.target().index()));
                 }
             }
-            if wanted.iter().any(|&w| w) {
-                // The rule may add into its inputs' gradients so far (see
-                // `BackwardContext::with_accumulated`): lent to it for the call.
-                let inputs = self
-                    .graph
-                    .edges(index)
-                    .filter(|e| self.needed[e.target().index()])
-                    .map(|e| (*e.weight(), e.target().index()))
-                    .collect();
+            if !inputs.is_empty() {
+                // The gradients are lent to the rule for the call.
                 let grads = RefCell::new(std::mem::take(&mut self.grads));
                 let pending = PendingInputs {
                     grads: &grads,

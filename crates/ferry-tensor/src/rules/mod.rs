@@ -335,9 +335,12 @@ pub(crate) fn narrow(x: &Tensor, axis: usize, start: usize) -> Rule<(Shape, usiz
                 // fused projection, a chunk): add into its gradient's slice in place, instead of
                 // a full buffer of this view's own that the engine would add whole.
                 let added = saved.with_accumulated(0, |acc| -> Result<bool> {
-                    let Some(acc) =
-                        acc.filter(|a| a.shape() == &shape[..] && a.same_kind("narrow", g).is_ok())
-                    else {
+                    let fits = |a: &&mut Tensor| {
+                        a.shape() == &shape[..]
+                            && a.dtype() == g.dtype()
+                            && a.device() == g.device()
+                    };
+                    let Some(acc) = acc.filter(fits) else {
                         return Ok(false);
                     };
                     let slice = acc.narrow(axis as isize, start, len)?;
