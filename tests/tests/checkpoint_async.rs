@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use ferry::CheckpointError;
-use ferry::checkpoint::{self, AsyncSaveOptions, SnapshotMemory};
+use ferry::checkpoint::{self, AsyncSaveOptions, DeviceCopy, SnapshotMemory};
 use ferry_tensor::{DType, Device, Result, Tensor};
 use ferry_tests::{device_test, values};
 
@@ -31,12 +31,13 @@ fn every_mode_writes_the_bytes_of_a_synchronous_save(device: Device) -> Result<(
     let expected = std::fs::read(&reference).unwrap();
     let total: usize = dict.iter().map(|(_, t)| t.nbytes()).sum();
     for (memory, device_copy) in [
-        (SnapshotMemory::Pageable, false),
-        (SnapshotMemory::Bounded(SMALL), false),
-        (SnapshotMemory::Pinned, false),
-        (SnapshotMemory::Pageable, true),
+        (SnapshotMemory::Pageable, DeviceCopy::Off),
+        (SnapshotMemory::Bounded(SMALL), DeviceCopy::Off),
+        (SnapshotMemory::Pinned, DeviceCopy::Off),
+        (SnapshotMemory::Pageable, DeviceCopy::Always),
+        (SnapshotMemory::Pageable, DeviceCopy::IfRoom),
     ] {
-        let name = format!("{memory:?}-{device_copy}").replace(['(', ')'], "-");
+        let name = format!("{memory:?}-{device_copy:?}").replace(['(', ')'], "-");
         let path = dir.join(format!("{name}.safetensors"));
         let options = AsyncSaveOptions {
             staging_bytes: SMALL,
@@ -46,8 +47,10 @@ fn every_mode_writes_the_bytes_of_a_synchronous_save(device: Device) -> Result<(
         };
         let pending = checkpoint::save_async(&path, &dict, options).unwrap();
         assert_eq!(pending.path(), std::path::absolute(&path).unwrap());
-        // Asked for, every GPU tensor is copied in the call (host tensors need none).
-        assert_eq!(pending.device_copied_all(), device_copy, "{name}");
+        // Asked for, every GPU tensor is copied in the call (host tensors need none): a few
+        // KiB find room on any GPU.
+        let copies = device_copy != DeviceCopy::Off;
+        assert_eq!(pending.device_copied_all(), copies, "{name}");
         let report = pending.wait().unwrap();
         assert!(
             std::fs::read(&path).unwrap() == expected,
@@ -61,11 +64,7 @@ fn every_mode_writes_the_bytes_of_a_synchronous_save(device: Device) -> Result<(
         );
         assert_eq!(
             report.device_copied,
-            if device.is_cuda() && device_copy {
-                total
-            } else {
-                0
-            },
+            if device.is_cuda() && copies { total } else { 0 },
             "{name}"
         );
         assert!(report.call <= report.elapsed, "{report:?}");
@@ -99,14 +98,17 @@ device_test!(
 /// tensor the new ones.
 fn a_write_after_the_call_waits_for_the_copy(device: Device) -> Result<()> {
     let _turn = turn();
-    for device_copy in [false, true] {
+    for device_copy in [DeviceCopy::Off, DeviceCopy::IfRoom] {
         a_write_after_the_call_waits_for_the_copy_with(device, device_copy)?;
     }
     Ok(())
 }
 
-fn a_write_after_the_call_waits_for_the_copy_with(device: Device, device_copy: bool) -> Result<()> {
-    let dir = scratch(&format!("order-{device}-{device_copy}"));
+fn a_write_after_the_call_waits_for_the_copy_with(
+    device: Device,
+    device_copy: DeviceCopy,
+) -> Result<()> {
+    let dir = scratch(&format!("order-{device}-{device_copy:?}"));
     let path = dir.join("w.safetensors");
     // 64 MiB: on a GPU, the copy takes milliseconds, far longer than queueing a write.
     let w = Tensor::zeros(&[16 << 20], DType::F32, device)?;
@@ -168,6 +170,82 @@ device_test!(
     an_optimizer_step_after_the_call_leaves_the_file_whole,
     an_optimizer_step_after_the_call_leaves_the_file_whole
 );
+
+/// Periodic saves of one state: the device copy's memory goes back to ferry's allocator once
+/// the snapshot is taken, and the next save's copies come from its cache, not `cuMemAlloc`.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn periodic_saves_take_the_device_copy_from_the_last_ones_memory() {
+    let _turn = turn();
+    let dev = ferry::memory::cuda::CudaDevice::get(0).unwrap();
+    let dir = scratch("periodic");
+    let path = dir.join("p.safetensors");
+    let state: Vec<(String, Tensor)> = (0..4)
+        .map(|i| {
+            let t = Tensor::full(&[1 << 20], f64::from(i), DType::F32, Device::Cuda(0)).unwrap();
+            (format!("t{i}"), t)
+        })
+        .collect();
+    let options = AsyncSaveOptions {
+        device_copy: DeviceCopy::Always,
+        ..AsyncSaveOptions::default()
+    };
+    for save in 0..3 {
+        let before = dev.memory_stats();
+        let pending = checkpoint::save_async(&path, &state, options.clone()).unwrap();
+        assert!(pending.device_copied_all(), "save {save}");
+        let report = pending.wait().unwrap();
+        assert_eq!(report.device_copied, 16 << 20, "save {save}");
+        let after = dev.memory_stats();
+        if save > 0 {
+            assert_eq!(
+                after.device_allocations, before.device_allocations,
+                "save {save} allocated device memory: {before:?} -> {after:?}"
+            );
+            assert!(after.cache_hits > before.cache_hits, "{after:?}");
+        }
+        // The copies are given back: nothing of the save stays allocated.
+        assert_eq!(after.allocated_bytes, before.allocated_bytes, "save {save}");
+    }
+    let saved = checkpoint::load(&path).unwrap();
+    for (i, (_, t)) in saved.iter().enumerate() {
+        assert!(values(t).iter().all(|&v| v == i as f64));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// By default the device copy is made only where the GPU has room: within ferry's budget for
+/// it, here lowered below the state's size, the tensors are read in place and the file is the
+/// same; with the budget lifted, the next save copies them.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_default_device_copy_reads_in_place_where_the_budget_has_no_room() {
+    let _turn = turn();
+    let dev = ferry::memory::cuda::CudaDevice::get(0).unwrap();
+    let dir = scratch("no-room");
+    let path = dir.join("r.safetensors");
+    let w = Tensor::full(&[4 << 20], 3.0, DType::F32, Device::Cuda(0)).unwrap();
+    let state = vec![("w".to_string(), w.clone())];
+    let budget = dev.budget();
+    dev.set_budget(Some(dev.memory_stats().allocated_bytes + (1 << 20)));
+    let pending = checkpoint::save_async(&path, &state, AsyncSaveOptions::default());
+    dev.set_budget(budget);
+    let pending = pending.unwrap();
+    assert!(
+        !pending.device_copied_all(),
+        "16 MiB do not fit 1 MiB of budget"
+    );
+    assert_eq!(pending.wait().unwrap().device_copied, 0);
+    assert!(
+        values(&checkpoint::load(&path).unwrap()[0].1)
+            .iter()
+            .all(|&v| v == 3.0)
+    );
+    let pending = checkpoint::save_async(&path, &state, AsyncSaveOptions::default()).unwrap();
+    assert!(pending.device_copied_all(), "with the budget lifted");
+    assert_eq!(pending.wait().unwrap().device_copied, 16 << 20);
+    std::fs::remove_dir_all(&dir).ok();
+}
 
 #[test]
 fn a_second_save_to_one_path_waits_for_the_first_and_lands_after_it() {

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use ferry::checkpoint::{
-    AsyncSaveOptions, AsyncSaveReport, Checkpoint, DEFAULT_STAGING_BYTES, PendingSave,
+    AsyncSaveOptions, AsyncSaveReport, Checkpoint, DEFAULT_STAGING_BYTES, DeviceCopy, PendingSave,
     SnapshotMemory, SnapshotWaiter,
 };
 use parking_lot::Mutex;
@@ -141,9 +141,10 @@ impl Drop for PyPendingSave {
 /// Starts writing `tensors` (torch tensors or DLPack capsules, named by `names`) to `path`;
 /// the copies come after the work queued so far on each `(gpu, stream handle)` of `streams`
 /// (torch's current streams) and on ferry's default streams. `memory` is `"pageable"`,
-/// `"pinned"` or `"bounded"` (with `bound` bytes).
+/// `"pinned"` or `"bounded"` (with `bound` bytes). `device_copy`: copy the GPU tensors on
+/// their GPU first where it has room (`None`), wherever memory can be had (`True`), or never.
 #[pyfunction]
-#[pyo3(signature = (path, names, tensors, streams, memory="pageable", bound=None, staging_bytes=DEFAULT_STAGING_BYTES, metadata=None, device_copy=false))]
+#[pyo3(signature = (path, names, tensors, streams, memory="pageable", bound=None, staging_bytes=DEFAULT_STAGING_BYTES, metadata=None, device_copy=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn save_async(
     py: Python<'_>,
@@ -155,7 +156,7 @@ pub fn save_async(
     bound: Option<usize>,
     staging_bytes: usize,
     metadata: Option<BTreeMap<String, String>>,
-    device_copy: bool,
+    device_copy: Option<bool>,
 ) -> PyResult<PyPendingSave> {
     guarded(|| {
         if names.len() != tensors.len() {
@@ -196,7 +197,11 @@ pub fn save_async(
             // Renamed only once the package has checked torch's versions (`confirm`).
             confirm: true,
             // Copied on ferry's default streams after torch's current streams' work...
-            device_copy,
+            device_copy: match device_copy {
+                None => DeviceCopy::IfRoom,
+                Some(true) => DeviceCopy::Always,
+                Some(false) => DeviceCopy::Off,
+            },
         };
         let shown = path.display().to_string();
         let pending = py
@@ -207,7 +212,7 @@ pub fn save_async(
             inner: Mutex::new(Some(pending)),
             path: shown,
         };
-        if device_copy {
+        if device_copy != Some(false) {
             // ...and torch's current streams wait for the copies on the device, so nothing
             // torch queues after the call can write a tensor before its copy has read it.
             let ordered =

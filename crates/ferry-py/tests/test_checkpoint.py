@@ -100,8 +100,11 @@ def test_an_optimizer_step_after_the_call_waits_for_the_copies(tmp_path, device)
     model(torch.randn(64, 512, device=device)).square().sum().backward()
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     path = tmp_path / "m.safetensors"
-    # The bounded mode through a small ring: the copies take a while on any machine.
-    pending = ferry.save_async(path, model.state_dict(), memory=1 << 16, staging_bytes=1 << 16)
+    # The bounded mode through a small ring, read in place: the copies take a while on any
+    # machine.
+    pending = ferry.save_async(
+        path, model.state_dict(), memory=1 << 16, staging_bytes=1 << 16, device_copy=False
+    )
     opt.step()
     assert pending.snapshot_taken(), "the step waited for the copies"
     assert not torch.equal(model.weight.detach(), before["weight"]), "the step moved the weights"
@@ -117,7 +120,9 @@ def test_a_write_that_could_reach_the_snapshot_keeps_the_old_file(tmp_path, devi
     pending = ferry.save_async(path, {"w": w * 2})
     pending.wait()
     t = torch.full((1 << 20,), 3.0, device=device)
-    pending = ferry.save_async(path, {"w": t}, memory=1 << 16, staging_bytes=1 << 16)
+    pending = ferry.save_async(
+        path, {"w": t}, memory=1 << 16, staging_bytes=1 << 16, device_copy=False
+    )
     t.add_(1.0)  # no barrier: this write may land in the copy
     with pytest.raises(ferry.FerryError, match="'w' was written in place"):
         pending.wait()
@@ -180,9 +185,11 @@ def test_a_training_loop_saving_to_one_file_never_waits_on_itself(tmp_path):
 
 
 @cuda
-def test_with_a_device_copy_writes_after_the_call_wait_for_nothing(tmp_path):
+@pytest.mark.parametrize("device_copy", [None, True])
+def test_with_a_device_copy_writes_after_the_call_wait_for_nothing(tmp_path, device_copy):
     # Two dtypes, a view that is not contiguous, and an optimizer: all written right after the
-    # call, with no barrier, and the file still holds the moment of the call.
+    # call, with no barrier, and the file still holds the moment of the call. By default
+    # (None) too: a few MiB find room on any GPU.
     model, opt = _sgd_model("cuda")
     model(torch.randn(64, 512, device="cuda")).square().sum().backward()
     half = torch.arange(4096, device="cuda", dtype=torch.float32).to(torch.bfloat16)
@@ -191,7 +198,7 @@ def test_with_a_device_copy_writes_after_the_call_wait_for_nothing(tmp_path):
     before = {k: v.detach().contiguous().clone() for k, v in state.items()}
     path = tmp_path / "d.safetensors"
     pending = ferry.save_async(
-        path, state, memory=1 << 16, staging_bytes=1 << 16, device_copy=True
+        path, state, memory=1 << 16, staging_bytes=1 << 16, device_copy=device_copy
     )
     # Every GPU tensor was copied in the call: the step's pre-hook has nothing to wait for.
     assert pending._private

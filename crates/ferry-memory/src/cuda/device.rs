@@ -11,7 +11,7 @@ use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, result};
 use parking_lot::{Mutex, RwLock};
 
-use super::allocator::{DeviceAllocator, MemoryStats};
+use super::allocator::{DeviceAllocator, DeviceMemoryInfo, MemoryStats};
 use super::buffer::DeviceBuffer;
 use super::discover::{self, CudaDeviceInfo};
 use super::local::DeviceLocals;
@@ -200,6 +200,13 @@ impl CudaDevice {
     /// The allocator's counters.
     pub fn memory_stats(&self) -> MemoryStats {
         self.inner.allocator.stats()
+    }
+
+    /// Free and total memory of the device as the driver reports them now (every process's
+    /// and runtime's use counted; blocks cached in ferry's allocator count as used); `None` if
+    /// the driver cannot say.
+    pub fn memory_info(&self) -> Option<DeviceMemoryInfo> {
+        self.inner.allocator.memory_info()
     }
 
     /// The most bytes ferry's allocator may reserve on this device, `None` for no cap but the

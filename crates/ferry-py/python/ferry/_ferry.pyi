@@ -175,5 +175,5 @@ def save_async(
     bound: int | None = None,
     staging_bytes: int = ...,
     metadata: dict[str, str] | None = None,
-    device_copy: bool = False,
+    device_copy: bool | None = None,
 ) -> PendingSave: ...

@@ -25,12 +25,19 @@ What waits for what:
     barrier, ``wait_snapshot()``, ``wait()``, or when the ``PendingSave`` is dropped) makes
     the save keep the old file: ``wait()`` raises ``FerryError`` naming the tensor, and no
     file mixes two moments. The file is renamed over ``path`` only after that check.
-* With ``device_copy=True`` the GPU tensors are first copied on their GPU in the call (after
-  the work torch queued on its current streams, each dtype's contiguous tensors together, at
-  the device's memory speed), torch's current streams wait for those copies on the device, and
-  the snapshot reads the copies: writes after the call, optimizer steps included, wait for
-  nothing, at the price of device memory the size of the GPU tensors (from ferry's pool) until
-  their snapshot is taken. Where it runs out, every tensor is treated as without it.
+* By default, where the GPU has room (see below), the GPU tensors are first copied on their
+  GPU in the call (after the work torch queued on its current streams, each dtype's
+  contiguous tensors together, at the device's memory speed), torch's current streams wait for
+  those copies on the device, and the snapshot reads the copies: writes after the call,
+  optimizer steps included, wait for nothing. The price is device memory the size of the GPU
+  tensors (from ferry's allocator) until the snapshot is taken; it then goes back to ferry's
+  cache, where the next save of the same state finds it, so only the first save pays for the
+  allocation. "Room": the driver's free memory plus ferry's cached blocks cover the copies and
+  leave a 32nd of the GPU (at least 1 GiB) for training; memory torch's caching allocator
+  holds counts as taken. Without room (or with ``device_copy=False``) the tensors are read in
+  place and the optimizer's step waits for the copies it would overwrite; ``memory="pinned"``
+  then takes the snapshot at the link's rate. ``device_copy=True`` copies wherever memory can
+  be had.
 * Dropping a ``PendingSave`` waits for its copies (a fraction of a second), not for the file:
   the write finishes in the background, and an error in it is raised by the next
   ``save_async``.
@@ -221,7 +228,7 @@ def save_async(
     memory: str | int = "pageable",
     staging_bytes: int | None = None,
     metadata: Mapping[str, str] | None = None,
-    device_copy: bool = False,
+    device_copy: bool | None = None,
 ) -> PendingSave:
     """Starts writing ``tensors`` to ``path`` and returns a :class:`PendingSave` at once.
 
@@ -238,8 +245,9 @@ def save_async(
     ferry's pinned budget), or a number of bytes (at most that much snapshot in host memory at
     once; the disk sets the pace and writes wait longer). ``staging_bytes``: the pinned ring
     GPU tensors cross through (256 MiB). ``metadata``: strings for the file's header.
-    ``device_copy``: copy the GPU tensors on their GPU first (see the module docs), so that
-    writes after the call never wait."""
+    ``device_copy``: copy the GPU tensors on their GPU first, so that writes after the call
+    never wait: where the GPU has room (``None``, the default), always (``True``) or never
+    (``False``); see the module docs."""
     import torch
 
     if not isinstance(path, (str, os.PathLike)):
@@ -268,7 +276,7 @@ def start_save(
     header: dict[str, str],
     memory: str | int = "pageable",
     staging_bytes: int | None = None,
-    device_copy: bool = False,
+    device_copy: bool | None = None,
     owned: bool = False,
 ) -> PendingSave:
     """:func:`save_async` of (name, tensor) pairs and a header. ``owned``: the tensors are the
@@ -306,7 +314,7 @@ def start_save(
     capsules = [to_dlpack(t) for t in detached] if to_dlpack is not None else detached
     inner = _ferry.save_async(
         str(path), names, capsules, streams, mode, bound, metadata=header or None,
-        device_copy=bool(device_copy), **extra
+        device_copy=None if device_copy is None else bool(device_copy), **extra
     )
     # The GPU tensors copied in the call are the save's own: torch's writes no longer reach
     # what it reads.

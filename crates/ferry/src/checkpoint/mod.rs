@@ -60,7 +60,10 @@ mod write;
 pub use error::{CheckpointError, Mismatch};
 pub use format::CHECKSUM_KEY;
 pub use pending::{AsyncSaveReport, PendingSave, SnapshotWaiter, save_async};
-pub use plan::{AsyncSaveOptions, DEFAULT_STAGING_BYTES, LoadOptions, SaveOptions, SnapshotMemory};
+pub use plan::{
+    AsyncSaveOptions, DEFAULT_STAGING_BYTES, DeviceCopy, LoadOptions, SaveOptions, SnapshotMemory,
+    device_copy_headroom,
+};
 pub use read::Verified;
 pub use stage::CheckpointReport;
 

@@ -29,7 +29,7 @@ use ferry_tensor::{Device, Storage, Tensor, TensorError};
 use parking_lot::Mutex;
 
 use super::format::check_names;
-use super::plan::{AsyncSaveOptions, Slots, SnapshotMemory, pieces};
+use super::plan::{AsyncSaveOptions, DeviceCopy, Slots, SnapshotMemory, pieces};
 use super::progress::Shared;
 use super::snapshot::{self, Chunk, Entry, Held, Job, Stop};
 use super::write::{FileLayout, OpenFile, io};
@@ -133,8 +133,8 @@ impl PendingSave {
 
     /// Whether the call copied every GPU tensor on its GPU
     /// ([`AsyncSaveOptions::device_copy`]): in-place writes to them then never wait, and the
-    /// snapshot reads only the copies. `false` without the option, or where device memory ran
-    /// out for some (those are read in place, as without it).
+    /// snapshot reads only the copies. `false` with [`DeviceCopy::Off`], or where a device had
+    /// no room for some (those are read in place, as without it).
     pub fn device_copied_all(&self) -> bool {
         self.device_copied_all
     }
@@ -335,8 +335,8 @@ fn start(
         device_copied: 0,
     };
     let mut device_copied_all = false;
-    if options.device_copy {
-        match snapshot::copy_on_devices(&mut job) {
+    if options.device_copy != DeviceCopy::Off {
+        match snapshot::copy_on_devices(&mut job, options.device_copy) {
             Ok(copied) => {
                 job.device_copied = copied;
                 // An empty tensor has nothing to copy or to hold.

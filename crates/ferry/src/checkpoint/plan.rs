@@ -94,13 +94,40 @@ pub struct AsyncSaveOptions {
     /// [`PendingSave::wait`]: super::PendingSave::wait
     /// [`PendingSave::abandon`]: super::PendingSave::abandon
     pub confirm: bool,
-    /// Copy each GPU tensor on its GPU first, at the call (queued on its default stream right
-    /// after the work before the call, at the device's memory speed), and take the host copy
-    /// from there: in-place writes then never wait, at the price of extra device memory the
-    /// size of the device tensors until the snapshot is taken, and of queueing the copies in
-    /// the call. Where device memory runs out, the remaining tensors are read in place as
-    /// without it.
-    pub device_copy: bool,
+    /// Whether each GPU tensor is first copied on its GPU, at the call (queued on its default
+    /// stream right after the work before the call, at the device's memory speed), the host
+    /// copy then taken from there: in-place writes never wait, at the price of extra device
+    /// memory the size of the device tensors until the snapshot is taken. By default where the
+    /// device has room for it ([`DeviceCopy::IfRoom`]).
+    pub device_copy: DeviceCopy,
+}
+
+/// Whether an asynchronous save copies GPU tensors on their GPU first
+/// ([`AsyncSaveOptions::device_copy`]).
+///
+/// The copies' memory comes from ferry's device allocator and goes back to its cache once the
+/// snapshot is taken, so a periodic save finds it there: only the first save of a state pays
+/// for `cuMemAlloc`, in its call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DeviceCopy {
+    /// Read every tensor in place: an in-place write to a GPU tensor waits until its bytes have
+    /// crossed the link.
+    Off,
+    /// Copy a device's tensors where its free memory (the driver's, plus blocks cached in
+    /// ferry's allocator) covers them and leaves [`device_copy_headroom`] for the training
+    /// beside it; read them in place otherwise.
+    #[default]
+    IfRoom,
+    /// Copy wherever device memory can be had; where it runs out, the remaining tensors are
+    /// read in place.
+    Always,
+}
+
+/// The free device memory [`DeviceCopy::IfRoom`] leaves untouched on a device of
+/// `total_bytes`: a 32nd of it, and at least 1 GiB, for the allocations of the training that
+/// goes on beside the save (its activations come back with the next forward).
+pub fn device_copy_headroom(total_bytes: usize) -> usize {
+    (total_bytes / 32).max(1 << 30)
 }
 
 impl Default for AsyncSaveOptions {
@@ -110,7 +137,7 @@ impl Default for AsyncSaveOptions {
             memory: SnapshotMemory::Pageable,
             after: Vec::new(),
             confirm: false,
-            device_copy: false,
+            device_copy: DeviceCopy::IfRoom,
         }
     }
 }
