@@ -481,6 +481,67 @@ def test_backward_uploads_ahead_by_count_and_by_bytes(host_offload, prefetch, pr
     assert scope._ahead == 0
 
 
+def test_the_default_window_is_an_eighth_of_what_the_step_offloaded(host_offload):
+    # 256 MiB ahead brought a small model's every activation back at the start of backward, so
+    # the scope lowered nothing: by default the window follows the step's offloaded bytes.
+    model = tanh_mlp()
+    x = torch.randn(32, 64)
+    activation = 32 * 64 * 4
+    with ferry.offload_saved(min_bytes=0) as scope:
+        loss = model(x).square().mean()
+    loss.backward()
+    stats = scope.stats
+    assert stats["offloaded"] == 6 and stats["window_bytes"] == 6 * activation // 8
+    # Under one activation: one upload ahead at a time (`prefetch`), not five.
+    assert stats["ahead_peak_bytes"] == activation
+    # A step that offloads gigabytes keeps the 256 MiB window.
+    scope.stats["offloaded_bytes"] = 8 << 30
+    assert scope._window() == 256 << 20
+
+
+class _SlowEvent:
+    """A copy that completes only when waited for."""
+
+    def __init__(self, *args, **kwargs):
+        self.done = False
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        self.done = True
+
+    def query(self):
+        return self.done
+
+
+def test_a_target_out_of_reach_does_not_stall_the_forward(host_offload, monkeypatch):
+    """The weights alone (stubbed: ten activations' bytes) are above the target: no save can
+    meet it, so the scope offloads as without a target and never waits for a copy to land."""
+    model = tanh_mlp()
+    x = torch.randn(32, 64)
+    model(x).square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    activation = 32 * 64 * 4
+    scope = ferry.offload_saved(min_bytes=0, max_device_bytes=2 * activation)
+
+    def allocated(device=None):
+        records = [r() for r in scope._saved]
+        held = sum(r.nbytes for r in records if r is not None and r.original is not None)
+        return 10 * activation + held
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "Event", _SlowEvent)
+    model.zero_grad(set_to_none=True)
+    with scope:
+        loss = model(x).square().mean()
+    stats = scope.stats
+    assert stats["offloaded"] == 6 and stats["out_of_reach"] == 6
+    assert stats["waited_for_target"] == 0, stats
+    loss.backward()
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+
+
 def test_a_memory_target_keeps_what_backward_needs_first(host_offload, monkeypatch):
     """With max_device_bytes, saved tensors stay on the device while allocated memory is within
     the target; above it the oldest are offloaded first. Allocated memory is stubbed as the

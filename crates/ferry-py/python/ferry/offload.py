@@ -17,7 +17,9 @@ The counterpart of ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, built 
   took fresh memory; peak reserved memory did not go down at all.)
 - Backward uploads ahead (in reverse order of saving) while the current op computes: at least
   the next ``prefetch`` tensors, and more while the uploads not yet used hold less than
-  ``prefetch_bytes``, so the link has work queued across ops of every size. Uploads go into
+  ``prefetch_bytes``, so the link has work queued across ops of every size. By default that
+  window is an eighth of what the step offloaded, at most 256 MiB: a model that saves a few
+  hundred MiB does not get them all back at the start of backward. Uploads go into
   memory allocated on the current stream (the blocks the forward freed) and start after the
   work queued there so far; the current stream waits for an upload on the device, never on the
   host. A tensor whose copy to
@@ -38,6 +40,10 @@ from collections import deque
 from . import _ferry, _torch, to_torch
 
 _FERRY_DTYPES = {"float32", "float64", "float16", "bfloat16", "int64", "uint8"}
+
+# The default upload window: this share of the bytes the step offloaded, at most this many.
+_WINDOW_SHARE = 8
+_MAX_WINDOW_BYTES = 256 << 20
 
 
 def _dtype_name(dtype) -> str:
@@ -152,15 +158,20 @@ class offload_saved:
     ``grad_fn``), moves to pinned host memory, with at most ``in_flight`` copies running at once.
     Backward brings each back, uploading at least the next ``prefetch`` ones, and more while
     less than ``prefetch_bytes`` are uploaded ahead, as the current one is used (the window
-    costs up to ``prefetch_bytes`` of GPU memory beyond one tensor). Gradients are the same bits
-    as without the scope.
+    costs up to ``prefetch_bytes`` of GPU memory beyond one tensor; by default an eighth of the
+    bytes the step offloaded, at most 256 MiB, ``stats["window_bytes"]``). Gradients are the
+    same bits as without the scope.
 
     ``max_device_bytes`` sets a memory target instead of offloading everything: saved tensors
     stay on the GPU while torch's allocated memory on it
     (``torch.cuda.memory_allocated``) is within the target, and once it is above, the oldest
     ones kept are offloaded first, so what backward needs first (the last saved) stays on the
     GPU and only the copies the target requires are paid for. The forward waits for a copy to
-    complete only when allocated memory is above the target while copies still hold it. What
+    complete only when allocated memory is above the target while copies still hold it, and
+    only where their completion brings it under: a target out of reach at a save (everything
+    saved so far already leaving, and still above) is not waited for, the forward goes on as
+    when offloading everything (``stats["out_of_reach"]`` counts those saves), at the same
+    memory and without stalling on the link. What
     the step allocates after the last save (the loss and its gradient, the first backward ops)
     comes on top of the memory at the saves: GPT-2's loss over its 50,257-token vocabulary takes
     the step 2.7 GiB above a target met at every save. So at the end of backward the scope reads
@@ -187,8 +198,8 @@ class offload_saved:
     """
 
     def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 1, in_flight: int = 2,
-                 max_device_bytes: int | None = None, prefetch_bytes: int = 256 << 20):
-        if min_bytes < 0 or prefetch < 0 or prefetch_bytes < 0 or in_flight < 1:
+                 max_device_bytes: int | None = None, prefetch_bytes: int | None = None):
+        if min_bytes < 0 or prefetch < 0 or (prefetch_bytes or 0) < 0 or in_flight < 1:
             raise ValueError("min_bytes, prefetch and prefetch_bytes must be >= 0, in_flight >= 1")
         if max_device_bytes is not None and max_device_bytes < 0:
             raise ValueError("max_device_bytes must be >= 0 (or None: offload everything)")
@@ -234,6 +245,8 @@ class offload_saved:
             "read_in_place": 0,
             "ahead_peak_bytes": 0,
             "waited_for_target": 0,
+            "out_of_reach": 0,
+            "window_bytes": 0,
             "headroom_bytes": self._headroom,
         }
 
@@ -377,6 +390,11 @@ class offload_saved:
             record = self._kept.popleft()()
             if record is not None and record.host is None and not record.used:
                 self._offload(record)
+        if over() > self._leaving:
+            # Even once every copy running has landed, allocated memory stays above the target:
+            # waiting would stall the forward on the link for nothing.
+            self.stats["out_of_reach"] += 1
+            return
         while self._copies and over() > 0:
             self.stats["waited_for_target"] += 1
             self._drain_copies(len(self._copies) - 1, wait=False)
@@ -407,10 +425,12 @@ class offload_saved:
 
     def _prefetch_before(self, index: int) -> None:
         """Starts the uploads of the records saved before ``index``, latest first: at least
-        ``prefetch`` of them, and on while less than ``prefetch_bytes`` are uploaded ahead."""
+        ``prefetch`` of them, and on while less than the window is uploaded ahead."""
+        window = self._window()
+        self.stats["window_bytes"] = window
         count = 0
         for i in range(index - 1, -1, -1):
-            if count >= self.prefetch and self._ahead >= self.prefetch_bytes:
+            if count >= self.prefetch and self._ahead >= window:
                 return
             earlier = self._saved[i]()
             if earlier is None or earlier.used:
@@ -421,6 +441,13 @@ class offload_saved:
                 earlier.ahead = True
                 self._ahead += taken
                 self.stats["ahead_peak_bytes"] = max(self.stats["ahead_peak_bytes"], self._ahead)
+
+    def _window(self) -> int:
+        """Bytes backward keeps uploaded ahead: ``prefetch_bytes``, or by default a share of
+        what the step offloaded."""
+        if self.prefetch_bytes is not None:
+            return self.prefetch_bytes
+        return min(_MAX_WINDOW_BYTES, self.stats["offloaded_bytes"] // _WINDOW_SHARE)
 
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
