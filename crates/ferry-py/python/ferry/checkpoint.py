@@ -8,7 +8,7 @@ written under their dotted paths (``optim.state.0.exp_avg``) and everything else
 which :func:`load` rebuilds the state exactly (``ferry/state_tree.py`` has the scheme).
 
 The call returns at once; ferry's threads copy the tensors (GPU tensors through a bounded
-pinned ring on a copy stream, host tensors by all cores) and write a safetensors file with
+pinned ring on a copy stream, host tensors by all cores but two) and write a safetensors file with
 ferry's checksums, fsynced and renamed over ``path`` only when whole (``ferry checkpoint
 verify`` checks it; ``safetensors.torch.load_file`` reads it).
 

@@ -54,7 +54,7 @@ pub struct AsyncSaveReport {
     /// Of the snapshot thread's time, waiting for device-to-host DMAs to land.
     pub snapshot_dma_wait: Duration,
     /// Of the snapshot thread's time, copying landed bytes (and host tensors) into the save's
-    /// own memory by all cores.
+    /// own memory by all cores but two.
     pub snapshot_copy: Duration,
     /// From the call until the file was synced and renamed.
     pub elapsed: Duration,

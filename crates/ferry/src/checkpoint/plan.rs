@@ -58,7 +58,7 @@ impl Default for LoadOptions {
 /// Where an asynchronous save's snapshot lands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SnapshotMemory {
-    /// Pageable host memory, at the link's speed (the pinned ring drained by all cores), so
+    /// Pageable host memory, at the link's speed (the pinned ring drained by all cores but two), so
     /// writes to the tensors are held only for the snapshot's fraction of a second. Extra
     /// host memory up to the state's size, falling as the file is written (each piece is
     /// freed once its bytes are in the file).

@@ -5,11 +5,12 @@
 //! are copied: training reads it freely, and the first in-place write to it waits for that
 //! tensor's copy alone. Device pieces go through a ring of pinned slots on a copy stream that
 //! waits for the work queued before the call; each slot, once its DMA is done, is drained
-//! into pageable memory by all cores (or the piece is DMAed straight into a pinned buffer of
-//! its own, [`SnapshotMemory::Pinned`]). Host tensors are copied by all cores. Pieces go to
+//! into pageable memory by all cores but two (or the piece is DMAed straight into a pinned buffer of
+//! its own, [`SnapshotMemory::Pinned`]). Host tensors are copied by all cores but two. Pieces go to
 //! the writer thread in file order.
 
 use std::collections::{HashSet, VecDeque};
+use std::sync::OnceLock;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
@@ -622,7 +623,34 @@ fn send(tx: &Sender<Chunk>, chunk: Chunk) -> Result<(), Stop> {
     tx.send(chunk).map_err(|_| Stop::WriterGone)
 }
 
-/// `bytes` copied by all cores into a new pageable buffer, counted against the save's host
+/// Cores the drain leaves to the training beside the save: the thread that queues its GPU work
+/// (a Python loop's, or ferry's) and one more (torch's autograd thread, the save's writer).
+const CORES_LEFT_TO_TRAINING: usize = 2;
+
+/// The threads that drain the snapshot: all cores but [`CORES_LEFT_TO_TRAINING`], apart from
+/// the global pool, so a drain at memory speed leaves the training thread the cores it launches
+/// its kernels from, and does not queue behind CPU work of the training's own in that pool.
+fn drain_pool() -> &'static rayon::ThreadPool {
+    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let threads = cores.saturating_sub(CORES_LEFT_TO_TRAINING).max(1);
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("ferry-drain-{i}"))
+            .build()
+            // Without threads of its own the drain runs on the calling thread.
+            .unwrap_or_else(|_| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .use_current_thread()
+                    .build()
+                    .expect("a pool of the current thread")
+            })
+    })
+}
+
+/// `bytes` copied by all cores but two into a new pageable buffer, counted against the save's host
 /// memory (waiting for room in the bounded mode).
 fn drained(bytes: &[u8], shared: &Shared) -> Result<Chunk, CheckpointError> {
     let held = bytes.len();
@@ -640,14 +668,16 @@ fn drained(bytes: &[u8], shared: &Shared) -> Result<Chunk, CheckpointError> {
     // left it, and a cached store reads each line before writing it. With the DMA writing the
     // ring, the drain reading it and writing here, host memory carries the snapshot three
     // times this way rather than four.
-    simd::copy_around_cache_parallel(buffer.as_bytes_mut(), bytes, COPY_CHUNK);
+    drain_pool().install(|| {
+        simd::copy_around_cache_parallel(buffer.as_bytes_mut(), bytes, COPY_CHUNK);
+    });
     Ok(Chunk {
         bytes: Bytes::Host(buffer),
         held,
     })
 }
 
-/// Piece `p` of a host entry, copied by all cores.
+/// Piece `p` of a host entry, copied by all cores but two.
 fn host_piece(entry: &Entry, p: usize, shared: &Shared) -> Result<Chunk, CheckpointError> {
     let (source, range) = host_source(&entry.t, &entry.pieces[p])?;
     with_host_bytes("checkpoint::save_async", &source, range, |bytes| {
