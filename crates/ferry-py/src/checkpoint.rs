@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use ferry::checkpoint::{
-    AsyncSaveOptions, AsyncSaveReport, Checkpoint, DEFAULT_STAGING_BYTES, DeviceCopy, PendingSave,
-    SnapshotMemory, SnapshotWaiter,
+    AsyncSaveOptions, AsyncSaveReport, Checkpoint, DEFAULT_STAGING_BYTES, DeviceCopy, LoadOptions,
+    PendingSave, SnapshotMemory, SnapshotWaiter,
 };
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
@@ -19,6 +19,7 @@ use pyo3::types::PyDict;
 use crate::dlpack::{self, Misaligned};
 use crate::errors::{FerryError, guarded, to_py};
 use crate::order::{TorchStream, torch_or_default};
+use crate::tensor::{PyTensor, parse_device};
 
 /// A save in flight (see `ferry.save_async`).
 #[pyclass(name = "PendingSave", module = "ferry._ferry")]
@@ -231,5 +232,33 @@ pub fn save_async(
             }
         }
         Ok(save)
+    })
+}
+
+/// The tensors of the safetensors file at `path`, in file order, on `device` (`"cpu"` or
+/// `"cuda:N"`), and its metadata less ferry's checksum record: ferry's reader, which checks
+/// the header against the file's length before allocating anything and every tensor's CRC32
+/// (where the file has ferry's record) before returning any; onto a GPU the file streams
+/// through at most `staging_bytes` of pinned staging. The file's dtypes must be ferry's.
+#[pyfunction]
+#[pyo3(signature = (path, device, staging_bytes=DEFAULT_STAGING_BYTES))]
+#[allow(clippy::type_complexity)]
+pub fn load_checkpoint(
+    py: Python<'_>,
+    path: PathBuf,
+    device: &str,
+    staging_bytes: usize,
+) -> PyResult<(Vec<(String, PyTensor)>, BTreeMap<String, String>)> {
+    guarded(|| {
+        let device = parse_device(device)?;
+        let (ck, _) = py
+            .detach(|| Checkpoint::load_to(&path, device, LoadOptions { staging_bytes }))
+            .map_err(|e| FerryError::new_err(e.to_string()))?;
+        let (tensors, metadata) = ck.into_parts();
+        let tensors = tensors
+            .into_iter()
+            .map(|(name, t)| (name, PyTensor::new(t)))
+            .collect();
+        Ok((tensors, metadata))
     })
 }

@@ -213,6 +213,34 @@ def _plain_safetensors(entries, metadata=None, data=b""):
     return len(text).to_bytes(8, "little") + text + data
 
 
+def test_ferrys_files_are_read_by_ferrys_reader_and_others_here(tmp_path, monkeypatch):
+    # save_async's files (ferry's dtypes) go through the extension's reader, which hashes as it
+    # reads and streams onto a GPU; a file with torch-only dtypes is read by the package.
+    from ferry import _ferry, checkpoint
+
+    calls = []
+    inner = _ferry.load_checkpoint
+
+    def spy(path, device, *args):
+        calls.append(device)
+        return inner(path, device, *args)
+
+    monkeypatch.setattr(checkpoint._ferry, "load_checkpoint", spy, raising=False)
+    state = {"w": torch.randn(3, 5), "n": torch.arange(4), "h": torch.randn(2).bfloat16(),
+             "empty": torch.zeros(0, 3)}
+    path = tmp_path / "f.safetensors"
+    ferry.save_async(path, state).wait()
+    back = ferry.load(path)
+    assert calls == ["cpu"]
+    assert set(back) == set(state)
+    for k, t in state.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    plain = tmp_path / "plain.safetensors"
+    plain.write_bytes(_plain_safetensors({"i": ("I32", [1], [0, 4])}, data=bytes(4)))
+    assert ferry.load(plain)["i"].tolist() == [0]
+    assert calls == ["cpu"], "the int32 file was read by the package"
+
+
 def test_a_plain_safetensors_file_loads_with_torchs_dtypes(tmp_path):
     data = torch.tensor([1, -2, 3], dtype=torch.int32).numpy().tobytes() + bytes([1, 0])
     path = tmp_path / "plain.safetensors"

@@ -166,6 +166,9 @@ def stream_to(
     stream: int | None = None,
     source: str | None = None,
 ) -> ChunkStream: ...
+def load_checkpoint(
+    path: str, device: str, staging_bytes: int = ...
+) -> tuple[list[tuple[str, Tensor]], dict[str, str]]: ...
 def save_async(
     path: str | PathLike[str],
     names: Sequence[str],

@@ -194,8 +194,9 @@ class PendingSave:
         return f"PendingSave({self.path!r}, {state})"
 
 
-# The dtypes ferry's files hold (ferry-tensor's DType).
+# The dtypes ferry's files hold (ferry-tensor's DType), as torch and as safetensors name them.
 WRITABLE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "uint8")
+_FERRY_FILE_DTYPES = {"F32", "F64", "F16", "BF16", "I64", "U8"}
 
 
 def _named_tensors(tensors: Any, torch: Any) -> tuple[list[tuple[str, Any]], str | None]:
@@ -349,20 +350,28 @@ def load(path: str | os.PathLike[str], device: Any = "cpu") -> Any:
     The file is checked before anything is returned: a truncated or damaged file, one that is
     not safetensors, or a tensor whose bytes differ from the CRC32 ferry recorded is a
     ``FerryError`` naming the file and the problem; a missing file a ``FileNotFoundError``.
-    The tensors are read into host memory (the whole file at once); for a GPU they then cross
-    with :func:`ferry.move_state_dict`, the dtypes ferry moves, and torch's ``.to`` the others."""
+    A file of ferry's dtypes (every file ``save_async`` writes) is read by ferry's reader, which
+    hashes each tensor as it reads it and, for a GPU, streams the file through a bounded
+    pinned ring into the tensors on the GPU (nothing of the file's size on the host). A
+    safetensors file with other dtypes (int32, bool, float8...) is read here into host memory
+    and moved with torch's ``.to``."""
     target = _target(device)
-    tensors, metadata = read_file(path)
-    if target != "cpu":
-        from . import move_state_dict
+    shown = os.fspath(path)
+    with open(path, "rb") as f:
+        header = read_header(f, shown)
+    if all(e.dtype in _FERRY_FILE_DTYPES for e in header.entries):
+        from . import to_torch
 
-        movable = {k: t for k, t in tensors.items() if str(t.dtype)[6:] in WRITABLE_DTYPES}
-        moved = move_state_dict(movable, target) if movable else {}
-        tensors = {k: moved[k] if k in moved else t.to(target) for k, t in tensors.items()}
+        pairs, metadata = _ferry.load_checkpoint(shown, target)
+        tensors = {name: to_torch(t) for name, t in pairs}
+    else:
+        tensors, metadata = read_file(path)
+        if target != "cpu":
+            tensors = {k: t.to(target) for k, t in tensors.items()}
     structure = metadata.get(state_tree.STRUCTURE_KEY)
     if structure is None:
         return tensors
-    return state_tree.rebuild(structure, tensors, os.fspath(path))
+    return state_tree.rebuild(structure, tensors, shown)
 
 
 def load_metadata(path: str | os.PathLike[str]) -> dict[str, str]:

@@ -2,13 +2,18 @@
 little-endian header length, the JSON header, the tensors' bytes) with ferry's checksum record
 in the header's ``__metadata__``.
 
-The checks are those of the Rust reader (crates/ferry/src/checkpoint/read.rs), which the
-extension does not expose: the header is checked against the file's length before anything is
-allocated, every tensor's range and size against its dtype and shape, and, when the file has
-ferry's record (``ferry.crc32``), the header's CRC32 before any data is read and each tensor's
-as it is read. A damaged file is a ``FerryError`` naming the file, what is wrong and what to
-do; never a crash or an allocation sized by a corrupt number. A plain safetensors file (no
-record) has its structure checked alone.
+The checks are those of the Rust reader (crates/ferry/src/checkpoint/read.rs): the header is
+checked against the file's length before anything is allocated, every tensor's range and size
+against its dtype and shape, and, when the file has ferry's record (``ferry.crc32``), the
+header's CRC32 before any data is read and each tensor's as it is read. A damaged file is a
+``FerryError`` naming the file, what is wrong and what to do; never a crash or an allocation
+sized by a corrupt number. A plain safetensors file (no record) has its structure checked alone.
+
+``ferry.load`` reads files of ferry's dtypes (every file ``save_async`` writes) through the
+extension's reader (``_ferry.load_checkpoint``); this module reads their headers (for
+``load_metadata``, for ``load`` to choose, for the DCP reader's byte ranges) and the tensors of
+files with the dtypes only torch has (int32, bool, float8...), which ferry's tensors cannot
+hold.
 """
 
 from __future__ import annotations

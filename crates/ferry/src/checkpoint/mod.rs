@@ -192,6 +192,12 @@ impl Checkpoint {
         self.metadata.get(key).map(String::as_str)
     }
 
+    /// The tensors, in order, and every metadata entry (a loaded file's, less ferry's checksum
+    /// record).
+    pub fn into_parts(self) -> (StateDict, BTreeMap<String, String>) {
+        (self.tensors, self.metadata)
+    }
+
     /// Writes the checkpoint to `path` durably (temporary file, fsync, rename, fsync of the
     /// directory), with checksums, streaming through the default staging bound. Names are
     /// checked first: a repeated tensor name or a reserved one is an error and nothing is
