@@ -29,7 +29,7 @@ use crate::offload::measure_link;
 
 #[derive(Args, Debug)]
 pub struct MemoryArgs {
-    /// Write every number to this JSON file.
+    /// Write every number to this JSON file (`ferry plot memory FILE` draws its curves).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
     /// Timed steps per point; the table shows their median.

@@ -1,5 +1,6 @@
 //! The `ferry` command: the transfer-methods table (`methods`), the machine's devices (`doctor`),
-//! autograd graphs (`graph`), training demos (`train`), checkpoint checks (`checkpoint`) and the
+//! autograd graphs (`graph`), training demos (`train`), checkpoint checks (`checkpoint`), pictures of
+//! benchmark results (`plot`) and the
 //! benchmarks (`bench`: `transfer`, `train`, `attention`, `autograd`, `pipeline`, `checkpoint`, `offload`,
 //! `memory`, `optim`, `offload-optim`, `peer`, `ddp`), each side by side with PyTorch in one run. The
 //! benchmarks are the default feature `bench`; `--no-default-features` builds the binary without
@@ -15,6 +16,7 @@ mod doctor;
 mod graph;
 mod methods;
 mod plot;
+mod plot_memory;
 mod train;
 
 #[derive(Parser)]
@@ -52,6 +54,10 @@ enum Command {
     Bench(ferry_bench::BenchArgs),
     /// Checkpoint files: `verify PATH...` checks headers and checksums, naming the damage.
     Checkpoint(checkpoint::CheckpointArgs),
+    /// Pictures of benchmark results: `memory FILE` draws the memory plan's curves (peak
+    /// against step time) from `ferry bench memory --json` or `python -m ferry.bench --memory
+    /// --json`.
+    Plot(plot_memory::PlotArgs),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +70,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "bench")]
         Command::Bench(args) => ferry_bench::run(args),
         Command::Checkpoint(args) => checkpoint::run(args),
+        Command::Plot(args) => plot_memory::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

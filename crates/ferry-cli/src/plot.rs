@@ -16,13 +16,13 @@ use plotters::style::{FontStyle, register_font};
 use ferry::train::EpochStats;
 
 const FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSans.ttf");
-const GRID: RGBColor = RGBColor(225, 225, 225);
+pub(crate) const GRID: RGBColor = RGBColor(225, 225, 225);
 const TRAIN: RGBColor = RGBColor(31, 119, 180);
 const TEST: RGBColor = RGBColor(214, 39, 40);
 const SIZE: (u32, u32) = (1100, 440);
 
 /// Registers the embedded font once, as plotters' "sans-serif".
-fn font() -> Result<(), String> {
+pub(crate) fn font() -> Result<(), String> {
     static DONE: OnceLock<Result<(), String>> = OnceLock::new();
     DONE.get_or_init(|| {
         register_font("sans-serif", FontStyle::Normal, FONT)
