@@ -11,7 +11,10 @@ it). ``--json FILE`` writes every sample. ``--models`` runs the real-model bench
 ``--optimizer-offload`` the optimizer-offload one (``bench_optim.py``: a 1B Llama's step with
 AdamW on the GPU, ``ferry.optim.OffloadAdamW``, torchao's CPUOffloadOptimizer and the simple
 offload). ``--memory`` runs issue 41's memory curves (``bench_memory.py``: ferry.plan against
-torch's checkpointing, save_on_cpu and ferry.offload_saved, with PNGs).
+torch's checkpointing, save_on_cpu and ferry.offload_saved, with PNGs), and ``--checkpoint`` the
+checkpoint one (``bench_checkpoint.py``: the stall a Llama's training loop feels from
+``ferry.save_async``, ``dcp.async_save`` with torch's writer and with ferry's, and a pinned
+snapshot saved on a thread; then loading the files; ``--device cpu`` runs it on the host).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 import ferry
 
-from . import bench_harness, bench_memory, bench_models, bench_optim
+from . import bench_checkpoint, bench_harness, bench_memory, bench_models, bench_optim
 
 MB = 1 << 20
 
@@ -170,8 +173,11 @@ def _offload_rows(gb: float, samples: int, warmup: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ferry.bench", description=__doc__)
     parser.add_argument("--mb", type=int, default=400, help="tensor size in MB (default 400)")
-    parser.add_argument("--samples", type=int, help="default 9 (5 with --models or --memory)")
-    parser.add_argument("--warmup", type=int, help="default 2 (1 with --models or --memory)")
+    parser.add_argument("--samples", type=int,
+                        help="default 9 (5 with --models or --memory; with --checkpoint, 8 "
+                             "steps without a save before and after each row)")
+    parser.add_argument("--warmup", type=int,
+                        help="default 2 (1 with --models or --memory, 3 with --checkpoint)")
     parser.add_argument("--offload-gb", type=float, default=2.0,
                         help="saved activations of the offload step in GB (0: skip it)")
     parser.add_argument("--json", metavar="FILE")
@@ -193,11 +199,29 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer-rows", metavar="LIST",
                         help="only the --optimizer-offload rows whose names contain one of these "
                              "comma-separated words (besides AdamW on the GPU)")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="only the checkpoint rows (bench_checkpoint.py): the stall of "
+                             "checkpointing a Llama's training loop, and loading the files")
+    parser.add_argument("--cases", default=",".join(bench_checkpoint.CASES), metavar="LIST",
+                        help="the --checkpoint models (default: "
+                             f"{','.join(bench_checkpoint.CASES)})")
+    parser.add_argument("--saves", type=int, default=3,
+                        help="saves per --checkpoint row (default 3)")
+    parser.add_argument("--every", type=int, default=10,
+                        help="steps from one --checkpoint save to the next (default 10)")
+    parser.add_argument("--dir", default="/tmp",
+                        help="where --checkpoint writes its files, removed after (default /tmp)")
+    parser.add_argument("--device", default="cuda",
+                        help="the device --checkpoint trains on (default cuda; cpu implies --tiny)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="with --checkpoint: Llamas of 2 and 3 layers, batch 2 x 16")
     parser.add_argument("--state-dicts-only", action="store_true",
                         help="with --models: only the state-dict rows (default 30 samples after 5)")
     parser.add_argument("--profile", metavar="MODEL",
                         help="profile one ferry offload step of MODEL (with or without --models)")
     args = parser.parse_args(argv)
+    if args.checkpoint:  # it says itself whether it can run: --device cpu needs no GPU
+        return bench_checkpoint.run(args)
     if not (torch.cuda.is_available() and ferry.cuda_available()):
         print("no CUDA device: the benchmark moves CUDA tensors; nothing to measure here")
         return 0
