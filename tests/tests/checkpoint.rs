@@ -337,6 +337,38 @@ fn a_flipped_bit_names_the_file_and_the_tensor_and_loads_nothing() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A tensor of several read chunks (4 MiB each, read and hashed by separate threads, their
+/// checksums combined): it loads bit for bit, and a flip in any chunk, the first, a middle one
+/// or the last, partial one, is found and named.
+#[test]
+fn a_tensor_read_in_chunks_side_by_side_loads_whole_and_any_damage_is_found() {
+    let dir = scratch("chunks");
+    let path = dir.join("big.safetensors");
+    // 10 MiB + 12 bytes: two whole chunks and a partial third, after a small tensor so the big
+    // one starts off a chunk boundary.
+    let big = Tensor::arange(0.0, ((10 << 20) / 4 + 3) as f64, DType::F32, Device::Cpu).unwrap();
+    let small = Tensor::full(&[5], 2.0, DType::F32, Device::Cpu).unwrap();
+    let state = vec![("a".to_string(), small), ("big".to_string(), big.clone())];
+    checkpoint::save(&path, &state).unwrap();
+    let back = checkpoint::load(&path).unwrap();
+    assert_eq!(
+        back[1].1.to_vec::<f32>().unwrap(),
+        big.to_vec::<f32>().unwrap()
+    );
+    let clean = std::fs::read(&path).unwrap();
+    let range = tensor_bytes(&path, "big");
+    for at in [range.start, range.start + (6 << 20), range.end - 1] {
+        let mut bytes = clean.clone();
+        bytes[at] ^= 0x10;
+        std::fs::write(&path, &bytes).unwrap();
+        match checkpoint::load(&path) {
+            Err(CheckpointError::ChecksumMismatch { key, .. }) => assert_eq!(key, "big"),
+            other => panic!("a flip at {at} was not found: {other:?}"),
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn a_changed_header_is_caught_too() {
     let dir = scratch("header");
