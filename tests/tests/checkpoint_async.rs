@@ -36,6 +36,8 @@ fn every_mode_writes_the_bytes_of_a_synchronous_save(device: Device) -> Result<(
         (SnapshotMemory::Pinned, DeviceCopy::Off),
         (SnapshotMemory::Pageable, DeviceCopy::Always),
         (SnapshotMemory::Pageable, DeviceCopy::IfRoom),
+        (SnapshotMemory::Auto, DeviceCopy::Off),
+        (SnapshotMemory::Auto, DeviceCopy::IfRoom),
     ] {
         let name = format!("{memory:?}-{device_copy:?}").replace(['(', ')'], "-");
         let path = dir.join(format!("{name}.safetensors"));
@@ -67,6 +69,14 @@ fn every_mode_writes_the_bytes_of_a_synchronous_save(device: Device) -> Result<(
             if device.is_cuda() && copies { total } else { 0 },
             "{name}"
         );
+        // The default memory: pinned where GPU tensors are read in place, so their DMAs land
+        // at the link's rate; pageable where the device copies (or the host) hold them.
+        let landed = match memory {
+            SnapshotMemory::Auto if device.is_cuda() && !copies => SnapshotMemory::Pinned,
+            SnapshotMemory::Auto => SnapshotMemory::Pageable,
+            chosen => chosen,
+        };
+        assert_eq!(report.memory, landed, "{name}");
         assert!(report.call <= report.elapsed, "{report:?}");
         assert!(report.snapshot <= report.elapsed, "{report:?}");
         match memory {

@@ -47,6 +47,16 @@ fn report_dict<'py>(py: Python<'py>, r: &AsyncSaveReport) -> PyResult<Bound<'py,
     d.set_item("elapsed_s", r.elapsed.as_secs_f64())?;
     d.set_item("peak_extra_host_bytes", r.peak_extra_host_bytes)?;
     d.set_item("peak_pinned_bytes", r.peak_pinned_bytes)?;
+    d.set_item(
+        "memory",
+        match r.memory {
+            SnapshotMemory::Auto => "auto".to_string(),
+            SnapshotMemory::Pageable => "pageable".to_string(),
+            SnapshotMemory::Pinned => "pinned".to_string(),
+            SnapshotMemory::Bounded(bytes) => bytes.to_string(),
+        },
+    )?;
+    d.set_item("device_copied", r.device_copied)?;
     Ok(d)
 }
 
@@ -141,11 +151,11 @@ impl Drop for PyPendingSave {
 
 /// Starts writing `tensors` (torch tensors or DLPack capsules, named by `names`) to `path`;
 /// the copies come after the work queued so far on each `(gpu, stream handle)` of `streams`
-/// (torch's current streams) and on ferry's default streams. `memory` is `"pageable"`,
-/// `"pinned"` or `"bounded"` (with `bound` bytes). `device_copy`: copy the GPU tensors on
+/// (torch's current streams) and on ferry's default streams. `memory` is `"auto"`,
+/// `"pageable"`, `"pinned"` or `"bounded"` (with `bound` bytes). `device_copy`: copy the GPU tensors on
 /// their GPU first where it has room (`None`), wherever memory can be had (`True`), or never.
 #[pyfunction]
-#[pyo3(signature = (path, names, tensors, streams, memory="pageable", bound=None, staging_bytes=DEFAULT_STAGING_BYTES, metadata=None, device_copy=None))]
+#[pyo3(signature = (path, names, tensors, streams, memory="auto", bound=None, staging_bytes=DEFAULT_STAGING_BYTES, metadata=None, device_copy=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn save_async(
     py: Python<'_>,
@@ -168,13 +178,14 @@ pub fn save_async(
             )));
         }
         let memory = match (memory, bound) {
+            ("auto", None) => SnapshotMemory::Auto,
             ("pageable", None) => SnapshotMemory::Pageable,
             ("pinned", None) => SnapshotMemory::Pinned,
             ("bounded", Some(bytes)) if bytes > 0 => SnapshotMemory::Bounded(bytes),
             _ => {
                 return Err(PyValueError::new_err(format!(
-                    "save_async: memory={memory:?} (bound {bound:?}) is not one of \"pageable\", \
-                     \"pinned\", or a positive number of bytes for the bounded mode"
+                    "save_async: memory={memory:?} (bound {bound:?}) is not one of \"auto\", \
+                     \"pageable\", \"pinned\", or a positive number of bytes for the bounded mode"
                 )));
             }
         };

@@ -137,14 +137,32 @@ def test_a_write_that_could_reach_the_snapshot_keeps_the_old_file(tmp_path, devi
     assert torch.equal(_load(path)["w"], torch.full((1 << 20,), 5.0))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_the_default_memory_is_pinned_only_where_gpu_tensors_are_read_in_place(tmp_path, device):
+    # Read in place, a GPU tensor's writes wait for its DMA, which lands at the link's rate only
+    # in pinned memory; copied on the GPU (or on the host), nothing waits: pageable memory.
+    t = torch.randn(1 << 18, device=device)
+    path = tmp_path / "m.safetensors"
+    on_gpu = device == "cuda"
+    for device_copy, expected in [(None, "pageable"), (False, "pinned" if on_gpu else "pageable")]:
+        report = ferry.save_async(path, {"t": t}, device_copy=device_copy).wait()
+        assert report["memory"] == expected, (device_copy, report)
+        assert report["device_copied"] == (t.nbytes if on_gpu and device_copy is None else 0)
+    assert ferry.save_async(path, {"t": t}, memory="pinned").wait()["memory"] == "pinned"
+    assert ferry.save_async(path, {"t": t}, memory=1 << 20).wait()["memory"] == str(1 << 20)
+    assert torch.equal(_load(path)["t"], t.cpu())
+
+
 def test_bad_arguments_are_refused_with_the_fix(tmp_path):
     t = torch.zeros(4)
     # {"a": [1, 2]} is a nested state now (test_nested_and_dcp.py); an object JSON cannot hold
     # is still refused.
     with pytest.raises(TypeError, match="not a torch.Tensor"):
         ferry.save_async(tmp_path / "a.safetensors", {"a": object()})
-    with pytest.raises(TypeError, match="pageable"):
+    with pytest.raises(TypeError, match="'auto', 'pageable', 'pinned' or a byte count"):
         ferry.save_async(tmp_path / "a.safetensors", {"a": t}, memory=1.5)
+    with pytest.raises(ValueError, match='not one of "auto"'):
+        ferry.save_async(tmp_path / "a.safetensors", {"a": t}, memory="fast")
     with pytest.raises(ValueError, match="positive"):
         ferry.save_async(tmp_path / "a.safetensors", {"a": t}, memory=0)
     with pytest.raises(ferry.FerryError, match="no file|No such file"):

@@ -174,7 +174,7 @@ def save_async(
     names: Sequence[str],
     tensors: Sequence[Any],
     streams: Sequence[tuple[int, int]],
-    memory: str = "pageable",
+    memory: str = "auto",
     bound: int | None = None,
     staging_bytes: int = ...,
     metadata: dict[str, str] | None = None,

@@ -35,9 +35,10 @@ What waits for what:
   allocation. "Room": the driver's free memory plus ferry's cached blocks cover the copies and
   leave a 32nd of the GPU (at least 1 GiB) for training; memory torch's caching allocator
   holds counts as taken. Without room (or with ``device_copy=False``) the tensors are read in
-  place and the optimizer's step waits for the copies it would overwrite; ``memory="pinned"``
-  then takes the snapshot at the link's rate. ``device_copy=True`` copies wherever memory can
-  be had.
+  place and the optimizer's step waits for the copies it would overwrite: the snapshot then
+  lands in pinned memory (``memory="auto"``, the default), at the link's rate, in ferry's
+  pinned pool within its budget and kept there for the next save. ``device_copy=True`` copies
+  wherever memory can be had.
 * Dropping a ``PendingSave`` waits for its copies (a fraction of a second), not for the file:
   the write finishes in the background, and an error in it is raised by the next
   ``save_async``.
@@ -226,7 +227,7 @@ def save_async(
     path: str | os.PathLike[str],
     tensors: Mapping[Any, Any] | Sequence[tuple[str, Any]],
     *,
-    memory: str | int = "pageable",
+    memory: str | int = "auto",
     staging_bytes: int | None = None,
     metadata: Mapping[str, str] | None = None,
     device_copy: bool | None = None,
@@ -241,10 +242,13 @@ def save_async(
     ``ferry/state_tree.py``); :func:`load` rebuilds it. The path comes first (``torch.save``
     and safetensors' ``save_file`` take the object first: the swapped order is refused).
 
-    ``memory``: ``"pageable"`` (default: the snapshot in pageable host memory, freed as the
-    file is written), ``"pinned"`` (straight into pinned memory within
-    ferry's pinned budget), or a number of bytes (at most that much snapshot in host memory at
-    once; the disk sets the pace and writes wait longer). ``staging_bytes``: the pinned ring
+    ``memory``: ``"auto"`` (default: ``"pageable"`` where every GPU tensor was copied on its
+    GPU, nothing then waiting for the snapshot; ``"pinned"`` where GPU tensors are read in
+    place, so the optimizer's step waits no longer than the link takes), ``"pageable"`` (the
+    snapshot in pageable host memory, freed as the file is written), ``"pinned"`` (straight
+    into pinned memory within ferry's pinned budget, kept in its pool for the next save), or a
+    number of bytes (at most that much snapshot in host memory at once; the disk sets the pace
+    and writes wait longer). The report's ``"memory"`` says which was used. ``staging_bytes``: the pinned ring
     GPU tensors cross through (256 MiB). ``metadata``: strings for the file's header.
     ``device_copy``: copy the GPU tensors on their GPU first, so that writes after the call
     never wait: where the GPU has room (``None``, the default), always (``True``) or never
@@ -275,7 +279,7 @@ def start_save(
     path: str | os.PathLike[str],
     named: list[tuple[str, Any]],
     header: dict[str, str],
-    memory: str | int = "pageable",
+    memory: str | int = "auto",
     staging_bytes: int | None = None,
     device_copy: bool | None = None,
     owned: bool = False,
@@ -299,7 +303,9 @@ def start_save(
     gpus = sorted({t.device.index or 0 for t in detached if t.device.type == "cuda"})
     streams = [(g, torch.cuda.current_stream(g).cuda_stream) for g in gpus]
     if isinstance(memory, bool) or not isinstance(memory, (str, int)):
-        raise TypeError(f"save_async: memory={memory!r}: use 'pageable', 'pinned' or a byte count")
+        raise TypeError(
+            f"save_async: memory={memory!r}: use 'auto', 'pageable', 'pinned' or a byte count"
+        )
     mode, bound = (memory, None) if isinstance(memory, str) else ("bounded", memory)
     if bound is not None and bound <= 0:
         raise ValueError(f"save_async: memory={memory}: a bound must be a positive byte count")

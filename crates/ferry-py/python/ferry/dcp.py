@@ -216,7 +216,7 @@ class FerryStorageWriter(StorageWriter, FerryStager):
         path: str | os.PathLike[str],
         *,
         overwrite: bool = True,
-        memory: str | int = "pageable",
+        memory: str | int = "auto",
         staging_bytes: int | None = None,
     ) -> None:
         super().__init__()

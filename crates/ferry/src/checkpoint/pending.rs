@@ -65,6 +65,8 @@ pub struct AsyncSaveReport {
     pub peak_extra_host_bytes: usize,
     /// Of that, pinned memory (the ring, and pieces in [`SnapshotMemory::Pinned`]).
     pub peak_pinned_bytes: usize,
+    /// Where the snapshot landed: [`SnapshotMemory::Auto`] resolved to what it chose.
+    pub memory: SnapshotMemory,
 }
 
 impl AsyncSaveReport {
@@ -334,23 +336,27 @@ fn start(
         slots,
         device_copied: 0,
     };
-    let mut device_copied_all = false;
     if options.device_copy != DeviceCopy::Off {
         match snapshot::copy_on_devices(&mut job, options.device_copy) {
-            Ok(copied) => {
-                job.device_copied = copied;
-                // An empty tensor has nothing to copy or to hold.
-                device_copied_all = job
-                    .entries
-                    .iter()
-                    .all(|e| !e.t.device().is_cuda() || e.released || e.t.numel() == 0);
-            }
+            Ok(copied) => job.device_copied = copied,
             Err(e) => {
                 leave(&shared);
                 return Err(e.into());
             }
         }
     }
+    // GPU tensors the snapshot reads in place (an empty tensor has nothing to copy or hold).
+    let read_in_place = job
+        .entries
+        .iter()
+        .any(|e| e.t.device().is_cuda() && !e.released && e.t.numel() > 0);
+    let device_copied_all = options.device_copy != DeviceCopy::Off && !read_in_place;
+    job.memory = match options.memory {
+        SnapshotMemory::Auto if read_in_place => SnapshotMemory::Pinned,
+        SnapshotMemory::Auto => SnapshotMemory::Pageable,
+        chosen => chosen,
+    };
+    let memory = job.memory;
     let snap_shared = Arc::clone(&shared);
     let snapshotter = std::thread::Builder::new()
         .name("ferry-snapshot".into())
@@ -372,6 +378,7 @@ fn start(
         tensors: layout.infos.len(),
         bytes: layout.bytes,
         waited_for_previous,
+        memory,
         ..AsyncSaveReport::default()
     };
     report.call = called.elapsed();

@@ -58,11 +58,17 @@ impl Default for LoadOptions {
 /// Where an asynchronous save's snapshot lands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SnapshotMemory {
-    /// Pageable host memory, at the link's speed (the pinned ring drained by all cores but two), so
-    /// writes to the tensors are held only for the snapshot's fraction of a second. Extra
-    /// host memory up to the state's size, falling as the file is written (each piece is
-    /// freed once its bytes are in the file).
+    /// [`SnapshotMemory::Pageable`] where the call copied every GPU tensor on its GPU
+    /// ([`AsyncSaveOptions::device_copy`]): nothing waits for the snapshot, which then takes
+    /// the memory it frees as the file is written. [`SnapshotMemory::Pinned`] where GPU
+    /// tensors are read in place (no room for the copies, or the copy off): writes to them
+    /// wait for their DMAs, which land at the link's rate only in pinned memory.
     #[default]
+    Auto,
+    /// Pageable host memory: device pieces cross the pinned ring, drained by all cores but
+    /// two. Extra host memory up to the state's size, falling as the file is written (each
+    /// piece is freed once its bytes are in the file); beside training the drain moves a
+    /// fraction of the link's rate, so writes to GPU tensors read in place wait that long.
     Pageable,
     /// At most this many bytes of snapshot in host memory at once (the pinned ring aside):
     /// the disk sets the pace, and writes to tensors not yet copied wait until the file has
@@ -134,7 +140,7 @@ impl Default for AsyncSaveOptions {
     fn default() -> Self {
         Self {
             staging_bytes: DEFAULT_STAGING_BYTES,
-            memory: SnapshotMemory::Pageable,
+            memory: SnapshotMemory::Auto,
             after: Vec::new(),
             confirm: false,
             device_copy: DeviceCopy::IfRoom,
