@@ -11,7 +11,9 @@ no sooner than the last save is durable (the steps go on meanwhile: a loop canno
 more often than the disk writes its state, which the write column tells); a save still in
 flight after ``MAX_STEPS_PER_SAVE`` steps is waited for. The rows:
 
-* ``ferry.save_async(path, state)``, also with ``memory="pinned"`` and with ``device_copy=False``;
+* ``ferry.save_async(path, state)``, also with ``memory="pinned"``, and with
+  ``device_copy=False, memory="pageable"`` (read in place through the drained ring: the default
+  before the device copy and the automatic memory);
 * ``dcp.async_save(state, checkpoint_id=dir)`` (torch's ``FileSystemWriter``), and with torch's
   ``DefaultStager`` staging into pinned memory on its own thread (the step waits for the staging
   before the optimizer writes the state), where this torch has it;
@@ -72,7 +74,7 @@ STALL_GOAL_MS = 10.0  # ferry's default save, per checkpoint
 STEP_GOAL = 1.03  # steps while ferry's default save is in flight / the baseline
 FERRY = "ferry.save_async"
 FERRY_PINNED = "ferry.save_async, memory='pinned'"
-FERRY_PAGEABLE = "ferry.save_async, device_copy=False"
+FERRY_PAGEABLE = "ferry.save_async, device_copy=False, memory='pageable'"
 DCP = "dcp.async_save, torch's FileSystemWriter"
 DCP_PINNED = "dcp.async_save, DefaultStager(pinned, async staging)"
 DCP_FERRY = "dcp.async_save, ferry.dcp.FerryStorageWriter"
@@ -448,7 +450,7 @@ def _pinned_thread(training: Training) -> Mode:
 MODES: List[Tuple[str, Callable[[Training], Mode]]] = [
     (FERRY, _ferry_mode(loads=True)),
     (FERRY_PINNED, _ferry_mode(memory="pinned")),
-    (FERRY_PAGEABLE, _ferry_mode(device_copy=False)),
+    (FERRY_PAGEABLE, _ferry_mode(device_copy=False, memory="pageable")),
     (DCP, _torch_dcp),
     (DCP_PINNED, _torch_dcp_pinned),
     (DCP_FERRY, _ferry_dcp),
