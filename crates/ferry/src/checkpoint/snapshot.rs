@@ -5,9 +5,9 @@
 //! are copied: training reads it freely, and the first in-place write to it waits for that
 //! tensor's copy alone. Device pieces go through a ring of pinned slots on a copy stream that
 //! waits for the work queued before the call; each slot, once its DMA is done, is drained
-//! into pageable memory by all cores but two (or the piece is DMAed straight into a pinned buffer of
-//! its own, [`SnapshotMemory::Pinned`]). Host tensors are copied by all cores but two. Pieces go to
-//! the writer thread in file order.
+//! into pageable memory by all cores but two (or the piece is DMAed straight into a pinned
+//! buffer of its own, [`SnapshotMemory::Pinned`]). Host tensors are copied by all cores but two.
+//! Pieces go to the writer thread in file order.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::OnceLock;
@@ -630,28 +630,22 @@ const CORES_LEFT_TO_TRAINING: usize = 2;
 /// The threads that drain the snapshot: all cores but [`CORES_LEFT_TO_TRAINING`], apart from
 /// the global pool, so a drain at memory speed leaves the training thread the cores it launches
 /// its kernels from, and does not queue behind CPU work of the training's own in that pool.
-fn drain_pool() -> &'static rayon::ThreadPool {
-    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+/// `None` where the threads could not be made: the drain then uses the global pool.
+fn drain_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     POOL.get_or_init(|| {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let threads = cores.saturating_sub(CORES_LEFT_TO_TRAINING).max(1);
         rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
+            .num_threads(cores.saturating_sub(CORES_LEFT_TO_TRAINING).max(1))
             .thread_name(|i| format!("ferry-drain-{i}"))
             .build()
-            // Without threads of its own the drain runs on the calling thread.
-            .unwrap_or_else(|_| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(1)
-                    .use_current_thread()
-                    .build()
-                    .expect("a pool of the current thread")
-            })
+            .ok()
     })
+    .as_ref()
 }
 
-/// `bytes` copied by all cores but two into a new pageable buffer, counted against the save's host
-/// memory (waiting for room in the bounded mode).
+/// `bytes` copied by all cores but two into a new pageable buffer, counted against the save's
+/// host memory (waiting for room in the bounded mode).
 fn drained(bytes: &[u8], shared: &Shared) -> Result<Chunk, CheckpointError> {
     let held = bytes.len();
     shared.hold_host(held);
@@ -668,9 +662,11 @@ fn drained(bytes: &[u8], shared: &Shared) -> Result<Chunk, CheckpointError> {
     // left it, and a cached store reads each line before writing it. With the DMA writing the
     // ring, the drain reading it and writing here, host memory carries the snapshot three
     // times this way rather than four.
-    drain_pool().install(|| {
-        simd::copy_around_cache_parallel(buffer.as_bytes_mut(), bytes, COPY_CHUNK);
-    });
+    let mut copy = || simd::copy_around_cache_parallel(buffer.as_bytes_mut(), bytes, COPY_CHUNK);
+    match drain_pool() {
+        Some(pool) => pool.install(copy),
+        None => copy(),
+    }
     Ok(Chunk {
         bytes: Bytes::Host(buffer),
         held,
