@@ -8,8 +8,8 @@ written under their dotted paths (``optim.state.0.exp_avg``) and everything else
 which :func:`load` rebuilds the state exactly (``ferry/state_tree.py`` has the scheme).
 
 The call returns at once; ferry's threads copy the tensors (GPU tensors through a bounded
-pinned ring on a copy stream, host tensors by all cores but two) and write a safetensors file with
-ferry's checksums, fsynced and renamed over ``path`` only when whole (``ferry checkpoint
+pinned ring on a copy stream, host tensors by all cores but two) and write a safetensors file
+with ferry's checksums, fsynced and renamed over ``path`` only when whole (``ferry checkpoint
 verify`` checks it; ``safetensors.torch.load_file`` reads it).
 
 What waits for what:
@@ -248,8 +248,9 @@ def save_async(
     snapshot in pageable host memory, freed as the file is written), ``"pinned"`` (straight
     into pinned memory within ferry's pinned budget, kept in its pool for the next save), or a
     number of bytes (at most that much snapshot in host memory at once; the disk sets the pace
-    and writes wait longer). The report's ``"memory"`` says which was used. ``staging_bytes``: the pinned ring
-    GPU tensors cross through (256 MiB). ``metadata``: strings for the file's header.
+    and writes wait longer). The report's ``"memory"`` says which was used. ``staging_bytes``:
+    the pinned ring GPU tensors cross through (256 MiB). ``metadata``: strings for the file's
+    header.
     ``device_copy``: copy the GPU tensors on their GPU first, so that writes after the call
     never wait: where the GPU has room (``None``, the default), always (``True``) or never
     (``False``); see the module docs."""

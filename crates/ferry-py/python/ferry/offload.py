@@ -171,12 +171,12 @@ class offload_saved:
     only where their completion brings it under: a target out of reach at a save (everything
     saved so far already leaving, and still above) is not waited for, the forward goes on as
     when offloading everything (``stats["out_of_reach"]`` counts those saves), at the same
-    memory and without stalling on the link. What
-    the step allocates after the last save (the loss and its gradient, the first backward ops)
-    comes on top of the memory at the saves: GPT-2's loss over its 50,257-token vocabulary takes
-    the step 2.7 GiB above a target met at every save. So at the end of backward the scope reads
-    the step's peak (``torch.cuda.max_memory_allocated``), and a scope used again for the next
-    step keeps as much more room at its saves as the step went over (``stats["headroom_bytes"]``):
+    memory and without stalling on the link. What the step allocates after the last save (the
+    loss and its gradient, the first backward ops) comes on top of the memory at the saves:
+    GPT-2's loss over its 50,257-token vocabulary takes the step 2.7 GiB above a target met at
+    every save. So at the end of backward the scope reads the step's peak
+    (``torch.cuda.max_memory_allocated``), and a scope used again for the next step keeps as
+    much more room at its saves as the step went over (``stats["headroom_bytes"]``):
     enter the same scope every step for the step's peak to come under the target once it has
     learnt that room: from the second step for some models, after a few for others (in the
     models bench, GPT-2's looser target). To read a step's own peak, the scope resets torch's
