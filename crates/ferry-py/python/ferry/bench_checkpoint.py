@@ -586,10 +586,13 @@ def _remove(prefix: str) -> None:
 
 
 def _free(cuda: bool) -> None:
+    """Between rows: what a row cached (ferry's device blocks, its pinned pool, torch's cache)
+    goes back, so each row's first save starts as a fresh process's would."""
     gc.collect()
     if cuda:
         bench_models._free_memory()
         ferry.empty_cache()
+        ferry.empty_cache("cpu")
 
 
 def measure(work: bench_models.Workload, args: Any) -> Dict[str, Any]:
