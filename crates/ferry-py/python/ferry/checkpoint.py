@@ -32,9 +32,11 @@ What waits for what:
   optimizer steps included, wait for nothing. The price is device memory the size of the GPU
   tensors (from ferry's allocator) until the snapshot is taken; it then goes back to ferry's
   cache, where the next save of the same state finds it, so only the first save pays for the
-  allocation. "Room": the driver's free memory plus ferry's cached blocks cover the copies and
-  leave a 32nd of the GPU (at least 1 GiB) for training; memory torch's caching allocator
-  holds counts as taken. Without room (or with ``device_copy=False``) the tensors are read in
+  allocation. That cache is ferry's, not torch's: torch cannot use it, and a save made before
+  training reaches its peak memory keeps it from training; ``ferry.empty_cache()`` gives it
+  back to the driver (the next save then allocates again). "Room": the driver's free memory
+  plus ferry's cached blocks cover the copies and leave a 32nd of the GPU (at least 1 GiB) for
+  training; memory torch's caching allocator holds counts as taken. Without room (or with ``device_copy=False``) the tensors are read in
   place and the optimizer's step waits for the copies it would overwrite: the snapshot then
   lands in pinned memory (``memory="auto"``, the default), at the link's rate, in ferry's
   pinned pool within its budget and kept there for the next save. ``device_copy=True`` copies
