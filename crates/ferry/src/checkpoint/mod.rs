@@ -47,6 +47,7 @@ use std::path::Path;
 use ferry_tensor::{Device, Tensor};
 use ferry_transfer::{StateDict, TransferReport};
 
+mod device_copy;
 mod error;
 mod format;
 mod pending;

@@ -28,6 +28,7 @@ use ferry_memory::cuda::{CudaDevice, Event, Stream};
 use ferry_tensor::{Device, Storage, Tensor, TensorError};
 use parking_lot::Mutex;
 
+use super::device_copy;
 use super::format::check_names;
 use super::plan::{AsyncSaveOptions, DeviceCopy, Slots, SnapshotMemory, pieces};
 use super::progress::Shared;
@@ -337,7 +338,7 @@ fn start(
         device_copied: 0,
     };
     if options.device_copy != DeviceCopy::Off {
-        match snapshot::copy_on_devices(&mut job, options.device_copy) {
+        match device_copy::copy_on_devices(&mut job, options.device_copy) {
             Ok(copied) => job.device_copied = copied,
             Err(e) => {
                 leave(&shared);

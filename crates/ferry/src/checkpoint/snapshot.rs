@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Event, PinnedBatch, PinnedBuffer, PinnedPool};
 use ferry_memory::{HostBuffer, HostPool, MemoryError, simd};
-use ferry_tensor::{Device, ReadHold, Tensor, TensorError};
+use ferry_tensor::{ReadHold, Tensor, TensorError};
 
 use super::CheckpointError;
-use super::plan::{DeviceCopy, Piece, SLOTS, Slots, SnapshotMemory, device_copy_headroom};
+use super::plan::{Piece, SLOTS, Slots, SnapshotMemory};
 use super::progress::Shared;
 use super::stage::{Meter, Ring, Slot, copy_stream};
 use super::write::{block_view, cuda_buffer, host_source, with_host_bytes};
@@ -130,7 +130,8 @@ pub(super) struct Job {
     pub after: Vec<(usize, Event)>,
     pub memory: SnapshotMemory,
     pub slots: Slots,
-    /// Bytes copied on their device at the call ([`copy_on_devices`]).
+    /// Bytes copied on their device at the call
+    /// ([`copy_on_devices`](super::device_copy::copy_on_devices)).
     pub device_copied: usize,
 }
 
@@ -410,156 +411,6 @@ impl Snapshot {
     }
 }
 
-/// Copies the device tensors on their devices, on each default stream, and lets go of them:
-/// called at the call ([`AsyncSaveOptions::device_copy`](super::AsyncSaveOptions::device_copy)),
-/// so the copies come right after the work queued before the call, and in-place writes never
-/// wait. Under [`DeviceCopy::IfRoom`] a device's tensors are copied only where it has room for
-/// them ([`has_room`]). The contiguous tensors of one device and dtype are copied together into
-/// one buffer (`Tensor::cat`, a few launches for hundreds of tensors), each then read through a
-/// view of it; the others, or all where that buffer cannot be had, one by one, stopping at the
-/// first failure (device memory full, say): the tensors left are read in place as usual, their
-/// writes held off until their DMA. Makes each device's `ready` event the one after its
-/// copies. Returns the bytes copied.
-pub(super) fn copy_on_devices(job: &mut Job, policy: DeviceCopy) -> Result<usize, TensorError> {
-    // The copies wait on the default streams for the other streams' work of before the call
-    // (`after`), as the DMAs would on the copy stream.
-    for (ordinal, event) in &job.after {
-        let dev = CudaDevice::get(*ordinal)?;
-        dev.default_stream().wait_event(event)?;
-    }
-    // A plain copy: the snapshot is no part of any graph.
-    let devices = devices_to_copy(job, policy)?;
-    let copied = ferry_tensor::with_no_grad(|| copy_grouped(job, &devices))?;
-    // The DMAs come after the copies: each device's `ready` event (there is one per device
-    // with tensors, recorded at the call) is recorded anew behind them.
-    for (ordinal, event) in &mut job.ready {
-        *event = CudaDevice::get(*ordinal)?.default_stream().record()?;
-    }
-    Ok(copied)
-}
-
-/// The devices whose tensors [`copy_on_devices`] copies under `policy`.
-fn devices_to_copy(job: &Job, policy: DeviceCopy) -> Result<Vec<Device>, TensorError> {
-    let mut need: Vec<(Device, usize)> = Vec::new();
-    for entry in &job.entries {
-        let t = &entry.t;
-        if !t.device().is_cuda() || entry.released {
-            continue;
-        }
-        // The copy is contiguous, whatever the tensor's layout.
-        let bytes = t.numel() * t.dtype().size();
-        match need.iter_mut().find(|(d, _)| *d == t.device()) {
-            Some((_, sum)) => *sum += bytes,
-            None => need.push((t.device(), bytes)),
-        }
-    }
-    let mut devices = Vec::new();
-    for (device, bytes) in need {
-        let Device::Cuda(ordinal) = device else {
-            continue;
-        };
-        let room = match policy {
-            DeviceCopy::Off => false,
-            DeviceCopy::Always => true,
-            DeviceCopy::IfRoom => has_room(&CudaDevice::get(ordinal)?, bytes),
-        };
-        if room {
-            devices.push(device);
-        }
-    }
-    Ok(devices)
-}
-
-/// Whether `dev` can hold `bytes` more: within ferry's budget for it, and leaving
-/// [`device_copy_headroom`] of the device free. A device that cannot say has no room.
-fn has_room(dev: &CudaDevice, bytes: usize) -> bool {
-    let Some(info) = dev.memory_info() else {
-        return false;
-    };
-    let stats = dev.memory_stats();
-    fits(
-        bytes,
-        Free {
-            driver: info.free_bytes,
-            cached: stats.reserved_bytes.saturating_sub(stats.allocated_bytes),
-            budget_left: dev
-                .budget()
-                .map_or(usize::MAX, |b| b.saturating_sub(stats.allocated_bytes)),
-            total: info.total_bytes,
-        },
-    )
-}
-
-/// What a device has free for a device copy.
-#[derive(Debug, Clone, Copy)]
-struct Free {
-    /// The driver's free memory: every process's and runtime's use taken out.
-    driver: usize,
-    /// Blocks cached in ferry's allocator, which the copies may reuse.
-    cached: usize,
-    /// What ferry's budget for the device still allows (`usize::MAX` without one).
-    budget_left: usize,
-    total: usize,
-}
-
-/// [`has_room`]'s rule: the copies fit ferry's budget, and what the driver and ferry's cache
-/// have free covers them and the headroom left for the training beside the save.
-fn fits(bytes: usize, free: Free) -> bool {
-    let available = free.driver.saturating_add(free.cached);
-    bytes <= free.budget_left && available >= bytes.saturating_add(device_copy_headroom(free.total))
-}
-
-/// [`copy_on_devices`]' copies of the tensors on `devices`: by group where it can, then one by
-/// one.
-fn copy_grouped(job: &mut Job, devices: &[Device]) -> Result<usize, TensorError> {
-    let mut groups: Vec<((Device, ferry_tensor::DType), Vec<usize>)> = Vec::new();
-    for (e, entry) in job.entries.iter().enumerate() {
-        let t = &entry.t;
-        if !devices.contains(&t.device()) || !t.is_contiguous() || t.numel() == 0 {
-            continue;
-        }
-        let key = (t.device(), t.dtype());
-        match groups.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, members)) => members.push(e),
-            None => groups.push((key, vec![e])),
-        }
-    }
-    let mut copied = 0;
-    for (_, members) in groups.iter().filter(|(_, m)| m.len() > 1) {
-        let flat = members
-            .iter()
-            .map(|&e| job.entries[e].t.reshape(&[job.entries[e].t.numel()]))
-            .collect::<ferry_tensor::Result<Vec<_>>>()?;
-        let Ok(together) = Tensor::cat(&flat.iter().collect::<Vec<_>>(), 0) else {
-            continue; // no room for one buffer: one by one below
-        };
-        let mut start = 0;
-        for &e in members {
-            let t = &job.entries[e].t;
-            let view = together.narrow(0, start, t.numel())?.reshape(t.shape())?;
-            start += t.numel();
-            copied += view.nbytes();
-            // The pieces stay as they were cut: the view is laid out as the tensor was.
-            job.entries[e].t = view;
-            release(job, e);
-        }
-    }
-    for e in 0..job.entries.len() {
-        let entry = &job.entries[e];
-        if !devices.contains(&entry.t.device()) || entry.released {
-            continue;
-        }
-        let Ok(copy) = entry.t.copy() else {
-            break;
-        };
-        // On the contiguous copy, a non-contiguous tensor's blocks are contiguous ones.
-        copied += copy.nbytes();
-        job.entries[e].t = copy;
-        release(job, e);
-    }
-    Ok(copied)
-}
-
 /// Queues `len` bytes of `from` from `start` into the batch's pinned buffer from `at`: after
 /// `ready` alone when the buffer lives on the device's default stream, where `ready` was
 /// recorded (training's later work there only reads it); else after everything queued on its
@@ -607,7 +458,7 @@ fn slot_len(job: &Job) -> usize {
 }
 
 /// Drops entry `e`'s share of its hold (once); the last tensor over a storage releases it.
-fn release(job: &mut Job, e: usize) {
+pub(super) fn release(job: &mut Job, e: usize) {
     if std::mem::replace(&mut job.entries[e].released, true) {
         return;
     }
@@ -679,51 +530,4 @@ fn host_piece(entry: &Entry, p: usize, shared: &Shared) -> Result<Chunk, Checkpo
     with_host_bytes("checkpoint::save_async", &source, range, |bytes| {
         drained(bytes, shared)
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{Free, fits};
-
-    const GIB: usize = 1 << 30;
-
-    fn free(driver: usize, cached: usize) -> Free {
-        Free {
-            driver,
-            cached,
-            budget_left: usize::MAX,
-            total: 141 * GIB,
-        }
-    }
-
-    #[test]
-    fn a_device_copy_leaves_a_32nd_of_the_device_to_training() {
-        // 141 GiB: the headroom is 4.4 GiB.
-        assert!(fits(10 * GIB, free(15 * GIB, 0)));
-        assert!(!fits(10 * GIB, free(14 * GIB, 0)));
-        // Blocks ferry's allocator caches count as free: the last save's copies are reused.
-        assert!(fits(10 * GIB, free(2 * GIB, 13 * GIB)));
-    }
-
-    #[test]
-    fn a_small_device_keeps_at_least_a_gib() {
-        let small = Free {
-            total: 8 * GIB,
-            ..free(GIB + GIB / 2, 0)
-        };
-        assert!(fits(GIB / 2, small));
-        assert!(!fits(GIB / 2 + 1, small));
-    }
-
-    #[test]
-    fn a_device_copy_stays_within_ferrys_budget() {
-        let capped = Free {
-            budget_left: GIB,
-            ..free(100 * GIB, 0)
-        };
-        assert!(fits(GIB, capped));
-        assert!(!fits(GIB + 1, capped));
-        // Sizes near the top of the address space do not wrap around into "fits".
-        assert!(!fits(usize::MAX - GIB, free(100 * GIB, 100 * GIB)));
-    }
 }
