@@ -69,3 +69,12 @@ def test_the_stall_is_the_call_the_wait_and_what_steps_in_flight_took_beyond_the
     assert row["pinned_bytes"] == 7
     assert bench_checkpoint.summarise(
         [{**records[0], "report": {}}], 300.0, 100.0, 1, pinned_bytes=3)["pinned_bytes"] == 3
+
+
+def test_ways_picks_rows_by_words_and_keeps_ferrys_default_first():
+    names = [name for name, _ in bench_checkpoint._chosen("dcp.async_save, pinned snapshot")]
+    assert names[0] == bench_checkpoint.FERRY
+    assert names[1:] == [bench_checkpoint.DCP, bench_checkpoint.DCP_PINNED,
+                         bench_checkpoint.DCP_FERRY, bench_checkpoint.PINNED_THREAD]
+    assert [n for n, _ in bench_checkpoint._chosen(None)] == [n for n, _ in bench_checkpoint.MODES]
+    assert [n for n, _ in bench_checkpoint._chosen("nothing")] == [bench_checkpoint.FERRY]

@@ -205,6 +205,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=",".join(bench_checkpoint.CASES), metavar="LIST",
                         help="the --checkpoint models (default: "
                              f"{','.join(bench_checkpoint.CASES)})")
+    parser.add_argument("--ways", metavar="LIST",
+                        help="only the --checkpoint rows whose names contain one of these "
+                             "comma-separated words (ferry's default row always runs)")
     parser.add_argument("--saves", type=int, default=3,
                         help="saves per --checkpoint row (default 3)")
     parser.add_argument("--every", type=int, default=10,

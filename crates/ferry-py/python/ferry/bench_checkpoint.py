@@ -595,6 +595,15 @@ def _free(cuda: bool) -> None:
         ferry.empty_cache("cpu")
 
 
+def _chosen(ways: Optional[str]) -> List[Tuple[str, Callable[[Training], Mode]]]:
+    """The rows ``--ways`` names (words any of which a row's name contains), ferry's default
+    first whatever it says: the goals are judged on it."""
+    if not ways:
+        return MODES
+    wanted = [w.strip() for w in ways.split(",") if w.strip()]
+    return MODES[:1] + [(n, m) for n, m in MODES[1:] if any(w in n for w in wanted)]
+
+
 def measure(work: bench_models.Workload, args: Any) -> Dict[str, Any]:
     """Every row on ``work``'s loop, with ``args``' saves, steps, samples and directory."""
     training = Training(work)
@@ -609,7 +618,7 @@ def measure(work: bench_models.Workload, args: Any) -> Dict[str, Any]:
         "state_bytes": state_bytes, "baselines_ms": [training.steps(samples)], "modes": {},
         "loads": {}}
     prefix = os.path.join(args.dir, f"ferry-bench-checkpoint-{os.getpid()}-")
-    for k, (name, make) in enumerate(MODES):
+    for k, (name, make) in enumerate(_chosen(getattr(args, "ways", None))):
         try:
             mode = make(training)
         except _Skip as why:
