@@ -466,7 +466,8 @@ def run(args: Any) -> int:
             path = draw(name, f"{name}: {result['what'][:70]}\n{result['batch']}",
                         curve(result), directory)
         except ImportError as e:
-            print(f"curves not drawn: matplotlib is not importable ({e})")
+            print(f"curves not drawn: matplotlib is not importable ({e}); with --json FILE, "
+                  "`ferry plot memory FILE` draws them")
             break
         result["png"] = str(path)
         print(f"{name}: curve drawn in {path}")
