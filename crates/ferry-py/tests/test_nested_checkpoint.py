@@ -191,6 +191,42 @@ def test_a_missing_directory_leaves_no_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+_SAVE_ON_A_FULL_DISK = """
+import os, resource, signal, sys, torch, ferry
+path = sys.argv[1]
+ferry.save_async(path, {"w": torch.ones(1000)}).wait()
+# The disk fills at 1 MiB: a write beyond it fails (EFBIG, as ENOSPC would, on the same path),
+# with the signal that would kill the process ignored.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+pending = ferry.save_async(path, {"model": {"w": torch.full((1 << 20,), 2.0)}})
+try:
+    pending.wait()
+    print("saved")
+except ferry.FerryError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="resource limits are POSIX")
+def test_a_full_disk_is_an_error_and_keeps_the_earlier_file(tmp_path):
+    # In a child process: its file-size limit stands in for a disk that fills mid-save (a small
+    # tmpfs needs privileges the test may not have).
+    import subprocess
+    import sys
+
+    path = tmp_path / "x.safetensors"
+    out = subprocess.run([sys.executable, "-c", _SAVE_ON_A_FULL_DISK, str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Named by the target, with what is kept and what to do.
+    assert out.stdout.startswith(f"refused: {path}: no room on the disk"), out.stdout
+    assert "previous file, if any, is kept" in out.stdout and "free space" in out.stdout
+    # Nothing partial: the earlier file alone, whole.
+    assert os.listdir(tmp_path) == ["x.safetensors"]
+    assert torch.equal(ferry.load(path)["w"], torch.ones(1000))
+
+
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes anywhere")
 def test_a_read_only_directory_leaves_no_file(tmp_path):
     ro = tmp_path / "ro"

@@ -18,6 +18,22 @@ pub enum CheckpointError {
         #[source]
         source: std::io::Error,
     },
+    /// The disk (or the process's file-size limit, or a quota) had no room for the file: its
+    /// temporary was removed, and the file at `path`, if any, is as it was.
+    #[error(
+        "{}: no room on the disk for the checkpoint (writing {} failed: {source}); the previous file, if any, is kept as it was: free space, or save elsewhere, and save again",
+        path.display(),
+        temp.display()
+    )]
+    DiskFull {
+        /// The checkpoint's target.
+        path: PathBuf,
+        /// The temporary file whose write failed.
+        temp: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The file ends before the data its header describes: the write was interrupted.
     #[error(
         "{}: the file is truncated: tensor {key:?} needs bytes {start}..{end} of the data section, which holds {available} bytes; the write was probably interrupted, use an earlier checkpoint",
@@ -162,6 +178,26 @@ pub enum CheckpointError {
     Tensor(#[from] TensorError),
 }
 
+impl CheckpointError {
+    /// A save of `target` whose write failed for want of room, told as
+    /// [`CheckpointError::DiskFull`]; any other error as it is.
+    pub(crate) fn for_target(self, target: &std::path::Path) -> Self {
+        use std::io::ErrorKind::{FileTooLarge, QuotaExceeded, StorageFull};
+        match self {
+            CheckpointError::Io { path, source }
+                if matches!(source.kind(), StorageFull | FileTooLarge | QuotaExceeded) =>
+            {
+                CheckpointError::DiskFull {
+                    path: target.to_path_buf(),
+                    temp: path,
+                    source,
+                }
+            }
+            other => other,
+        }
+    }
+}
+
 impl From<crate::durable::DurableError> for CheckpointError {
     fn from(e: crate::durable::DurableError) -> Self {
         use crate::durable::DurableError;
@@ -253,5 +289,48 @@ impl fmt::Display for Mismatch {
                 "key {key:?}: dtype {found} in the checkpoint, {expected} expected (cast before saving)"
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Error, ErrorKind};
+    use std::path::Path;
+
+    use super::CheckpointError;
+
+    fn failed_write(kind: ErrorKind) -> CheckpointError {
+        CheckpointError::Io {
+            path: "/ckpt/.m.safetensors.1.2.3.tmp".into(),
+            source: Error::from(kind),
+        }
+    }
+
+    #[test]
+    fn a_write_without_room_names_the_target_and_what_is_kept() {
+        for kind in [
+            ErrorKind::StorageFull,
+            ErrorKind::FileTooLarge,
+            ErrorKind::QuotaExceeded,
+        ] {
+            let e = failed_write(kind).for_target(Path::new("/ckpt/m.safetensors"));
+            let CheckpointError::DiskFull { path, temp, .. } = &e else {
+                panic!("{kind:?} became {e:?}");
+            };
+            assert_eq!(path, Path::new("/ckpt/m.safetensors"));
+            assert!(temp.ends_with(".m.safetensors.1.2.3.tmp"));
+            let message = e.to_string();
+            assert!(
+                message.starts_with("/ckpt/m.safetensors: no room on the disk"),
+                "{message}"
+            );
+            assert!(
+                message.contains("previous file, if any, is kept"),
+                "{message}"
+            );
+        }
+        // Other failures stay what they were.
+        let e = failed_write(ErrorKind::PermissionDenied).for_target(Path::new("/ckpt/m"));
+        assert!(matches!(e, CheckpointError::Io { .. }), "{e:?}");
     }
 }

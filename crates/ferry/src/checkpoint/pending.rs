@@ -316,8 +316,10 @@ fn start(
 
     let layout = FileLayout::new(tensors);
     let (entries, holds) = hold_in_file_order(tensors, &layout, slots);
-    let opened = order_after(&entries, &options.after)
-        .and_then(|order| Ok((order, OpenFile::create(&path, &layout, metadata)?)));
+    let opened = order_after(&entries, &options.after).and_then(|order| {
+        let file = OpenFile::create(&path, &layout, metadata).map_err(|e| e.for_target(&path))?;
+        Ok((order, file))
+    });
     let ((ready, after), file) = match opened {
         Ok(opened) => opened,
         Err(e) => {
@@ -387,7 +389,8 @@ fn start(
         .name("ferry-save".into())
         .spawn(move || {
             let shared = writer_shared;
-            let written = write(&shared, file, &layout, &metadata, &counts, rx);
+            let written = write(&shared, file, &layout, &metadata, &counts, rx)
+                .map_err(|e| e.for_target(&shared.path));
             // The snapshot's own error first: the writer only saw it stop.
             let result = match (snapshotter.join(), written) {
                 (Ok(Err(Stop::Failed(e))), _) | (_, Err(e)) => Err(e),

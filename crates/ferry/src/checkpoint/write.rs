@@ -171,6 +171,15 @@ pub(super) fn write_file(
     metadata: &BTreeMap<String, String>,
     slots: Slots,
 ) -> Result<CheckpointReport, CheckpointError> {
+    write_file_as_is(path, tensors, metadata, slots).map_err(|e| e.for_target(path))
+}
+
+fn write_file_as_is(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: &BTreeMap<String, String>,
+    slots: Slots,
+) -> Result<CheckpointReport, CheckpointError> {
     let started = Instant::now();
     let layout = FileLayout::new(tensors);
     let entries: Vec<Entry> = layout
