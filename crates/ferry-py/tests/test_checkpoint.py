@@ -283,3 +283,24 @@ def test_a_save_waited_for_on_another_thread_never_deadlocks_the_optimizers_barr
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and ferry.cuda_available() and torch.cuda.device_count() > 1),
+    reason="needs two CUDA devices",
+)
+@pytest.mark.parametrize("device_copy", [None, False])
+def test_tensors_on_two_gpus_are_saved_each_after_its_own_gpus_work(tmp_path, device_copy):
+    # Each GPU's copies come after the work torch queued on that GPU's current stream.
+    state = {}
+    for gpu in (0, 1):
+        with torch.cuda.device(gpu):
+            t = torch.zeros(1 << 22, device=f"cuda:{gpu}")
+            torch.cuda._sleep(20_000_000)
+            t.fill_(gpu + 1.0)
+            state[f"t{gpu}"] = t
+    path = tmp_path / "two.safetensors"
+    report = ferry.save_async(path, state, device_copy=device_copy).wait()
+    assert report["device_bytes"] == 2 * (1 << 24)
+    back = _load(path)
+    assert bool((back["t0"] == 1.0).all()) and bool((back["t1"] == 2.0).all())
