@@ -1,4 +1,4 @@
-"""``python -m ferry.bench --memory [nanogpt,gpt2-b8,llama,vit]``: issue 41's curves, peak
+"""``python -m ferry.bench --memory [nanogpt,gpt2-b8,llama,vit,mlp]``: issue 41's curves, peak
 activation memory against step time, per model in one process, samples interleaved: a step as
 is; ``torch.utils.checkpoint`` on every block (``use_reentrant=False``, wrapped as a user would);
 ``torch.autograd.graph.save_on_cpu(pin_memory=True)``; ``ferry.offload_saved()``; and
@@ -7,9 +7,10 @@ plain peak down to full checkpointing's measured peak, and one at the plain peak
 saved activations. Prints a table and the goals' verdicts per model, draws each curve as a PNG
 (``--png DIR``), and writes everything to ``--json FILE``.
 
-The models are ``bench_models``' (random weights, nothing downloaded), and nanoGPT's GPT-2 small
+The models are ``bench_models``' (random weights, nothing downloaded), nanoGPT's GPT-2 small
 (batch 12 x 1024, fp32, dropout 0): nanoGPT's own ``model.py`` where it is importable as
-``model`` (``PYTHONPATH=path/to/nanoGPT``), else the same shape from transformers' GPT-2.
+``model`` (``PYTHONPATH=path/to/nanoGPT``), else the same shape from transformers' GPT-2, and a
+small MLP (4 x (Linear(2048) + Tanh), batch 4096: 256 MiB saved).
 
 A peak is ``torch.cuda.max_memory_allocated`` over one step above what was allocated at its
 start (the model, its batch: ``bench_models._measured_step``); a row's peak is the highest of its
@@ -41,7 +42,7 @@ from ._plan_torch import _bytes
 from .plan import MemoryPlan, TargetUnreachable, find_regions
 
 GIB = 1 << 30
-MODELS = ("nanogpt", "gpt2-b8", "llama", "vit")
+MODELS = ("nanogpt", "gpt2-b8", "llama", "vit", "mlp")
 TARGETS = 5  # plan targets from 90% of the plain peak down to full checkpointing's
 TOP_TARGET = 0.9
 AT_CHECKPOINT_GOAL, AT_HALF_GOAL = 1.05, 1.03  # step / no plan's step
@@ -94,6 +95,21 @@ def _nanogpt(name: str, batch: int, device: Any, tiny: bool) -> bench_models.Wor
                                  inputs, loss_of, None)
 
 
+def _mlp(name: str, device: Any, tiny: bool) -> bench_models.Workload:
+    """The small model the offload scope's default window failed: 4 x (Linear(2048) + Tanh) at
+    batch 4096, fp32: 256 MiB of saved activations, each block a region."""
+    width, batch = (64, 32) if tiny else (2048, 4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+              for _ in range(4)])
+        x = torch.randn(batch, width)
+    return bench_models.Workload(
+        name, f"4 x (Linear({width}) + Tanh)", f"batch {batch}, fp32", model, (x,),
+        lambda m, x: m(x).square().mean(), None)
+
+
 def build(name: str, device: Any, tiny: bool = False) -> bench_models.Workload:
     """The workload ``name`` (``MODELS``) with random weights in training mode, caches off (a
     recomputed block must not append to a key/value cache); ``tiny`` as in bench_models."""
@@ -101,6 +117,8 @@ def build(name: str, device: Any, tiny: bool = False) -> bench_models.Workload:
         torch.manual_seed(0)
         work = _nanogpt(name, 2 if tiny else 12, device, tiny)
         work.model.train()
+    elif name == "mlp":
+        work = _mlp(name, device, tiny)
     else:
         work = bench_models.build(name, device, tiny)
     config = getattr(work.model, "config", None)
@@ -322,6 +340,15 @@ def judge(points: Sequence[Point], saved_bytes: float) -> List[Dict[str, str]]:
             else f"fastest plan at that peak: {near.label}, {near.ms:.1f} ms" if near
             else "no plan point at that peak"))
         add(goal, ("met" if better else "not met") if label in RIVALS else "info", detail)
+    offloaded = by.get(OFFLOAD)
+    goal = f"{OFFLOAD} lowers the peak"
+    if offloaded is None:
+        add(goal, "n/a", "not measured (OOM)")
+    else:
+        # Beyond noise: a window that brings every saved tensor back at once lowers nothing.
+        add(goal, "met" if offloaded.peak < plain.peak - slack else "not met",
+            f"{_bytes(offloaded.peak)} against {_bytes(plain.peak)} without it "
+            f"({offloaded.peak / plain.peak:.2f})")
     unreachable = [p for p in plans if not p.reachable]
     for p in unreachable:
         # Other plans as low, bar those with its choices (the same plan, another target).
