@@ -275,3 +275,13 @@ def test_the_memory_bench_on_tiny_configs_on_a_gpu(monkeypatch, tmp_path, capsys
 def test_without_cuda_the_memory_bench_says_so(capsys):
     assert bench.main(["--memory", "nanogpt"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_the_small_mlp_is_four_regions_with_a_loss():
+    from ferry.plan import find_regions
+
+    work = bench_memory.build("mlp", "cpu", tiny=True)
+    assert len(find_regions(work.model)) == 4
+    loss = work.loss()
+    loss.backward()
+    assert loss.dim() == 0 and all(p.grad is not None for p in work.model.parameters())
