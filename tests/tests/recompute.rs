@@ -297,10 +297,108 @@ fn a_gpt_under_a_memory_plan_trains_as_the_plain_one() -> Result<()> {
         .filter(|(_, c)| **c == Choice::Recompute)
         .map(|(cost, _)| cost.saved_bytes)
         .sum();
-    assert_eq!((plain.2 - planned.2) as u64, freed, "{plan}");
+    // Graph-wise a recomputed block no longer saves its weights either; the profile leaves
+    // them out (they stay alive whatever the plan): the graph's drop is the profiled bytes and
+    // some of the recomputed blocks' parameters, no more.
+    let gpt = Gpt::new(config, Device::Cpu)?;
+    let recomputed_params: u64 =
+        gpt.named_parameters()
+            .iter()
+            .filter(|(name, _)| {
+                choices.iter().enumerate().any(|(i, c)| {
+                    *c == Choice::Recompute && name.starts_with(&format!("blocks.{i}."))
+                })
+            })
+            .map(|(_, p)| p.nbytes() as u64)
+            .sum();
+    let dropped = (plain.2 - planned.2) as u64;
+    assert!(
+        dropped > freed && dropped <= freed + recomputed_params,
+        "graph dropped {dropped}, profile {freed}, parameters {recomputed_params}: {plan}"
+    );
 
     let mut gpt = Gpt::new(config, Device::Cpu)?;
     let err = gpt.set_plan(&[Choice::Keep]).unwrap_err().to_string();
+    assert!(err.contains("one choice per block"), "{err}");
+    Ok(())
+}
+
+/// Any chain of blocks under a plan made from its own profile ([`ferry::nn::PlannedChain`]):
+/// here an MLP whose blocks are chains of two `Dense` layers, so each block saves a hidden
+/// activation inside it. The profile counts that activation and neither the block's input
+/// (kept whatever the plan) nor its weights (parameters, alive anyway); the recomputed blocks
+/// free it; loss and gradients equal the plain chain's bit for bit on the CPU.
+#[test]
+fn an_mlp_chain_under_a_memory_plan_trains_as_the_plain_one() -> Result<()> {
+    use ferry::autograd::{Choice, MemoryPlan};
+    use ferry::nn::{Activation, Dense, Module, PlannedChain};
+    let chain = || -> Result<PlannedChain<PlannedChain<Dense>>> {
+        manual_seed(5);
+        let blocks = (0..4)
+            .map(|_| {
+                Ok(PlannedChain::new(vec![
+                    Dense::new(32, 64, Activation::Tanh, Device::Cpu)?,
+                    Dense::new(64, 32, Activation::Identity, Device::Cpu)?,
+                ]))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PlannedChain::new(blocks))
+    };
+    manual_seed(6);
+    let x = Tensor::randn(&[16, 32], DType::F32, Device::Cpu)?;
+    let run = |plan: Option<&[Choice]>| -> Result<(Vec<f64>, Vec<Vec<f64>>, usize)> {
+        let mut mlp = chain()?;
+        if let Some(choices) = plan {
+            mlp.set_plan(choices)?;
+        }
+        let graph = mlp.parameters()[0].graph().expect("a leaf has a graph");
+        let base = graph.saved_bytes();
+        let y = mlp.forward(&x)?;
+        let loss = y.mul(&y)?.mean()?;
+        let saved = graph.saved_bytes() - base;
+        loss.backward()?;
+        let grads = mlp
+            .parameters()
+            .iter()
+            .map(|p| values(&p.grad().unwrap()))
+            .collect();
+        Ok((values(&loss), grads, saved))
+    };
+
+    let costs = chain()?.profile_blocks(&x)?;
+    assert_eq!(costs.len(), 4);
+    // The input, 16 x 32 floats; inside, the tanh's 16 x 64.
+    for cost in &costs {
+        assert_eq!(
+            (cost.input_bytes, cost.saved_bytes),
+            (2048, 4096),
+            "{cost:?}"
+        );
+    }
+    // The first block is fed the batch, which requires no grad: not recomputable.
+    assert!(!costs[0].recomputable && costs[1..].iter().all(|c| c.recomputable));
+    // The least the plan reaches: the middle blocks recomputed (the last is rebuilt at once).
+    let plan = MemoryPlan::new(&costs, None, 1)?;
+    let choices = plan.choices();
+    use Choice::{Keep, Recompute};
+    assert_eq!(choices, [Keep, Recompute, Recompute, Keep], "{plan}");
+    let (plain, planned) = (run(None)?, run(Some(&choices))?);
+    assert_eq!(plain.0, planned.0, "loss");
+    assert_eq!(plain.1, planned.1, "gradients");
+    // Graph-wise the recomputed blocks' two weights (64 x 32 floats each) go too.
+    let dropped = (plain.2 - planned.2) as u64;
+    assert_eq!(dropped, 2 * (4096 + 2 * 8192), "{plan}");
+    // Every block asked to recompute: the first, fed the batch, runs kept; the same result.
+    let all = run(Some(&[Recompute; 4]))?;
+    assert_eq!((all.0, all.1), (plain.0.clone(), plain.1.clone()));
+    // Parameters are named by position, as Sequential's.
+    let names: Vec<String> = chain()?
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(&names[..2], ["0.0.weight", "0.0.bias"]);
+    let err = chain()?.set_plan(&[Choice::Keep]).unwrap_err().to_string();
     assert!(err.contains("one choice per block"), "{err}");
     Ok(())
 }

@@ -1,11 +1,12 @@
-//! `ferry bench memory`: activation memory against step time for ferry's GPT and Llama, each point a way
-//! to hold what backward needs: everything kept, every block recomputed (PyTorch's
-//! `torch.utils.checkpoint` per block), every block offloaded (ferry's offload scope alone), and
-//! the memory plan ([`ferry::autograd::MemoryPlan`]) at five targets from 90% of the plain
-//! activation bytes down to what recomputing every block keeps. The plan is made once per target
-//! from one profiled step (each block's forward time and saved bytes) and the link's rates
-//! measured in the same run; each point is the median step over `--samples` and the most bytes
-//! the allocator held above the model and its batch.
+//! `ferry bench memory`: activation memory against step time for ferry's GPT, Llama and an
+//! MLP, each point a way to hold what backward needs: everything kept, every block recomputed
+//! (PyTorch's `torch.utils.checkpoint` per block), every block offloaded (ferry's offload scope
+//! alone), and the memory plan ([`ferry::autograd::MemoryPlan`]) at five targets from 90% of the
+//! plain activation bytes down to what recomputing every block keeps. The plan is made once per
+//! target from one profiled step (each block's forward time and saved bytes) and the link's
+//! rates measured in the same run; each point is the median step over `--samples` and the most
+//! bytes the allocator held above the model and its batch. A model the planner refuses (the
+//! MLP, whose blocks save only their inputs and outputs) is measured against the rivals alone.
 //!
 //! On a machine without a GPU it profiles and plans the smallest case and prints the plans (the
 //! curve needs a GPU: the link, the device's peak).
@@ -15,9 +16,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
-use ferry::autograd::{Choice, Link, MemoryPlan};
+use ferry::autograd::{Choice, Link, MemoryPlan, RegionCost};
 use ferry::memory::cuda::CudaDevice;
 use ferry::models::{Gpt, GptConfig, Llama, LlamaConfig};
+use ferry::nn::{Activation, Dense, PlannedChain};
 use ferry::prelude::*;
 use serde_json::json;
 
@@ -38,7 +40,8 @@ pub struct MemoryArgs {
     /// Untimed steps per point before the samples.
     #[arg(long, default_value_t = 1)]
     warmup: u32,
-    /// Only these cases (ids joined by commas: gpt2_small, gpt_1b_b8, llama_1b_b4).
+    /// Only these cases (ids joined by commas: gpt2_small, gpt_1b_b8, llama_1b_b4,
+    /// mlp_2048x4_b4096).
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     cases: Vec<String>,
 }
@@ -60,6 +63,8 @@ struct Case {
 enum Arch {
     Gpt(GptConfig),
     Llama(LlamaConfig),
+    /// `blocks` x (Linear(`width`) + Tanh): a batch of rows, no tokens.
+    Mlp { width: usize, blocks: usize },
 }
 
 fn cases() -> Vec<Case> {
@@ -98,6 +103,18 @@ fn cases() -> Vec<Case> {
             batch: 4,
             context: 1024,
             bf16: true,
+        },
+        // The small model of the offload scope's finding: 4 x (Linear(2048) + Tanh) at batch
+        // 4096, f32, 256 MiB saved (`context` is the rows per sample: one).
+        Case {
+            id: "mlp_2048x4_b4096",
+            arch: Arch::Mlp {
+                width: 2048,
+                blocks: 4,
+            },
+            batch: 4096,
+            context: 1,
+            bf16: false,
         },
     ]
 }
@@ -139,6 +156,7 @@ struct Point {
 enum Model {
     Gpt(Gpt),
     Llama(Llama),
+    Mlp(PlannedChain<Dense>),
 }
 
 impl Model {
@@ -146,6 +164,7 @@ impl Model {
         match self {
             Model::Gpt(m) => m,
             Model::Llama(m) => m,
+            Model::Mlp(m) => m,
         }
     }
 
@@ -153,6 +172,7 @@ impl Model {
         match self {
             Model::Gpt(m) => m.profile_blocks(ids),
             Model::Llama(m) => m.profile_blocks(ids),
+            Model::Mlp(m) => m.profile_blocks(ids),
         }
     }
 
@@ -160,6 +180,7 @@ impl Model {
         match self {
             Model::Gpt(m) => m.set_plan(choices),
             Model::Llama(m) => m.set_plan(choices),
+            Model::Mlp(m) => m.set_plan(choices),
         }
     }
 }
@@ -168,21 +189,32 @@ impl Model {
 struct Run {
     model: Model,
     vocab: usize,
-    layers: usize,
-    ids: Tensor,
-    targets: Tensor,
+    /// Token ids `[batch, context]`, or the MLP's rows `[batch, width]`.
+    input: Tensor,
+    /// The next tokens, for a language model's cross-entropy; the MLP's loss is the mean
+    /// square of its output.
+    targets: Option<Tensor>,
     bf16: bool,
 }
 
 impl Run {
     fn new(case: &Case, device: Device) -> ferry::Result<Self> {
-        let (model, vocab, layers) = match &case.arch {
-            Arch::Gpt(c) => (Model::Gpt(Gpt::new(*c, device)?), c.vocab, c.layers),
-            Arch::Llama(c) => (
-                Model::Llama(Llama::new(c.clone(), device)?),
-                c.vocab_size,
-                c.num_hidden_layers,
-            ),
+        let (model, vocab) = match &case.arch {
+            Arch::Gpt(c) => (Model::Gpt(Gpt::new(*c, device)?), c.vocab),
+            Arch::Llama(c) => (Model::Llama(Llama::new(c.clone(), device)?), c.vocab_size),
+            &Arch::Mlp { width, blocks } => {
+                let dense = (0..blocks)
+                    .map(|_| Dense::new(width, width, Activation::Tanh, device))
+                    .collect::<ferry::Result<Vec<_>>>()?;
+                let input = Tensor::randn(&[case.batch, width], DType::F32, device)?;
+                return Ok(Self {
+                    model: Model::Mlp(PlannedChain::new(dense)),
+                    vocab: 0,
+                    input,
+                    targets: None,
+                    bf16: case.bf16,
+                });
+            }
         };
         let tokens = case.batch * case.context;
         let ids = |n: usize| -> ferry::Result<Tensor> {
@@ -193,18 +225,22 @@ impl Run {
         Ok(Self {
             model,
             vocab,
-            layers,
-            ids: ids(tokens)?.reshape(&[case.batch, case.context])?,
-            targets: ids(tokens)?,
+            input: ids(tokens)?.reshape(&[case.batch, case.context])?,
+            targets: Some(ids(tokens)?),
             bf16: case.bf16,
         })
     }
 
     fn loss(&self) -> ferry::Result<Tensor> {
         let forward = || -> ferry::Result<Tensor> {
-            let logits = self.model.as_module().forward(&self.ids)?;
-            let flat = logits.reshape(&[self.targets.shape()[0], self.vocab])?;
-            ferry::nn::cross_entropy(&flat, &self.targets)
+            let out = self.model.as_module().forward(&self.input)?;
+            match &self.targets {
+                Some(targets) => {
+                    let flat = out.reshape(&[targets.shape()[0], self.vocab])?;
+                    ferry::nn::cross_entropy(&flat, targets)
+                }
+                None => out.mul(&out)?.mean(),
+            }
         };
         match self.bf16 {
             true => ferry::amp::autocast(DType::BF16, forward),
@@ -214,7 +250,7 @@ impl Run {
 
     /// The blocks' costs from one profiled forward (autocast as the step runs).
     fn profile(&self) -> ferry::Result<Vec<ferry::autograd::RegionCost>> {
-        let profile = || self.model.profile_blocks(&self.ids);
+        let profile = || self.model.profile_blocks(&self.input);
         match self.bf16 {
             true => ferry::amp::autocast(DType::BF16, profile),
             false => profile(),
@@ -274,7 +310,10 @@ pub fn run(args: MemoryArgs) -> Result<(), Box<dyn Error>> {
     let mut all = Vec::new();
     for case in cases {
         eprintln!("measuring {} ...", case.id);
-        let points = curve(&dev, case, link, &args)?;
+        let (points, refused) = curve(&dev, case, link, &args)?;
+        if let Some(why) = refused {
+            report.note(format!("{}: {why}", case.id));
+        }
         let plain_ms = points[0].ms.median();
         let plain_peak = points[0].peak;
         let mut table = Table::new(&[
@@ -350,6 +389,44 @@ pub fn run(args: MemoryArgs) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
+/// The points of a step of `costs` (one per block), none measured yet: no plan, every block
+/// recomputed, every block offloaded, then the plan at each target and with the blocks' own
+/// bytes halved, or, where the planner refuses the costs, why (the rivals are measured still).
+fn planned_points(costs: &[RegionCost], link: Link) -> (Vec<Point>, Option<String>) {
+    let layers = costs.len();
+    let mut points = vec![
+        point(NO_PLAN, vec![Choice::Keep; layers], None),
+        point(RECOMPUTE_ALL, vec![Choice::Recompute; layers], None),
+        point(OFFLOAD_ALL, vec![Choice::Offload; layers], None),
+    ];
+    match plans(costs, link) {
+        Ok(plans) => {
+            points.extend(plans);
+            (points, None)
+        }
+        Err(e) => (points, Some(format!("no plan points: {e}"))),
+    }
+}
+
+/// The plan's points of [`planned_points`].
+fn plans(costs: &[RegionCost], link: Link) -> ferry::Result<Vec<Point>> {
+    let plain_bytes: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
+    let recompute_bytes = MemoryPlan::new(costs, None, 1)?.peak_bytes();
+    let mut points = Vec::new();
+    for fraction in TARGETS {
+        // 90% of plain at the first target, recompute's bytes at the last.
+        let start = plain_bytes as f64 * 0.9;
+        let target = start - fraction * (start - recompute_bytes as f64);
+        let plan = MemoryPlan::new(costs, Some(link), target.max(1.0) as u64)?;
+        points.push(point(&target_label(fraction), plan.choices(), Some(plan)));
+    }
+    // The halved point of the goal: half the blocks' own bytes.
+    let saved: u64 = costs.iter().map(|c| c.saved_bytes).sum();
+    let half = MemoryPlan::new(costs, Some(link), (plain_bytes - saved / 2).max(1))?;
+    points.push(point(PLAN_AT_HALF, half.choices(), Some(half)));
+    Ok(points)
+}
+
 /// The case's points: no plan, every block recomputed, every block offloaded, the plan at each
 /// target.
 fn curve(
@@ -357,28 +434,9 @@ fn curve(
     case: &Case,
     link: Link,
     args: &MemoryArgs,
-) -> Result<Vec<Point>, Box<dyn Error>> {
+) -> Result<(Vec<Point>, Option<String>), Box<dyn Error>> {
     let mut run = Run::new(case, dev.device())?;
-    let layers = run.layers;
-    let costs = run.profile()?;
-    let plain_bytes: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
-    let recompute_bytes = MemoryPlan::new(&costs, None, 1)?.peak_bytes();
-    let mut points = vec![
-        point(NO_PLAN, vec![Choice::Keep; layers], None),
-        point(RECOMPUTE_ALL, vec![Choice::Recompute; layers], None),
-        point(OFFLOAD_ALL, vec![Choice::Offload; layers], None),
-    ];
-    for fraction in TARGETS {
-        // 90% of plain at the first target, recompute's bytes at the last.
-        let start = plain_bytes as f64 * 0.9;
-        let target = start - fraction * (start - recompute_bytes as f64);
-        let plan = MemoryPlan::new(&costs, Some(link), target.max(1.0) as u64)?;
-        points.push(point(&target_label(fraction), plan.choices(), Some(plan)));
-    }
-    // The halved point of the goal: half the blocks' own bytes.
-    let saved: u64 = costs.iter().map(|c| c.saved_bytes).sum();
-    let half = MemoryPlan::new(&costs, Some(link), plain_bytes - saved / 2)?;
-    points.push(point(PLAN_AT_HALF, half.choices(), Some(half)));
+    let (mut points, refused) = planned_points(&run.profile()?, link);
     for p in &mut points {
         for round in 0..args.warmup + args.samples {
             match run.step(dev, &p.choices) {
@@ -395,7 +453,7 @@ fn curve(
         }
         dev.empty_cache()?;
     }
-    Ok(points)
+    Ok((points, refused))
 }
 
 /// The label of the plan's point at `fraction` of [`TARGETS`].
@@ -424,6 +482,11 @@ fn describe(case: &Case) -> String {
             "Llama {}x{}, {} heads, {} for keys and values",
             c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads
         ),
+        Arch::Mlp { width, blocks } => {
+            let precision = if case.bf16 { "bf16 autocast" } else { "f32" };
+            let batch = case.batch;
+            return format!("MLP {blocks} x (Linear({width}) + Tanh), batch {batch}, {precision}");
+        }
     };
     let precision = if case.bf16 { "bf16 autocast" } else { "f32" };
     format!("{model}, batch {} x {}, {precision}", case.batch, case.context)
@@ -485,6 +548,39 @@ mod tests {
         p.ms.push(ms);
         p.peak = peak;
         p
+    }
+
+    /// The MLP case on the CPU, small: its profile finds nothing a recompute frees (each block
+    /// saves its input and its output, the next block's input).
+    #[test]
+    fn the_mlp_case_profiles_and_plans_on_the_cpu() {
+        let case = Case {
+            id: "mlp_small",
+            arch: Arch::Mlp {
+                width: 64,
+                blocks: 4,
+            },
+            batch: 32,
+            context: 1,
+            bf16: false,
+        };
+        let run = Run::new(&case, Device::Cpu).unwrap();
+        let costs = run.profile().unwrap();
+        assert_eq!(costs.len(), 4);
+        assert!(costs.iter().all(|c| c.saved_bytes == 0), "{costs:?}");
+        assert!(!costs[0].recomputable, "the first block is fed the batch");
+        let link = Link {
+            to_host_bytes_per_ms: 5e7,
+            to_device_bytes_per_ms: 5e7,
+        };
+        // The planner keeps region inputs whatever it chooses, and these blocks save nothing
+        // else: it refuses, saying so, and the rivals are measured still.
+        let (points, refused) = planned_points(&costs, link);
+        let labels: Vec<&str> = points.iter().map(|p| p.label.as_str()).collect();
+        assert_eq!(labels, [NO_PLAN, RECOMPUTE_ALL, OFFLOAD_ALL]);
+        let why = refused.expect("the planner refuses");
+        assert!(why.contains("save no tensors"), "{why}");
+        assert!(run.loss().unwrap().to_vec::<f32>().unwrap()[0].is_finite());
     }
 
     #[test]

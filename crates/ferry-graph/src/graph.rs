@@ -189,6 +189,13 @@ impl Graph {
         self.stats().saved_bytes
     }
 
+    /// Of [`Graph::saved_bytes`], the buffers whose keys are among `keys` (for tensors, their
+    /// storages' addresses): what the graph's live nodes save of those buffers now, each counted
+    /// once. A model's parameters, say, which its rules save but which stay alive without them.
+    pub fn saved_bytes_of(&self, keys: &[usize]) -> usize {
+        self.group.held_bytes(keys)
+    }
+
     /// Nodes recorded in the graph since it began, pruned ones included.
     pub fn recorded_total(&self) -> u64 {
         self.stats().recorded

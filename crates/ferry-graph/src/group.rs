@@ -82,6 +82,19 @@ impl GroupState {
         }
     }
 
+    /// Bytes of the keyed buffers among `keys` that live nodes save now, each counted once.
+    pub(crate) fn held_bytes(&self, keys: &[usize]) -> usize {
+        let mut unique = keys.to_vec();
+        unique.sort_unstable();
+        unique.dedup();
+        unique
+            .iter()
+            .filter_map(|k| self.shared.get(k))
+            .filter(|(_, holders)| *holders > 0)
+            .map(|(bytes, _)| bytes)
+            .sum()
+    }
+
     pub(crate) fn node_recorded(&mut self, saved: &[SavedBuffer]) {
         self.live_nodes += 1;
         self.recorded += 1;
@@ -215,5 +228,9 @@ impl Group {
     /// The root's counts.
     pub(crate) fn stats(self: &Arc<Self>) -> GraphStats {
         self.with_state(|s| s.stats())
+    }
+
+    pub(crate) fn held_bytes(self: &Arc<Self>, keys: &[usize]) -> usize {
+        self.with_state(|s| s.held_bytes(keys))
     }
 }

@@ -366,10 +366,19 @@ fn a_buffer_saved_by_two_nodes_counts_once() {
         800,
         "each node says what it holds"
     );
+    // Of what is saved, the buffers asked about: key 7 once however often it is asked for;
+    // a key nothing saves is none.
+    assert_eq!(g.saved_bytes_of(&[7, 7, 9]), 400);
+    assert_eq!(g.saved_bytes_of(&[9]), 0);
     drop(second);
     assert_eq!(g.saved_bytes(), 400, "the first node still holds it");
     drop(first);
     assert_eq!(g.saved_bytes(), 0);
+    assert_eq!(
+        g.saved_bytes_of(&[7]),
+        0,
+        "released with the last node saving it"
+    );
 }
 
 #[test]

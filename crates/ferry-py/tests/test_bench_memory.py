@@ -227,7 +227,9 @@ def test_goals_not_met_name_what_missed():
     halved = next(g for g in bench_memory.judge(high, saved_bytes=10 * GIB)
                   if g["goal"].startswith("saved activations halved"))
     assert halved["verdict"] == "not met" and "least measured is 9.00 GiB" in halved["detail"]
-    assert bench_memory.judge(high[:4], 10 * GIB)[0]["verdict"] == "n/a"  # no plan points
+    # Without plan points the plan's goals are n/a; the offload scope's is judged still.
+    no_plans = {g["goal"]: g["verdict"] for g in bench_memory.judge(high[:4], 10 * GIB)}
+    assert no_plans == {f"{OFFLOAD} lowers the peak": "met", "the plan's goals": "n/a"}
     # The scope's peak as high as without it (within the 1% that counts as equal): missed.
     flat = [p if p.label != OFFLOAD else Point(OFFLOAD, "rival", 160.0, 9.95 * GIB)
             for p in points]
@@ -275,6 +277,18 @@ def test_the_memory_bench_on_tiny_configs_on_a_gpu(monkeypatch, tmp_path, capsys
 def test_without_cuda_the_memory_bench_says_so(capsys):
     assert bench.main(["--memory", "nanogpt"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_a_model_the_planner_refuses_is_measured_against_its_rivals(cpu_bench):
+    # The small MLP's blocks save only their inputs and outputs, which the planner keeps
+    # whatever it chooses: it has nothing to plan, says so, and the other rows still run.
+    result = bench_memory.measure(bench_memory.build("mlp", "cpu", tiny=True), 1, 0)
+    assert "save no tensors" in result["plan_refused"]
+    assert [run["kind"] for run in result["rows"].values()] == ["plain"] + ["rival"] * 3
+    goals = {g["goal"]: g["verdict"] for g in bench_memory.judge(bench_memory.curve(result),
+                                                                  result["saved_bytes"])}
+    assert goals["the plan's goals"] == "n/a" and f"{OFFLOAD} lowers the peak" in goals
+    assert "no plan rows: " in "\n".join(bench_memory.table("mlp", result))
 
 
 def test_the_small_mlp_is_four_regions_with_a_loss():

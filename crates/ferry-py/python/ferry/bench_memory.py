@@ -217,14 +217,21 @@ def measure(work: bench_models.Workload, samples: int, warmup: int) -> Dict[str,
     if first[PLAIN] is None:
         raise torch.OutOfMemoryError("out of memory: a step without a plan does not fit")
     work.model.zero_grad(set_to_none=True)
-    profiled = MemoryPlan.profile(work.model, lambda: bench_models.step(work), fraction=1.0,
-                                  regions=blocks)
+    refused, profiled, beside = None, None, None
+    try:
+        profiled = MemoryPlan.profile(work.model, lambda: bench_models.step(work),
+                                      fraction=1.0, regions=blocks)
+    except ValueError as e:
+        # The planner keeps each region's input whatever it chooses: a model whose blocks save
+        # nothing else has nothing to plan. Its rivals are measured still.
+        refused = str(e)
     work.model.zero_grad(set_to_none=True)
-    plain_peak = first[PLAIN][2]
-    beside = plain_peak - profiled.cost.plain_bytes
-    checkpointed = first[CHECKPOINT]
-    low = checkpointed[2] if checkpointed is not None else profiled.least_bytes + beside
-    rows += _plan_rows(profiled, targets(plain_peak, low, saved), beside)
+    if profiled is not None:
+        plain_peak = first[PLAIN][2]
+        beside = plain_peak - profiled.cost.plain_bytes
+        checkpointed = first[CHECKPOINT]
+        low = checkpointed[2] if checkpointed is not None else profiled.least_bytes + beside
+        rows += _plan_rows(profiled, targets(plain_peak, low, saved), beside)
     runs = {row.label: {"kind": row.kind, "status": "ok", "ms": [], "forward_ms": [],
                         "backward_ms": [], "peak_bytes": [], **row.record} for row in rows}
     for i in range(warmup + samples):
@@ -246,8 +253,10 @@ def measure(work: bench_models.Workload, samples: int, warmup: int) -> Dict[str,
             runs[row.label]["explain"] = row.plan.explain()
     return {"what": work.what, "batch": work.batch, "parameters": work.parameters,
             "saved_bytes": saved, "saved_storages": storages, "pinned_budget": budget,
-            "regions": len(blocks), "plain_activation_bytes": profiled.cost.plain_bytes,
-            "beside_bytes": beside, "profile": profiled.explain(), "rows": runs}
+            "regions": len(blocks),
+            "plain_activation_bytes": profiled.cost.plain_bytes if profiled else None,
+            "beside_bytes": beside, "profile": profiled.explain() if profiled else None,
+            "plan_refused": refused, "rows": runs}
 
 
 # -- the curve and the goals (pure: they read a measure() result) -------------------------------
@@ -293,14 +302,26 @@ def judge(points: Sequence[Point], saved_bytes: float) -> List[Dict[str, str]]:
     verdict "met", "not met" or "n/a" (nothing to judge), or "info" (beyond the goals)."""
     by = {p.label: p for p in points}
     plain, plans = by.get(PLAIN), [p for p in points if p.kind == "plan"]
-    if plain is None or not plans:
-        return [{"goal": "all", "verdict": "n/a",
-                 "detail": "no step without a plan or no plan step was measured"}]
+    if plain is None:
+        return [{"goal": "all", "verdict": "n/a", "detail": "no step without a plan was measured"}]
     slack = TOLERANCE * plain.peak
-    goals = []
+    goals: List[Dict[str, str]] = []
 
     def add(goal: str, verdict: str, detail: str) -> None:
         goals.append({"goal": goal, "verdict": verdict, "detail": detail})
+
+    offloaded = by.get(OFFLOAD)
+    lowers = f"{OFFLOAD} lowers the peak"
+    if offloaded is None:
+        add(lowers, "n/a", "not measured (OOM)")
+    else:
+        # Beyond noise: a window that brings every saved tensor back at once lowers nothing.
+        add(lowers, "met" if offloaded.peak < plain.peak - slack else "not met",
+            f"{_bytes(offloaded.peak)} against {_bytes(plain.peak)} without it "
+            f"({offloaded.peak / plain.peak:.2f})")
+    if not plans:
+        add("the plan's goals", "n/a", "no plan step was measured")
+        return goals
 
     def fastest_at(peak: float) -> Optional[Point]:
         fits = [p for p in plans if p.peak <= peak + slack]
@@ -340,15 +361,6 @@ def judge(points: Sequence[Point], saved_bytes: float) -> List[Dict[str, str]]:
             else f"fastest plan at that peak: {near.label}, {near.ms:.1f} ms" if near
             else "no plan point at that peak"))
         add(goal, ("met" if better else "not met") if label in RIVALS else "info", detail)
-    offloaded = by.get(OFFLOAD)
-    goal = f"{OFFLOAD} lowers the peak"
-    if offloaded is None:
-        add(goal, "n/a", "not measured (OOM)")
-    else:
-        # Beyond noise: a window that brings every saved tensor back at once lowers nothing.
-        add(goal, "met" if offloaded.peak < plain.peak - slack else "not met",
-            f"{_bytes(offloaded.peak)} against {_bytes(plain.peak)} without it "
-            f"({offloaded.peak / plain.peak:.2f})")
     unreachable = [p for p in plans if not p.reachable]
     for p in unreachable:
         # Other plans as low, bar those with its choices (the same plan, another target).
@@ -370,11 +382,13 @@ def table(name: str, result: Dict[str, Any]) -> List[str]:
         return [f"**{name}**: {result.get('what', '')}: {result['note']}", ""]
     points = curve(result)
     plain = next((p for p in points if p.kind == "plain"), None)
+    planner = (f"the plain peak is the planner's {_gib(result['plain_activation_bytes'])} GiB "
+               f"of activations + {_gib(result['beside_bytes'])} GiB beside them"
+               if result.get("plan_refused") is None
+               else f"no plan rows: {result['plan_refused']}")
     lines = [f"**{name}**: {result['what']}; {result['parameters'] / 1e6:.1f} M parameters; "
              f"{result['batch']}. Saved activations {_gib(result['saved_bytes'])} GiB; "
-             f"{result['regions']} regions; the plain peak is the planner's "
-             f"{_gib(result['plain_activation_bytes'])} GiB of activations + "
-             f"{_gib(result['beside_bytes'])} GiB beside them.", ""]
+             f"{result['regions']} regions; {planner}.", ""]
     cells = []
     for label, run in result["rows"].items():
         p = next((q for q in points if q.label == label), None)

@@ -108,3 +108,89 @@ impl Module for Linear {
         Ok(())
     }
 }
+
+/// What follows a [`Dense`] block's product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// Nothing: the product alone.
+    Identity,
+    /// `max(x, 0)`, in the product's epilogue on a GPU.
+    ReLU,
+    /// `tanh(x)`.
+    Tanh,
+}
+
+/// A [`Linear`] layer and its activation as one block: a unit a
+/// [`PlannedChain`](super::PlannedChain) keeps, offloads or recomputes (it is `Clone`, as a
+/// recomputed block must be). Its parameters are the layer's (`weight`, `bias`).
+#[derive(Debug, Clone)]
+pub struct Dense {
+    linear: Linear,
+    activation: Activation,
+}
+
+impl Dense {
+    /// An `f32` block on `device` ([`Linear::new`]'s initialization).
+    pub fn new(
+        in_features: usize,
+        out_features: usize,
+        activation: Activation,
+        device: Device,
+    ) -> Result<Self> {
+        let linear = Linear::new(in_features, out_features, device)?;
+        Ok(Self { linear, activation })
+    }
+}
+
+impl Module for Dense {
+    fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        match self.activation {
+            Activation::Identity => self.linear.forward(input),
+            Activation::ReLU => self.linear.forward_relu(input),
+            Activation::Tanh => self.linear.forward(input)?.tanh(),
+        }
+    }
+
+    fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        self.linear.visit_parameters(prefix, f);
+    }
+
+    fn visit_parameters_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, &mut Tensor) -> Result<()>,
+    ) -> Result<()> {
+        self.linear.visit_parameters_mut(prefix, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dense_block_is_its_layer_then_its_activation() -> Result<()> {
+        let x = Tensor::randn(&[5, 8], DType::F32, Device::Cpu)?;
+        for activation in [Activation::Identity, Activation::ReLU, Activation::Tanh] {
+            let dense = Dense::new(8, 3, activation, Device::Cpu)?;
+            let product = dense.linear.forward(&x)?;
+            let expected = match activation {
+                Activation::Identity => product,
+                Activation::ReLU => product.relu()?,
+                Activation::Tanh => product.tanh()?,
+            };
+            assert_eq!(
+                dense.forward(&x)?.to_vec::<f32>()?,
+                expected.to_vec::<f32>()?,
+                "{activation:?}"
+            );
+            let names: Vec<String> = dense
+                .named_parameters()
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect();
+            assert_eq!(names, ["weight", "bias"]);
+        }
+        Ok(())
+    }
+}

@@ -26,8 +26,13 @@ pub(crate) fn forward_planned<M: Module + Clone + Send + Sync + 'static>(
                 let _scope = offload_saved(OffloadOptions::default());
                 block.forward(&x)?
             }
-            // The region holds the block's own tensors (a clone of their handles).
-            Choice::Recompute => recompute_forward(Arc::new(block.clone()), &x)?,
+            // The region holds the block's own tensors (a clone of their handles). A block fed
+            // the batch (nothing before it requires grad) has no graph to hang a region on: it
+            // is kept, as its profile says (not recomputable).
+            Choice::Recompute if x.requires_grad() => {
+                recompute_forward(Arc::new(block.clone()), &x)?
+            }
+            Choice::Recompute => block.forward(&x)?,
         };
     }
     Ok(x)
@@ -48,10 +53,17 @@ pub(crate) fn check_choices(op: &'static str, blocks: usize, choices: &[Choice])
     Ok(())
 }
 
+/// The key a saved tensor's buffer is counted under in its graph: its storage's address.
+fn storage_key(t: &Tensor) -> usize {
+    Arc::as_ptr(t.storage()) as usize
+}
+
 /// One forward of `blocks` from `x` with every block kept, measuring each: its time (the
 /// device synchronized around it, so only for profiling), the bytes its rules save beyond its
-/// input, and its input's bytes. `x` must be part of a graph that records (a parameter's output,
-/// or a tensor that requires grad), else nothing is saved and the costs say so.
+/// input, its output and its own parameters, its input's bytes, and whether it can be
+/// recomputed (its input requires grad: the batch does not). `x` must be part of a graph that
+/// records (a parameter's output, or a tensor that requires grad), else nothing is saved and the
+/// costs say so.
 pub(crate) fn profile_blocks<M: Module>(blocks: &[M], x: &Tensor) -> Result<Vec<RegionCost>> {
     let sync = |device: Device| match device {
         Device::Cpu => Ok(()),
@@ -61,20 +73,128 @@ pub(crate) fn profile_blocks<M: Module>(blocks: &[M], x: &Tensor) -> Result<Vec<
     let mut x = x.clone();
     let mut costs = Vec::with_capacity(blocks.len());
     for block in blocks {
+        // Of what the block's rules save, three kinds stay alive whatever the plan, so are not
+        // bytes a plan frees: its parameters (a product saves its weight), its input (counted
+        // as the region's input) and its output (the next block's input).
+        let params: Vec<usize> = block.parameters().iter().map(storage_key).collect();
+        let input = [storage_key(&x)];
+        let among =
+            |t: &Tensor, keys: &[usize]| t.graph().map_or(0, |g| g.saved_bytes_of(keys) as u64);
         sync(x.device())?;
-        let (before, start) = (saved(&x), Instant::now());
+        let before = (saved(&x), among(&x, &params), among(&x, &input));
+        let start = Instant::now();
         let y = block.forward(&x)?;
         sync(y.device())?;
         let forward_ms = start.elapsed().as_secs_f64() * 1e3;
-        let input_bytes = x.nbytes() as u64;
-        // The block's rules saved its input too (a norm reads it): counted as the input's.
-        let grown = saved(&y).saturating_sub(before);
-        costs.push(RegionCost::new(
-            forward_ms,
-            grown.saturating_sub(input_bytes),
-            input_bytes,
-        ));
+        let kept_anyway = among(&y, &params).saturating_sub(before.1)
+            + among(&y, &input).saturating_sub(before.2)
+            + among(&y, &[storage_key(&y)]);
+        let own = saved(&y)
+            .saturating_sub(before.0)
+            .saturating_sub(kept_anyway);
+        let mut cost = RegionCost::new(forward_ms, own, x.nbytes() as u64);
+        cost.recomputable = x.requires_grad();
+        costs.push(cost);
         x = y;
     }
     Ok(costs)
+}
+
+/// Blocks applied one after the other, each block's saved activations kept, offloaded or
+/// recomputed as a [`MemoryPlan`](crate::autograd::MemoryPlan) chose: what [`Gpt`] and
+/// [`Llama`] do with their layers, for any chain of blocks (an MLP's, a custom model's). Its
+/// parameters are named by position (`"0.weight"`, as [`Sequential`](super::Sequential) does).
+///
+/// ```
+/// use ferry::autograd::MemoryPlan;
+/// use ferry::nn::{Activation, Dense, Module, PlannedChain};
+/// use ferry::{DType, Device, Tensor};
+///
+/// // Four blocks of two layers: each keeps its hidden activation for backward.
+/// let block = || -> ferry::Result<PlannedChain<Dense>> {
+///     Ok(PlannedChain::new(vec![
+///         Dense::new(64, 256, Activation::Tanh, Device::Cpu)?,
+///         Dense::new(256, 64, Activation::Identity, Device::Cpu)?,
+///     ]))
+/// };
+/// let mut mlp = PlannedChain::new((0..4).map(|_| block()).collect::<ferry::Result<Vec<_>>>()?);
+/// let x = Tensor::randn(&[32, 64], DType::F32, Device::Cpu)?;
+/// // A target below what any plan reaches: the plan at the least peak it can.
+/// let plan = MemoryPlan::new(&mlp.profile_blocks(&x)?, None, 1)?;
+/// mlp.set_plan(&plan.choices())?;
+/// let y = mlp.forward(&x)?;
+/// y.mul(&y)?.mean()?.backward()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// [`Gpt`]: crate::models::Gpt
+/// [`Llama`]: crate::models::Llama
+#[derive(Debug, Clone)]
+pub struct PlannedChain<M> {
+    blocks: Vec<M>,
+    plan: Vec<Choice>,
+}
+
+impl<M: Module + Clone + Send + Sync + 'static> PlannedChain<M> {
+    /// `blocks` in order, every block's saved activations kept.
+    pub fn new(blocks: Vec<M>) -> Self {
+        let plan = vec![Choice::Keep; blocks.len()];
+        Self { blocks, plan }
+    }
+
+    /// The blocks, in order.
+    pub fn blocks(&self) -> &[M] {
+        &self.blocks
+    }
+
+    /// Runs each block as `choices` says (one per block, in order; from
+    /// [`MemoryPlan::choices`](crate::autograd::MemoryPlan::choices)). The gradients are the
+    /// same whatever the choices.
+    pub fn set_plan(&mut self, choices: &[Choice]) -> Result<()> {
+        check_choices("PlannedChain::set_plan", self.blocks.len(), choices)?;
+        self.plan = choices.to_vec();
+        Ok(())
+    }
+
+    /// Recomputes every block in backward (`true`) or keeps what each saves (`false`).
+    pub fn set_recompute(&mut self, on: bool) {
+        let choice = if on { Choice::Recompute } else { Choice::Keep };
+        self.plan = vec![choice; self.blocks.len()];
+    }
+
+    /// One forward of `input` with every block kept and timed on its own, for
+    /// [`MemoryPlan::new`](crate::autograd::MemoryPlan::new) (see
+    /// [`Gpt::profile_blocks`](crate::models::Gpt::profile_blocks)).
+    pub fn profile_blocks(&self, input: &Tensor) -> Result<Vec<RegionCost>> {
+        profile_blocks(&self.blocks, input)
+    }
+}
+
+impl<M: Module + Clone + Send + Sync + 'static> Module for PlannedChain<M> {
+    fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        forward_planned(&self.blocks, &self.plan, input)
+    }
+
+    fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        for (i, block) in self.blocks.iter().enumerate() {
+            block.visit_parameters(&format!("{prefix}{i}."), f);
+        }
+    }
+
+    fn visit_parameters_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, &mut Tensor) -> Result<()>,
+    ) -> Result<()> {
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            block.visit_parameters_mut(&format!("{prefix}{i}."), f)?;
+        }
+        Ok(())
+    }
+
+    fn set_training(&mut self, training: bool) {
+        for block in &mut self.blocks {
+            block.set_training(training);
+        }
+    }
 }
