@@ -211,7 +211,8 @@ def main(argv=None) -> int:
     parser.add_argument("--saves", type=int, default=3,
                         help="saves per --checkpoint row (default 3)")
     parser.add_argument("--every", type=int, default=10,
-                        help="steps from one --checkpoint save to the next (default 10)")
+                        help="the fewest steps from one --checkpoint save to the next, which "
+                             "also waits until the last is durable (default 10)")
     parser.add_argument("--dir", default="/tmp",
                         help="where --checkpoint writes its files, removed after (default /tmp)")
     parser.add_argument("--device", default="cuda",
