@@ -152,8 +152,9 @@ impl Drop for PyPendingSave {
 /// Starts writing `tensors` (torch tensors or DLPack capsules, named by `names`) to `path`;
 /// the copies come after the work queued so far on each `(gpu, stream handle)` of `streams`
 /// (torch's current streams) and on ferry's default streams. `memory` is `"auto"`,
-/// `"pageable"`, `"pinned"` or `"bounded"` (with `bound` bytes). `device_copy`: copy the GPU tensors on
-/// their GPU first where it has room (`None`), wherever memory can be had (`True`), or never.
+/// `"pageable"`, `"pinned"` or `"bounded"` (with `bound` bytes). `device_copy`: copy the GPU
+/// tensors on their GPU first where it has room (`None`), wherever memory can be had (`True`),
+/// or never.
 #[pyfunction]
 #[pyo3(signature = (path, names, tensors, streams, memory="auto", bound=None, staging_bytes=DEFAULT_STAGING_BYTES, metadata=None, device_copy=None))]
 #[allow(clippy::too_many_arguments)]
