@@ -1,8 +1,7 @@
 //! A small character-level GPT: GPT-2's shape at a small size.
 
 use crate::autograd::{Choice, RegionCost};
-use crate::nn::planned::{check_choices, forward_planned, profile_blocks};
-use crate::nn::{Embedding, LayerNorm, Linear, Module, scaled_dot_product_attention};
+use crate::nn::{Embedding, LayerNorm, Linear, Module, PlannedChain, scaled_dot_product_attention};
 use crate::{DType, Device, Result, Tensor, TensorError};
 
 /// The size of a [`Gpt`].
@@ -52,11 +51,11 @@ struct Block {
 /// ```
 pub struct Gpt {
     config: GptConfig,
-    /// What each block does with what it saves ([`Gpt::set_plan`]): all kept by default.
-    plan: Vec<Choice>,
     tok: Embedding,
     pos: Embedding,
-    blocks: Vec<Block>,
+    /// The blocks, each kept, offloaded or recomputed as [`Gpt::set_plan`] says (all kept by
+    /// default).
+    blocks: PlannedChain<Block>,
     ln_f: LayerNorm,
     head: Linear,
 }
@@ -105,10 +104,9 @@ impl Gpt {
             .collect::<Result<_>>()?;
         Ok(Self {
             config,
-            plan: vec![Choice::Keep; layers],
             tok: Embedding::from_weight(normal(&[vocab, width], 0.02, device)?)?,
             pos: Embedding::from_weight(normal(&[context, width], 0.02, device)?)?,
-            blocks,
+            blocks: PlannedChain::new(blocks),
             ln_f: LayerNorm::new(width, device)?,
             head: linear(width, vocab, 0.02, device)?,
         })
@@ -130,8 +128,7 @@ impl Gpt {
     /// the memory of every block's activations but its input; PyTorch's
     /// `torch.utils.checkpoint` on every block.
     pub fn set_recompute(&mut self, on: bool) {
-        let choice = if on { Choice::Recompute } else { Choice::Keep };
-        self.plan = vec![choice; self.blocks.len()];
+        self.blocks.set_recompute(on);
     }
 
     /// Runs each block as `choices` says (one per block, in order; from
@@ -139,9 +136,7 @@ impl Gpt {
     /// saved activations to pinned host memory, inside an offload scope of its own), or
     /// recomputed in backward. The gradients are the same whatever the choices.
     pub fn set_plan(&mut self, choices: &[Choice]) -> Result<()> {
-        check_choices("Gpt::set_plan", self.blocks.len(), choices)?;
-        self.plan = choices.to_vec();
-        Ok(())
+        self.blocks.set_plan(choices)
     }
 
     /// One forward of `input` (i64 ids `[B, T]`) with every block kept and timed on its own:
@@ -149,7 +144,7 @@ impl Gpt {
     /// bytes, for [`MemoryPlan::new`](crate::autograd::MemoryPlan::new). The device is
     /// synchronized around each block: a profile, not a step.
     pub fn profile_blocks(&self, input: &Tensor) -> Result<Vec<RegionCost>> {
-        profile_blocks(&self.blocks, &self.embed(input)?)
+        self.blocks.profile_blocks(&self.embed(input)?)
     }
 
     /// The token and position embeddings of `input`, checked against the context.
@@ -176,6 +171,14 @@ impl Module for Block {
 
     fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         self.visit(prefix, f);
+    }
+
+    fn visit_parameters_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, &mut Tensor) -> Result<()>,
+    ) -> Result<()> {
+        self.visit_mut(prefix, f)
     }
 }
 
@@ -234,16 +237,14 @@ impl Block {
 impl Module for Gpt {
     /// `input`: i64 ids `[B, T]` (T <= context); returns logits `[B, T, vocab]`.
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let x = forward_planned(&self.blocks, &self.plan, &self.embed(input)?)?;
+        let x = self.blocks.forward(&self.embed(input)?)?;
         self.head.forward(&self.ln_f.forward(&x)?)
     }
 
     fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         self.tok.visit_parameters(&format!("{prefix}tok."), f);
         self.pos.visit_parameters(&format!("{prefix}pos."), f);
-        for (i, block) in self.blocks.iter().enumerate() {
-            block.visit(&format!("{prefix}blocks.{i}."), f);
-        }
+        self.blocks.visit_parameters(&format!("{prefix}blocks."), f);
         self.ln_f.visit_parameters(&format!("{prefix}ln_f."), f);
         self.head.visit_parameters(&format!("{prefix}head."), f);
     }
@@ -255,9 +256,8 @@ impl Module for Gpt {
     ) -> Result<()> {
         self.tok.visit_parameters_mut(&format!("{prefix}tok."), f)?;
         self.pos.visit_parameters_mut(&format!("{prefix}pos."), f)?;
-        for (i, block) in self.blocks.iter_mut().enumerate() {
-            block.visit_mut(&format!("{prefix}blocks.{i}."), f)?;
-        }
+        self.blocks
+            .visit_parameters_mut(&format!("{prefix}blocks."), f)?;
         self.ln_f
             .visit_parameters_mut(&format!("{prefix}ln_f."), f)?;
         self.head.visit_parameters_mut(&format!("{prefix}head."), f)
