@@ -224,6 +224,66 @@ fn periodic_saves_take_the_device_copy_from_the_last_ones_memory() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Memory reserved ahead of the loop serves the device copy of the first save too: its call
+/// makes no device allocation, the file holds the state, and `Off` reserves nothing.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_reserved_device_copy_lets_even_the_first_save_allocate_nothing() {
+    let _turn = turn();
+    let dev = ferry::memory::cuda::CudaDevice::get(0).unwrap();
+    let dir = scratch("reserved");
+    let path = dir.join("r.safetensors");
+    // Sizes no other test caches: the first save's memory can only be the reservation's.
+    let mut state: Vec<(String, Tensor)> = (0..3)
+        .map(|i| {
+            let n = (1 << 20) + 4099 * (i + 1);
+            let t = Tensor::full(&[n], i as f64, DType::F32, Device::Cuda(0)).unwrap();
+            (format!("w{i}"), t)
+        })
+        .collect();
+    let lone = Tensor::full(&[777, 1001], 1.5, DType::BF16, Device::Cuda(0)).unwrap();
+    state.push(("b".into(), lone));
+    let bytes: usize = state.iter().map(|(_, t)| t.nbytes()).sum();
+    assert_eq!(
+        checkpoint::reserve_device_copy(&state, DeviceCopy::Off).unwrap(),
+        0
+    );
+    let held = checkpoint::reserve_device_copy(&state, DeviceCopy::Always).unwrap();
+    assert_eq!(held, bytes);
+    let before = dev.memory_stats();
+    let options = AsyncSaveOptions {
+        device_copy: DeviceCopy::Always,
+        ..AsyncSaveOptions::default()
+    };
+    let report = checkpoint::save_async(&path, &state, options)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let after = dev.memory_stats();
+    assert_eq!(report.device_copied, bytes);
+    assert_eq!(
+        after.device_allocations, before.device_allocations,
+        "the first save allocated device memory: {before:?} -> {after:?}"
+    );
+    for (i, (_, t)) in checkpoint::load(&path).unwrap().iter().enumerate() {
+        let expected = if i < 3 { i as f64 } else { 1.5 };
+        assert!(values(t).iter().all(|&v| v == expected), "tensor {i}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Host tensors need no device copy: reserving for them holds nothing, under any policy.
+#[test]
+fn reserving_a_device_copy_for_host_tensors_holds_nothing() {
+    let state = vec![(
+        "w".to_string(),
+        Tensor::ones(&[64], DType::F32, Device::Cpu).unwrap(),
+    )];
+    for policy in [DeviceCopy::Off, DeviceCopy::IfRoom, DeviceCopy::Always] {
+        assert_eq!(checkpoint::reserve_device_copy(&state, policy).unwrap(), 0);
+    }
+}
+
 /// By default the device copy is made only where the GPU has room: within ferry's budget for
 /// it, here lowered below the state's size, the tensors are read in place and the file is the
 /// same; with the budget lifted, the next save copies them.

@@ -247,6 +247,33 @@ pub fn save_async(
     })
 }
 
+/// Takes the device memory the device copies of a `save_async` of `tensors` (torch tensors or
+/// DLPack capsules) use into ferry's allocator cache now, so the first save's call allocates
+/// nothing: `device_copy` as `save_async` takes it. Returns the bytes held ready.
+#[pyfunction]
+#[pyo3(signature = (tensors, device_copy=None))]
+pub fn reserve_device_copy(
+    py: Python<'_>,
+    tensors: Vec<Bound<'_, PyAny>>,
+    device_copy: Option<bool>,
+) -> PyResult<usize> {
+    guarded(|| {
+        let mut state = Vec::with_capacity(tensors.len());
+        for t in &tensors {
+            // Only shapes, dtypes and devices are read: a misaligned host tensor needs no copy.
+            let t = dlpack::import(py, t, Misaligned::Copy)?.tensor;
+            state.push((String::new(), t));
+        }
+        let policy = match device_copy {
+            None => DeviceCopy::IfRoom,
+            Some(true) => DeviceCopy::Always,
+            Some(false) => DeviceCopy::Off,
+        };
+        py.detach(|| ferry::checkpoint::reserve_device_copy(&state, policy))
+            .map_err(to_py)
+    })
+}
+
 /// The tensors of the safetensors file at `path`, in file order, on `device` (`"cpu"` or
 /// `"cuda:N"`), and its metadata less ferry's checksum record: ferry's reader, which checks
 /// the header against the file's length before allocating anything and every tensor's CRC32

@@ -41,6 +41,7 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<checkpoint::PyPendingSave>()?;
     m.add_function(wrap_pyfunction!(checkpoint::save_async, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint::load_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint::reserve_device_copy, m)?)?;
     m.add_function(wrap_pyfunction!(moves::from_dlpack, m)?)?;
     m.add_function(wrap_pyfunction!(moves::to, m)?)?;
     m.add_function(wrap_pyfunction!(moves::to_chunked, m)?)?;

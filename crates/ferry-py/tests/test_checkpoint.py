@@ -153,6 +153,31 @@ def test_the_default_memory_is_pinned_only_where_gpu_tensors_are_read_in_place(t
     assert torch.equal(_load(path)["t"], t.cpu())
 
 
+def test_reserving_the_device_copy_holds_nothing_for_host_tensors():
+    state = {"model": {"w": torch.zeros(8)}, "step": 3}
+    for device_copy in (None, True, False):
+        assert ferry.reserve_device_copy(state, device_copy=device_copy) == 0
+
+
+@cuda
+def test_a_reserved_device_copy_lets_the_first_save_allocate_nothing(tmp_path):
+    # Sizes nothing else here caches: the first save can find only the reservation's memory.
+    state = {
+        "model": {"w": torch.randn(1_048_576 + 8_195, device="cuda")},
+        "optim": {"m": torch.randn(1_048_576 + 4_097, device="cuda"), "lr": 0.1},
+    }
+    nbytes = sum(t.nbytes for t in (state["model"]["w"], state["optim"]["m"]))
+    assert ferry.reserve_device_copy(state, device_copy=False) == 0
+    assert ferry.reserve_device_copy(state, device_copy=True) == nbytes
+    before = ferry.memory_stats("cuda")["device_allocations"]
+    report = ferry.save_async(tmp_path / "r.safetensors", state, device_copy=True).wait()
+    assert report["device_copied"] == nbytes
+    assert ferry.memory_stats("cuda")["device_allocations"] == before
+    back = ferry.load(tmp_path / "r.safetensors")
+    assert torch.equal(back["model"]["w"], state["model"]["w"].cpu())
+    assert back["optim"]["lr"] == 0.1
+
+
 def test_bad_arguments_are_refused_with_the_fix(tmp_path):
     t = torch.zeros(4)
     # {"a": [1, 2]} is a nested state now (test_nested_and_dcp.py); an object JSON cannot hold

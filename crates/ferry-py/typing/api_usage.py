@@ -47,6 +47,8 @@ def errors() -> None:
 
 
 def checkpoints(model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+    held: int = ferry.reserve_device_copy({"model": model_state}, device_copy=None)
+    print(held)
     pending: ferry.PendingSave = ferry.save_async(
         "ckpt.safetensors", {"model": model_state, "optim": optim_state}, metadata={"step": "7"}
     )

@@ -49,6 +49,7 @@ __all__ = [
     "pinned_budget",
     "pinned_stats",
     "record_stream",
+    "reserve_device_copy",
     "reset_peak_memory_stats",
     "save_async",
     "set_pinned_budget",
@@ -512,7 +513,13 @@ def stream_to(t, chunks=None, max_staging_bytes=None) -> ChunkStream:
 
 
 from .offload import offload_saved  # noqa: E402  (uses the moves above)
-from .checkpoint import PendingSave, load, load_metadata, save_async  # noqa: E402
+from .checkpoint import (  # noqa: E402
+    PendingSave,
+    load,
+    load_metadata,
+    reserve_device_copy,
+    save_async,
+)
 
 
 def __getattr__(name):

@@ -37,12 +37,74 @@ pub(super) fn copy_on_devices(job: &mut Job, policy: DeviceCopy) -> Result<usize
     Ok(copied)
 }
 
+/// Takes the device memory that the device copies of an asynchronous save of `tensors` use
+/// ([`AsyncSaveOptions::device_copy`](super::AsyncSaveOptions::device_copy)) from the driver
+/// now, and leaves it in ferry's allocator cache, where the copies of the first save find it:
+/// without it, that save pays for `cuMemAlloc` in its call (about 10 ms a GiB), every later one
+/// finds the memory the one before gave back. Call it where a stall is not felt (after the
+/// model and optimizer are built, before the loop) with the tensors the saves will take, or
+/// ones of the same shapes and dtypes. Under [`DeviceCopy::IfRoom`] only devices with room
+/// for the copies are reserved for, as the save would decide now; [`DeviceCopy::Off`]
+/// reserves nothing. Returns the bytes held ready, cached blocks that already served them
+/// included; where device memory runs out first, less than the copies need (the save then
+/// copies what it can and reads the rest in place).
+///
+/// The memory is ferry's until [`cuda::empty_cache`](crate::cuda::empty_cache) gives it
+/// back: other runtimes in the process (torch's allocator) cannot use it meanwhile.
+pub fn reserve_device_copy(
+    tensors: &[(String, Tensor)],
+    policy: DeviceCopy,
+) -> Result<usize, TensorError> {
+    let ts: Vec<&Tensor> = tensors.iter().map(|(_, t)| t).collect();
+    let devices = devices_needing(ts.iter().copied(), policy)?;
+    let mut buffers = Vec::new();
+    let mut grouped = vec![false; ts.len()];
+    let mut sizes = Vec::new();
+    for ((device, dtype), members) in groups(ts.iter().copied(), &devices) {
+        if members.len() > 1 {
+            let numel: usize = members.iter().map(|&e| ts[e].numel()).sum();
+            sizes.push((device, numel * dtype.size()));
+            members.iter().for_each(|&e| grouped[e] = true);
+        }
+    }
+    for (e, t) in ts.iter().enumerate() {
+        if !grouped[e] && devices.contains(&t.device()) {
+            sizes.push((t.device(), t.numel() * t.dtype().size()));
+        }
+    }
+    let mut held = 0;
+    for (device, bytes) in sizes {
+        let Device::Cuda(ordinal) = device else {
+            continue;
+        };
+        let dev = CudaDevice::get(ordinal)?;
+        // All at once, so each is a block of its own; dropped together into the cache. Where
+        // memory runs out the save would copy no further either: the rest is read in place.
+        let Ok(buffer) = dev.alloc(bytes, dev.default_stream()) else {
+            break;
+        };
+        buffers.push(buffer);
+        held += bytes;
+    }
+    Ok(held)
+}
+
 /// The devices whose tensors [`copy_on_devices`] copies under `policy`.
 fn devices_to_copy(job: &Job, policy: DeviceCopy) -> Result<Vec<Device>, TensorError> {
+    devices_needing(
+        job.entries.iter().filter(|e| !e.released).map(|e| &e.t),
+        policy,
+    )
+}
+
+/// The devices of `tensors` whose copies `policy` takes.
+fn devices_needing<'a>(
+    tensors: impl Iterator<Item = &'a Tensor>,
+    policy: DeviceCopy,
+) -> Result<Vec<Device>, TensorError> {
     let mut need: Vec<(Device, usize)> = Vec::new();
-    for entry in &job.entries {
-        let t = &entry.t;
-        if !t.device().is_cuda() || entry.released {
+    for t in tensors {
+        if !t.device().is_cuda() {
             continue;
         }
         // The copy is contiguous, whatever the tensor's layout.
@@ -108,12 +170,14 @@ fn fits(bytes: usize, free: Free) -> bool {
     bytes <= free.budget_left && available >= bytes.saturating_add(device_copy_headroom(free.total))
 }
 
-/// [`copy_on_devices`]' copies of the tensors on `devices`: by group where it can, then one by
-/// one.
-fn copy_grouped(job: &mut Job, devices: &[Device]) -> Result<usize, TensorError> {
+/// The contiguous, non-empty tensors of `tensors` on `devices`, by device and dtype: the groups
+/// [`copy_grouped`] copies into one buffer each where a group has more than one member.
+fn groups<'a>(
+    tensors: impl Iterator<Item = &'a Tensor>,
+    devices: &[Device],
+) -> Vec<((Device, ferry_tensor::DType), Vec<usize>)> {
     let mut groups: Vec<((Device, ferry_tensor::DType), Vec<usize>)> = Vec::new();
-    for (e, entry) in job.entries.iter().enumerate() {
-        let t = &entry.t;
+    for (e, t) in tensors.enumerate() {
         if !devices.contains(&t.device()) || !t.is_contiguous() || t.numel() == 0 {
             continue;
         }
@@ -123,6 +187,13 @@ fn copy_grouped(job: &mut Job, devices: &[Device]) -> Result<usize, TensorError>
             None => groups.push((key, vec![e])),
         }
     }
+    groups
+}
+
+/// [`copy_on_devices`]' copies of the tensors on `devices`: by group where it can, then one by
+/// one.
+fn copy_grouped(job: &mut Job, devices: &[Device]) -> Result<usize, TensorError> {
+    let groups = groups(job.entries.iter().map(|entry| &entry.t), devices);
     let mut copied = 0;
     for (_, members) in groups.iter().filter(|(_, m)| m.len() > 1) {
         let flat = members
