@@ -21,6 +21,8 @@ mod offload;
 mod prefetch;
 // Streaming to the host: order, detached chunks, the staging ring, overlap with a slow producer.
 mod streaming;
+// An asynchronous save's device copy: what it allocates, and the device budget it reads.
+mod checkpoint_memory;
 
 static LOCK: Mutex<()> = Mutex::new(());
 

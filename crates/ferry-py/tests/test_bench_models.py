@@ -15,7 +15,6 @@ from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: E402,F401
 
 import ferry  # noqa: E402
 from ferry import bench, bench_models  # noqa: E402
-from test_torch import host_offload  # noqa: E402,F401  (a fixture: offload on host tensors)
 
 
 class _TimedEvent:
@@ -36,7 +35,7 @@ class _TimedEvent:
 
 
 @pytest.fixture
-def cuda_stubbed(monkeypatch, host_offload):  # noqa: F811
+def cuda_stubbed(monkeypatch, host_offload):
     """The bench's CUDA calls made harmless on the CPU: timed events, memory counters at 0."""
     monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
     for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
@@ -57,7 +56,7 @@ class _OffloadEverything(ferry.offload_saved):
 
 
 @pytest.mark.parametrize("name", bench_models.MODELS)
-def test_offload_on_a_tiny_model_gives_the_same_gradients(name, host_offload):  # noqa: F811
+def test_offload_on_a_tiny_model_gives_the_same_gradients(name, host_offload):
     work = bench_models.build(name, "cpu", tiny=True)
     assert work.parameters == sum(p.numel() for p in work.model.parameters()) > 0
     saved, storages = bench_models.saved_activations(work)
@@ -120,7 +119,7 @@ def test_a_row_that_runs_out_of_memory_is_dropped(cuda_stubbed):
     assert bench_models._measured_step(work, bench_models.contextlib.nullcontext) is not None
 
 
-def test_target_rows_are_absolute_and_between_start_and_peak(host_offload):  # noqa: F811
+def test_target_rows_are_absolute_and_between_start_and_peak(host_offload):
     base, peak, saved = 5 << 30, 4 << 30, 3 << 30
     rows = bench_models._offload_rows(peak, saved, base)
     targets = [make().max_device_bytes for label, make in rows if "max_device_bytes" in label]
