@@ -178,6 +178,22 @@ def test_a_reserved_device_copy_lets_the_first_save_allocate_nothing(tmp_path):
     assert back["optim"]["lr"] == 0.1
 
 
+@cuda
+def test_the_call_queues_the_device_copy_and_never_waits_for_the_gpu(tmp_path):
+    # With the GPU held busy by a kernel queued before the call, the call returns while it still
+    # runs: the copies are queued behind it, and nothing in the call (the release of torch's
+    # memory that the copies replace included) waits for them.
+    state = {f"t{i}": torch.randn(4096, device="cuda") for i in range(64)}
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4_000_000_000)  # about two seconds of one GPU thread spinning
+    pending = ferry.save_async(tmp_path / "q.safetensors", state, device_copy=True)
+    busy = not torch.cuda.current_stream().query()
+    report = pending.wait()
+    assert busy, "save_async waited for the GPU"
+    assert report["device_copied"] == 64 * 4096 * 4
+    assert torch.equal(_load(tmp_path / "q.safetensors")["t3"], state["t3"].cpu())
+
+
 def test_bad_arguments_are_refused_with_the_fix(tmp_path):
     t = torch.zeros(4)
     # {"a": [1, 2]} is a nested state now (test_nested_and_dcp.py); an object JSON cannot hold

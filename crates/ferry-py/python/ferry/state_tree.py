@@ -62,9 +62,9 @@ def flatten(
     paths: dict[str, tuple] = {}
     open_containers: set[int] = set()
 
-    def node(value: Any, path: tuple) -> Any:
+    # Each node's name is built from its parent's as the walk goes (a path's join, once).
+    def node(value: Any, path: tuple, name: str) -> Any:
         if is_tensor(value):
-            name = _name(path)
             if name in paths:
                 raise ValueError(
                     f"{what}: the paths {paths[name]!r} and {path!r} would both be stored as "
@@ -89,12 +89,18 @@ def flatten(
                 raise ValueError(f"{what}: {_name(path)!r} holds itself: a state must be a tree")
             open_containers.add(id(value))
             try:
+                prefix = name + "." if path else ""
                 if isinstance(value, Mapping):
                     return {
-                        "dict": [[_key(k, path), node(v, path + (k,))] for k, v in value.items()]
+                        "dict": [
+                            [_key(k, path), node(v, path + (k,), prefix + str(k))]
+                            for k, v in value.items()
+                        ]
                     }
                 kind = "tuple" if isinstance(value, tuple) else "list"
-                return {kind: [node(v, path + (i,)) for i, v in enumerate(value)]}
+                return {
+                    kind: [node(v, path + (i,), prefix + str(i)) for i, v in enumerate(value)]
+                }
             finally:
                 open_containers.discard(id(value))
         raise TypeError(
@@ -112,7 +118,7 @@ def flatten(
             f"{type(key).__name__}: only str and int keys can be saved; use a str"
         )
 
-    tree = node(state, ())
+    tree = node(state, (), "")
     text = json.dumps({"format": FORMAT, "tree": tree}, separators=(",", ":"), allow_nan=False)
     return tensors, text
 

@@ -210,7 +210,8 @@ fn copy_grouped(job: &mut Job, devices: &[Device]) -> Result<usize, TensorError>
             start += t.numel();
             copied += view.nbytes();
             // The pieces stay as they were cut: the view is laid out as the tensor was.
-            job.entries[e].t = view;
+            let copied_from = std::mem::replace(&mut job.entries[e].t, view);
+            job.retired.push(copied_from);
             release(job, e);
         }
     }
@@ -224,7 +225,8 @@ fn copy_grouped(job: &mut Job, devices: &[Device]) -> Result<usize, TensorError>
         };
         // On the contiguous copy, a non-contiguous tensor's blocks are contiguous ones.
         copied += copy.nbytes();
-        job.entries[e].t = copy;
+        let copied_from = std::mem::replace(&mut job.entries[e].t, copy);
+        job.retired.push(copied_from);
         release(job, e);
     }
     Ok(copied)

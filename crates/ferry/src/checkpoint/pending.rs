@@ -338,6 +338,7 @@ fn start(
         memory: options.memory,
         slots,
         device_copied: 0,
+        retired: Vec::new(),
     };
     if options.device_copy != DeviceCopy::Off {
         match device_copy::copy_on_devices(&mut job, options.device_copy) {

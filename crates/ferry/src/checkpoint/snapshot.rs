@@ -133,6 +133,10 @@ pub(super) struct Job {
     /// Bytes copied on their device at the call
     /// ([`copy_on_devices`](super::device_copy::copy_on_devices)).
     pub device_copied: usize,
+    /// The tensors the device copies replaced, dropped with the job on the snapshot's thread:
+    /// the last drop of another runtime's buffer waits for its stream's work (the copies), which
+    /// the call must not.
+    pub retired: Vec<Tensor>,
 }
 
 /// What a snapshot did, and where its thread's time went.
