@@ -400,6 +400,12 @@ fn an_mlp_chain_under_a_memory_plan_trains_as_the_plain_one() -> Result<()> {
     assert_eq!(&names[..2], ["0.0.weight", "0.0.bias"]);
     let err = chain()?.set_plan(&[Choice::Keep]).unwrap_err().to_string();
     assert!(err.contains("one choice per block"), "{err}");
+    // ferry's own blocks are recomputed whole: a selective choice is refused, not run as another.
+    let blocks = chain()?.blocks().len();
+    let mut choices = vec![Choice::Keep; blocks];
+    choices[0] = Choice::Selective;
+    let err = chain()?.set_plan(&choices).unwrap_err().to_string();
+    assert!(err.contains("recomputed whole"), "{err}");
     Ok(())
 }
 

@@ -500,6 +500,7 @@ fn letters(choices: &[Choice]) -> String {
             Choice::Keep => 'k',
             Choice::Offload => 'o',
             Choice::Recompute => 'r',
+            Choice::Selective => 's',
         })
         .collect()
 }

@@ -3,7 +3,7 @@
 //! reached through `plan_memory`.
 
 use ferry::TensorError;
-use ferry::autograd::{Choice, Link, MemoryPlan, RegionCost, StepCost};
+use ferry::autograd::{Choice, Link, MemoryPlan, RegionCost, Selective, StepCost};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -12,11 +12,22 @@ use crate::errors::{guarded, to_py};
 
 /// One region as `ferry.plan` passes it: forward ms, saved bytes, backward ms (None: twice the
 /// forward), offloadable bytes (None: all saved), bytes of its input nothing saves, whether it
-/// may be recomputed, and its parameters' gradient bytes.
-type RegionRow = (f64, i64, Option<f64>, Option<i64>, i64, bool, i64);
+/// may be recomputed, its parameters' gradient bytes, and its selective recompute's held bytes
+/// and extra ms (None: not measured).
+type RegionRow = (
+    f64,
+    i64,
+    Option<f64>,
+    Option<i64>,
+    i64,
+    bool,
+    i64,
+    Option<(i64, f64)>,
+);
 
 /// Plans a step's regions for `target_bytes` of activations at the peak, or predicts what the
-/// forced `choices` ("keep", "offload", "recompute", one per region) give; exactly one of the two.
+/// forced `choices` ("keep", "offload", "recompute", "selective", one per region) give; exactly
+/// one of the two.
 /// `link` is the link's (to host, to device) rates in bytes per second, None where nothing can be
 /// offloaded. Returns the choices, the target, the predicted `peak_bytes`, `least_bytes`,
 /// `plain_bytes`, `extra_ms` (and per region, `region_extra_ms`) and `step_ms`, `offload_fits`
@@ -93,7 +104,8 @@ pub fn plan_memory<'py>(
 }
 
 fn region(i: usize, row: &RegionRow) -> PyResult<RegionCost> {
-    let &(forward_ms, saved, backward_ms, offloadable, unsaved_input, recomputable, grads) = row;
+    let &(forward_ms, saved, backward_ms, offloadable, unsaved_input, recomputable, grads, sel) =
+        row;
     let named = |what: &str| format!("region {i}'s {what}");
     Ok(RegionCost {
         forward_ms,
@@ -107,6 +119,14 @@ fn region(i: usize, row: &RegionRow) -> PyResult<RegionCost> {
         unsaved_input_bytes: bytes(&named("input_bytes"), unsaved_input)?,
         recomputable,
         grad_bytes: bytes(&named("grad_bytes"), grads)?,
+        selective: sel
+            .map(|(held, extra_ms)| -> PyResult<Selective> {
+                Ok(Selective {
+                    held_bytes: bytes(&named("selective held bytes"), held)?,
+                    extra_ms,
+                })
+            })
+            .transpose()?,
     })
 }
 
@@ -120,8 +140,10 @@ fn choice(i: usize, name: &str) -> PyResult<Choice> {
         "keep" => Ok(Choice::Keep),
         "offload" => Ok(Choice::Offload),
         "recompute" => Ok(Choice::Recompute),
+        "selective" => Ok(Choice::Selective),
         other => Err(PyValueError::new_err(format!(
-            "region {i}: choice {other:?} is not one of \"keep\", \"offload\", \"recompute\""
+            "region {i}: choice {other:?} is not one of \"keep\", \"offload\", \"recompute\", \
+             \"selective\""
         ))),
     }
 }

@@ -287,7 +287,7 @@ def test_a_model_the_planner_refuses_is_measured_against_its_rivals(cpu_bench):
     # whatever it chooses: it has nothing to plan, says so, and the other rows still run.
     result = bench_memory.measure(bench_memory.build("mlp", "cpu", tiny=True), 1, 0)
     assert "save no tensors" in result["plan_refused"]
-    assert [run["kind"] for run in result["rows"].values()] == ["plain"] + ["rival"] * 3
+    assert [run["kind"] for run in result["rows"].values()] == ["plain"] + ["rival"] * 4
     goals = {g["goal"]: g["verdict"] for g in bench_memory.judge(bench_memory.curve(result),
                                                                   result["saved_bytes"])}
     assert goals["the plan's goals"] == "n/a" and f"{OFFLOAD} lowers the peak" in goals

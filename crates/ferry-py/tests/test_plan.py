@@ -257,6 +257,143 @@ def test_transformers_gpt2_recomputed_gives_the_same_gradients_bitwise():
     plain = _grads(model, step)
     _assert_bitwise(plain, _grads(model, step, plan.retarget(choices=["recompute"] * 3)))
     _assert_bitwise(plain, _grads(model, step, plan))
+    selective = plan.retarget(choices=["selective"] * 3)
+    _assert_bitwise(plain, _grads(model, step, selective))
+    assert _products(model, step, selective) == _products(model, step)
+    assert "not reusable" not in selective.explain()
+
+
+def test_transformers_llama_under_autocast_selective_gives_the_same_gradients_bitwise():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=64, max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    idx = torch.randint(0, 64, (2, 16))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=idx, labels=idx).loss
+        loss.backward()
+        return loss
+
+    plan = MemoryPlan.profile(model, step, fraction=1.0)
+    assert [r.name for r in plan.cost.regions] == [f"model.layers.{i}" for i in range(3)]
+    assert all(r.input_bytes < r.selective_bytes < r.saved_bytes for r in plan.cost.regions)
+    plain = _grads(model, step)
+    selective = plan.retarget(choices=["selective"] * 3)
+    _assert_bitwise(plain, _grads(model, step, selective))
+    assert _products(model, step, selective) == _products(model, step)
+
+
+class _CountProducts(TorchDispatchMode):
+    """How many matrix products the ops under it ran."""
+
+    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")
+
+    def __init__(self):
+        super().__init__()
+        self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.products += func.overloadpacket.__name__ in self.PRODUCTS
+        return func(*args, **(kwargs or {}))
+
+
+def _products(model, step, plan=None):
+    counter = _CountProducts()
+    model.zero_grad(set_to_none=True)
+    if plan is not None:
+        plan.apply()
+    try:
+        with counter:
+            step()
+    finally:
+        if plan is not None:
+            plan.remove()
+    return counter.products
+
+
+def test_selective_recompute_reruns_the_cheap_ops_only_and_gives_the_same_gradients():
+    model, step = _gpt()
+    plan = MemoryPlan.profile(model, step, fraction=1.0)
+    for r in plan.cost.regions:  # measured: it holds less than keeping, more than recomputing
+        assert r.input_bytes < r.selective_bytes < r.saved_bytes, r
+        assert r.selective_ms is not None and r.selective_ms >= 0
+    selective = plan.retarget(choices=["selective"] * 4)
+    plain = _grads(model, step)
+    Block.calls = 0
+    _assert_bitwise(plain, _grads(model, step, selective))
+    assert Block.calls == 8  # each block's forward ran again in backward ...
+    # ... but its matrix products did not: as many as the plain step, where a whole recompute
+    # runs every block's forward products again.
+    assert _products(model, step, selective) == _products(model, step)
+    assert _products(model, step, plan.retarget(choices=["recompute"] * 4)) > \
+        _products(model, step)
+    assert "not reusable" not in selective.explain()
+    assert "selective" in selective.explain()
+
+
+def test_selective_recompute_lowers_the_peak_between_keeping_and_recomputing():
+    model, step = _gpt(layers=6)
+    plan = MemoryPlan.profile(model, step, fraction=1.0)
+    peaks = [_peak(model, step, plan.retarget(choices=[c] * 6))
+             for c in ("keep", "selective", "recompute")]
+    assert peaks[0] > peaks[1] > peaks[2], peaks
+    # The planner chooses it where it is the cheaper way to a target (synthetic times: the
+    # choice does not depend on timing noise).
+    cost = dataclasses.replace(plan.cost, regions=tuple(
+        dataclasses.replace(r, forward_ms=1.0, backward_ms=2.0, selective_ms=0.1)
+        for r in plan.cost.regions))
+    cheap = MemoryPlan(list(model.blocks), cost, fraction=0.8)
+    assert "selective" in cheap.choices and "recompute" not in cheap.choices, cheap.choices
+    predicted = cost.plain_bytes - cheap.predicted_peak_bytes
+    measured = peaks[0] - _peak(model, step, cheap)
+    assert abs(measured - predicted) <= 0.03 * peaks[0], (predicted, measured)
+
+
+class _WritesItsProduct(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h.mul_(2)  # writes the kept product in place: the recompute must run it again
+        return self.out(torch.tanh(h))
+
+
+def test_a_kept_output_written_in_place_is_computed_again():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _WritesItsProduct(), _WritesItsProduct())
+    x = torch.randn(4, 8)
+
+    def step():
+        loss = model(x).square().sum()
+        loss.backward()
+        return loss
+
+    plan = MemoryPlan.profile(model, step, fraction=1.0, regions=[model[1], model[2]])
+    # The profile saw the products fall back, so it offers no selective recompute for them.
+    assert [r.selective_bytes for r in plan.cost.regions] == [None, None]
+    with pytest.raises(ValueError, match="no selective recompute was measured"):
+        plan.retarget(choices=["selective", "keep"])
+    forced = plan.retarget(choices=["recompute", "recompute"])
+    cost = dataclasses.replace(forced.cost, regions=tuple(
+        dataclasses.replace(r, selective_bytes=r.input_bytes, selective_ms=0.0)
+        for r in forced.cost.regions))
+    selective = MemoryPlan(plan.regions, cost, choices=["selective", "selective"])
+    _assert_bitwise(_grads(model, step), _grads(model, step, selective))
+    assert "were not reusable" in selective.explain()
+
+
+def test_selective_costs_are_checked():
+    with pytest.raises(ValueError, match="both selective_bytes and selective_ms"):
+        RegionCost("r", 1.0, MB, selective_bytes=MB // 2)
+    cost = StepCost(_regions([1, 1], [1, 1]))
+    with pytest.raises(ValueError, match="no measured selective cost"):
+        predict_peak(cost, ["selective", "keep"])
 
 
 class _LiveBytes(TorchDispatchMode):

@@ -66,7 +66,7 @@ pub mod autograd {
     };
     pub use ferry_tensor::autograd::{
         Choice, GradOptions, Link, MemoryPlan, OffloadGuard, OffloadOptions, OffloadStats,
-        PlannedRegion, RegionCost, StepCost, grad, offload_saved,
+        PlannedRegion, RegionCost, Selective, StepCost, grad, offload_saved,
     };
     pub use ferry_tensor::gradcheck::{gradcheck, gradgradcheck};
     pub use ferry_tensor::recompute;

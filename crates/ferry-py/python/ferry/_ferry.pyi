@@ -121,7 +121,9 @@ def empty_cache(device: str) -> None: ...
 def memory_stats(device: str) -> dict[str, int]: ...
 def reset_peak_memory_stats(device: str) -> None: ...
 def plan_memory(
-    regions: Sequence[tuple[float, int, float | None, int | None, int, bool, int]],
+    regions: Sequence[
+        tuple[float, int, float | None, int | None, int, bool, int, tuple[int, float] | None]
+    ],
     target_bytes: int | None = None,
     choices: Sequence[str] | None = None,
     *,

@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 from . import _ferry
 
-Choice = Literal["keep", "offload", "recompute"]
-CHOICES: Tuple[Choice, ...] = ("keep", "offload", "recompute")
+Choice = Literal["keep", "offload", "recompute", "selective"]
+CHOICES: Tuple[Choice, ...] = ("keep", "offload", "recompute", "selective")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,10 @@ class RegionCost:
     storages that only it saves (``saved_bytes``), the part of those the offload scope moves
     (``offloadable_bytes``, None: all), the bytes of its inputs that a recompute holds and that
     nothing else saves (``input_bytes``), and of the gradients its backward gives its
-    parameters (``grad_bytes``). ``backward_ms`` None: twice the forward."""
+    parameters (``grad_bytes``). ``backward_ms`` None: twice the forward. ``selective_bytes``
+    and ``selective_ms``: what a selective recompute (the expensive ops' outputs kept, the rest
+    rebuilt in backward) holds from the forward to the backward, its unsaved input included,
+    and adds to the step; None where it was not measured (the plan then never chooses it)."""
 
     name: str
     forward_ms: float
@@ -41,6 +44,8 @@ class RegionCost:
     input_bytes: int = 0
     recomputable: bool = True
     grad_bytes: int = 0
+    selective_bytes: Optional[int] = None
+    selective_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.forward_ms < 0 or (self.backward_ms is not None and self.backward_ms < 0):
@@ -50,6 +55,11 @@ class RegionCost:
         offloadable = self.offloadable_bytes
         if offloadable is not None and not 0 <= offloadable <= self.saved_bytes:
             raise ValueError(f"region {self.name}: offloadable_bytes must be in [0, saved_bytes]")
+        if (self.selective_bytes is None) != (self.selective_ms is None):
+            raise ValueError(f"region {self.name}: give both selective_bytes and selective_ms, "
+                             "or neither")
+        if self.selective_bytes is not None and self.selective_bytes < 0:
+            raise ValueError(f"region {self.name}: bytes must be >= 0")
 
     @property
     def backward(self) -> float:
@@ -109,9 +119,12 @@ class Decision:
 def _planned(cost: StepCost, *, target_bytes: Optional[int] = None,
              choices: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """The planner's answer for ``target_bytes``, or its prediction for ``choices``."""
-    rows: List[Tuple[float, int, Optional[float], Optional[int], int, bool, int]] = [
+    rows: List[Tuple[float, int, Optional[float], Optional[int], int, bool, int,
+                     Optional[Tuple[int, float]]]] = [
         (r.forward_ms, r.saved_bytes, r.backward_ms, r.offloadable_bytes, r.input_bytes,
-         r.recomputable, r.grad_bytes) for r in cost.regions]
+         r.recomputable, r.grad_bytes,
+         None if r.selective_bytes is None or r.selective_ms is None
+         else (r.selective_bytes, r.selective_ms)) for r in cost.regions]
     link = None if cost.link is None else (cost.link.to_host, cost.link.to_device)
     return _ferry.plan_memory(
         rows, target_bytes, None if choices is None else list(choices),
@@ -131,7 +144,8 @@ def predict_peak(cost: StepCost, choices: Sequence[Choice]) -> int:
 
 
 def extra_ms(cost: StepCost, choices: Sequence[Choice]) -> float:
-    """Predicted extra time: a forward per recomputed region; offload hides in compute."""
+    """Predicted extra time: a forward per recomputed region, the measured extra of each
+    selective one; offload hides in compute."""
     return float(_planned(cost, choices=choices)["extra_ms"])
 
 

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 import ferry
 
 from . import bench_harness, bench_models
+from ._plan_selective import KEPT_OPS
 from ._plan_torch import _bytes
 from .plan import MemoryPlan, TargetUnreachable, find_regions
 
@@ -53,6 +54,7 @@ PLAIN = "no plan"
 CHECKPOINT = "torch checkpoint, every block"
 SAVE_ON_CPU = "torch save_on_cpu(pin_memory=True)"
 OFFLOAD = "ferry.offload_saved()"
+SELECTIVE = "torch selective checkpoint, every block"
 RIVALS = (CHECKPOINT, SAVE_ON_CPU)  # issue 41's: every plan curve must dominate them
 
 
@@ -147,6 +149,35 @@ def checkpoint_blocks(blocks: Sequence[torch.nn.Module]) -> Any:
                 setattr(b, "forward", own)
 
 
+@contextlib.contextmanager
+def selective_checkpoint_blocks(blocks: Sequence[torch.nn.Module]) -> Any:
+    """torch's own selective activation checkpointing in eager mode around each block, as a
+    user writes it: ``create_selective_checkpoint_contexts`` with a policy that saves the
+    matrix products' and attention's outputs (the ops a ferry selective recompute keeps) and
+    recomputes the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return (CheckpointPolicy.MUST_SAVE if op.overloadpacket in KEPT_OPS
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    def contexts() -> Any:
+        return create_selective_checkpoint_contexts(policy)
+
+    owned = [(b, b.__dict__.get("forward")) for b in blocks]
+    for b in blocks:
+        setattr(b, "forward", functools.partial(checkpoint, b.forward, use_reentrant=False,
+                                                context_fn=contexts))
+    try:
+        yield
+    finally:
+        for b, own in owned:
+            if own is None:
+                b.__dict__.pop("forward", None)
+            else:
+                setattr(b, "forward", own)
+
+
 @dataclass
 class Row:
     """One way to run the step: ``around`` (or ``plan``) spans the whole step, ``scope`` only
@@ -165,7 +196,8 @@ def _rival_rows(blocks: Sequence[torch.nn.Module]) -> List[Row]:
             Row(CHECKPOINT, "rival", around=lambda: checkpoint_blocks(blocks)),
             Row(SAVE_ON_CPU, "rival",
                 scope=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)),
-            Row(OFFLOAD, "rival", scope=lambda: ferry.offload_saved())]
+            Row(OFFLOAD, "rival", scope=lambda: ferry.offload_saved()),
+            Row(SELECTIVE, "rival", around=lambda: selective_checkpoint_blocks(blocks))]
 
 
 def _run(work: bench_models.Workload, row: Row) -> Any:
@@ -347,11 +379,12 @@ def judge(points: Sequence[Point], saved_bytes: float) -> List[Dict[str, str]]:
         step_at(goal, checkpointed.peak, AT_CHECKPOINT_GOAL)
     step_at(f"saved activations halved: step <= {AT_HALF_GOAL}x", plain.peak - saved_bytes / 2,
             AT_HALF_GOAL)
-    for label in RIVALS + (OFFLOAD,):
+    for label in RIVALS + (OFFLOAD, SELECTIVE):
         rival = by.get(label)
         goal = f"dominates {label}"
         if rival is None:
-            add(goal, "n/a", "not measured (OOM)")
+            if label in RIVALS:
+                add(goal, "n/a", "not measured (OOM)")
             continue
         better = [p for p in plans
                   if p.peak <= rival.peak + slack and p.ms <= rival.ms * (1 + TOLERANCE)]
@@ -404,7 +437,7 @@ def table(name: str, result: Dict[str, Any]) -> List[str]:
                       "" if p.predicted_extra_ms is None else f"{p.predicted_extra_ms:.1f}",
                       meas])
     lines += bench_harness.table(
-        ["way", "step ms", "vs no plan", "peak GiB", "vs plain peak", "choices (K/O/R)",
+        ["way", "step ms", "vs no plan", "peak GiB", "vs plain peak", "choices (K/O/R/S)",
          "pred. peak GiB", "pred. extra ms", "meas. extra ms"], cells)
     lines += [""] + [f"- {g['goal']}: **{g['verdict']}**: {g['detail']}"
                      for g in result.get("goals", [])] + [""]
@@ -428,7 +461,7 @@ def draw(name: str, title: str, points: Sequence[Point], directory: Path) -> Pat
             ax.plot(p.ms, p.peak / GIB, "o", color="tab:blue",
                     markerfacecolor="tab:blue" if p.reachable else "white")
     markers = {PLAIN: ("k", "*"), CHECKPOINT: ("tab:red", "s"), SAVE_ON_CPU: ("tab:green", "^"),
-               OFFLOAD: ("tab:orange", "D")}
+               OFFLOAD: ("tab:orange", "D"), SELECTIVE: ("tab:purple", "v")}
     for p in points:
         if p.kind != "plan":
             color, marker = markers.get(p.label, ("gray", "x"))

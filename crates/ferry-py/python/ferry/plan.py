@@ -1,6 +1,8 @@
 """``ferry.plan``: a memory plan for an unmodified ``torch.nn.Module`` in eager mode. Each of the
 model's repeated blocks (a *region*) keeps what autograd saves in it, offloads it to pinned host
-memory, or recomputes it in backward; the choice comes from one profiled step and a target for
+memory, recomputes it in backward, or recomputes it selectively (the outputs of its matrix
+products and attention kept, the cheap ops run again); the choice comes from a profiled step
+and a target for
 the activation bytes at the step's peak (what autograd saves, and the parameter gradients
 backward has made by then)::
 
@@ -16,31 +18,34 @@ The planner is ferry's one planner, in Rust (``ferry::autograd::MemoryPlan``): `
 ``predict_peak``, ``offload_fits`` and ``extra_ms`` pass the measured costs (``StepCost``) to it.
 This package measures (``_plan_torch``) and applies. Offload is free where the link moves a
 region's tensors out inside the forward compute that follows it and back inside the backward of
-the next region; recompute costs one forward of the region. Offload comes first, then
-recompute, cheapest per byte freed; the rest is kept. See docs/memory-plan.md for the model and
+the next region; recompute costs one forward of the region, a selective one what its profile
+measured. Offload comes first, then recompute, selective or whole, cheapest per byte freed; the
+rest is kept. See docs/memory-plan.md for the model and
 what it assumes.
 
 Recompute is ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``
-around the region's forward (dropout draws the same masks again); offload is ferry's
+around the region's forward (dropout draws the same masks again), selective with ferry's
+dispatch modes as its ``context_fn`` (``_plan_selective``); offload is ferry's
 ``offload_saved`` scope, entered only inside the chosen regions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from . import cuda_available
 from ._plan_costs import (CHOICES, Choice, Decision, Link, RegionCost, StepCost, choose,
                           extra_ms, forced, offload_fits, predict_peak)
+from ._plan_selective import Kept, recomputed
 from ._plan_torch import (_bytes, _Clock, _grad_bytes, _host_room, _measure_link,
-                          _model_device, _RegionOffload, _RegionWatch, _SavedBytes, _tensors,
-                          find_regions)
+                          _model_device, _RegionOffload, _RegionWatch, _SavedBytes, _storage,
+                          _tensors, find_regions)
 
 __all__ = ["CHOICES", "Choice", "Decision", "Link", "MemoryPlan", "PlanError", "RegionCost",
            "StepCost", "TargetUnreachable", "choose", "extra_ms", "find_regions", "offload_fits",
@@ -65,14 +70,15 @@ _APPLIED: "weakref.WeakKeyDictionary[nn.Module, MemoryPlan]" = weakref.WeakKeyDi
 
 
 class MemoryPlan:
-    """Per region of a model, keep, offload or recompute what autograd saves, chosen to bring
-    the step's activation bytes at its peak (saved tensors, and the parameter gradients backward
-    has made by then) to a target at the least predicted time.
+    """Per region of a model, keep, offload or recompute (whole or selectively) what autograd
+    saves, chosen to bring the step's activation bytes at its peak (saved tensors, and the
+    parameter gradients backward has made by then) to a target at the least predicted time.
 
     Build it with ``MemoryPlan.profile(model, step_fn, target_bytes=... | fraction=...)``, or
     from costs of your own with ``MemoryPlan(regions, cost, target_bytes=... | fraction=... |
     choices=...)``. ``fraction`` is of the plain step's peak (``cost.plain_bytes``);
-    ``choices`` forces a choice per region (``"keep"``, ``"offload"``, ``"recompute"``). A
+    ``choices`` forces a choice per region (``"keep"``, ``"offload"``, ``"recompute"``,
+    ``"selective"``). A
     target below the least peak the plan reaches warns ``TargetUnreachable`` and plans for that
     least peak (``reachable`` is False, ``least_bytes`` says it).
 
@@ -116,6 +122,7 @@ class MemoryPlan:
                     self.decision.least_bytes), stacklevel=2)
         self._applied = self._entered_applied = False
         self._wrapped: List[Tuple[nn.Module, Any]] = []
+        self._kept: Dict[int, Optional[List[Kept]]] = {}
         self._watch: Optional[_RegionWatch] = None
         self._scope: Optional[_RegionOffload] = None
 
@@ -129,9 +136,13 @@ class MemoryPlan:
             if choice == "offload" and self.cost.link is None:
                 raise ValueError(f"region {region.name}: offload needs a GPU and its link to "
                                  "pinned host memory; on the CPU choose keep or recompute")
-            if choice == "recompute" and not region.recomputable:
+            if choice in ("recompute", "selective") and not region.recomputable:
                 raise ValueError(f"region {region.name} writes in place to its input, so a "
                                  "recompute would read the new values: keep or offload it")
+            if choice == "selective" and region.selective_bytes is None:
+                raise ValueError(f"region {region.name}: no selective recompute was measured "
+                                 "for it (profile with selective=True): choose keep, offload "
+                                 "or recompute")
         picked: Tuple[Choice, ...] = tuple(choices)  # type: ignore[arg-type]
         return forced(self.cost, picked)
 
@@ -139,10 +150,12 @@ class MemoryPlan:
     def profile(cls, model: nn.Module, step_fn: Callable[[], Any], *,
                 target_bytes: Optional[int] = None, fraction: Optional[float] = None,
                 regions: Optional[Sequence[nn.Module]] = None, warmup: int = 1,
-                min_offload_bytes: int = 1 << 20) -> MemoryPlan:
+                min_offload_bytes: int = 1 << 20, selective: bool = True) -> MemoryPlan:
         """Runs ``step_fn`` (a forward and backward of ``model``) ``warmup`` times, then once
-        more measuring each region, and plans for the target. The steps accumulate gradients as
-        any step does; the RNG streams are left as they were."""
+        more measuring each region, and plans for the target. With ``selective`` (the default)
+        the same again (at least one warmup) with every region selectively recomputed,
+        measuring what that holds and adds, so the plan may choose it. The steps accumulate gradients as any step does; the
+        RNG streams are left as they were."""
         if warmup < 0:
             raise ValueError(f"warmup={warmup} must be >= 0")
         if sum(x is not None for x in (target_bytes, fraction)) != 1:
@@ -183,6 +196,13 @@ class MemoryPlan:
         outside = _grad_bytes(p for p in model.parameters() if id(p) not in inside)
         costs = counter.costs([names[m] for m in modules], [(f or 0.0, b) for f, b in times],
                               grads)
+        if selective:
+            with torch.random.fork_rng(devices=devices):
+                measured = _measure_selective(modules, [names[m] for m in modules], step_fn,
+                                              device, [r.recomputable for r in costs],
+                                              max(1, warmup))
+            costs = tuple(_with_selective(r, times[i], measured[i])
+                          for i, r in enumerate(costs))
         # Forward order, as the windows of the cost model need it.
         order = sorted(range(len(modules)), key=watch.entered.index)
         cost = StepCost(tuple(costs[i] for i in order), counter.shared, counter.head, link, host,
@@ -242,7 +262,7 @@ class MemoryPlan:
         self._watch = _RegionWatch(self.regions, _Clock(self.device), on_enter=self._enter,
                                    on_exit=self._exit, on_backward=self._backward)
         for i, choice in enumerate(self.choices):
-            if choice == "recompute":
+            if choice in ("recompute", "selective"):
                 self._wrap(i)
         for module in self.regions:
             _APPLIED[module] = self
@@ -254,10 +274,7 @@ class MemoryPlan:
         if not self._applied:
             return
         for module, own in self._wrapped:
-            if own is None:
-                module.__dict__.pop("forward", None)
-            else:
-                setattr(module, "forward", own)
+            _unwrap(module, own)
         self._wrapped = []
         if self._watch is not None:
             self._watch.remove()  # its spans stay readable for explain()
@@ -302,31 +319,8 @@ class MemoryPlan:
 
     def _wrap(self, i: int) -> None:
         module = self.regions[i]
-        own = module.__dict__.get("forward")
-        inner = module.forward
-        name = self.cost.regions[i].name
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return inner(*args, **kwargs)
-            versions = [(t, t._version) for t in _tensors((args, kwargs))]
-            calls = [0]
-
-            def run(a: Tuple[Any, ...], k: Dict[str, Any]) -> Any:
-                calls[0] += 1
-                if calls[0] > 1 and any(t._version != v for t, v in versions):
-                    raise PlanError(
-                        f"region {name}: an input was written in place after its forward ran, "
-                        "so its recompute would read the new values; keep this region "
-                        "(plan.retarget(choices=...)) or make that write out of place")
-                return inner(*a, **k)
-
-            # (args, kwargs) as two arguments: checkpoint then finds the devices of tensors
-            # passed by keyword too, and restores their RNG state for the recompute.
-            return checkpoint(run, args, kwargs, use_reentrant=False, preserve_rng_state=True)
-
-        setattr(module, "forward", forward)
-        self._wrapped.append((module, own))
+        kept = self._kept[i] = [] if self.choices[i] == "selective" else None
+        self._wrapped.append((module, _wrap_recompute(module, self.cost.regions[i].name, kept)))
 
     # -- explaining --
 
@@ -350,14 +344,16 @@ class MemoryPlan:
             + ("" if d.reachable else ": the target is below it") + ")",
             f"predicted extra {d.extra_ms:.2f} ms per step; link: {link}",
         ]
-        header = ("region", "choice", "saved", "fwd ms", "bwd ms", "pred. extra ms",
-                  "meas. fwd ms", "meas. bwd ms", "meas. extra ms")
+        header = ("region", "choice", "saved", "selective", "fwd ms", "bwd ms",
+                  "pred. extra ms", "meas. fwd ms", "meas. bwd ms", "meas. extra ms")
         rows = [header]
         for region, choice, predicted, (mf, mb) in zip(cost.regions, d.choices,
                                                        d.region_extra_ms, self.measured()):
             extra = "-" if mf is None or mb is None else \
                 f"{mf + mb - region.forward_ms - region.backward:.2f}"
-            rows.append((region.name, choice, _bytes(region.saved_bytes),
+            selective = "-" if region.selective_bytes is None else \
+                f"{_bytes(region.selective_bytes)} +{region.selective_ms:.2f} ms"
+            rows.append((region.name, choice, _bytes(region.saved_bytes), selective,
                          f"{region.forward_ms:.2f}",
                          f"{region.backward:.2f}" + ("*" if region.backward_ms is None else ""),
                          f"{predicted:.2f}", "-" if mf is None else f"{mf:.2f}",
@@ -369,6 +365,14 @@ class MemoryPlan:
                      f"saved before them), {_bytes(cost.head_bytes)} after the last (kept)")
         if any(r.backward_ms is None for r in cost.regions):
             lines.append("* backward not measured: twice the forward assumed")
+        if any(choice == "selective" for choice in d.choices):
+            lines.append("selective: held from the forward to the backward (the kept outputs of "
+                         "matrix products and attention, and the unsaved input), and its extra")
+            fell_back = sum(k.fell_back for calls in self._kept.values() if calls
+                            for k in calls)
+            if fell_back:
+                lines.append(f"selective: {fell_back} kept outputs were not reusable (written "
+                             "in place, or a second backward) and were computed again")
         if self._scope is not None:
             stats = self._scope.stats
             lines.append("offload, last step: " + ", ".join(
@@ -382,6 +386,121 @@ class MemoryPlan:
     def __repr__(self) -> str:
         return (f"MemoryPlan(choices={list(self.choices)}, target_bytes={self.target_bytes}, "
                 f"predicted_peak_bytes={self.predicted_peak_bytes})")
+
+
+def _wrap_recompute(module: nn.Module, name: str, kept: Optional[List[Kept]]) -> Any:
+    """Replaces ``module.forward`` on the instance by a recompute of it, selective where
+    ``kept`` is a list (each call's ``Kept`` is appended to it); returns the instance's own
+    ``forward`` (None: the class's) for ``_unwrap``. Under ``torch.no_grad`` the original runs
+    as is. An input written in place between the forward and its recompute raises
+    ``PlanError`` in backward instead of giving a wrong gradient."""
+    own = module.__dict__.get("forward")
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        versions = [(t, t._version) for t in _tensors((args, kwargs))]
+        calls = [0]
+
+        def run(a: Tuple[Any, ...], k: Dict[str, Any]) -> Any:
+            calls[0] += 1
+            if calls[0] > 1 and any(t._version != v for t, v in versions):
+                raise PlanError(
+                    f"region {name}: an input was written in place after its forward ran, "
+                    "so its recompute would read the new values; keep this region "
+                    "(plan.retarget(choices=...)) or make that write out of place")
+            return inner(*a, **k)
+
+        if kept is None:
+            return recomputed(run, args, kwargs, None)
+        if len(kept) > 64:  # a plan applied for good: only the latest calls are explained
+            del kept[:32]
+        kept.append(Kept())
+        return recomputed(run, args, kwargs, kept[-1])
+
+    setattr(module, "forward", forward)
+    return own
+
+
+def _unwrap(module: nn.Module, own: Any) -> None:
+    if own is None:
+        module.__dict__.pop("forward", None)
+    else:
+        setattr(module, "forward", own)
+
+
+def _measure_selective(modules: Sequence[nn.Module], names: Sequence[str],
+                       step_fn: Callable[[], Any], device: torch.device,
+                       recomputable: Sequence[bool],
+                       warmup: int) -> List[Optional[Tuple[int, float, float]]]:
+    """After ``warmup`` steps, one with every recomputable region selectively recomputed: per
+    region, the bytes of
+    the outputs it kept (each storage once, region inputs left out: they are shared) at the end
+    of the forward, and its forward and backward ms (its recompute included); None for a region
+    not run so, not timed, or whose recompute ran an op again (``Kept.fell_back``)."""
+    n = len(modules)
+    kept: List[List[Kept]] = [[] for _ in range(n)]
+    inputs: set = set()
+    held: List[Optional[int]] = [None] * n
+
+    def enter(i: int, args: Any) -> None:
+        inputs.update(_storage(t)[0] for t in _tensors(args))
+
+    def at_backward(i: int) -> None:
+        if held[i] is not None:
+            return
+        seen: set = set()
+        for j in range(n):  # the first backward: every forward is done
+            total = 0
+            for call in kept[j]:
+                for t in call.tensors():
+                    key, nbytes = _storage(t)
+                    if key not in seen and key not in inputs:
+                        seen.add(key)
+                        total += nbytes
+            held[j] = total
+
+    wrapped = [(m, _wrap_recompute(m, names[i], kept[i]))
+               for i, m in enumerate(modules) if recomputable[i]]
+    try:
+        for _ in range(warmup):  # the first step under dispatch modes pays one-time costs
+            step_fn()
+        for calls in kept:
+            calls.clear()
+        watch = _RegionWatch(modules, _Clock(device), on_enter=enter, on_backward=at_backward)
+        try:
+            step_fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        finally:
+            watch.remove()
+    finally:
+        for module, own in wrapped:
+            _unwrap(module, own)
+    out: List[Optional[Tuple[int, float, float]]] = []
+    for i in range(n):
+        forward, backward = watch.times(i)
+        ok = (recomputable[i] and kept[i] and held[i] is not None and forward is not None
+              and backward is not None and not any(k.fell_back for k in kept[i]))
+        out.append((held[i] or 0, forward or 0.0, backward or 0.0) if ok else None)
+    return out
+
+
+def _with_selective(region: RegionCost, plain: Tuple[Optional[float], Optional[float]],
+                    measured: Optional[Tuple[int, float, float]]) -> RegionCost:
+    """``region`` with its selective recompute's held bytes (kept outputs and unsaved input)
+    and extra ms (its step under it less the plain one, at least 0); as is where either step
+    went unmeasured or the kept outputs would not free anything."""
+    forward, backward = plain
+    if measured is None or forward is None or backward is None:
+        return region
+    kept, sel_forward, sel_backward = measured
+    held_bytes = kept + region.input_bytes
+    if held_bytes >= region.saved_bytes:
+        return region
+    extra = max(0.0, sel_forward + sel_backward - forward - backward)
+    return dataclasses.replace(region, selective_bytes=held_bytes, selective_ms=extra)
 
 
 def _check_regions(modules: Sequence[nn.Module], names: Dict[nn.Module, str]) -> None:

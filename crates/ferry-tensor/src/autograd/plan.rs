@@ -16,12 +16,15 @@
 //!
 //! A region holds on the device from its forward until its backward: kept, its `saved_bytes`;
 //! offloaded, the part of them offload cannot move (`saved_bytes - offloadable_bytes`);
-//! recomputed, the input bytes nothing else saves (`unsaved_input_bytes`). The currency is the
+//! recomputed, the input bytes nothing else saves (`unsaved_input_bytes`); recomputed
+//! selectively, what [`Selective::held_bytes`] measured (its expensive ops' outputs and its
+//! unsaved input). The currency is the
 //! activation bytes at the step's peak, the larger of
 //!
 //! - the end of the forward: shared + head + what every region holds, and
 //! - each region `k`'s backward: shared + what the regions before `k` hold + `k`'s saved bytes
-//!   (back: kept, uploaded or rebuilt; plus its unsaved input if recomputed) + region `k-1`'s
+//!   (back: kept, uploaded or rebuilt; plus its unsaved input if recomputed, selectively or
+//!   whole) + region `k-1`'s
 //!   offloadable bytes if it is offloaded (uploaded while `k`'s backward runs) + the gradients of
 //!   the regions after `k` and of the parameters outside the regions.
 //!
@@ -30,26 +33,30 @@
 //!
 //! - **Recompute** costs the region's forward milliseconds again; a region that writes its input
 //!   in place (`recomputable: false`) is never recomputed.
+//! - **Selective** recompute costs its measured [`Selective::extra_ms`]: the cheap ops run again,
+//!   the expensive ones' outputs kept. Only where the profile measured it, never where the
+//!   region writes its input in place.
 //! - **Offload** is free where the link hides it, and only chosen there: the copies out queue on
 //!   the link in forward order from the end of each offloaded region and must all be done by the
 //!   end of the forward (from each offloaded region on, their bytes over the rate to host fit the
 //!   forward milliseconds after it); region `i`'s copy back starts when region `i+1`'s backward
 //!   starts and must land before region `i`'s (its bytes over the rate to device fit `i+1`'s
-//!   backward milliseconds, plus its forward if `i+1` is recomputed). The last region, with no
+//!   backward milliseconds, plus what a recompute of `i+1` adds). The last region, with no
 //!   compute after it, is never offloaded; the offloaded bytes fit `host_bytes`. A backward not
 //!   measured is taken as twice the forward.
 //! - **Keep** costs nothing.
 //!
 //! The choice: from keeping everything, offload the earliest regions first (they have the widest
 //! windows) while each fits and does not raise the peak, until the target is met; then
-//! recompute, each time the region that lowers the peak at the least milliseconds per byte,
-//! except that the last pick is the cheapest region that alone reaches the target where that
-//! costs less (where no region lowers the peak, the one freeing the most bytes per millisecond
-//! of its own); then drop the recomputes the target no longer needs, or turn them into offloads
-//! that now fit (a recompute lengthens the window of the region before it), the most expensive
-//! first. The least reachable peak comes from recomputing every region that frees bytes so,
-//! offloading instead where that fits and does not raise the peak, and keeping where that does
-//! not raise it either. A target below it plans that least peak and says so
+//! recompute, each time the move (a kept region recomputed selectively or whole, a selective one
+//! whole) that lowers the peak at the least milliseconds per byte, except that the last pick is
+//! the cheapest move that alone reaches the target where that costs less (where no move lowers
+//! the peak, the one freeing the most bytes per millisecond of its own); then drop the recomputes
+//! the target no longer needs, turn them into offloads that now fit (a recompute lengthens the
+//! window of the region before it), or whole ones into selective ones, the most expensive first.
+//! The least reachable peak comes from recomputing every region that frees bytes so, offloading
+//! instead where that fits and does not raise the peak, keeping where that does not raise it
+//! either, and recomputing selectively where that does not. A target below it plans that least peak and says so
 //! ([`MemoryPlan::reached`], [`MemoryPlan::least_bytes`]); a target of 0, above the plain step's
 //! peak, or a step whose regions save nothing is an error.
 
@@ -87,6 +94,19 @@ pub struct RegionCost {
     pub recomputable: bool,
     /// Bytes of the gradients its backward gives its parameters.
     pub grad_bytes: u64,
+    /// What a selective recompute of the region holds and costs, where one was measured: its
+    /// expensive ops' outputs kept (matrix products, attention), the rest rebuilt in backward.
+    pub selective: Option<Selective>,
+}
+
+/// A region run with its expensive ops' outputs kept and its cheap ops (norms, activations,
+/// element-wise) run again in backward, as measured in a profiled step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Selective {
+    /// Bytes held from the forward to the backward: the kept outputs and the unsaved input.
+    pub held_bytes: u64,
+    /// Milliseconds the recompute of the cheap ops adds to the step.
+    pub extra_ms: f64,
 }
 
 impl RegionCost {
@@ -123,6 +143,7 @@ impl Default for RegionCost {
             unsaved_input_bytes: 0,
             recomputable: true,
             grad_bytes: 0,
+            selective: None,
         }
     }
 }
@@ -185,6 +206,9 @@ pub enum Choice {
     Offload,
     /// Dropped, and the region's forward run again in backward from its input.
     Recompute,
+    /// Its expensive ops' outputs kept, the rest dropped and rebuilt in backward from them and
+    /// the region's input (only where [`RegionCost::selective`] was measured).
+    Selective,
 }
 
 impl fmt::Display for Choice {
@@ -193,6 +217,7 @@ impl fmt::Display for Choice {
             Choice::Keep => "keep",
             Choice::Offload => "offload",
             Choice::Recompute => "recompute",
+            Choice::Selective => "selective",
         })
     }
 }
@@ -258,6 +283,14 @@ impl MemoryPlan {
                 ),
             });
         }
+        if let Some(i) = (0..choices.len())
+            .find(|&i| choices[i] == Choice::Selective && step.regions[i].selective.is_none())
+        {
+            return invalid(format!(
+                "region {i} is chosen selective but has no measured selective cost: give its \
+                 `selective` figures, or choose keep, offload or recompute"
+            ));
+        }
         let least_bytes = step.peak_bytes(&step.least_choices());
         let peak = step.peak_bytes(choices);
         Ok(Self::from_choices(
@@ -269,10 +302,6 @@ impl MemoryPlan {
     }
 
     fn from_choices(step: &StepCost, choices: Vec<Choice>, target: u64, least: u64) -> Self {
-        let extra = |r: &RegionCost, c: Choice| match c {
-            Choice::Recompute => r.forward_ms,
-            _ => 0.0,
-        };
         Self {
             regions: step
                 .regions
@@ -281,7 +310,7 @@ impl MemoryPlan {
                 .map(|(&cost, &choice)| PlannedRegion {
                     choice,
                     cost,
-                    extra_ms: extra(&cost, choice),
+                    extra_ms: cost::extra(&cost, choice),
                 })
                 .collect(),
             target_bytes: target,
@@ -422,6 +451,11 @@ fn check(step: &StepCost) -> Result<()> {
                  twice the forward)"
             ));
         }
+        if let Some(ms) = r.selective.map(|s| s.extra_ms).filter(|ms| !time(*ms)) {
+            return invalid(format!(
+                "region {i}'s selective recompute time is {ms} ms; it must be finite and >= 0"
+            ));
+        }
         if r.offloadable() > r.saved_bytes {
             return invalid(format!(
                 "region {i}'s offloadable_bytes ({}) exceed its saved_bytes ({}); offload moves \
@@ -440,7 +474,8 @@ fn check(step: &StepCost) -> Result<()> {
             sum.checked_add(r.saved_bytes)?
                 .checked_add(r.input_bytes)?
                 .checked_add(r.unsaved_input_bytes)?
-                .checked_add(r.grad_bytes)
+                .checked_add(r.grad_bytes)?
+                .checked_add(r.selective.map_or(0, |s| s.held_bytes))
         })
     };
     if total().is_none() {

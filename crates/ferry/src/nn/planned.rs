@@ -33,6 +33,7 @@ pub(crate) fn forward_planned<M: Module + Clone + Send + Sync + 'static>(
                 recompute_forward(Arc::new(block.clone()), &x)?
             }
             Choice::Recompute => block.forward(&x)?,
+            Choice::Selective => return Err(no_selective("memory plan")),
         };
     }
     Ok(x)
@@ -50,7 +51,21 @@ pub(crate) fn check_choices(op: &'static str, blocks: usize, choices: &[Choice])
             ),
         });
     }
+    if choices.contains(&Choice::Selective) {
+        return Err(no_selective(op));
+    }
     Ok(())
+}
+
+/// ferry's own blocks are recomputed whole: their profile measures no selective recompute, so
+/// the planner never chooses one for them.
+fn no_selective(op: &'static str) -> TensorError {
+    TensorError::InvalidArgument {
+        op,
+        message: "a selective recompute was chosen for one of ferry's own blocks, which are \
+                  recomputed whole: choose keep, offload or recompute"
+            .into(),
+    }
 }
 
 /// The key a saved tensor's buffer is counted under in its graph: its storage's address.

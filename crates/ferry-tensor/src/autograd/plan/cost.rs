@@ -11,12 +11,36 @@ fn held(region: &RegionCost, choice: Choice) -> u64 {
         Choice::Keep => region.saved_bytes,
         Choice::Offload => region.saved_bytes - region.offloadable(),
         Choice::Recompute => region.unsaved_input_bytes,
+        Choice::Selective => region
+            .selective
+            .map_or(region.saved_bytes, |s| s.held_bytes),
     }
 }
 
-/// Whether recomputing `region` is allowed and frees bytes.
-fn frees_by_recompute(region: &RegionCost) -> bool {
-    region.recomputable && region.unsaved_input_bytes < region.saved_bytes
+/// Milliseconds a choice adds to the step: a recompute's forward, a selective recompute's
+/// measured extra; offload hides in compute.
+pub(super) fn extra(region: &RegionCost, choice: Choice) -> f64 {
+    match choice {
+        Choice::Recompute => region.forward_ms,
+        Choice::Selective => region.selective.map_or(0.0, |s| s.extra_ms),
+        Choice::Keep | Choice::Offload => 0.0,
+    }
+}
+
+/// Whether a recompute (`Recompute` or `Selective`) of `region` is allowed and frees bytes.
+fn frees(region: &RegionCost, choice: Choice) -> bool {
+    region.recomputable
+        && held(region, choice) < region.saved_bytes
+        && match choice {
+            Choice::Recompute => true,
+            Choice::Selective => region.selective.is_some(),
+            Choice::Keep | Choice::Offload => false,
+        }
+}
+
+/// Whether the region's backward runs a recompute first (which holds its unsaved input).
+fn recomputes(choice: Choice) -> bool {
+    matches!(choice, Choice::Recompute | Choice::Selective)
 }
 
 fn with(choices: &[Choice], i: usize, choice: Choice) -> Vec<Choice> {
@@ -70,7 +94,7 @@ impl StepCost {
         for (k, region) in regions.iter().enumerate() {
             grads -= region.grad_bytes;
             let mut during = always + below + region.saved_bytes + grads;
-            if choices[k] == Choice::Recompute {
+            if recomputes(choices[k]) {
                 during += region.unsaved_input_bytes;
             }
             if k > 0 && choices[k - 1] == Choice::Offload {
@@ -87,13 +111,13 @@ impl StepCost {
         self.peak_bytes(&vec![Choice::Keep; self.regions.len()])
     }
 
-    /// Predicted extra milliseconds: a forward per recomputed region; offload hides in compute.
+    /// Predicted extra milliseconds: a forward per recomputed region, the measured extra of
+    /// each selective one; offload hides in compute.
     pub(super) fn extra_ms(&self, choices: &[Choice]) -> f64 {
         self.regions
             .iter()
             .zip(choices)
-            .filter(|(_, c)| **c == Choice::Recompute)
-            .fold(0.0, |sum, (r, _)| sum + r.forward_ms)
+            .fold(0.0, |sum, (r, &c)| sum + extra(r, c))
     }
 
     /// Whether the link moves every offloaded region out inside the forward compute after it
@@ -125,11 +149,7 @@ impl StepCost {
                 return false;
             }
             let next = &regions[i + 1];
-            let window = next.backward()
-                + match choices[i + 1] {
-                    Choice::Recompute => next.forward_ms,
-                    _ => 0.0,
-                };
+            let window = next.backward() + extra(next, choices[i + 1]);
             if moved / link.to_device_bytes_per_ms > window {
                 return false;
             }
@@ -138,12 +158,13 @@ impl StepCost {
     }
 
     /// The choices at the least peak: recompute wherever that frees bytes, then offload instead
-    /// where it fits and the peak does not rise, and keep where the peak does not rise either.
+    /// where it fits and the peak does not rise, keep where the peak does not rise either, and
+    /// recompute selectively where that does not raise it.
     pub(super) fn least_choices(&self) -> Vec<Choice> {
         let regions = &self.regions;
         let mut choices: Vec<Choice> = regions
             .iter()
-            .map(|r| match frees_by_recompute(r) {
+            .map(|r| match frees(r, Choice::Recompute) {
                 true => Choice::Recompute,
                 false => Choice::Keep,
             })
@@ -158,11 +179,15 @@ impl StepCost {
                 }
             }
         }
-        for i in self.longest_first(0..regions.len()) {
-            if choices[i] == Choice::Recompute {
-                let trial = with(&choices, i, Choice::Keep);
-                if self.peak_bytes(&trial) <= self.peak_bytes(&choices) {
-                    choices = trial;
+        for instead in [Choice::Keep, Choice::Selective] {
+            for i in self.longest_first(0..regions.len()) {
+                if choices[i] == Choice::Recompute
+                    && (instead == Choice::Keep || frees(&regions[i], instead))
+                {
+                    let trial = with(&choices, i, instead);
+                    if self.peak_bytes(&trial) <= self.peak_bytes(&choices) {
+                        choices = trial;
+                    }
                 }
             }
         }
@@ -190,54 +215,77 @@ impl StepCost {
                 choices = trial;
             }
         }
-        // Recompute: the least time per byte the peak goes down; the last pick is the cheapest
-        // region that alone reaches the goal where that costs less.
+        // Recompute, a kept region selectively or whole, a selective one whole: the least time per
+        // byte the peak goes down; the last pick is the cheapest move that alone reaches the goal
+        // where that costs less.
         while peak(&choices) > goal {
             let now = peak(&choices);
-            let candidates: Vec<usize> = (0..n)
-                .filter(|&i| choices[i] == Choice::Keep && frees_by_recompute(&regions[i]))
+            let moves: Vec<(usize, Choice)> = (0..n)
+                .filter(|&i| matches!(choices[i], Choice::Keep | Choice::Selective))
+                .flat_map(|i| [(i, Choice::Selective), (i, Choice::Recompute)])
+                .filter(|&(i, c)| {
+                    frees(&regions[i], c) && held(&regions[i], c) < held(&regions[i], choices[i])
+                })
                 .collect();
-            if candidates.is_empty() {
+            if moves.is_empty() {
                 break;
             }
-            let after: Vec<u64> = candidates
+            let after: Vec<u64> = moves
                 .iter()
-                .map(|&i| peak(&with(&choices, i, Choice::Recompute)))
+                .map(|&(i, c)| peak(&with(&choices, i, c)))
                 .collect();
             let gain = |j: usize| (now - after[j]) as f64; // only where the peak goes down
-            let f = |j: usize| regions[candidates[j]].forward_ms;
-            let covering = (0..candidates.len()).filter(|&j| after[j] <= goal);
-            let gaining = (0..candidates.len()).filter(|&j| after[j] < now);
-            let mut pick = first_least(gaining, |j| f(j) / gain(j));
-            let cover = first_least(covering, f);
+            let cost = |j: usize| {
+                let (i, c) = moves[j];
+                (extra(&regions[i], c) - extra(&regions[i], choices[i])).max(0.0)
+            };
+            let covering = (0..moves.len()).filter(|&j| after[j] <= goal);
+            let gaining = (0..moves.len()).filter(|&j| after[j] < now);
+            let mut pick = first_least(gaining, |j| cost(j) / gain(j));
+            let cover = first_least(covering, cost);
             if let Some(c) = cover
-                && pick.is_none_or(|p| f(c) <= f(p))
+                && pick.is_none_or(|p| cost(c) <= cost(p))
             {
                 pick = Some(c);
             }
             // A plateau: the peak is elsewhere; free the most bytes per ms anyway.
             let pick = pick.unwrap_or_else(|| {
                 let freed = |j: usize| {
-                    let r = &regions[candidates[j]];
-                    (r.saved_bytes - r.unsaved_input_bytes) as f64
+                    let (i, c) = moves[j];
+                    (held(&regions[i], choices[i]) - held(&regions[i], c)) as f64
                 };
-                first_least(0..candidates.len(), |j| f(j) / freed(j)).expect("candidates")
+                first_least(0..moves.len(), |j| cost(j) / freed(j)).expect("moves")
             });
-            choices[candidates[pick]] = Choice::Recompute;
+            let (i, c) = moves[pick];
+            choices[i] = c;
         }
-        // Drop the recomputes the goal no longer needs, or offload them where that now fits (a
-        // recompute after a region lengthens its backward window), the most expensive first.
+        // Drop the recomputes the goal no longer needs, offload them where that now fits (a
+        // recompute after a region lengthens its backward window), or make a whole one selective,
+        // the most expensive first.
         let mut changed = true;
         while changed {
             changed = false;
-            let recomputed = (0..n).filter(|&i| choices[i] == Choice::Recompute);
-            for i in self.longest_first(recomputed.collect::<Vec<_>>()) {
-                for instead in [Choice::Keep, Choice::Offload] {
+            let mut recomputed: Vec<usize> = (0..n).filter(|&i| recomputes(choices[i])).collect();
+            let cost = |i: usize, c: &[Choice]| extra(&regions[i], c[i]);
+            recomputed.sort_by(|&a, &b| {
+                cost(b, &choices)
+                    .partial_cmp(&cost(a, &choices))
+                    .unwrap_or(Ordering::Equal)
+            });
+            for i in recomputed {
+                let region = &regions[i];
+                for instead in [Choice::Keep, Choice::Offload, Choice::Selective] {
+                    let allowed = match instead {
+                        Choice::Keep => true,
+                        Choice::Offload => region.offloadable() > 0,
+                        _ => {
+                            choices[i] == Choice::Recompute
+                                && frees(region, instead)
+                                && extra(region, instead) < extra(region, choices[i])
+                        }
+                    };
                     let trial = with(&choices, i, instead);
-                    if (instead == Choice::Keep || regions[i].offloadable() > 0)
-                        && self.offload_fits(&trial)
-                        && peak(&trial) <= goal
-                    {
+                    if allowed && self.offload_fits(&trial) && peak(&trial) <= goal {
                         choices = trial;
                         changed = true;
                         break;

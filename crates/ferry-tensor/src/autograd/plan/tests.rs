@@ -332,3 +332,91 @@ fn bad_input_is_refused_naming_the_fix() {
         "1 choices for 2 regions",
     );
 }
+
+/// `n` regions of 10 ms forward and 100 MiB saved, each selectively recomputable to hold
+/// `held_mib` at `extra_ms`.
+fn selective_blocks(n: usize, held_mib: u64, extra_ms: f64) -> StepCost {
+    let region = RegionCost {
+        selective: Some(Selective {
+            held_bytes: held_mib * MIB,
+            extra_ms,
+        }),
+        ..RegionCost::new(10.0, 100 * MIB, 0)
+    };
+    StepCost::new(&vec![region; n], None)
+}
+
+#[test]
+fn a_cheap_selective_recompute_comes_before_whole_ones() {
+    use Choice::Selective as S;
+    let step = selective_blocks(4, 40, 1.0);
+    assert_eq!(peak_mib(&step, &[K; 4]), 400);
+    // Each selective region holds 40 MiB instead of 100: at the end of the forward three of them
+    // give 3 x 40 + 100 = 220 MiB, and the last region's backward (the first to run) sees the
+    // same.
+    let p = plan(&step, 250);
+    assert!(!p.choices().contains(&R), "{p}");
+    let selective = p.choices().iter().filter(|&&c| c == S).count();
+    assert_eq!(selective, 3, "{p}");
+    assert!(p.peak_bytes() <= 250 * MIB, "{p}");
+    assert_eq!(p.extra_ms(), 3.0, "{p}");
+    // Below what selective recomputes reach, whole recomputes take over; the least peak is as
+    // low as without selective costs.
+    let low = plan(&step, 150);
+    assert!(low.choices().contains(&R), "{low}");
+    assert!(low.peak_bytes() <= 150 * MIB, "{low}");
+    let whole = StepCost::new(&blocks(4, 10.0, 100 * MIB, 0), None);
+    assert_eq!(low.least_bytes(), plan(&whole, 400).least_bytes());
+    // The least plan keeps the selective ones where whole recomputes would not lower its peak.
+    let least = plan(&step, 1);
+    assert!(!least.reached());
+    assert!(least.extra_ms() < 40.0, "{least}");
+}
+
+#[test]
+fn a_selective_recompute_dearer_than_the_whole_one_is_not_chosen() {
+    use Choice::Selective as S;
+    let step = selective_blocks(4, 40, 12.0);
+    for target in [350, 250, 150] {
+        let p = plan(&step, target);
+        assert!(!p.choices().contains(&S), "{target}: {p}");
+        assert!(p.peak_bytes() <= target * MIB, "{p}");
+    }
+}
+
+#[test]
+fn a_whole_recompute_becomes_selective_where_that_still_meets_the_target() {
+    use Choice::Selective as S;
+    // Region 0 is cheap to recompute whole and frees the most per ms; once the others are
+    // recomputed, its selective recompute (cheaper still) meets the target too.
+    let mut step = selective_blocks(3, 50, 0.5);
+    step.regions[0].forward_ms = 1.0;
+    let p = plan(&step, 250);
+    assert!(p.peak_bytes() <= 250 * MIB, "{p}");
+    let extra: f64 = p.regions().iter().map(|r| r.extra_ms).sum();
+    assert_eq!(extra, p.extra_ms());
+    assert!(p.extra_ms() <= 1.0, "{p}");
+    assert!(p.choices().contains(&S), "{p}");
+}
+
+#[test]
+fn selective_costs_are_checked() {
+    use Choice::Selective as S;
+    let plain = StepCost::new(&blocks(2, 1.0, MIB, 0), None);
+    let err = MemoryPlan::with_choices(&plain, &[S, K]).unwrap_err();
+    assert!(
+        err.to_string().contains("no measured selective cost"),
+        "{err}"
+    );
+    let mut step = selective_blocks(2, 40, f64::NAN);
+    let err = MemoryPlan::for_step(&step, 100 * MIB).unwrap_err();
+    assert!(
+        err.to_string().contains("selective recompute time"),
+        "{err}"
+    );
+    // A region that writes its input in place is never recomputed, selectively either.
+    step = selective_blocks(2, 40, 1.0);
+    step.regions[0].recomputable = false;
+    let p = plan(&step, 160);
+    assert_eq!(p.choices()[0], K, "{p}");
+}
