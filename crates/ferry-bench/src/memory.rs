@@ -501,6 +501,7 @@ fn letters(choices: &[Choice]) -> String {
             Choice::Offload => 'o',
             Choice::Recompute => 'r',
             Choice::Selective => 's',
+            Choice::SelectiveOffload => 'x',
         })
         .collect()
 }

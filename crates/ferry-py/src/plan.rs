@@ -26,8 +26,8 @@ type RegionRow = (
 );
 
 /// Plans a step's regions for `target_bytes` of activations at the peak, or predicts what the
-/// forced `choices` ("keep", "offload", "recompute", "selective", one per region) give; exactly
-/// one of the two.
+/// forced `choices` ("keep", "offload", "recompute", "selective", "selective_offload", one per
+/// region) give; exactly one of the two.
 /// `link` is the link's (to host, to device) rates in bytes per second, None where nothing can be
 /// offloaded. Returns the choices, the target, the predicted `peak_bytes`, `least_bytes`,
 /// `plain_bytes`, `extra_ms` (and per region, `region_extra_ms`) and `step_ms`, `offload_fits`
@@ -141,9 +141,10 @@ fn choice(i: usize, name: &str) -> PyResult<Choice> {
         "offload" => Ok(Choice::Offload),
         "recompute" => Ok(Choice::Recompute),
         "selective" => Ok(Choice::Selective),
+        "selective_offload" => Ok(Choice::SelectiveOffload),
         other => Err(PyValueError::new_err(format!(
             "region {i}: choice {other:?} is not one of \"keep\", \"offload\", \"recompute\", \
-             \"selective\""
+             \"selective\", \"selective_offload\""
         ))),
     }
 }

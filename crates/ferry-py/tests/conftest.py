@@ -42,8 +42,7 @@ def host_offload(monkeypatch):
     monkeypatch.setattr(offload, "_ferry", pinned)
     monkeypatch.setattr(offload, "to_torch", lambda block: block)
 
-    def offloadable(self, t):
-        base = t._base if t._base is not None else t
-        return t.numel() * t.element_size() >= self.min_bytes and base.grad_fn is not None
+    def movable(self, t):
+        return t.numel() * t.element_size() >= self.min_bytes
 
-    monkeypatch.setattr(offload.offload_saved, "_offloadable", offloadable)
+    monkeypatch.setattr(offload.offload_saved, "_movable", movable)

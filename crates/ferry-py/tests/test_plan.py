@@ -639,6 +639,40 @@ def test_offload_is_restricted_to_its_regions_and_uploads_a_region_ahead(host_of
     assert "offload, last step: offloaded 2" in plan.explain()
 
 
+def test_selective_offload_sends_the_kept_outputs_to_the_host_and_back(host_offload,
+                                                                       monkeypatch):
+    from ferry import plan as plan_module
+
+    model, step = _gpt()
+    profiled = MemoryPlan.profile(model, step, fraction=1.0)
+    cost = dataclasses.replace(profiled.cost, link=Link(1e12, 1e12))
+    choices = ["selective_offload"] * 3 + ["keep"]
+    plan = MemoryPlan(list(model.blocks), cost, choices=choices, min_offload_bytes=0)
+    # It holds what a whole recompute holds, at a selective recompute's predicted cost.
+    whole = plan.retarget(choices=["recompute"] * 3 + ["keep"])
+    assert plan.predicted_extra_ms == pytest.approx(
+        sum(r.selective_ms for r in cost.regions[:3]))
+    assert plan.predicted_peak_bytes >= whole.predicted_peak_bytes
+    uploads = []
+    upload = plan_module._RegionOffload.upload
+    monkeypatch.setattr(plan_module._RegionOffload, "upload",
+                        lambda self, i: (uploads.append(i), upload(self, i)))
+    plain = _grads(model, step)
+    for _ in range(2):  # the same plan, step after step
+        uploads.clear()
+        _assert_bitwise(plain, _grads(model, step, plan))
+        stats = plan._scope.stats
+        assert stats["offloaded"] > 0, stats
+        # Each region's kept outputs came back as the backward of the region after it began,
+        # none on demand; no matrix product ran twice.
+        assert uploads == [2, 1, 0]
+        assert stats["prefetched"] == stats["offloaded"] and stats["fetched_on_demand"] == 0
+    assert _products(model, step, plan) == _products(model, step)
+    assert "not reusable" not in plan.explain()
+    with pytest.raises(ValueError, match="needs a GPU and its link"):
+        profiled.retarget(choices=choices)
+
+
 # -- offload, on a GPU ---------------------------------------------------------------------------
 
 

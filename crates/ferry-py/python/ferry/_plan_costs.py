@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 from . import _ferry
 
-Choice = Literal["keep", "offload", "recompute", "selective"]
-CHOICES: Tuple[Choice, ...] = ("keep", "offload", "recompute", "selective")
+Choice = Literal["keep", "offload", "recompute", "selective", "selective_offload"]
+CHOICES: Tuple[Choice, ...] = ("keep", "offload", "recompute", "selective", "selective_offload")
 
 
 @dataclass(frozen=True)

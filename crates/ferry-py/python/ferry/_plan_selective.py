@@ -4,7 +4,9 @@ selective one runs under the same checkpoint with two dispatch modes as its ``co
 the forward, the outputs of the expensive ops (matrix products, attention, convolutions) are
 kept; in the recompute, those ops hand back what was kept instead of running again, so backward
 reruns only the cheap ops (norms, activations, element-wise), from the kept outputs and the
-region's inputs. What autograd saved in the region is dropped as in a whole recompute."""
+region's inputs. What autograd saved in the region is dropped as in a whole recompute. The kept
+outputs may go to pinned host memory as they are kept and come back for the recompute
+(``Kept(offload=...)``, the plan's ``selective_offload``)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
+
+from .offload import _Saved
 
 
 def _packets(names: Tuple[str, ...]) -> Set[Any]:
@@ -52,24 +56,56 @@ def _tensors_in(tree: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(item)
 
 
+def _versions(tree: Any) -> Tuple[Optional[int], ...]:
+    """The version of each tensor leaf of ``tree``; None for other leaves (a record on its way
+    to the host among them)."""
+    return tuple(x._version if isinstance(x, torch.Tensor) else None for x in tree_leaves(tree))
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without autograd's history, sharing its memory and its version counter (so an
+    in-place write after the keep shows). The output itself gets a grad_fn once returned, and
+    holding that would tie the graph to the kept list in a reference cycle. Below autograd a
+    plain ``detach`` would start a version counter of its own: the in-place-or-view key, which
+    shares it, is let through for it (as torch's own selective checkpointing does). A torch
+    without that guard keeps ``t`` itself: the same values, freed by the collector rather than
+    at once where a graph is dropped without its backward."""
+    guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+    if guard is None:
+        return t
+    with guard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
 class Kept:
     """The outputs one call of a region's forward kept, in the order its ops ran, with each
     tensor's version. In the recompute each is handed back once, if it is still what the
     forward computed; where it is not (written in place since, a recompute that runs other ops,
     a second backward after the first let go), the op runs again, as in a whole recompute, and
-    ``fell_back`` counts it."""
+    ``fell_back`` counts it (and ``tally[0]``, a count shared by a region's calls). With
+    ``offload`` (a pack and an unpack), each kept tensor goes to host memory as the forward
+    keeps it and comes back in the recompute."""
 
-    def __init__(self) -> None:
-        self.outputs: List[Optional[Tuple[Any, Tuple[int, ...]]]] = []
+    def __init__(self, offload: Optional[Tuple[Callable[[torch.Tensor], Any],
+                                               Callable[[Any], torch.Tensor]]] = None,
+                 tally: Optional[List[int]] = None):
+        self.offload = offload
+        self.tally = tally
+        self.outputs: List[Optional[Tuple[Any, Tuple[Optional[int], ...]]]] = []
         self.ops: List[Any] = []
         self.taken = 0
         self.fell_back = 0
 
     def keep(self, func: Any, out: Any) -> None:
-        self.outputs.append((out, tuple(t._version for t in _tensors_in(out))))
+        out = tree_map(lambda x: _alias(x) if isinstance(x, torch.Tensor) else x, out)
+        if self.offload is not None:
+            pack = self.offload[0]
+            out = tree_map(lambda x: pack(x) if isinstance(x, torch.Tensor) else x, out)
+        self.outputs.append((out, _versions(out)))
         self.ops.append(func)
 
     def tensors(self) -> List[torch.Tensor]:
+        """The kept tensors still on the device."""
         return [t for entry in self.outputs if entry is not None for t in _tensors_in(entry[0])]
 
     def take(self, func: Any) -> Any:
@@ -77,14 +113,28 @@ class Kept:
         index = self.taken
         if index >= len(self.outputs) or self.ops[index] is not func:
             self.taken = len(self.outputs)  # out of step: nothing after this is reused either
-            self.fell_back += 1
+            self._fall_back()
             return None
         self.taken += 1
         entry, self.outputs[index] = self.outputs[index], None  # the recompute holds it now
-        if entry is None or tuple(t._version for t in _tensors_in(entry[0])) != entry[1]:
-            self.fell_back += 1
+        if entry is None or _versions(entry[0]) != entry[1]:
+            self._fall_back()
             return None
-        return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, entry[0])
+        unpack = None if self.offload is None else self.offload[1]
+
+        def back(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.detach()
+            if isinstance(x, _Saved) and unpack is not None:
+                return unpack(x).detach()
+            return x
+
+        return tree_map(back, entry[0])
+
+    def _fall_back(self) -> None:
+        self.fell_back += 1
+        if self.tally is not None:
+            self.tally[0] += 1
 
     def release(self) -> None:
         """After a recompute: what it stopped short of (early stop) is not needed either."""

@@ -304,8 +304,11 @@ class _RegionOffload(offload_saved):
         self._inputs: Set[Any] = set()
         self._records: Dict[int, List[int]] = {}  # region -> indices into self._saved, this step
         self._region_hooks: Any = None
+        self._bare = False
 
-    def enter(self, i: int, inputs: Any) -> None:
+    def enter(self, i: int, inputs: Any, hooks: bool = True) -> None:
+        """Region ``i``'s forward starts: what it saves is offloaded (``hooks``), or only the
+        outputs its selective recompute keeps (``pack_kept``)."""
         if self._steps == 0 or i <= self._last:  # the first offloaded region of a step
             if self._steps:
                 self._next_step()
@@ -313,8 +316,10 @@ class _RegionOffload(offload_saved):
             self._records = {}
         self._last, self._region = i, i
         self._inputs = {_storage(t)[0] for t in _tensors(inputs)}
-        self._region_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._region_hooks.__enter__()
+        if hooks:
+            self._region_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack,
+                                                                          self._unpack)
+            self._region_hooks.__enter__()
 
     def exit(self) -> None:
         if self._region_hooks is not None:
@@ -325,8 +330,19 @@ class _RegionOffload(offload_saved):
         self._seen.clear()
 
     def _offloadable(self, t: torch.Tensor) -> bool:
-        return (self._region is not None and super()._offloadable(t)
-                and _storage(t)[0] not in self._inputs)
+        if self._region is None or _storage(t)[0] in self._inputs:
+            return False
+        # A selective region's kept outputs were made below autograd: no grad_fn to ask for.
+        return self._movable(t) if self._bare else super()._offloadable(t)
+
+    def pack_kept(self, i: int, t: torch.Tensor) -> Any:
+        """A kept output of selective region ``i`` (inside its forward): a record on its way to
+        the host, or ``t`` where it stays (too small, or the pinned budget is full)."""
+        self._bare = True
+        try:
+            return self._pack(t)
+        finally:
+            self._bare = False
 
     def _pack(self, t: torch.Tensor) -> Any:
         before = len(self._saved)

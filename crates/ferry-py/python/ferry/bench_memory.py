@@ -55,6 +55,10 @@ CHECKPOINT = "torch checkpoint, every block"
 SAVE_ON_CPU = "torch save_on_cpu(pin_memory=True)"
 OFFLOAD = "ferry.offload_saved()"
 SELECTIVE = "torch selective checkpoint, every block"
+# One letter per block in the tables: keep, offload, recompute, selective recompute, and
+# selective recompute with its kept outputs offloaded.
+LETTERS = {"keep": "K", "offload": "O", "recompute": "R", "selective": "S",
+           "selective_offload": "X"}
 RIVALS = (CHECKPOINT, SAVE_ON_CPU)  # issue 41's: every plan curve must dominate them
 
 
@@ -228,7 +232,7 @@ def _plan_rows(profiled: MemoryPlan, measured_targets: Sequence[float],
         half = " (saved / 2)" if k > TARGETS else ""
         row = Row(f"plan {k}{half}: target {_bytes(target)}", "plan", plan=plan)
         row.record = {"target_bytes": target, "plan_target_bytes": planned,
-                      "choices": "".join(c[0].upper() for c in plan.choices),
+                      "choices": "".join(LETTERS[c] for c in plan.choices),
                       "reachable": plan.reachable, "least_bytes": plan.least_bytes + beside,
                       "predicted_peak_bytes": plan.predicted_peak_bytes + beside,
                       "predicted_extra_ms": plan.predicted_extra_ms}
@@ -437,7 +441,7 @@ def table(name: str, result: Dict[str, Any]) -> List[str]:
                       "" if p.predicted_extra_ms is None else f"{p.predicted_extra_ms:.1f}",
                       meas])
     lines += bench_harness.table(
-        ["way", "step ms", "vs no plan", "peak GiB", "vs plain peak", "choices (K/O/R/S)",
+        ["way", "step ms", "vs no plan", "peak GiB", "vs plain peak", "choices (K/O/R/S/X)",
          "pred. peak GiB", "pred. extra ms", "meas. extra ms"], cells)
     lines += [""] + [f"- {g['goal']}: **{g['verdict']}**: {g['detail']}"
                      for g in result.get("goals", [])] + [""]

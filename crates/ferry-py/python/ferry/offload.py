@@ -345,10 +345,14 @@ class offload_saved:
             stream = self._streams[(device, direction)] = _torch().cuda.Stream(device)
         return stream
 
-    def _offloadable(self, t) -> bool:
+    def _movable(self, t) -> bool:
+        """On a GPU, at least ``min_bytes``, of a dtype ferry moves (or bool)."""
         if not t.is_cuda or t.numel() * t.element_size() < self.min_bytes:
             return False
-        if _dtype_name(t.dtype) not in _FERRY_DTYPES and t.dtype != _torch().bool:
+        return _dtype_name(t.dtype) in _FERRY_DTYPES or t.dtype == _torch().bool
+
+    def _offloadable(self, t) -> bool:
+        if not self._movable(t):
             return False
         base = t._base if t._base is not None else t
         return base.grad_fn is not None

@@ -78,7 +78,7 @@ class MemoryPlan:
     from costs of your own with ``MemoryPlan(regions, cost, target_bytes=... | fraction=... |
     choices=...)``. ``fraction`` is of the plain step's peak (``cost.plain_bytes``);
     ``choices`` forces a choice per region (``"keep"``, ``"offload"``, ``"recompute"``,
-    ``"selective"``). A
+    ``"selective"``, ``"selective_offload"``). A
     target below the least peak the plan reaches warns ``TargetUnreachable`` and plans for that
     least peak (``reachable`` is False, ``least_bytes`` says it).
 
@@ -122,7 +122,8 @@ class MemoryPlan:
                     self.decision.least_bytes), stacklevel=2)
         self._applied = self._entered_applied = False
         self._wrapped: List[Tuple[nn.Module, Any]] = []
-        self._kept: Dict[int, Optional[List[Kept]]] = {}
+        # Per selective region, how many kept outputs its recomputes could not reuse.
+        self._fell_back: Dict[int, List[int]] = {}
         self._watch: Optional[_RegionWatch] = None
         self._scope: Optional[_RegionOffload] = None
 
@@ -133,13 +134,14 @@ class MemoryPlan:
             if choice not in CHOICES:
                 raise ValueError(
                     f"region {region.name}: choice {choice!r} is not one of {CHOICES}")
-            if choice == "offload" and self.cost.link is None:
-                raise ValueError(f"region {region.name}: offload needs a GPU and its link to "
+            if choice in ("offload", "selective_offload") and self.cost.link is None:
+                raise ValueError(f"region {region.name}: {choice} needs a GPU and its link to "
                                  "pinned host memory; on the CPU choose keep or recompute")
-            if choice in ("recompute", "selective") and not region.recomputable:
+            if choice in ("recompute", "selective", "selective_offload") \
+                    and not region.recomputable:
                 raise ValueError(f"region {region.name} writes in place to its input, so a "
                                  "recompute would read the new values: keep or offload it")
-            if choice == "selective" and region.selective_bytes is None:
+            if choice in ("selective", "selective_offload") and region.selective_bytes is None:
                 raise ValueError(f"region {region.name}: no selective recompute was measured "
                                  "for it (profile with selective=True): choose keep, offload "
                                  "or recompute")
@@ -257,12 +259,12 @@ class MemoryPlan:
             if owner is not None and owner is not self:
                 raise PlanError(f"region {region.name} is under another plan: remove() that "
                                 "plan first")
-        if "offload" in self.choices and self._scope is None:
+        if {"offload", "selective_offload"} & set(self.choices) and self._scope is None:
             self._scope = _RegionOffload(self.min_offload_bytes)
         self._watch = _RegionWatch(self.regions, _Clock(self.device), on_enter=self._enter,
                                    on_exit=self._exit, on_backward=self._backward)
         for i, choice in enumerate(self.choices):
-            if choice in ("recompute", "selective"):
+            if choice in ("recompute", "selective", "selective_offload"):
                 self._wrap(i)
         for module in self.regions:
             _APPLIED[module] = self
@@ -304,23 +306,32 @@ class MemoryPlan:
             watch.reset()
             watch.spans[0].append(latest)
             watch.entered.append(0)
-        if self.choices[i] == "offload" and self._scope is not None:
-            self._scope.enter(i, inputs)
+        if self.choices[i] in ("offload", "selective_offload") and self._scope is not None:
+            self._scope.enter(i, inputs, hooks=self.choices[i] == "offload")
 
     def _exit(self, i: int) -> None:
         if self._scope is not None:
-            if self.choices[i] == "offload":
+            if self.choices[i] in ("offload", "selective_offload"):
                 self._scope.exit()
             self._scope.settle()
 
     def _backward(self, i: int) -> None:
-        if i and self.choices[i - 1] == "offload" and self._scope is not None:
+        if i and self.choices[i - 1] in ("offload", "selective_offload") \
+                and self._scope is not None:
             self._scope.upload(i - 1)
 
     def _wrap(self, i: int) -> None:
         module = self.regions[i]
-        kept = self._kept[i] = [] if self.choices[i] == "selective" else None
-        self._wrapped.append((module, _wrap_recompute(module, self.cost.regions[i].name, kept)))
+        choice = self.choices[i]
+        make: Optional[Callable[[], Kept]] = None
+        if choice in ("selective", "selective_offload"):
+            tally = self._fell_back.setdefault(i, [0])
+            offload = None
+            if choice == "selective_offload" and self._scope is not None:
+                scope = self._scope
+                offload = (lambda t: scope.pack_kept(i, t), scope._unpack)
+            make = lambda: Kept(offload, tally)  # noqa: E731
+        self._wrapped.append((module, _wrap_recompute(module, self.cost.regions[i].name, make)))
 
     # -- explaining --
 
@@ -365,11 +376,10 @@ class MemoryPlan:
                      f"saved before them), {_bytes(cost.head_bytes)} after the last (kept)")
         if any(r.backward_ms is None for r in cost.regions):
             lines.append("* backward not measured: twice the forward assumed")
-        if any(choice == "selective" for choice in d.choices):
+        if any(choice.startswith("selective") for choice in d.choices):
             lines.append("selective: held from the forward to the backward (the kept outputs of "
                          "matrix products and attention, and the unsaved input), and its extra")
-            fell_back = sum(k.fell_back for calls in self._kept.values() if calls
-                            for k in calls)
+            fell_back = sum(count[0] for count in self._fell_back.values())
             if fell_back:
                 lines.append(f"selective: {fell_back} kept outputs were not reusable (written "
                              "in place, or a second backward) and were computed again")
@@ -388,9 +398,10 @@ class MemoryPlan:
                 f"predicted_peak_bytes={self.predicted_peak_bytes})")
 
 
-def _wrap_recompute(module: nn.Module, name: str, kept: Optional[List[Kept]]) -> Any:
+def _wrap_recompute(module: nn.Module, name: str,
+                    make_kept: Optional[Callable[[], Kept]]) -> Any:
     """Replaces ``module.forward`` on the instance by a recompute of it, selective where
-    ``kept`` is a list (each call's ``Kept`` is appended to it); returns the instance's own
+    ``make_kept`` gives each call its ``Kept``; returns the instance's own
     ``forward`` (None: the class's) for ``_unwrap``. Under ``torch.no_grad`` the original runs
     as is. An input written in place between the forward and its recompute raises
     ``PlanError`` in backward instead of giving a wrong gradient."""
@@ -412,12 +423,7 @@ def _wrap_recompute(module: nn.Module, name: str, kept: Optional[List[Kept]]) ->
                     "(plan.retarget(choices=...)) or make that write out of place")
             return inner(*a, **k)
 
-        if kept is None:
-            return recomputed(run, args, kwargs, None)
-        if len(kept) > 64:  # a plan applied for good: only the latest calls are explained
-            del kept[:32]
-        kept.append(Kept())
-        return recomputed(run, args, kwargs, kept[-1])
+        return recomputed(run, args, kwargs, None if make_kept is None else make_kept())
 
     setattr(module, "forward", forward)
     return own
@@ -461,7 +467,13 @@ def _measure_selective(modules: Sequence[nn.Module], names: Sequence[str],
                         total += nbytes
             held[j] = total
 
-    wrapped = [(m, _wrap_recompute(m, names[i], kept[i]))
+    def maker(calls: List[Kept]) -> Callable[[], Kept]:
+        def make() -> Kept:
+            calls.append(Kept())
+            return calls[-1]
+        return make
+
+    wrapped = [(m, _wrap_recompute(m, names[i], maker(kept[i])))
                for i, m in enumerate(modules) if recomputable[i]]
     try:
         for _ in range(warmup):  # the first step under dispatch modes pays one-time costs

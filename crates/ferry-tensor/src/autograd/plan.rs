@@ -18,14 +18,14 @@
 //! offloaded, the part of them offload cannot move (`saved_bytes - offloadable_bytes`);
 //! recomputed, the input bytes nothing else saves (`unsaved_input_bytes`); recomputed
 //! selectively, what [`Selective::held_bytes`] measured (its expensive ops' outputs and its
-//! unsaved input). The currency is the
+//! unsaved input), or with those outputs offloaded, its unsaved input. The currency is the
 //! activation bytes at the step's peak, the larger of
 //!
 //! - the end of the forward: shared + head + what every region holds, and
 //! - each region `k`'s backward: shared + what the regions before `k` hold + `k`'s saved bytes
 //!   (back: kept, uploaded or rebuilt; plus its unsaved input if recomputed, selectively or
-//!   whole) + region `k-1`'s
-//!   offloadable bytes if it is offloaded (uploaded while `k`'s backward runs) + the gradients of
+//!   whole) + region `k-1`'s moved bytes if it is offloaded (its offloadable bytes, or a
+//!   selective recompute's kept outputs; uploaded while `k`'s backward runs) + the gradients of
 //!   the regions after `k` and of the parameters outside the regions.
 //!
 //! So recomputing the last region frees nothing when nothing follows it (its bytes come back
@@ -35,7 +35,9 @@
 //!   in place (`recomputable: false`) is never recomputed.
 //! - **Selective** recompute costs its measured [`Selective::extra_ms`]: the cheap ops run again,
 //!   the expensive ones' outputs kept. Only where the profile measured it, never where the
-//!   region writes its input in place.
+//!   region writes its input in place. With its kept outputs offloaded
+//!   ([`Choice::SelectiveOffload`]), it holds what a whole recompute holds at a selective
+//!   recompute's cost, where the link moves those outputs as an offload's.
 //! - **Offload** is free where the link hides it, and only chosen there: the copies out queue on
 //!   the link in forward order from the end of each offloaded region and must all be done by the
 //!   end of the forward (from each offloaded region on, their bytes over the rate to host fit the
@@ -209,6 +211,9 @@ pub enum Choice {
     /// Its expensive ops' outputs kept, the rest dropped and rebuilt in backward from them and
     /// the region's input (only where [`RegionCost::selective`] was measured).
     Selective,
+    /// Selective, with the kept outputs moved to host memory in the forward and brought back
+    /// ahead of the region's backward, as an offload's.
+    SelectiveOffload,
 }
 
 impl fmt::Display for Choice {
@@ -218,6 +223,7 @@ impl fmt::Display for Choice {
             Choice::Offload => "offload",
             Choice::Recompute => "recompute",
             Choice::Selective => "selective",
+            Choice::SelectiveOffload => "selective_offload",
         })
     }
 }
@@ -283,9 +289,10 @@ impl MemoryPlan {
                 ),
             });
         }
-        if let Some(i) = (0..choices.len())
-            .find(|&i| choices[i] == Choice::Selective && step.regions[i].selective.is_none())
-        {
+        if let Some(i) = (0..choices.len()).find(|&i| {
+            matches!(choices[i], Choice::Selective | Choice::SelectiveOffload)
+                && step.regions[i].selective.is_none()
+        }) {
             return invalid(format!(
                 "region {i} is chosen selective but has no measured selective cost: give its \
                  `selective` figures, or choose keep, offload or recompute"

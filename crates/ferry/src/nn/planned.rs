@@ -33,7 +33,9 @@ pub(crate) fn forward_planned<M: Module + Clone + Send + Sync + 'static>(
                 recompute_forward(Arc::new(block.clone()), &x)?
             }
             Choice::Recompute => block.forward(&x)?,
-            Choice::Selective => return Err(no_selective("memory plan")),
+            Choice::Selective | Choice::SelectiveOffload => {
+                return Err(no_selective("memory plan"));
+            }
         };
     }
     Ok(x)
@@ -51,7 +53,10 @@ pub(crate) fn check_choices(op: &'static str, blocks: usize, choices: &[Choice])
             ),
         });
     }
-    if choices.contains(&Choice::Selective) {
+    if choices
+        .iter()
+        .any(|c| matches!(c, Choice::Selective | Choice::SelectiveOffload))
+    {
         return Err(no_selective(op));
     }
     Ok(())

@@ -14,7 +14,25 @@ fn held(region: &RegionCost, choice: Choice) -> u64 {
         Choice::Selective => region
             .selective
             .map_or(region.saved_bytes, |s| s.held_bytes),
+        Choice::SelectiveOffload => region.unsaved_input_bytes,
     }
+}
+
+/// Bytes a choice sends to host memory in the forward and brings back before the region's
+/// backward: what offload moves, or a selective recompute's kept outputs.
+fn moved(region: &RegionCost, choice: Choice) -> u64 {
+    match choice {
+        Choice::Offload => region.offloadable(),
+        Choice::SelectiveOffload => region.selective.map_or(0, |s| {
+            s.held_bytes.saturating_sub(region.unsaved_input_bytes)
+        }),
+        Choice::Keep | Choice::Recompute | Choice::Selective => 0,
+    }
+}
+
+/// Whether a choice sends bytes over the link.
+fn offloads(choice: Choice) -> bool {
+    matches!(choice, Choice::Offload | Choice::SelectiveOffload)
 }
 
 /// Milliseconds a choice adds to the step: a recompute's forward, a selective recompute's
@@ -22,7 +40,9 @@ fn held(region: &RegionCost, choice: Choice) -> u64 {
 pub(super) fn extra(region: &RegionCost, choice: Choice) -> f64 {
     match choice {
         Choice::Recompute => region.forward_ms,
-        Choice::Selective => region.selective.map_or(0.0, |s| s.extra_ms),
+        Choice::Selective | Choice::SelectiveOffload => {
+            region.selective.map_or(0.0, |s| s.extra_ms)
+        }
         Choice::Keep | Choice::Offload => 0.0,
     }
 }
@@ -33,14 +53,17 @@ fn frees(region: &RegionCost, choice: Choice) -> bool {
         && held(region, choice) < region.saved_bytes
         && match choice {
             Choice::Recompute => true,
-            Choice::Selective => region.selective.is_some(),
+            Choice::Selective | Choice::SelectiveOffload => region.selective.is_some(),
             Choice::Keep | Choice::Offload => false,
         }
 }
 
 /// Whether the region's backward runs a recompute first (which holds its unsaved input).
 fn recomputes(choice: Choice) -> bool {
-    matches!(choice, Choice::Recompute | Choice::Selective)
+    matches!(
+        choice,
+        Choice::Recompute | Choice::Selective | Choice::SelectiveOffload
+    )
 }
 
 fn with(choices: &[Choice], i: usize, choice: Choice) -> Vec<Choice> {
@@ -97,8 +120,8 @@ impl StepCost {
             if recomputes(choices[k]) {
                 during += region.unsaved_input_bytes;
             }
-            if k > 0 && choices[k - 1] == Choice::Offload {
-                during += regions[k - 1].offloadable();
+            if k > 0 {
+                during += moved(&regions[k - 1], choices[k - 1]);
             }
             peak = peak.max(during);
             below += held[k];
@@ -125,7 +148,7 @@ impl StepCost {
     /// (its recompute included), within the host memory.
     pub(super) fn offload_fits(&self, choices: &[Choice]) -> bool {
         let offloaded: Vec<usize> = (0..choices.len())
-            .filter(|&i| choices[i] == Choice::Offload)
+            .filter(|&i| offloads(choices[i]))
             .collect();
         if offloaded.is_empty() {
             return true;
@@ -133,8 +156,11 @@ impl StepCost {
         let Some(link) = self.link else { return false };
         let regions = &self.regions;
         let n = regions.len();
-        let moved: u64 = offloaded.iter().map(|&i| regions[i].offloadable()).sum();
-        if self.host_bytes.is_some_and(|host| moved > host) {
+        let total: u64 = offloaded
+            .iter()
+            .map(|&i| moved(&regions[i], choices[i]))
+            .sum();
+        if self.host_bytes.is_some_and(|host| total > host) {
             return false;
         }
         let mut after = vec![0.0; n]; // forward ms of the regions after each
@@ -143,7 +169,7 @@ impl StepCost {
         }
         let mut backlog = 0.0;
         for &i in offloaded.iter().rev() {
-            let moved = regions[i].offloadable() as f64;
+            let moved = moved(&regions[i], choices[i]) as f64;
             backlog += moved / link.to_host_bytes_per_ms;
             if backlog > after[i] || i + 1 == n {
                 return false;
@@ -179,13 +205,15 @@ impl StepCost {
                 }
             }
         }
-        for instead in [Choice::Keep, Choice::Selective] {
+        for instead in [Choice::Keep, Choice::Selective, Choice::SelectiveOffload] {
             for i in self.longest_first(0..regions.len()) {
                 if choices[i] == Choice::Recompute
                     && (instead == Choice::Keep || frees(&regions[i], instead))
                 {
                     let trial = with(&choices, i, instead);
-                    if self.peak_bytes(&trial) <= self.peak_bytes(&choices) {
+                    if self.offload_fits(&trial)
+                        && self.peak_bytes(&trial) <= self.peak_bytes(&choices)
+                    {
                         choices = trial;
                     }
                 }
@@ -215,21 +243,33 @@ impl StepCost {
                 choices = trial;
             }
         }
-        // Recompute, a kept region selectively or whole, a selective one whole: the least time per
-        // byte the peak goes down; the last pick is the cheapest move that alone reaches the goal
-        // where that costs less.
+        // Recompute: a kept or offloaded region selectively (its kept outputs offloaded where
+        // the link has room) or whole, a selective one with its outputs offloaded or whole; each
+        // time the move that lowers the peak at the least time per byte, the last pick the
+        // cheapest move that alone reaches the goal where that costs less. Where no move lowers
+        // the peak, the one freeing the most bytes per ms without raising it (bytes held, or
+        // uploaded beside the next region's backward). Each move lowers the peak, or keeps it
+        // and lowers those bytes: the search ends.
+        let load = |i: usize, c: Choice| (held(&regions[i], c) + moved(&regions[i], c)) as f64;
         while peak(&choices) > goal {
             let now = peak(&choices);
             let moves: Vec<(usize, Choice)> = (0..n)
-                .filter(|&i| matches!(choices[i], Choice::Keep | Choice::Selective))
-                .flat_map(|i| [(i, Choice::Selective), (i, Choice::Recompute)])
+                .filter(|&i| choices[i] != Choice::Recompute)
+                .flat_map(|i| {
+                    [
+                        Choice::Selective,
+                        Choice::SelectiveOffload,
+                        Choice::Recompute,
+                    ]
+                    .map(|c| (i, c))
+                })
                 .filter(|&(i, c)| {
-                    frees(&regions[i], c) && held(&regions[i], c) < held(&regions[i], choices[i])
+                    c != choices[i]
+                        && frees(&regions[i], c)
+                        && extra(&regions[i], c) >= extra(&regions[i], choices[i])
+                        && (!offloads(c) || self.offload_fits(&with(&choices, i, c)))
                 })
                 .collect();
-            if moves.is_empty() {
-                break;
-            }
             let after: Vec<u64> = moves
                 .iter()
                 .map(|&(i, c)| peak(&with(&choices, i, c)))
@@ -237,7 +277,11 @@ impl StepCost {
             let gain = |j: usize| (now - after[j]) as f64; // only where the peak goes down
             let cost = |j: usize| {
                 let (i, c) = moves[j];
-                (extra(&regions[i], c) - extra(&regions[i], choices[i])).max(0.0)
+                extra(&regions[i], c) - extra(&regions[i], choices[i])
+            };
+            let freed = |j: usize| {
+                let (i, c) = moves[j];
+                load(i, choices[i]) - load(i, c)
             };
             let covering = (0..moves.len()).filter(|&j| after[j] <= goal);
             let gaining = (0..moves.len()).filter(|&j| after[j] < now);
@@ -248,14 +292,10 @@ impl StepCost {
             {
                 pick = Some(c);
             }
-            // A plateau: the peak is elsewhere; free the most bytes per ms anyway.
-            let pick = pick.unwrap_or_else(|| {
-                let freed = |j: usize| {
-                    let (i, c) = moves[j];
-                    (held(&regions[i], choices[i]) - held(&regions[i], c)) as f64
-                };
-                first_least(0..moves.len(), |j| cost(j) / freed(j)).expect("moves")
-            });
+            let plateau = (0..moves.len()).filter(|&j| after[j] == now && freed(j) > 0.0);
+            let Some(pick) = pick.or_else(|| first_least(plateau, |j| cost(j) / freed(j))) else {
+                break;
+            };
             let (i, c) = moves[pick];
             choices[i] = c;
         }
@@ -274,7 +314,12 @@ impl StepCost {
             });
             for i in recomputed {
                 let region = &regions[i];
-                for instead in [Choice::Keep, Choice::Offload, Choice::Selective] {
+                for instead in [
+                    Choice::Keep,
+                    Choice::Offload,
+                    Choice::Selective,
+                    Choice::SelectiveOffload,
+                ] {
                     let allowed = match instead {
                         Choice::Keep => true,
                         Choice::Offload => region.offloadable() > 0,

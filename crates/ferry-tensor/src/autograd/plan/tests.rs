@@ -420,3 +420,43 @@ fn selective_costs_are_checked() {
     let p = plan(&step, 160);
     assert_eq!(p.choices()[0], K, "{p}");
 }
+
+#[test]
+fn selective_outputs_go_to_the_host_where_the_link_moves_them_in_the_compute() {
+    use Choice::{Selective as S, SelectiveOffload as X};
+    // The kept 40 MiB of a block move in 5 ms each way, inside the next block's 10 ms forward and
+    // 20 ms backward: a selective recompute with its outputs offloaded holds what a whole
+    // recompute holds (nothing here) at the selective's 1 ms.
+    let mut step = selective_blocks(4, 40, 1.0);
+    step.link = Some(link(40, 5.0, 5.0));
+    let whole = StepCost {
+        link: step.link,
+        ..StepCost::new(&blocks(4, 10.0, 100 * MIB, 0), None)
+    };
+    let p = plan(&step, 150);
+    assert!(p.peak_bytes() <= 150 * MIB, "{p}");
+    assert!(p.choices().contains(&X), "{p}");
+    assert!(!p.choices().contains(&R), "{p}");
+    assert!(p.offload_fits(), "{p}");
+    assert!(p.extra_ms() < plan(&whole, 150).extra_ms(), "{p}");
+    // The last block has no compute after it: never sent to the host.
+    assert_ne!(p.choices()[3], X, "{p}");
+    // Its uploaded bytes count in the next block's backward, as an offload's do: 40 MiB above
+    // whole recomputes, which hold as little.
+    assert_eq!(peak_mib(&step, &[R, R, R, K]), 100);
+    assert_eq!(peak_mib(&step, &[X, X, X, K]), 140);
+    // A link too slow to hide them (40 MiB in 50 ms): selective or whole recomputes instead.
+    step.link = Some(link(40, 50.0, 50.0));
+    let slow = plan(&step, 150);
+    assert!(!slow.choices().contains(&X), "{slow}");
+    assert!(slow.choices().iter().any(|&c| c == S || c == R), "{slow}");
+    // Without a link: never.
+    step.link = None;
+    assert!(!plan(&step, 150).choices().contains(&X));
+    let err = MemoryPlan::with_choices(&StepCost::new(&blocks(2, 1.0, MIB, 0), None), &[X, K])
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no measured selective cost"),
+        "{err}"
+    );
+}
