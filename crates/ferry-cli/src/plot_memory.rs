@@ -1,9 +1,9 @@
 //! `ferry plot memory FILE`: the memory plan's curves, peak memory against step time, one
 //! picture per model (PNG and SVG), from the JSON that `ferry bench memory --json` or `python
 //! -m ferry.bench --memory --json` wrote. The plan's points are joined from the highest peak
-//! down; the rivals (no plan, recomputation, offload, torch's checkpointing and save_on_cpu)
-//! are markers. Drawn with the same embedded font as the training curves, so any machine draws
-//! them (no matplotlib, no system fonts).
+//! down; the rivals (no plan, recomputation, offload, torch's checkpointing, selective or not,
+//! and save_on_cpu) are markers. Drawn with the same embedded font as the training curves, so
+//! any machine draws them (no matplotlib, no system fonts).
 
 use std::error::Error;
 use std::path::{Path, PathBuf};
@@ -171,6 +171,8 @@ fn rival_color(label: &str) -> RGBColor {
     let label = label.to_lowercase();
     if label == "no plan" {
         BLACK
+    } else if label.contains("selective") {
+        RGBColor(148, 103, 189)
     } else if label.contains("recompute") || label.contains("checkpoint") {
         RGBColor(214, 39, 40)
     } else if label.contains("save_on_cpu") {
