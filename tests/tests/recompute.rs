@@ -1,10 +1,15 @@
-//! Recomputed regions (`ferry_tensor::recompute`): the gradients of every parameter and input
-//! equal the region's without recomputation (bit for bit on the CPU), dropout and autocast
-//! included; only the region's inputs are kept; and what a region cannot do is refused, named.
+//! Recomputed regions (`ferry_tensor::recompute`, and `recompute_selective`, which keeps the
+//! products' outputs): the gradients of every parameter and input equal the region's without
+//! recomputation (bit for bit on the CPU), dropout and autocast included; only the region's
+//! inputs are kept (and its products', selective); and what a region cannot do is refused,
+//! named.
 
 use ferry::amp::autocast;
 use ferry_tensor::autograd::{self, GradOptions};
-use ferry_tensor::{DType, Device, Result, Tensor, manual_seed, recompute};
+use ferry_tensor::{
+    DType, Device, Result, Tensor, keep_products, manual_seed, recompute, recompute_selective,
+    reuse_products,
+};
 use ferry_tests::{device_test, on, values};
 
 /// A block as models have them: `x + W2·dropout(gelu(W1·x))`, its weights captured.
@@ -26,8 +31,16 @@ struct Run {
     loss: Vec<f64>,
 }
 
-/// Two blocks on `x`, each recomputed or not, then a sum; the gradients.
-fn two_blocks(device: Device, recomputed: bool, p: f64, low: Option<DType>) -> Result<Run> {
+/// How a block runs: as is, recomputed whole, or recomputed with its products kept.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Way {
+    Plain,
+    Whole,
+    Selective,
+}
+
+/// Two blocks on `x`, each run `way`, then a sum; the gradients.
+fn two_blocks(device: Device, way: Way, p: f64, low: Option<DType>) -> Result<Run> {
     manual_seed(7);
     let make = |shape: &[usize]| -> Result<Tensor> {
         on(
@@ -43,9 +56,10 @@ fn two_blocks(device: Device, recomputed: bool, p: f64, low: Option<DType>) -> R
         let f = block(&w1, &w2, p);
         let mut h = x.clone();
         for _ in 0..2 {
-            h = match recomputed {
-                true => recompute(&[&h], block(&w1, &w2, p))?,
-                false => f(&[h])?,
+            h = match way {
+                Way::Whole => recompute(&[&h], block(&w1, &w2, p))?,
+                Way::Selective => recompute_selective(&[&h], block(&w1, &w2, p))?,
+                Way::Plain => f(&[h])?,
             };
         }
         h.to_dtype(DType::F32)?.tanh()?.sum()
@@ -63,10 +77,13 @@ fn two_blocks(device: Device, recomputed: bool, p: f64, low: Option<DType>) -> R
 }
 
 fn same_gradients(device: Device) -> Result<()> {
-    for (p, low) in [(0.0, None), (0.3, None), (0.3, Some(DType::BF16))] {
-        let plain = two_blocks(device, false, p, low)?;
-        let again = two_blocks(device, true, p, low)?;
-        let what = format!("dropout {p}, autocast {low:?}");
+    for (p, low, way) in [(0.0, None), (0.3, None), (0.3, Some(DType::BF16))]
+        .into_iter()
+        .flat_map(|(p, low)| [(p, low, Way::Whole), (p, low, Way::Selective)])
+    {
+        let plain = two_blocks(device, Way::Plain, p, low)?;
+        let again = two_blocks(device, way, p, low)?;
+        let what = format!("{way:?}, dropout {p}, autocast {low:?}");
         assert_eq!(plain.loss, again.loss, "{what}: loss");
         if device == Device::Cpu {
             // Every host kernel is deterministic: the same bits.
@@ -112,6 +129,39 @@ fn a_region_keeps_only_its_inputs() -> Result<()> {
         "the plain block keeps its hidden activations: {plain_bytes}"
     );
     assert_eq!(region.shape(), [128, 64]);
+    drop(region);
+    // Selective: the input and the two products' outputs, [128, 256] and [128, 64].
+    let base = graph.saved_bytes();
+    let selective = recompute_selective(&[&x], block(&w1, &w2, 0.0))?;
+    let selective_bytes = graph.saved_bytes() - base;
+    assert_eq!(selective_bytes, (128 * 64 + 128 * 256 + 128 * 64) * 4);
+    assert!(selective_bytes < plain_bytes);
+    drop(selective);
+    Ok(())
+}
+
+/// The kept outputs go back to the same ops of the second run, in order; where the second run
+/// differs (another shape), that op and every later one compute, and the result is still right.
+#[test]
+fn a_second_run_takes_the_kept_products_back() -> Result<()> {
+    let w1 = Tensor::randn(&[32, 16], DType::F32, Device::Cpu)?;
+    let w2 = Tensor::randn(&[16, 32], DType::F32, Device::Cpu)?;
+    let x = Tensor::randn(&[8, 16], DType::F32, Device::Cpu)?;
+    let f = block(&w1, &w2, 0.0);
+    let plain = values(&f(std::slice::from_ref(&x))?);
+    let (first, kept) = keep_products(|| f(std::slice::from_ref(&x)));
+    assert_eq!(values(&first?), plain);
+    assert_eq!(kept.len(), 2, "two products");
+    assert_eq!(kept.bytes(), (8 * 32 + 8 * 16) * 4);
+    let (again, fell_back) = reuse_products(kept, || f(std::slice::from_ref(&x)));
+    assert_eq!((values(&again?), fell_back), (plain.clone(), 0));
+    // Kept for 8 rows, run on 4: the first product does not fit, so nothing is reused: both
+    // products compute.
+    let (_, kept) = keep_products(|| f(std::slice::from_ref(&x)));
+    let half = x.narrow(0, 0, 4)?;
+    let (other, fell_back) = reuse_products(kept, || f(std::slice::from_ref(&half)));
+    assert_eq!(fell_back, 2);
+    assert_eq!(values(&other?), values(&f(&[half])?));
     Ok(())
 }
 
@@ -317,6 +367,26 @@ fn a_gpt_under_a_memory_plan_trains_as_the_plain_one() -> Result<()> {
         "graph dropped {dropped}, profile {freed}, parameters {recomputed_params}: {plan}"
     );
 
+    // Selective recompute of every block: the same loss and gradients, and a graph between
+    // keeping everything and recomputing every block (the products' outputs stay).
+    for cost in &costs {
+        let selective = cost.selective.expect("every block takes grad: measured");
+        assert!(selective.held_bytes > 0, "{cost:?}");
+        assert!(selective.held_bytes < cost.saved_bytes, "{cost:?}");
+        assert_eq!(selective.offloadable_bytes, 0, "{cost:?}");
+    }
+    let selective = run(Some(&[Choice::Selective; 4]))?;
+    let whole = run(Some(&[Choice::Recompute; 4]))?;
+    assert_eq!(plain.0, selective.0, "loss");
+    assert_eq!(plain.1, selective.1, "gradients");
+    assert!(
+        whole.2 < selective.2 && selective.2 < plain.2,
+        "saved: whole {} < selective {} < plain {}",
+        whole.2,
+        selective.2,
+        plain.2
+    );
+
     let mut gpt = Gpt::new(config, Device::Cpu)?;
     let err = gpt.set_plan(&[Choice::Keep]).unwrap_err().to_string();
     assert!(err.contains("one choice per block"), "{err}");
@@ -400,12 +470,13 @@ fn an_mlp_chain_under_a_memory_plan_trains_as_the_plain_one() -> Result<()> {
     assert_eq!(&names[..2], ["0.0.weight", "0.0.bias"]);
     let err = chain()?.set_plan(&[Choice::Keep]).unwrap_err().to_string();
     assert!(err.contains("one choice per block"), "{err}");
-    // ferry's own blocks are recomputed whole: a selective choice is refused, not run as another.
+    // ferry's own blocks keep a selective recompute's outputs on the device: offloading them is
+    // refused, not run as another choice.
     let blocks = chain()?.blocks().len();
     let mut choices = vec![Choice::Keep; blocks];
-    choices[0] = Choice::Selective;
+    choices[0] = Choice::SelectiveOffload;
     let err = chain()?.set_plan(&choices).unwrap_err().to_string();
-    assert!(err.contains("recomputed whole"), "{err}");
+    assert!(err.contains("selective offload"), "{err}");
     Ok(())
 }
 

@@ -1,7 +1,7 @@
 //! `ferry bench memory`: activation memory against step time for ferry's GPT, Llama and an
 //! MLP, each point a way to hold what backward needs: everything kept, every block recomputed
 //! (PyTorch's `torch.utils.checkpoint` per block), every block offloaded (ferry's offload scope
-//! alone), and the memory plan ([`ferry::autograd::MemoryPlan`]) at five targets from 90% of the
+//! alone), every block recomputed selectively (its products' outputs kept), and the memory plan ([`ferry::autograd::MemoryPlan`]) at five targets from 90% of the
 //! plain activation bytes down to what recomputing every block keeps. The plan is made once per
 //! target from one profiled step (each block's forward time and saved bytes) and the link's
 //! rates measured in the same run; each point is the median step over `--samples` and the most
@@ -127,6 +127,7 @@ const TARGETS: [f64; 5] = [0.0, 0.25, 0.5, 0.75, 1.0];
 const NO_PLAN: &str = "no plan";
 const RECOMPUTE_ALL: &str = "recompute every block";
 const OFFLOAD_ALL: &str = "offload every block";
+const SELECTIVE_ALL: &str = "selective recompute of every block";
 const PLAN_AT_RECOMPUTE: &str = "plan at full recomputation's bytes";
 const PLAN_AT_HALF: &str = "plan with the saved bytes halved";
 
@@ -349,7 +350,7 @@ pub fn run(args: MemoryArgs) -> Result<(), Box<dyn Error>> {
             format!("{} ({RECOMPUTE_ALL}: {:?})", case.id, step_ratio(RECOMPUTE_ALL)),
         ));
         judged.push(AT_HALF.judge(step_ratio(PLAN_AT_HALF), case.id.to_string()));
-        for rival in [RECOMPUTE_ALL, OFFLOAD_ALL] {
+        for rival in [RECOMPUTE_ALL, OFFLOAD_ALL, SELECTIVE_ALL] {
             let dominated = dominates(&points, rival);
             report.note(format!(
                 "{}: the plan's curve {} {rival} (a plan point at or below its peak and its step)",
@@ -390,7 +391,7 @@ pub fn run(args: MemoryArgs) -> Result<(), Box<dyn Error>> {
 }
 
 /// The points of a step of `costs` (one per block), none measured yet: no plan, every block
-/// recomputed, every block offloaded, then the plan at each target and with the blocks' own
+/// recomputed, every block offloaded, every block recomputed selectively, then the plan at each target and with the blocks' own
 /// bytes halved, or, where the planner refuses the costs, why (the rivals are measured still).
 fn planned_points(costs: &[RegionCost], link: Link) -> (Vec<Point>, Option<String>) {
     let layers = costs.len();
@@ -398,6 +399,7 @@ fn planned_points(costs: &[RegionCost], link: Link) -> (Vec<Point>, Option<Strin
         point(NO_PLAN, vec![Choice::Keep; layers], None),
         point(RECOMPUTE_ALL, vec![Choice::Recompute; layers], None),
         point(OFFLOAD_ALL, vec![Choice::Offload; layers], None),
+        point(SELECTIVE_ALL, vec![Choice::Selective; layers], None),
     ];
     match plans(costs, link) {
         Ok(plans) => {
@@ -579,7 +581,7 @@ mod tests {
         // else: it refuses, saying so, and the rivals are measured still.
         let (points, refused) = planned_points(&costs, link);
         let labels: Vec<&str> = points.iter().map(|p| p.label.as_str()).collect();
-        assert_eq!(labels, [NO_PLAN, RECOMPUTE_ALL, OFFLOAD_ALL]);
+        assert_eq!(labels, [NO_PLAN, RECOMPUTE_ALL, OFFLOAD_ALL, SELECTIVE_ALL]);
         let why = refused.expect("the planner refuses");
         assert!(why.contains("save no tensors"), "{why}");
         assert!(run.loss().unwrap().to_vec::<f32>().unwrap()[0].is_finite());

@@ -107,6 +107,7 @@ fn region(i: usize, row: &RegionRow) -> PyResult<RegionCost> {
     let &(forward_ms, saved, backward_ms, offloadable, unsaved_input, recomputable, grads, sel) =
         row;
     let named = |what: &str| format!("region {i}'s {what}");
+    let unsaved = bytes(&named("input_bytes"), unsaved_input)?;
     Ok(RegionCost {
         forward_ms,
         saved_bytes: bytes(&named("saved_bytes"), saved)?,
@@ -116,14 +117,17 @@ fn region(i: usize, row: &RegionRow) -> PyResult<RegionCost> {
         offloadable_bytes: offloadable
             .map(|b| bytes(&named("offloadable_bytes"), b))
             .transpose()?,
-        unsaved_input_bytes: bytes(&named("input_bytes"), unsaved_input)?,
+        unsaved_input_bytes: unsaved,
         recomputable,
         grad_bytes: bytes(&named("grad_bytes"), grads)?,
         selective: sel
             .map(|(held, extra_ms)| -> PyResult<Selective> {
+                let held_bytes = bytes(&named("selective held bytes"), held)?;
                 Ok(Selective {
-                    held_bytes: bytes(&named("selective held bytes"), held)?,
+                    held_bytes,
                     extra_ms,
+                    // What a selective offload moves: the kept outputs, all but the input.
+                    offloadable_bytes: held_bytes.saturating_sub(unsaved),
                 })
             })
             .transpose()?,

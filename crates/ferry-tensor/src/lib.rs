@@ -53,6 +53,7 @@ mod cpu;
 mod cuda;
 mod error;
 pub mod gradcheck;
+mod kept;
 pub(crate) mod kernel;
 mod layout;
 mod op;
@@ -71,10 +72,11 @@ pub use ferry_graph::{
     with_no_grad,
 };
 pub use ferry_memory::{DType, Device};
+pub use kept::{KeptProducts, keep_products, reuse_products};
 pub use layout::{Layout, Shape, broadcast_shapes};
 pub use ops::attention::AttentionOptions;
 pub use ops::conv::Conv2dOptions;
 pub use ops::create::{RngState, manual_seed, rng_state, set_rng_state};
-pub use recompute::recompute;
+pub use recompute::{recompute, recompute_selective};
 pub use storage::{Buffer, ReadHold, Storage};
 pub use tensor::Tensor;

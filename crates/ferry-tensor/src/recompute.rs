@@ -19,6 +19,8 @@
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use ferry_graph::{
     Backward, BackwardContext, BackwardOptions, BoxError, InputGrads, NodeMeta, SavedBuffers,
     enable_grad, is_grad_enabled, no_grad,
@@ -27,6 +29,7 @@ use ferry_memory::DType;
 
 use crate::autocast::{AutocastGuard, autocast_dtype};
 use crate::autograd::keep_once;
+use crate::kept::{KeptProducts, keep_products, reuse_products};
 use crate::ops::create::{RngState, rng_state, set_rng_state};
 use crate::tensor::Autograd;
 use crate::{Result, Tensor, TensorError};
@@ -65,6 +68,42 @@ pub fn recompute<F>(inputs: &[&Tensor], f: F) -> Result<Tensor>
 where
     F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
 {
+    region(inputs, f, false)
+}
+
+/// [`recompute`], selective: the first run keeps the outputs of its matrix products, fused linear
+/// layers and attention ([`keep_products`]), held by the region's node beside its inputs, and the
+/// second run takes them back instead of computing them again ([`reuse_products`]), so backward
+/// reruns only the cheap ops (norms, activations, element-wise). More memory than [`recompute`]
+/// (the kept outputs), less time (no product computed twice). Gradients are the same as
+/// [`recompute`]'s; a second backward through the region (its kept outputs let go after the
+/// first) recomputes it whole.
+///
+/// ```
+/// use ferry_tensor::{DType, Device, Tensor, recompute_selective};
+///
+/// let w = Tensor::randn(&[8, 8], DType::F32, Device::Cpu)?.with_grad()?;
+/// let x = Tensor::randn(&[4, 8], DType::F32, Device::Cpu)?.with_grad()?;
+/// let block = {
+///     let w = w.clone();
+///     move |inputs: &[Tensor]| inputs[0].matmul(&w)?.tanh()?.matmul(&w)
+/// };
+/// let y = recompute_selective(&[&x], block)?;
+/// y.sum()?.backward()?;
+/// assert_eq!(w.grad().unwrap().shape(), &[8, 8]);
+/// # Ok::<(), ferry_tensor::TensorError>(())
+/// ```
+pub fn recompute_selective<F>(inputs: &[&Tensor], f: F) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+{
+    region(inputs, f, true)
+}
+
+fn region<F>(inputs: &[&Tensor], f: F, selective: bool) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+{
     let recording = is_grad_enabled() && inputs.iter().all(|t| !t.is_inference());
     if !recording {
         let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
@@ -86,10 +125,18 @@ where
         inputs: detached,
         rng: rng_state(),
         autocast: autocast_dtype(),
+        kept: Mutex::new(None),
     };
     let out = {
         let _nothing_saved = no_grad();
-        (region.f)(&region.inputs)?
+        match selective {
+            true => {
+                let (out, kept) = keep_products(|| (region.f)(&region.inputs));
+                *region.kept.lock() = Some(kept);
+                out?
+            }
+            false => (region.f)(&region.inputs)?,
+        }
     };
     if out.requires_grad() {
         return Err(TensorError::InvalidArgument {
@@ -113,6 +160,8 @@ struct Region {
     versions: Vec<u64>,
     rng: RngState,
     autocast: Option<DType>,
+    /// A selective region's kept outputs, until its second run takes them.
+    kept: Mutex<Option<KeptProducts>>,
 }
 
 /// Puts the generator back where it stood when dropped.
@@ -141,7 +190,11 @@ impl Region {
         set_rng_state(&self.rng);
         let _grad = enable_grad();
         let _autocast = AutocastGuard::new(self.autocast)?;
-        let out = (self.f)(&leaves)?;
+        let kept = self.kept.lock().take();
+        let out = match kept {
+            Some(kept) => reuse_products(kept, || (self.f)(&leaves)).0?,
+            None => (self.f)(&leaves)?,
+        };
         Ok((leaves, out))
     }
 }
@@ -207,7 +260,9 @@ impl Backward<Tensor> for Region {
 
     fn saved(&self) -> SavedBuffers {
         let mut buffers = SavedBuffers::new();
-        for t in &self.inputs {
+        let kept = self.kept.lock();
+        let kept = kept.iter().flat_map(|k| k.tensors());
+        for t in self.inputs.iter().chain(kept) {
             keep_once(
                 &mut buffers,
                 Arc::as_ptr(t.storage()) as usize,

@@ -69,7 +69,9 @@ pub mod autograd {
         PlannedRegion, RegionCost, Selective, StepCost, grad, offload_saved,
     };
     pub use ferry_tensor::gradcheck::{gradcheck, gradgradcheck};
-    pub use ferry_tensor::recompute;
+    pub use ferry_tensor::{
+        KeptProducts, keep_products, recompute, recompute_selective, reuse_products,
+    };
 }
 pub use ferry_transfer::{
     Batch, ChunkPlan, ChunkSpec, ChunkStream, DEFAULT_IN_FLIGHT, DeviceLoader, DeviceMove,

@@ -109,6 +109,9 @@ pub struct Selective {
     pub held_bytes: u64,
     /// Milliseconds the recompute of the cheap ops adds to the step.
     pub extra_ms: f64,
+    /// The part of `held_bytes` a selective offload sends to host memory (the kept outputs);
+    /// 0 where the region cannot offload them, so the plan never chooses it.
+    pub offloadable_bytes: u64,
 }
 
 impl RegionCost {
@@ -412,18 +415,29 @@ impl fmt::Display for MemoryPlan {
         )?;
         writeln!(
             f,
-            "{:>6}  {:<9}  {:>10}  {:>10}  {:>10}  {:>11}  {:>9}",
-            "region", "choice", "saved MiB", "input MiB", "forward ms", "backward ms", "extra ms"
+            "{:>6}  {:<17}  {:>10}  {:>10}  {:>10}  {:>11}  {:>20}  {:>9}",
+            "region",
+            "choice",
+            "saved MiB",
+            "input MiB",
+            "forward ms",
+            "backward ms",
+            "selective MiB, ms",
+            "extra ms"
         )?;
         for (i, r) in self.regions.iter().enumerate() {
+            let selective = r.cost.selective.map_or("-".to_string(), |s| {
+                format!("{:.1}, +{:.3}", mib(s.held_bytes), s.extra_ms)
+            });
             writeln!(
                 f,
-                "{i:>6}  {:<9}  {:>10.1}  {:>10.1}  {:>10.3}  {:>11.3}  {:>9.3}",
+                "{i:>6}  {:<17}  {:>10.1}  {:>10.1}  {:>10.3}  {:>11.3}  {:>20}  {:>9.3}",
                 r.choice.to_string(),
                 mib(r.cost.saved_bytes),
                 mib(r.cost.input_bytes),
                 r.cost.forward_ms,
                 r.cost.backward(),
+                selective,
                 r.extra_ms
             )?;
         }

@@ -5,6 +5,7 @@
 //! backward recomputes the weights from the log-sum-exp.
 
 use crate::autograd::record;
+use crate::kept::kept;
 use crate::layout::broadcast_shapes;
 use crate::op::attention::{Attend, Dims};
 use crate::ops::select::draw_seed;
@@ -159,14 +160,17 @@ impl Tensor {
                 0
             },
         };
-        let (out, lse) = match backend::attention(&q4, &k4, &v4, &how)? {
-            Some(fused) => fused,
-            None => {
-                let _no_grad = ferry_graph::no_grad();
-                let _as_given = crate::autocast::AutocastGuard::new(None)?;
-                rules::attention_composed(&q4, &k4, &v4, &how)?
-            }
-        };
+        let [out, lse] = kept(OP, &[batch, heads, q_len, v_dim], || {
+            let (out, lse) = match backend::attention(&q4, &k4, &v4, &how)? {
+                Some(fused) => fused,
+                None => {
+                    let _no_grad = ferry_graph::no_grad();
+                    let _as_given = crate::autocast::AutocastGuard::new(None)?;
+                    rules::attention_composed(&q4, &k4, &v4, &how)?
+                }
+            };
+            Ok([out, lse])
+        })?;
         let out = record(out, OP, &[&q4, &k4, &v4], || rules::attention(how, lse));
         let mut shape = batch_shape;
         if nd > 2 {

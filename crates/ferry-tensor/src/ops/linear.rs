@@ -1,6 +1,7 @@
 //! Linear layers as one op: `x · Wᵀ + b`, optionally followed by ReLU.
 
 use crate::autograd::record;
+use crate::kept::kept_optional;
 use crate::{Result, Tensor, TensorError, backend, rules};
 
 impl Tensor {
@@ -55,8 +56,13 @@ impl Tensor {
         if let Some(out) = crate::autocast::linear(self, weight, bias, relu)? {
             return Ok(out);
         }
+        let mut shape = self.shape().to_vec();
+        *shape.last_mut().expect("checked: at least one axis") = out_features;
         if let Some(b) = bias
-            && let Some(out) = backend::fused_linear(self, weight, b, relu)?
+            && let Some(out) =
+                kept_optional(if relu { "linear_relu" } else { "linear" }, &shape, || {
+                    backend::fused_linear(self, weight, b, relu)
+                })?
         {
             return Ok(record(out, "linear", &[self, weight, b], || {
                 rules::linear(self, weight, b, relu)

@@ -1,6 +1,7 @@
 //! Matrix products, 2-D and batched with broadcast batch dimensions.
 
 use crate::autograd::record;
+use crate::kept::kept;
 use crate::layout::broadcast_shapes;
 use crate::{Result, Tensor, TensorError, backend, rules};
 
@@ -34,7 +35,11 @@ impl Tensor {
         };
         let la = full(self, a[a.len() - 2], a[a.len() - 1]);
         let lb = full(rhs, b[b.len() - 2], b[b.len() - 1]);
-        let out = backend::matmul(self, &la, rhs, &lb, &batch)?;
+        let mut shape = batch.to_vec();
+        shape.extend([a[a.len() - 2], b[b.len() - 1]]);
+        let [out] = kept("matmul", &shape, || {
+            Ok([backend::matmul(self, &la, rhs, &lb, &batch)?])
+        })?;
         Ok(record(out, "matmul", &[self, rhs], || {
             rules::matmul(self, rhs)
         }))

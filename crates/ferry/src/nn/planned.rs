@@ -5,8 +5,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferry_tensor::autograd::{Choice, OffloadOptions, RegionCost, offload_saved};
+use ferry_graph::{enable_grad, no_grad};
+use ferry_tensor::autograd::{Choice, OffloadOptions, RegionCost, Selective, offload_saved};
 use ferry_tensor::{Device, Result, Tensor, TensorError};
+use ferry_tensor::{keep_products, reuse_products};
 
 use super::Module;
 use super::recomputed::recompute_forward;
@@ -29,13 +31,11 @@ pub(crate) fn forward_planned<M: Module + Clone + Send + Sync + 'static>(
             // The region holds the block's own tensors (a clone of their handles). A block fed
             // the batch (nothing before it requires grad) has no graph to hang a region on: it
             // is kept, as its profile says (not recomputable).
-            Choice::Recompute if x.requires_grad() => {
-                recompute_forward(Arc::new(block.clone()), &x)?
+            Choice::Recompute | Choice::Selective if x.requires_grad() => {
+                recompute_forward(Arc::new(block.clone()), &x, *choice == Choice::Selective)?
             }
-            Choice::Recompute => block.forward(&x)?,
-            Choice::Selective | Choice::SelectiveOffload => {
-                return Err(no_selective("memory plan"));
-            }
+            Choice::Recompute | Choice::Selective => block.forward(&x)?,
+            Choice::SelectiveOffload => return Err(no_selective_offload("memory plan")),
         };
     }
     Ok(x)
@@ -53,22 +53,20 @@ pub(crate) fn check_choices(op: &'static str, blocks: usize, choices: &[Choice])
             ),
         });
     }
-    if choices
-        .iter()
-        .any(|c| matches!(c, Choice::Selective | Choice::SelectiveOffload))
-    {
-        return Err(no_selective(op));
+    if choices.contains(&Choice::SelectiveOffload) {
+        return Err(no_selective_offload(op));
     }
     Ok(())
 }
 
-/// ferry's own blocks are recomputed whole: their profile measures no selective recompute, so
-/// the planner never chooses one for them.
-fn no_selective(op: &'static str) -> TensorError {
+/// ferry's own blocks keep a selective recompute's outputs on the device: their profile gives
+/// them no offloadable bytes, so the planner never chooses to offload them.
+fn no_selective_offload(op: &'static str) -> TensorError {
     TensorError::InvalidArgument {
         op,
-        message: "a selective recompute was chosen for one of ferry's own blocks, which are \
-                  recomputed whole: choose keep, offload or recompute"
+        message: "a selective offload was chosen for one of ferry's own blocks, whose selective \
+                  recompute keeps its outputs on the device: choose keep, offload, recompute \
+                  or selective"
             .into(),
     }
 }
@@ -114,10 +112,49 @@ pub(crate) fn profile_blocks<M: Module>(blocks: &[M], x: &Tensor) -> Result<Vec<
             .saturating_sub(kept_anyway);
         let mut cost = RegionCost::new(forward_ms, own, x.nbytes() as u64);
         cost.recomputable = x.requires_grad();
+        if cost.recomputable {
+            cost.selective = Some(selective_cost(block, &x, &sync)?);
+        }
         costs.push(cost);
         x = y;
     }
     Ok(costs)
+}
+
+/// A selective recompute of `block` from `x`: the bytes of the products' outputs its first run
+/// keeps (bar its own output, the next block's input), and the time of its second run taking
+/// them back, which is what it adds to the backward. Its outputs stay on the device.
+fn selective_cost<M: Module>(
+    block: &M,
+    x: &Tensor,
+    sync: &impl Fn(Device) -> Result<()>,
+) -> Result<Selective> {
+    let (first, kept) = keep_products(|| {
+        let _nothing_saved = no_grad();
+        block.forward(x)
+    });
+    let output = storage_key(&first?);
+    let mut seen = vec![output];
+    let mut held_bytes = 0;
+    for t in kept.tensors() {
+        if !seen.contains(&storage_key(t)) {
+            seen.push(storage_key(t));
+            held_bytes += t.storage().bytes() as u64;
+        }
+    }
+    let leaf = x.detach().with_grad()?;
+    sync(x.device())?;
+    let start = Instant::now();
+    let (again, _) = reuse_products(kept, || {
+        let _recorded = enable_grad();
+        block.forward(&leaf)
+    });
+    sync(again?.device())?;
+    Ok(Selective {
+        held_bytes,
+        extra_ms: start.elapsed().as_secs_f64() * 1e3,
+        offloadable_bytes: 0,
+    })
 }
 
 /// Blocks applied one after the other, each block's saved activations kept, offloaded or

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use ferry_tensor::{Result, Tensor, TensorError, recompute};
+use ferry_tensor::{Result, Tensor, TensorError, recompute, recompute_selective};
 use parking_lot::RwLock;
 
 use super::Module;
@@ -77,17 +77,22 @@ fn unchanged(module: &impl Module, expected: &[(Tensor, u64)]) -> Result<()> {
 }
 
 /// `module.forward(input)` as a recomputed region (for a model's own blocks, each shared by an
-/// `Arc` with the region); the second run refuses parameters replaced or written in place since
-/// the first.
+/// `Arc` with the region), `selective` keeping its products' outputs; the second run refuses
+/// parameters replaced or written in place since the first.
 pub(crate) fn recompute_forward<M: Module + Send + Sync + 'static>(
     module: Arc<M>,
     input: &Tensor,
+    selective: bool,
 ) -> Result<Tensor> {
     let expected = versions(&*module);
-    recompute(&[input], move |x| {
+    let f = move |x: &[Tensor]| {
         unchanged(&*module, &expected)?;
         module.forward(&x[0])
-    })
+    };
+    match selective {
+        true => recompute_selective(&[input], f),
+        false => recompute(&[input], f),
+    }
 }
 
 impl<M: Module + Send + Sync + 'static> Module for Recomputed<M> {

@@ -14,7 +14,9 @@ fn held(region: &RegionCost, choice: Choice) -> u64 {
         Choice::Selective => region
             .selective
             .map_or(region.saved_bytes, |s| s.held_bytes),
-        Choice::SelectiveOffload => region.unsaved_input_bytes,
+        Choice::SelectiveOffload => region.selective.map_or(region.saved_bytes, |s| {
+            s.held_bytes.saturating_sub(s.offloadable_bytes)
+        }),
     }
 }
 
@@ -23,9 +25,7 @@ fn held(region: &RegionCost, choice: Choice) -> u64 {
 fn moved(region: &RegionCost, choice: Choice) -> u64 {
     match choice {
         Choice::Offload => region.offloadable(),
-        Choice::SelectiveOffload => region.selective.map_or(0, |s| {
-            s.held_bytes.saturating_sub(region.unsaved_input_bytes)
-        }),
+        Choice::SelectiveOffload => region.selective.map_or(0, |s| s.offloadable_bytes),
         Choice::Keep | Choice::Recompute | Choice::Selective => 0,
     }
 }
@@ -53,7 +53,8 @@ fn frees(region: &RegionCost, choice: Choice) -> bool {
         && held(region, choice) < region.saved_bytes
         && match choice {
             Choice::Recompute => true,
-            Choice::Selective | Choice::SelectiveOffload => region.selective.is_some(),
+            Choice::Selective => region.selective.is_some(),
+            Choice::SelectiveOffload => region.selective.is_some_and(|s| s.offloadable_bytes > 0),
             Choice::Keep | Choice::Offload => false,
         }
 }

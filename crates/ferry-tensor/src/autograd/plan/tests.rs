@@ -340,6 +340,7 @@ fn selective_blocks(n: usize, held_mib: u64, extra_ms: f64) -> StepCost {
         selective: Some(Selective {
             held_bytes: held_mib * MIB,
             extra_ms,
+            offloadable_bytes: held_mib * MIB,
         }),
         ..RegionCost::new(10.0, 100 * MIB, 0)
     };
