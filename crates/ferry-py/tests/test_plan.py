@@ -673,6 +673,41 @@ def test_selective_offload_sends_the_kept_outputs_to_the_host_and_back(host_offl
         profiled.retarget(choices=choices)
 
 
+def test_outputs_after_the_recompute_stops_are_not_kept(host_offload):
+    # A block whose last product's output nothing in backward reads (the residual add saves
+    # nothing): the recompute stops before it (torch's early stop), so after the first step
+    # it is neither kept nor sent to the host, and the profile does not count it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), *[_SdpaBlock(64, 4) for _ in range(4)])
+    x = torch.randn(2, 32, 64)
+
+    def step():
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    blocks = list(model)[1:]
+    plan = MemoryPlan.profile(model, step, fraction=1.0, regions=blocks, min_offload_bytes=0)
+    # Per block, floats: the qkv product 2x32x192, attention's output 2x4x32x16 and its
+    # log-sum-exp 2x4x32, the projection 2x32x64 and the MLP's first product 2x32x256; not
+    # its last product, 2x32x64.
+    used = 4 * (2 * 32 * 192 + 2 * 4 * 32 * 16 + 2 * 4 * 32 + 2 * 32 * 64 + 2 * 32 * 256)
+    assert [r.selective_bytes for r in plan.cost.regions] == [used] * 4
+    cost = dataclasses.replace(plan.cost, link=Link(1e12, 1e12))
+    offloaded = MemoryPlan(blocks, cost, choices=["selective_offload"] * 3 + ["keep"],
+                           min_offload_bytes=0)
+    plain = _grads(model, step)
+    _assert_bitwise(plain, _grads(model, step, offloaded))
+    first = dict(offloaded._scope.stats)
+    _assert_bitwise(plain, _grads(model, step, offloaded))
+    second = offloaded._scope.stats
+    # Six kept tensors per block and step (the attention's two), then five.
+    assert (first["offloaded"], first["prefetched"]) == (18, 15)
+    assert (second["offloaded"], second["prefetched"]) == (15, 15)
+    assert second["fetched_on_demand"] == 0
+    assert "not reusable" not in offloaded.explain()
+
+
 # -- offload, on a GPU ---------------------------------------------------------------------------
 
 
@@ -699,3 +734,74 @@ def test_offload_on_a_gpu_gives_the_same_gradients_and_moves_bytes():
     assert forced._scope is not None and forced._scope.stats["offloaded"] > 0
     _assert_bitwise(plain, _grads(model, step, plan))
     assert "offload, last step" in forced.explain()
+
+
+class _SdpaBlock(nn.Module):
+    """A transformer block on torch's fused attention (the kernels a GPU's selective recompute
+    keeps beside the products)."""
+
+    def __init__(self, d=256, heads=4):
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, 2)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+def _peak_on_gpu(model, step, plan=None):
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if plan is None:
+        step()
+    else:
+        with plan:
+            step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+@cuda
+def test_selective_and_selective_offload_on_a_gpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), *[_SdpaBlock() for _ in range(6)]).cuda()
+    x = torch.randn(8, 512, 256, device="cuda")
+
+    def step():
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    blocks = list(model)[1:]
+    plan = MemoryPlan.profile(model, step, fraction=1.0, regions=blocks, min_offload_bytes=0)
+    assert plan.cost.link is not None
+    assert all(r.input_bytes < r.selective_bytes < r.saved_bytes for r in plan.cost.regions)
+    selective = plan.retarget(choices=["selective"] * 6)
+    offloaded = plan.retarget(choices=["selective_offload"] * 5 + ["keep"])
+
+    def close(a, b):
+        (loss_a, grads_a), (loss_b, grads_b) = a, b
+        torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+        for ga, gb in zip(grads_a, grads_b):
+            torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6)
+
+    plain = _grads(model, step)
+    close(plain, _grads(model, step, selective))
+    close(plain, _grads(model, step, offloaded))
+    stats = offloaded._scope.stats
+    assert stats["offloaded"] > 0 and stats["fetched_on_demand"] == 0, stats
+    assert "not reusable" not in selective.explain() + offloaded.explain()
+    # No product or attention kernel ran twice.
+    assert _products(model, step, selective) == _products(model, step)
+    # The kept outputs leave the device: below keeping them, above nothing kept at all.
+    peaks = {name: _peak_on_gpu(model, step, p) for name, p in
+             (("plain", None), ("selective", selective), ("offloaded", offloaded))}
+    assert peaks["plain"] > peaks["selective"] > peaks["offloaded"], peaks

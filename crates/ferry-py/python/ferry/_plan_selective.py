@@ -77,27 +77,48 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
+class Tally:
+    """What a region's calls have learnt: how many kept outputs a recompute could not reuse
+    (``fell_back``), and how many of its kept ops the recompute used (``needed``): a recompute
+    stops once it has rebuilt what backward reads (torch's early stop), so the outputs of the ops
+    after those need not be kept at all."""
+
+    __slots__ = ("fell_back", "needed")
+
+    def __init__(self) -> None:
+        self.fell_back = 0
+        self.needed: Optional[int] = None
+
+
 class Kept:
     """The outputs one call of a region's forward kept, in the order its ops ran, with each
     tensor's version. In the recompute each is handed back once, if it is still what the
     forward computed; where it is not (written in place since, a recompute that runs other ops,
     a second backward after the first let go), the op runs again, as in a whole recompute, and
-    ``fell_back`` counts it (and ``tally[0]``, a count shared by a region's calls). With
-    ``offload`` (a pack and an unpack), each kept tensor goes to host memory as the forward
-    keeps it and comes back in the recompute."""
+    ``fell_back`` counts it. With a ``tally`` that has learnt how many ops a recompute uses, only
+    those are kept. With ``offload`` (a pack and an unpack), each kept tensor goes to host memory
+    as the forward keeps it and comes back in the recompute."""
 
     def __init__(self, offload: Optional[Tuple[Callable[[torch.Tensor], Any],
                                                Callable[[Any], torch.Tensor]]] = None,
-                 tally: Optional[List[int]] = None):
+                 tally: Optional[Tally] = None):
         self.offload = offload
         self.tally = tally
+        self.limit = None if tally is None else tally.needed
         self.outputs: List[Optional[Tuple[Any, Tuple[Optional[int], ...]]]] = []
         self.ops: List[Any] = []
+        # Per kept op, its tensors' storages and bytes as kept (for the profile's count).
+        self.sizes: List[List[Tuple[int, int]]] = []
         self.taken = 0
+        self.used = 0
         self.fell_back = 0
 
     def keep(self, func: Any, out: Any) -> None:
+        if self.limit is not None and len(self.ops) >= self.limit:
+            return
         out = tree_map(lambda x: _alias(x) if isinstance(x, torch.Tensor) else x, out)
+        self.sizes.append([(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                           for t in _tensors_in(out)])
         if self.offload is not None:
             pack = self.offload[0]
             out = tree_map(lambda x: pack(x) if isinstance(x, torch.Tensor) else x, out)
@@ -111,6 +132,8 @@ class Kept:
     def take(self, func: Any) -> Any:
         """What the forward's ``func`` gave, or None where the op must run again."""
         index = self.taken
+        if index >= len(self.outputs) and self.limit is not None:
+            return None  # past what this region's recomputes were seen to use: not kept
         if index >= len(self.outputs) or self.ops[index] is not func:
             self.taken = len(self.outputs)  # out of step: nothing after this is reused either
             self._fall_back()
@@ -134,12 +157,23 @@ class Kept:
     def _fall_back(self) -> None:
         self.fell_back += 1
         if self.tally is not None:
-            self.tally[0] += 1
+            self.tally.fell_back += 1
 
     def release(self) -> None:
-        """After a recompute: what it stopped short of (early stop) is not needed either."""
+        """After a recompute: what it stopped short of (early stop) is not needed either, now
+        or, the tally learns, in the region's later calls."""
+        self.used = max(self.used, self.taken)
+        if self.tally is not None:
+            self.tally.needed = max(self.tally.needed or 0, self.taken)
         self.outputs = [None] * len(self.outputs)
         self.taken = 0
+
+    def kept_bytes(self, leave_out: Set[int]) -> Dict[int, int]:
+        """The storages of the ops a recompute used (all, before one has run), and their bytes,
+        bar those in ``leave_out``."""
+        used = self.used if self.used else len(self.sizes)
+        return {key: nbytes for sizes in self.sizes[:used] for key, nbytes in sizes
+                if key not in leave_out}
 
 
 class _Keep(TorchDispatchMode):

@@ -42,7 +42,7 @@ from torch import nn
 from . import cuda_available
 from ._plan_costs import (CHOICES, Choice, Decision, Link, RegionCost, StepCost, choose,
                           extra_ms, forced, offload_fits, predict_peak)
-from ._plan_selective import Kept, recomputed
+from ._plan_selective import Kept, Tally, recomputed
 from ._plan_torch import (_bytes, _Clock, _grad_bytes, _host_room, _measure_link,
                           _model_device, _RegionOffload, _RegionWatch, _SavedBytes, _storage,
                           _tensors, find_regions)
@@ -122,8 +122,8 @@ class MemoryPlan:
                     self.decision.least_bytes), stacklevel=2)
         self._applied = self._entered_applied = False
         self._wrapped: List[Tuple[nn.Module, Any]] = []
-        # Per selective region, how many kept outputs its recomputes could not reuse.
-        self._fell_back: Dict[int, List[int]] = {}
+        # Per selective region, what its recomputes used and could not reuse.
+        self._tallies: Dict[int, Tally] = {}
         self._watch: Optional[_RegionWatch] = None
         self._scope: Optional[_RegionOffload] = None
 
@@ -325,7 +325,7 @@ class MemoryPlan:
         choice = self.choices[i]
         make: Optional[Callable[[], Kept]] = None
         if choice in ("selective", "selective_offload"):
-            tally = self._fell_back.setdefault(i, [0])
+            tally = self._tallies.setdefault(i, Tally())
             offload = None
             if choice == "selective_offload" and self._scope is not None:
                 scope = self._scope
@@ -379,7 +379,7 @@ class MemoryPlan:
         if any(choice.startswith("selective") for choice in d.choices):
             lines.append("selective: held from the forward to the backward (the kept outputs of "
                          "matrix products and attention, and the unsaved input), and its extra")
-            fell_back = sum(count[0] for count in self._fell_back.values())
+            fell_back = sum(tally.fell_back for tally in self._tallies.values())
             if fell_back:
                 lines.append(f"selective: {fell_back} kept outputs were not reusable (written "
                              "in place, or a second backward) and were computed again")
@@ -441,10 +441,10 @@ def _measure_selective(modules: Sequence[nn.Module], names: Sequence[str],
                        recomputable: Sequence[bool],
                        warmup: int) -> List[Optional[Tuple[int, float, float]]]:
     """After ``warmup`` steps, one with every recomputable region selectively recomputed: per
-    region, the bytes of
-    the outputs it kept (each storage once, region inputs left out: they are shared) at the end
-    of the forward, and its forward and backward ms (its recompute included); None for a region
-    not run so, not timed, or whose recompute ran an op again (``Kept.fell_back``)."""
+    region, the bytes of the kept outputs its recompute used (each storage once, region inputs
+    left out: they are shared; those after the recompute's early stop need not be kept), and
+    its forward and backward ms (its recompute included); None for a region not run so, not
+    timed, or whose recompute ran an op again (``Kept.fell_back``)."""
     n = len(modules)
     kept: List[List[Kept]] = [[] for _ in range(n)]
     inputs: set = set()
@@ -453,19 +453,6 @@ def _measure_selective(modules: Sequence[nn.Module], names: Sequence[str],
     def enter(i: int, args: Any) -> None:
         inputs.update(_storage(t)[0] for t in _tensors(args))
 
-    def at_backward(i: int) -> None:
-        if held[i] is not None:
-            return
-        seen: set = set()
-        for j in range(n):  # the first backward: every forward is done
-            total = 0
-            for call in kept[j]:
-                for t in call.tensors():
-                    key, nbytes = _storage(t)
-                    if key not in seen and key not in inputs:
-                        seen.add(key)
-                        total += nbytes
-            held[j] = total
 
     def maker(calls: List[Kept]) -> Callable[[], Kept]:
         def make() -> Kept:
@@ -480,7 +467,7 @@ def _measure_selective(modules: Sequence[nn.Module], names: Sequence[str],
             step_fn()
         for calls in kept:
             calls.clear()
-        watch = _RegionWatch(modules, _Clock(device), on_enter=enter, on_backward=at_backward)
+        watch = _RegionWatch(modules, _Clock(device), on_enter=enter)
         try:
             step_fn()
             if device.type == "cuda":
@@ -490,6 +477,16 @@ def _measure_selective(modules: Sequence[nn.Module], names: Sequence[str],
     finally:
         for module, own in wrapped:
             _unwrap(module, own)
+    # What each region kept and its recompute used (each storage once; region inputs are
+    # shared): all of it was alive at the end of the forward.
+    seen: set = set()
+    for i in range(n):
+        if kept[i]:
+            bytes_of: Dict[int, int] = {}
+            for call in kept[i]:
+                bytes_of.update(call.kept_bytes(inputs | seen))
+            seen |= set(bytes_of)
+            held[i] = sum(bytes_of.values())
     out: List[Optional[Tuple[int, float, float]]] = []
     for i in range(n):
         forward, backward = watch.times(i)
