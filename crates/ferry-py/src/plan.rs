@@ -12,8 +12,8 @@ use crate::errors::{guarded, to_py};
 
 /// One region as `ferry.plan` passes it: forward ms, saved bytes, backward ms (None: twice the
 /// forward), offloadable bytes (None: all saved), bytes of its input nothing saves, whether it
-/// may be recomputed, its parameters' gradient bytes, and its selective recompute's held bytes
-/// and extra ms (None: not measured).
+/// may be recomputed, its parameters' gradient bytes, its selective recompute's held bytes and
+/// extra ms (None: not measured), and the part of its saved bytes autocast caches for the forward.
 type RegionRow = (
     f64,
     i64,
@@ -23,6 +23,7 @@ type RegionRow = (
     bool,
     i64,
     Option<(i64, f64)>,
+    i64,
 );
 
 /// Plans a step's regions for `target_bytes` of activations at the peak, or predicts what the
@@ -104,8 +105,17 @@ pub fn plan_memory<'py>(
 }
 
 fn region(i: usize, row: &RegionRow) -> PyResult<RegionCost> {
-    let &(forward_ms, saved, backward_ms, offloadable, unsaved_input, recomputable, grads, sel) =
-        row;
+    let &(
+        forward_ms,
+        saved,
+        backward_ms,
+        offloadable,
+        unsaved_input,
+        recomputable,
+        grads,
+        sel,
+        cached,
+    ) = row;
     let named = |what: &str| format!("region {i}'s {what}");
     let unsaved = bytes(&named("input_bytes"), unsaved_input)?;
     Ok(RegionCost {
@@ -131,6 +141,7 @@ fn region(i: usize, row: &RegionRow) -> PyResult<RegionCost> {
                 })
             })
             .transpose()?,
+        cached_bytes: bytes(&named("cached_bytes"), cached)?,
     })
 }
 

@@ -353,6 +353,37 @@ def test_selective_recompute_lowers_the_peak_between_keeping_and_recomputing():
     assert abs(measured - predicted) <= 0.03 * peaks[0], (predicted, measured)
 
 
+def test_autocast_casts_count_until_the_forward_ends():
+    # Under autocast each layer's weights are cast to bf16 and the casts cached until the
+    # forward ends: recomputing a layer frees its saved activations, not those casts, until
+    # then. The profile counts them (cached_bytes) and the plan's predicted drop of the peak
+    # (at the end of the forward here) matches the measured one.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=352,
+                                      num_hidden_layers=8, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=512,
+                                      max_position_embeddings=256, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    idx = torch.randint(0, 512, (4, 128))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=idx, labels=idx).loss
+        loss.backward()
+        return loss
+
+    plan = MemoryPlan.profile(model, step, fraction=1.0)
+    weights = (4 * 128 * 128 + 3 * 128 * 352) * 2  # q, k, v, o, gate, up, down in bf16
+    assert [r.cached_bytes for r in plan.cost.regions] == [weights] * 8
+    plain = _peak(model, step)
+    for choices in (["recompute"] * 4 + ["keep"] * 4, ["selective"] * 8):
+        p = plan.retarget(choices=choices)
+        predicted = plan.cost.plain_bytes - p.predicted_peak_bytes
+        measured = plain - _peak(model, step, p)
+        assert abs(predicted - measured) <= 0.03 * plain, (choices, predicted, measured)
+
+
 class _WritesItsProduct(nn.Module):
     def __init__(self):
         super().__init__()

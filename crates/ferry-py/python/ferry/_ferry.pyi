@@ -122,7 +122,9 @@ def memory_stats(device: str) -> dict[str, int]: ...
 def reset_peak_memory_stats(device: str) -> None: ...
 def plan_memory(
     regions: Sequence[
-        tuple[float, int, float | None, int | None, int, bool, int, tuple[int, float] | None]
+        tuple[
+            float, int, float | None, int | None, int, bool, int, tuple[int, float] | None, int
+        ]
     ],
     target_bytes: int | None = None,
     choices: Sequence[str] | None = None,

@@ -34,7 +34,9 @@ class RegionCost:
     parameters (``grad_bytes``). ``backward_ms`` None: twice the forward. ``selective_bytes``
     and ``selective_ms``: what a selective recompute (the expensive ops' outputs kept, the rest
     rebuilt in backward) holds from the forward to the backward, its unsaved input included,
-    and adds to the step; None where it was not measured (the plan then never chooses it)."""
+    and adds to the step; None where it was not measured (the plan then never chooses it).
+    ``cached_bytes``: the part of ``saved_bytes`` that stays until the forward ends whatever
+    is chosen (autocast's casts of the region's parameters, cached for the forward)."""
 
     name: str
     forward_ms: float
@@ -46,6 +48,7 @@ class RegionCost:
     grad_bytes: int = 0
     selective_bytes: Optional[int] = None
     selective_ms: Optional[float] = None
+    cached_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.forward_ms < 0 or (self.backward_ms is not None and self.backward_ms < 0):
@@ -60,6 +63,8 @@ class RegionCost:
                              "or neither")
         if self.selective_bytes is not None and self.selective_bytes < 0:
             raise ValueError(f"region {self.name}: bytes must be >= 0")
+        if not 0 <= self.cached_bytes <= self.saved_bytes:
+            raise ValueError(f"region {self.name}: cached_bytes must be in [0, saved_bytes]")
 
     @property
     def backward(self) -> float:
@@ -120,11 +125,11 @@ def _planned(cost: StepCost, *, target_bytes: Optional[int] = None,
              choices: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """The planner's answer for ``target_bytes``, or its prediction for ``choices``."""
     rows: List[Tuple[float, int, Optional[float], Optional[int], int, bool, int,
-                     Optional[Tuple[int, float]]]] = [
+                     Optional[Tuple[int, float]], int]] = [
         (r.forward_ms, r.saved_bytes, r.backward_ms, r.offloadable_bytes, r.input_bytes,
          r.recomputable, r.grad_bytes,
          None if r.selective_bytes is None or r.selective_ms is None
-         else (r.selective_bytes, r.selective_ms)) for r in cost.regions]
+         else (r.selective_bytes, r.selective_ms), r.cached_bytes) for r in cost.regions]
     link = None if cost.link is None else (cost.link.to_host, cost.link.to_device)
     return _ferry.plan_memory(
         rows, target_bytes, None if choices is None else list(choices),

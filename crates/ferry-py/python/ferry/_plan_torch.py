@@ -161,12 +161,13 @@ class _RegionWatch:
 class _Use:
     """One storage seen in the profiled step: saved by autograd, or a region's input."""
 
-    __slots__ = ("ref", "nbytes", "savers", "offloadable")
+    __slots__ = ("ref", "nbytes", "savers", "offloadable", "cast")
 
     def __init__(self, ref: Any, nbytes: int):
         self.ref, self.nbytes = ref, nbytes
         self.savers: Set[int] = set()
         self.offloadable = True
+        self.cast = False  # a cast of a parameter (autocast caches it for the forward)
 
 
 _BEFORE, _HEAD = -1, -2  # savers outside the regions: before the last one ended, after it
@@ -183,6 +184,22 @@ def _offloadable(t: torch.Tensor, min_bytes: int) -> bool:
     return base.grad_fn is not None
 
 
+def _autocast_caching(device_type: str) -> bool:
+    """Whether an autocast scope on ``device_type`` is on and keeps its casts for the forward
+    (asked outside any op: inside one, autocast's own dispatch reports it off)."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+    except TypeError:  # a torch whose call takes no device
+        on = torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+    return bool(on) and torch.is_autocast_cache_enabled()
+
+
+def _model_device_type(model: nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
+
+
 class _SavedBytes:
     """The storages autograd saves during the profiled step, who saved each, and each region's
     inputs; parameters and buffers are left out (the model holds them anyway)."""
@@ -197,6 +214,9 @@ class _SavedBytes:
         # Per region, its input tensors and their versions at entry.
         self.versions: List[List[Tuple[torch.Tensor, int]]] = [[] for _ in range(regions)]
         self.shared = self.head = 0
+        # Per region, whether an autocast scope (with its cache) was on when it ran.
+        self.autocast = [False] * regions
+        self.device_type = _model_device_type(model)
 
     def _use(self, t: torch.Tensor) -> Optional[_Use]:
         key, nbytes = _storage(t)
@@ -212,6 +232,8 @@ class _SavedBytes:
         return use
 
     def enter(self, i: int, inputs: Any) -> None:
+        # Read here, outside any op: inside one, autocast's own dispatch reports it off.
+        self.autocast[i] = self.autocast[i] or _autocast_caching(self.device_type)
         for t in _tensors(inputs):
             use = self._use(t)
             if use is not None:
@@ -229,12 +251,24 @@ class _SavedBytes:
                 region = _HEAD if len(self.watch.exited) == len(self.inputs) else _BEFORE
             use.savers.add(region)
             use.offloadable = use.offloadable and _offloadable(t, self.min_offload_bytes)
+            use.cast = use.cast or self._casts_a_parameter(t)
         return t
+
+    def _casts_a_parameter(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (or the tensor it views) is a cast of one of the model's parameters, as
+        autocast makes and keeps in its cache until the forward ends."""
+        base = t._base if t._base is not None else t
+        fn = base.grad_fn
+        if fn is None or not type(fn).__name__.startswith("ToCopyBackward"):
+            return False
+        source = fn.next_functions[0][0] if fn.next_functions else None
+        variable = getattr(source, "variable", None)
+        return isinstance(variable, torch.Tensor) and _storage(variable)[0] in self.of_model
 
     def costs(self, names: Sequence[str], times: Sequence[Tuple[float, Optional[float]]],
               grads: Sequence[int]) -> Tuple[RegionCost, ...]:
         n = len(names)
-        saved, offloadable = [0] * n, [0] * n
+        saved, offloadable, cached = [0] * n, [0] * n, [0] * n
         shared = head = 0
         inputs = set().union(*self.inputs)
         for use in self.uses:
@@ -244,6 +278,7 @@ class _SavedBytes:
             if only is not None and only >= 0 and use not in inputs:
                 saved[only] += use.nbytes
                 offloadable[only] += use.nbytes if use.offloadable else 0
+                cached[only] += use.nbytes if use.cast and self.autocast[only] else 0
             elif use.savers == {_HEAD}:
                 head += use.nbytes
             else:
@@ -253,7 +288,8 @@ class _SavedBytes:
             unsaved = sum(u.nbytes for u in self.inputs[i] if not u.savers)
             forward, backward = times[i]
             regions.append(RegionCost(names[i], forward, saved[i], backward, offloadable[i],
-                                      unsaved, not self.writes_inputs(i), grads[i]))
+                                      unsaved, not self.writes_inputs(i), grads[i],
+                                      cached_bytes=cached[i]))
         self.shared, self.head = shared, head
         return tuple(regions)
 

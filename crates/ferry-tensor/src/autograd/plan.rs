@@ -21,7 +21,8 @@
 //! unsaved input), or with those outputs offloaded, its unsaved input. The currency is the
 //! activation bytes at the step's peak, the larger of
 //!
-//! - the end of the forward: shared + head + what every region holds, and
+//! - the end of the forward: shared + head + what every region holds (and, for a region not
+//!   kept, its `cached_bytes`: autocast's casts of its parameters, cached for the forward), and
 //! - each region `k`'s backward: shared + what the regions before `k` hold + `k`'s saved bytes
 //!   (back: kept, uploaded or rebuilt; plus its unsaved input if recomputed, selectively or
 //!   whole) + region `k-1`'s moved bytes if it is offloaded (its offloadable bytes, or a
@@ -99,6 +100,10 @@ pub struct RegionCost {
     /// What a selective recompute of the region holds and costs, where one was measured: its
     /// expensive ops' outputs kept (matrix products, attention), the rest rebuilt in backward.
     pub selective: Option<Selective>,
+    /// The part of `saved_bytes` alive until the end of the forward whatever is chosen: casts of
+    /// the parameters that an autocast scope caches for the whole forward (offloading or
+    /// recomputing the region frees them only once the forward is over).
+    pub cached_bytes: u64,
 }
 
 /// A region run with its expensive ops' outputs kept and its cheap ops (norms, activations,
@@ -149,6 +154,7 @@ impl Default for RegionCost {
             recomputable: true,
             grad_bytes: 0,
             selective: None,
+            cached_bytes: 0,
         }
     }
 }
@@ -475,6 +481,13 @@ fn check(step: &StepCost) -> Result<()> {
         if let Some(ms) = r.selective.map(|s| s.extra_ms).filter(|ms| !time(*ms)) {
             return invalid(format!(
                 "region {i}'s selective recompute time is {ms} ms; it must be finite and >= 0"
+            ));
+        }
+        if r.cached_bytes > r.saved_bytes {
+            return invalid(format!(
+                "region {i}'s cached_bytes ({}) exceed its saved_bytes ({}); they are a part of \
+                 what the region saves",
+                r.cached_bytes, r.saved_bytes
             ));
         }
         if r.offloadable() > r.saved_bytes {

@@ -112,7 +112,14 @@ impl StepCost {
             .map(|(r, &c)| held(r, c))
             .collect();
         let always = self.always_bytes();
-        let mut peak = always + self.head_bytes + held.iter().sum::<u64>();
+        // autocast's casts of a region's parameters stay cached until the forward ends.
+        let cached: u64 = regions
+            .iter()
+            .zip(choices)
+            .filter(|(_, c)| **c != Choice::Keep)
+            .map(|(r, _)| r.cached_bytes)
+            .sum();
+        let mut peak = always + self.head_bytes + held.iter().sum::<u64>() + cached;
         let mut below = 0;
         let mut grads = self.outside_grad_bytes + regions.iter().map(|r| r.grad_bytes).sum::<u64>();
         for (k, region) in regions.iter().enumerate() {

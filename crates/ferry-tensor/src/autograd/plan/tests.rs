@@ -461,3 +461,18 @@ fn selective_outputs_go_to_the_host_where_the_link_moves_them_in_the_compute() {
         "{err}"
     );
 }
+
+#[test]
+fn autocast_casts_stay_until_the_forward_ends() {
+    // 100 MiB saved per region, 30 of them autocast's casts of its weights: recomputing or
+    // offloading frees them only after the forward, so the end of the forward still holds them.
+    let mut step = StepCost::new(&blocks(4, 10.0, 100 * MIB, 0), None);
+    for r in &mut step.regions {
+        r.cached_bytes = 30 * MIB;
+    }
+    assert_eq!(peak_mib(&step, &[K, K, K, K]), 400);
+    assert_eq!(peak_mib(&step, &[R, R, R, K]), 100 + 3 * 30);
+    step.regions[0].cached_bytes = 200 * MIB;
+    let err = MemoryPlan::with_choices(&step, &[K; 4]).unwrap_err();
+    assert!(err.to_string().contains("cached_bytes"), "{err}");
+}
