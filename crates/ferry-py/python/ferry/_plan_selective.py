@@ -28,7 +28,7 @@ def _packets(names: Tuple[str, ...]) -> Set[Any]:
 # The ops whose outputs a selective recompute keeps: compute-bound, so running them again costs
 # most of a whole recompute, while their outputs are a part of what the region saves.
 KEPT_OPS = _packets((
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution",
+    "mm", "addmm", "_addmm_activation", "bmm", "baddbmm", "_scaled_mm", "convolution",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_flash_attention_forward", "_efficient_attention_forward",
