@@ -1,10 +1,9 @@
 """``ferry.plan``: a memory plan for an unmodified ``torch.nn.Module`` in eager mode. Each of the
 model's repeated blocks (a *region*) keeps what autograd saves in it, offloads it to pinned host
 memory, recomputes it in backward, or recomputes it selectively (the outputs of its matrix
-products and attention kept, the cheap ops run again); the choice comes from a profiled step
-and a target for
-the activation bytes at the step's peak (what autograd saves, and the parameter gradients
-backward has made by then)::
+products and attention kept, the cheap ops run again); the choice comes from a profiled step and
+a target for the activation bytes at the step's peak (what autograd saves, and the parameter
+gradients backward has made by then)::
 
     plan = ferry.plan.MemoryPlan.profile(model, lambda: loss_fn(model(x)).backward(),
                                          fraction=0.5)
@@ -20,8 +19,7 @@ This package measures (``_plan_torch``) and applies. Offload is free where the l
 region's tensors out inside the forward compute that follows it and back inside the backward of
 the next region; recompute costs one forward of the region, a selective one what its profile
 measured. Offload comes first, then recompute, selective or whole, cheapest per byte freed; the
-rest is kept. See docs/memory-plan.md for the model and
-what it assumes.
+rest is kept. See docs/memory-plan.md for the model and what it assumes.
 
 Recompute is ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``
 around the region's forward (dropout draws the same masks again), selective with ferry's
@@ -78,9 +76,9 @@ class MemoryPlan:
     from costs of your own with ``MemoryPlan(regions, cost, target_bytes=... | fraction=... |
     choices=...)``. ``fraction`` is of the plain step's peak (``cost.plain_bytes``);
     ``choices`` forces a choice per region (``"keep"``, ``"offload"``, ``"recompute"``,
-    ``"selective"``, ``"selective_offload"``). A
-    target below the least peak the plan reaches warns ``TargetUnreachable`` and plans for that
-    least peak (``reachable`` is False, ``least_bytes`` says it).
+    ``"selective"``, ``"selective_offload"``). A target below the least peak the plan reaches
+    warns ``TargetUnreachable`` and plans for that least peak (``reachable`` is False,
+    ``least_bytes`` says it).
 
     Use it around each step (``with plan:``) or for good (``plan.apply()`` until
     ``plan.remove()``); either way one plan serves every step. ``str(plan)`` / ``explain()``
@@ -156,8 +154,8 @@ class MemoryPlan:
         """Runs ``step_fn`` (a forward and backward of ``model``) ``warmup`` times, then once
         more measuring each region, and plans for the target. With ``selective`` (the default)
         the same again (at least one warmup) with every region selectively recomputed,
-        measuring what that holds and adds, so the plan may choose it. The steps accumulate gradients as any step does; the
-        RNG streams are left as they were."""
+        measuring what that holds and adds, so the plan may choose it. The steps accumulate
+        gradients as any step does; the RNG streams are left as they were."""
         if warmup < 0:
             raise ValueError(f"warmup={warmup} must be >= 0")
         if sum(x is not None for x in (target_bytes, fraction)) != 1:
@@ -321,17 +319,22 @@ class MemoryPlan:
             self._scope.upload(i - 1)
 
     def _wrap(self, i: int) -> None:
-        module = self.regions[i]
         choice = self.choices[i]
-        make: Optional[Callable[[], Kept]] = None
+        make = None
         if choice in ("selective", "selective_offload"):
-            tally = self._tallies.setdefault(i, Tally())
-            offload = None
-            if choice == "selective_offload" and self._scope is not None:
-                scope = self._scope
-                offload = (lambda t: scope.pack_kept(i, t), scope._unpack)
-            make = lambda: Kept(offload, tally)  # noqa: E731
+            make = self._kept_maker(i, choice == "selective_offload")
+        module = self.regions[i]
         self._wrapped.append((module, _wrap_recompute(module, self.cost.regions[i].name, make)))
+
+    def _kept_maker(self, i: int, offloaded: bool) -> Callable[[], Kept]:
+        """What gives each call of selective region ``i`` its ``Kept``: sharing the region's
+        tally, its outputs sent through the offload scope where ``offloaded``."""
+        tally = self._tallies.setdefault(i, Tally())
+        scope = self._scope
+        offload = None
+        if offloaded and scope is not None:
+            offload = (lambda t: scope.pack_kept(i, t), scope._unpack)
+        return lambda: Kept(offload, tally)
 
     # -- explaining --
 
@@ -377,8 +380,9 @@ class MemoryPlan:
         if any(r.backward_ms is None for r in cost.regions):
             lines.append("* backward not measured: twice the forward assumed")
         if any(choice.startswith("selective") for choice in d.choices):
-            lines.append("selective: held from the forward to the backward (the kept outputs of "
-                         "matrix products and attention, and the unsaved input), and its extra")
+            lines.append("selective: the bytes held from the forward to the backward (the kept "
+                         "outputs of matrix products and attention, and the unsaved input) and "
+                         "the ms the recompute adds")
             fell_back = sum(tally.fell_back for tally in self._tallies.values())
             if fell_back:
                 lines.append(f"selective: {fell_back} kept outputs were not reusable (written "
@@ -401,10 +405,10 @@ class MemoryPlan:
 def _wrap_recompute(module: nn.Module, name: str,
                     make_kept: Optional[Callable[[], Kept]]) -> Any:
     """Replaces ``module.forward`` on the instance by a recompute of it, selective where
-    ``make_kept`` gives each call its ``Kept``; returns the instance's own
-    ``forward`` (None: the class's) for ``_unwrap``. Under ``torch.no_grad`` the original runs
-    as is. An input written in place between the forward and its recompute raises
-    ``PlanError`` in backward instead of giving a wrong gradient."""
+    ``make_kept`` gives each call its ``Kept``; returns the instance's own ``forward`` (None:
+    the class's) for ``_unwrap``. Under ``torch.no_grad`` the original runs as is. An input
+    written in place between the forward and its recompute raises ``PlanError`` in backward
+    instead of giving a wrong gradient."""
     own = module.__dict__.get("forward")
     inner = module.forward
 
@@ -452,7 +456,6 @@ def _measure_selective(modules: Sequence[nn.Module], names: Sequence[str],
 
     def enter(i: int, args: Any) -> None:
         inputs.update(_storage(t)[0] for t in _tensors(args))
-
 
     def maker(calls: List[Kept]) -> Callable[[], Kept]:
         def make() -> Kept:
