@@ -140,9 +140,10 @@ impl Gpt {
     }
 
     /// One forward of `input` (i64 ids `[B, T]`) with every block kept and timed on its own:
-    /// each block's forward time, the bytes its rules save beyond its input, and its input's
-    /// bytes, for [`MemoryPlan::new`](crate::autograd::MemoryPlan::new). The device is
-    /// synchronized around each block: a profile, not a step.
+    /// each block's forward time, the bytes its rules save beyond its input, its input's bytes
+    /// and a selective recompute's held bytes and extra time, for
+    /// [`MemoryPlan::new`](crate::autograd::MemoryPlan::new). The device is synchronized around
+    /// each block: a profile, not a step.
     pub fn profile_blocks(&self, input: &Tensor) -> Result<Vec<RegionCost>> {
         self.blocks.profile_blocks(&self.embed(input)?)
     }

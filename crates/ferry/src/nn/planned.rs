@@ -78,10 +78,12 @@ fn storage_key(t: &Tensor) -> usize {
 
 /// One forward of `blocks` from `x` with every block kept, measuring each: its time (the
 /// device synchronized around it, so only for profiling), the bytes its rules save beyond its
-/// input, its output and its own parameters, its input's bytes, and whether it can be
-/// recomputed (its input requires grad: the batch does not). `x` must be part of a graph that
-/// records (a parameter's output, or a tensor that requires grad), else nothing is saved and the
-/// costs say so.
+/// input, its output and its own parameters, its input's bytes, whether it can be recomputed
+/// (its input requires grad: the batch does not) and, where it can, what a selective recompute
+/// of it holds and adds (two more runs of it: one keeping its products, one taking them back;
+/// they draw from the generator as any forward does). `x` must be part of a graph that records
+/// (a parameter's output, or a tensor that requires grad), else nothing is saved and the costs
+/// say so.
 pub(crate) fn profile_blocks<M: Module>(blocks: &[M], x: &Tensor) -> Result<Vec<RegionCost>> {
     let sync = |device: Device| match device {
         Device::Cpu => Ok(()),

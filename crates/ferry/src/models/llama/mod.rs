@@ -194,7 +194,8 @@ impl Llama {
     }
 
     /// One forward of `ids` with every layer kept and timed on its own: each layer's forward
-    /// time, the bytes its rules save beyond its input, and its input's bytes, for
+    /// time, the bytes its rules save beyond its input, its input's bytes and a selective
+    /// recompute's held bytes and extra time, for
     /// [`MemoryPlan::new`](crate::autograd::MemoryPlan::new). Run it under the autocast the steps
     /// use. The device is synchronized around each layer: a profile, not a step.
     pub fn profile_blocks(&self, ids: &Tensor) -> Result<Vec<RegionCost>> {
