@@ -44,9 +44,27 @@ impl KeptProducts {
         self.entries.iter().flat_map(|e| e.outputs.iter())
     }
 
+    /// Keeps `outputs` of `op` (history-free handles to them).
+    fn push(&mut self, op: &'static str, shape: &[usize], outputs: &[Tensor]) {
+        self.entries.push_back(Entry {
+            op,
+            shape: shape.to_vec(),
+            outputs: outputs.iter().map(Tensor::detach).collect(),
+        });
+    }
+
     /// The bytes the kept tensors hold, each storage once.
     pub fn bytes(&self) -> u64 {
-        let mut seen = Vec::new();
+        self.bytes_apart_from(&[])
+    }
+
+    /// The same, leaving out the storages of `others` (a region's output, which the next
+    /// region holds anyway).
+    pub fn bytes_apart_from(&self, others: &[&Tensor]) -> u64 {
+        let mut seen: Vec<usize> = others
+            .iter()
+            .map(|t| Arc::as_ptr(t.storage()) as usize)
+            .collect();
         let mut total = 0;
         for t in self.tensors() {
             let key = Arc::as_ptr(t.storage()) as usize;
@@ -165,11 +183,7 @@ pub(crate) fn kept<const N: usize>(
             let outputs = outside(compute)?;
             MODE.with(|m| {
                 if let Some(Mode::Keep(kept)) = &mut *m.borrow_mut() {
-                    kept.entries.push_back(Entry {
-                        op,
-                        shape: shape.to_vec(),
-                        outputs: outputs.iter().map(Tensor::detach).collect(),
-                    });
+                    kept.push(op, shape, &outputs);
                 }
             });
             Ok(outputs)
@@ -204,11 +218,7 @@ pub(crate) fn kept_optional(
     let out = outside(compute)?;
     if let Some(t) = &out {
         MODE.with(|m| match &mut *m.borrow_mut() {
-            Some(Mode::Keep(kept)) => kept.entries.push_back(Entry {
-                op,
-                shape: shape.to_vec(),
-                outputs: vec![t.detach()],
-            }),
+            Some(Mode::Keep(kept)) => kept.push(op, shape, std::slice::from_ref(t)),
             Some(Mode::Reuse { kept, fell_back }) => {
                 kept.entries.clear(); // the first run did not run it here: out of step
                 *fell_back += 1;

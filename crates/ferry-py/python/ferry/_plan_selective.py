@@ -125,10 +125,6 @@ class Kept:
         self.outputs.append((out, _versions(out)))
         self.ops.append(func)
 
-    def tensors(self) -> List[torch.Tensor]:
-        """The kept tensors still on the device."""
-        return [t for entry in self.outputs if entry is not None for t in _tensors_in(entry[0])]
-
     def take(self, func: Any) -> Any:
         """What the forward's ``func`` gave, or None where the op must run again."""
         index = self.taken

@@ -137,12 +137,14 @@ def build(name: str, device: Any, tiny: bool = False) -> bench_models.Workload:
 
 
 @contextlib.contextmanager
-def checkpoint_blocks(blocks: Sequence[torch.nn.Module]) -> Any:
+def checkpoint_blocks(blocks: Sequence[torch.nn.Module], **options: Any) -> Any:
     """``torch.utils.checkpoint`` around each block's forward while inside, as a user wraps
-    them (``use_reentrant=False``, the RNG state preserved by default)."""
+    them (``use_reentrant=False``, the RNG state preserved by default; ``options`` go to
+    ``checkpoint`` too)."""
     owned = [(b, b.__dict__.get("forward")) for b in blocks]
     for b in blocks:
-        setattr(b, "forward", functools.partial(checkpoint, b.forward, use_reentrant=False))
+        setattr(b, "forward", functools.partial(checkpoint, b.forward, use_reentrant=False,
+                                                **options))
     try:
         yield
     finally:
@@ -153,7 +155,6 @@ def checkpoint_blocks(blocks: Sequence[torch.nn.Module]) -> Any:
                 setattr(b, "forward", own)
 
 
-@contextlib.contextmanager
 def selective_checkpoint_blocks(blocks: Sequence[torch.nn.Module]) -> Any:
     """torch's own selective activation checkpointing in eager mode around each block, as a
     user writes it: ``create_selective_checkpoint_contexts`` with a policy that saves the
@@ -165,21 +166,8 @@ def selective_checkpoint_blocks(blocks: Sequence[torch.nn.Module]) -> Any:
         return (CheckpointPolicy.MUST_SAVE if op.overloadpacket in KEPT_OPS
                 else CheckpointPolicy.PREFER_RECOMPUTE)
 
-    def contexts() -> Any:
-        return create_selective_checkpoint_contexts(policy)
-
-    owned = [(b, b.__dict__.get("forward")) for b in blocks]
-    for b in blocks:
-        setattr(b, "forward", functools.partial(checkpoint, b.forward, use_reentrant=False,
-                                                context_fn=contexts))
-    try:
-        yield
-    finally:
-        for b, own in owned:
-            if own is None:
-                b.__dict__.pop("forward", None)
-            else:
-                setattr(b, "forward", own)
+    return checkpoint_blocks(
+        blocks, context_fn=lambda: create_selective_checkpoint_contexts(policy))
 
 
 @dataclass

@@ -135,15 +135,7 @@ fn selective_cost<M: Module>(
         let _nothing_saved = no_grad();
         block.forward(x)
     });
-    let output = storage_key(&first?);
-    let mut seen = vec![output];
-    let mut held_bytes = 0;
-    for t in kept.tensors() {
-        if !seen.contains(&storage_key(t)) {
-            seen.push(storage_key(t));
-            held_bytes += t.storage().bytes() as u64;
-        }
-    }
+    let held_bytes = kept.bytes_apart_from(&[&first?]);
     let leaf = x.detach().with_grad()?;
     sync(x.device())?;
     let start = Instant::now();
