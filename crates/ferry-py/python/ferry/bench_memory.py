@@ -515,7 +515,12 @@ def run(args: Any) -> int:
             result = {"what": work.what, "note": f"OOM ({str(e).splitlines()[0]})"}
             print(f"{name}: {result['note']}")
         record["models"][name] = result
-        print(f"{name}: measured in {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"{name}: measured in {time.perf_counter() - started:.0f} s\n", flush=True)
+        # Each model's table and the JSON as soon as it is measured: a run stopped at a time
+        # limit keeps what it measured.
+        print("\n".join(table(name, result)), flush=True)
+        if args.json:
+            _write_json(args.json, record)
         del work
         bench_models._free_memory()
     link = record["link"]
@@ -538,6 +543,10 @@ def run(args: Any) -> int:
         result["png"] = str(path)
         print(f"{name}: curve drawn in {path}")
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(record, out, indent=1)
+        _write_json(args.json, record)
     return 0
+
+
+def _write_json(path: str, record: Dict[str, Any]) -> None:
+    with open(path, "w") as out:
+        json.dump(record, out, indent=1)
