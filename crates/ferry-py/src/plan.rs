@@ -3,7 +3,7 @@
 //! reached through `plan_memory`.
 
 use ferry::TensorError;
-use ferry::autograd::{Choice, Link, MemoryPlan, RegionCost, Selective, StepCost};
+use ferry::autograd::{Choice, Link, MeasuredPeaks, MemoryPlan, RegionCost, Selective, StepCost};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -30,13 +30,15 @@ type RegionRow = (
 /// forced `choices` ("keep", "offload", "recompute", "selective", "selective_offload", one per
 /// region) give; exactly one of the two.
 /// `link` is the link's (to host, to device) rates in bytes per second, None where nothing can be
-/// offloaded. Returns the choices, the target, the predicted `peak_bytes`, `least_bytes`,
+/// offloaded. `measured`: the device bytes the profiled step took without a plan, above its start,
+/// as (the forward's peak, each region's backward peak in forward order); None where not measured
+/// (the peak is then the costs' sum). Returns the choices, the target, the predicted `peak_bytes`, `least_bytes`,
 /// `plain_bytes`, `extra_ms` (and per region, `region_extra_ms`) and `step_ms`, `offload_fits`
 /// and `reached`. Costs or targets no plan can mean raise `ValueError` naming the fix.
 #[pyfunction]
 #[pyo3(signature = (
     regions, target_bytes=None, choices=None, *, shared_bytes=0, head_bytes=0,
-    outside_grad_bytes=0, link=None, host_bytes=None
+    outside_grad_bytes=0, link=None, host_bytes=None, measured=None
 ))]
 #[allow(clippy::too_many_arguments)] // the keyword arguments of one Python call
 pub fn plan_memory<'py>(
@@ -49,6 +51,7 @@ pub fn plan_memory<'py>(
     outside_grad_bytes: i64,
     link: Option<(f64, f64)>,
     host_bytes: Option<i64>,
+    measured: Option<(i64, Vec<i64>)>,
 ) -> PyResult<Bound<'py, PyDict>> {
     guarded(|| {
         let step = StepCost {
@@ -65,6 +68,20 @@ pub fn plan_memory<'py>(
                 to_device_bytes_per_ms: to_device / 1e3,
             }),
             host_bytes: host_bytes.map(|b| bytes("host_bytes", b)).transpose()?,
+            measured: measured
+                .map(|(forward, backward)| -> PyResult<MeasuredPeaks> {
+                    Ok(MeasuredPeaks {
+                        forward_bytes: bytes("the measured forward peak", forward)?,
+                        backward_bytes: backward
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &b)| {
+                                bytes(&format!("region {i}'s measured backward peak"), b)
+                            })
+                            .collect::<PyResult<_>>()?,
+                    })
+                })
+                .transpose()?,
         };
         let plan = match (target_bytes, choices) {
             // A negative target is refused as 0 is: the planner's message names the least.

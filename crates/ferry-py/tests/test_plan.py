@@ -122,6 +122,26 @@ def test_an_unreachable_target_reports_the_least_and_plans_for_it():
     assert "the target is below it" in plan.explain()
 
 
+def test_measured_peaks_replace_the_sums():
+    # A profile on a GPU measures the step's device memory per phase: the forward's most, then
+    # each region's backward's. The planner predicts from them, less what the choices free.
+    cost = StepCost(_regions([1] * 4, [100] * 4), forward_peak_bytes=650 * MB,
+                    backward_peak_bytes=(400 * MB, 500 * MB, 600 * MB, 700 * MB))
+    assert cost.measured and cost.plain_bytes == 700 * MB
+    assert predict_peak(cost, ("recompute",) * 3 + ("keep",)) == 400 * MB
+    assert predict_peak(cost, ("keep",) * 3 + ("recompute",)) == 700 * MB
+    plan = MemoryPlan([nn.Linear(2, 2) for _ in range(4)], cost, target_bytes=450 * MB)
+    assert plan.reachable and plan.predicted_peak_bytes <= 450 * MB
+    assert "device bytes above the step's start" in plan.explain()
+    with pytest.raises(ValueError, match="both forward_peak_bytes and backward_peak_bytes"):
+        StepCost(_regions([1], [100]), forward_peak_bytes=MB)
+    with pytest.raises(ValueError, match="one per region"):
+        StepCost(_regions([1, 1], [100, 100]), forward_peak_bytes=MB, backward_peak_bytes=(MB,))
+    with pytest.raises(ValueError, match="bytes must be >= 0"):
+        predict_peak(StepCost(_regions([1], [100]), forward_peak_bytes=-1,
+                              backward_peak_bytes=(MB,)), ("keep",))
+
+
 def test_bad_targets_raise_naming_the_fix():
     cost = StepCost(_regions([1, 1], [10, 10]), head_bytes=5 * MB)
     with pytest.raises(ValueError, match="must be > 0"):
@@ -836,3 +856,36 @@ def test_selective_and_selective_offload_on_a_gpu():
     peaks = {name: _peak_on_gpu(model, step, p) for name, p in
              (("plain", None), ("selective", selective), ("offloaded", offloaded))}
     assert peaks["plain"] > peaks["selective"] > peaks["offloaded"], peaks
+
+
+@cuda
+def test_the_peaks_predicted_on_a_gpu_are_the_measured_ones():
+    # On a GPU the profile measures the step's device memory over the forward and over each
+    # region's backward; the peaks the plan predicts from them are what each choice then takes,
+    # the head's logits and the backward's temporaries included.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), *[_SdpaBlock() for _ in range(6)],
+                          nn.Linear(256, 8192)).cuda()
+    x = torch.randn(8, 512, 256, device="cuda")
+    labels = torch.randint(0, 8192, (8 * 512,), device="cuda")
+
+    def step():
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), labels)
+        loss.backward()
+        return loss
+
+    plan = MemoryPlan.profile(model, step, fraction=1.0, regions=list(model)[1:7])
+    cost = plan.cost
+    assert cost.measured and len(cost.backward_peak_bytes) == 6
+    plain = _peak_on_gpu(model, step)
+    assert abs(cost.plain_bytes - plain) <= 0.02 * plain, (cost.plain_bytes, plain)
+    for choices in (["recompute"] * 6, ["recompute"] * 5 + ["keep"], ["keep"] * 3 +
+                    ["recompute"] * 3, ["selective"] * 6, ["recompute", "selective"] * 3):
+        p = plan.retarget(choices=choices)
+        measured = _peak_on_gpu(model, step, p)
+        assert abs(p.predicted_peak_bytes - measured) <= 0.05 * plain, \
+            (choices, p.predicted_peak_bytes, measured, plain)
+    # A target the plan reaches is what the step then takes.
+    target = (cost.plain_bytes + plan.retarget(choices=["recompute"] * 6).predicted_peak_bytes) // 2
+    p = plan.retarget(target_bytes=target)
+    assert p.reachable and _peak_on_gpu(model, step, p) <= target + 0.05 * plain

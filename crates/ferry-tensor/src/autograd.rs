@@ -24,7 +24,9 @@ use crate::{Result, Tensor, TensorError};
 
 pub use crate::backward::{GradOptions, grad};
 pub use offload::{OffloadGuard, OffloadOptions, OffloadStats, offload_saved};
-pub use plan::{Choice, Link, MemoryPlan, PlannedRegion, RegionCost, Selective, StepCost};
+pub use plan::{
+    Choice, Link, MeasuredPeaks, MemoryPlan, PlannedRegion, RegionCost, Selective, StepCost,
+};
 
 mod offload;
 mod plan;

@@ -65,8 +65,8 @@ pub mod autograd {
         no_grad, with_no_grad,
     };
     pub use ferry_tensor::autograd::{
-        Choice, GradOptions, Link, MemoryPlan, OffloadGuard, OffloadOptions, OffloadStats,
-        PlannedRegion, RegionCost, Selective, StepCost, grad, offload_saved,
+        Choice, GradOptions, Link, MeasuredPeaks, MemoryPlan, OffloadGuard, OffloadOptions,
+        OffloadStats, PlannedRegion, RegionCost, Selective, StepCost, grad, offload_saved,
     };
     pub use ferry_tensor::gradcheck::{gradcheck, gradgradcheck};
     pub use ferry_tensor::{

@@ -83,7 +83,14 @@ class StepCost:
     through the regions' backward), those saved after the last region (``head_bytes``: the
     loss's, freed before the regions' backward), the gradients of the parameters outside the
     regions (``outside_grad_bytes``, counted from the regions' backward on), the link (None: no
-    offload) and the pinned host memory offload may take (None: no bound)."""
+    offload) and the pinned host memory offload may take (None: no bound).
+
+    ``forward_peak_bytes`` and ``backward_peak_bytes`` (both or neither): the device memory the
+    profiled step took without a plan, above its start (gradients set to None before it): the
+    most from its start until the last region's backward starts, and per region (forward
+    order) the most from its backward's start until the next region's backward starts. Where
+    given, the planner predicts peaks from them, and its bytes are device bytes above the step's
+    start: everything the step allocates, not only the saved activations and gradients."""
 
     regions: Tuple[RegionCost, ...]
     shared_bytes: int = 0
@@ -91,12 +98,25 @@ class StepCost:
     link: Optional[Link] = None
     host_bytes: Optional[int] = None
     outside_grad_bytes: int = 0
+    forward_peak_bytes: Optional[int] = None
+    backward_peak_bytes: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if not self.regions:
             raise ValueError("a step needs at least one region")
         if min(self.shared_bytes, self.head_bytes, self.outside_grad_bytes) < 0:
             raise ValueError("shared_bytes, head_bytes and outside_grad_bytes must be >= 0")
+        if (self.forward_peak_bytes is None) != (self.backward_peak_bytes is None):
+            raise ValueError("give both forward_peak_bytes and backward_peak_bytes, or neither")
+        if self.backward_peak_bytes is not None and \
+                len(self.backward_peak_bytes) != len(self.regions):
+            raise ValueError(f"{len(self.backward_peak_bytes)} backward peaks for "
+                             f"{len(self.regions)} regions: give one per region, in forward order")
+
+    @property
+    def measured(self) -> bool:
+        """Whether the peaks are predicted from the step's measured device memory."""
+        return self.forward_peak_bytes is not None
 
     @property
     def plain_bytes(self) -> int:
@@ -131,10 +151,13 @@ def _planned(cost: StepCost, *, target_bytes: Optional[int] = None,
          None if r.selective_bytes is None or r.selective_ms is None
          else (r.selective_bytes, r.selective_ms), r.cached_bytes) for r in cost.regions]
     link = None if cost.link is None else (cost.link.to_host, cost.link.to_device)
+    measured = None if cost.forward_peak_bytes is None or cost.backward_peak_bytes is None \
+        else (cost.forward_peak_bytes, list(cost.backward_peak_bytes))
     return _ferry.plan_memory(
         rows, target_bytes, None if choices is None else list(choices),
         shared_bytes=cost.shared_bytes, head_bytes=cost.head_bytes,
-        outside_grad_bytes=cost.outside_grad_bytes, link=link, host_bytes=cost.host_bytes)
+        outside_grad_bytes=cost.outside_grad_bytes, link=link, host_bytes=cost.host_bytes,
+        measured=measured)
 
 
 def _decision(answer: Dict[str, Any], target_bytes: int) -> Decision:

@@ -158,6 +158,52 @@ class _RegionWatch:
         self._handles = []
 
 
+class _PhasePeaks:
+    """On a GPU, the most memory allocated above the step's start over each phase of a step:
+    the forward (until the first region's backward starts) and each region's backward (from its
+    start until the next region's backward starts, or the step's end)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base = 0
+        self.phase: Optional[int] = None  # -1: the forward; i: region i's backward
+        self.forward = 0
+        self.backward: Dict[int, int] = {}
+
+    def start(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.phase = -1
+
+    def _close(self) -> None:
+        peak = max(0, torch.cuda.max_memory_allocated(self.device) - self.base)
+        if self.phase == -1:
+            self.forward = max(self.forward, peak)
+        elif self.phase is not None:
+            self.backward[self.phase] = max(self.backward.get(self.phase, 0), peak)
+
+    def at_backward(self, i: int) -> None:
+        """Region ``i``'s backward starts (host side: the allocator counts as the ops are
+        issued, so no synchronization is needed)."""
+        if self.phase is None:
+            return
+        self._close()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.phase = i
+
+    def stop(self) -> None:
+        if self.phase is not None:
+            self._close()
+        self.phase = None
+
+    def peaks(self, regions: int) -> Optional[Tuple[int, List[int]]]:
+        """(forward, per region backward) or None where a region's backward was not seen."""
+        if any(i not in self.backward for i in range(regions)):
+            return None
+        return self.forward, [self.backward[i] for i in range(regions)]
+
+
 class _Use:
     """One storage seen in the profiled step: saved by autograd, or a region's input."""
 

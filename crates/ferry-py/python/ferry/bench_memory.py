@@ -279,6 +279,7 @@ def measure(work: bench_models.Workload, samples: int, warmup: int) -> Dict[str,
             "saved_bytes": saved, "saved_storages": storages, "pinned_budget": budget,
             "regions": len(blocks),
             "plain_activation_bytes": profiled.cost.plain_bytes if profiled else None,
+            "profile_measured": bool(profiled and profiled.cost.measured),
             "beside_bytes": beside, "profile": profiled.explain() if profiled else None,
             "plan_refused": refused, "rows": runs}
 
@@ -407,10 +408,14 @@ def table(name: str, result: Dict[str, Any]) -> List[str]:
         return [f"**{name}**: {result.get('what', '')}: {result['note']}", ""]
     points = curve(result)
     plain = next((p for p in points if p.kind == "plain"), None)
-    planner = (f"the plain peak is the planner's {_gib(result['plain_activation_bytes'])} GiB "
-               f"of activations + {_gib(result['beside_bytes'])} GiB beside them"
-               if result.get("plan_refused") is None
-               else f"no plan rows: {result['plan_refused']}")
+    if result.get("plan_refused") is not None:
+        planner = f"no plan rows: {result['plan_refused']}"
+    elif result.get("profile_measured"):
+        planner = (f"the profiled step's measured peak {_gib(result['plain_activation_bytes'])} "
+                   f"GiB, this run's plain peak {result['beside_bytes'] / GIB:+.2f} GiB from it")
+    else:
+        planner = (f"the plain peak is the planner's {_gib(result['plain_activation_bytes'])} "
+                   f"GiB of activations + {_gib(result['beside_bytes'])} GiB beside them")
     lines = [f"**{name}**: {result['what']}; {result['parameters'] / 1e6:.1f} M parameters; "
              f"{result['batch']}. Saved activations {_gib(result['saved_bytes'])} GiB; "
              f"{result['regions']} regions; {planner}.", ""]

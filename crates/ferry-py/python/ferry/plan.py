@@ -42,8 +42,8 @@ from ._plan_costs import (CHOICES, Choice, Decision, Link, RegionCost, StepCost,
                           extra_ms, forced, offload_fits, predict_peak)
 from ._plan_selective import Kept, Tally, recomputed
 from ._plan_torch import (_bytes, _Clock, _grad_bytes, _host_room, _measure_link,
-                          _model_device, _RegionOffload, _RegionWatch, _SavedBytes, _storage,
-                          _tensors, find_regions)
+                          _model_device, _PhasePeaks, _RegionOffload, _RegionWatch, _SavedBytes,
+                          _storage, _tensors, find_regions)
 
 __all__ = ["CHOICES", "Choice", "Decision", "Link", "MemoryPlan", "PlanError", "RegionCost",
            "StepCost", "TargetUnreachable", "choose", "extra_ms", "find_regions", "offload_fits",
@@ -70,7 +70,9 @@ _APPLIED: "weakref.WeakKeyDictionary[nn.Module, MemoryPlan]" = weakref.WeakKeyDi
 class MemoryPlan:
     """Per region of a model, keep, offload or recompute (whole or selectively) what autograd
     saves, chosen to bring the step's activation bytes at its peak (saved tensors, and the
-    parameter gradients backward has made by then) to a target at the least predicted time.
+    parameter gradients backward has made by then) to a target at the least predicted time. A
+    plan profiled on a GPU predicts from the step's measured device memory instead, and its
+    bytes (targets, peaks) are all the step allocates above its start (``cost.measured``).
 
     Build it with ``MemoryPlan.profile(model, step_fn, target_bytes=... | fraction=...)``, or
     from costs of your own with ``MemoryPlan(regions, cost, target_bytes=... | fraction=... |
@@ -154,8 +156,12 @@ class MemoryPlan:
         """Runs ``step_fn`` (a forward and backward of ``model``) ``warmup`` times, then once
         more measuring each region, and plans for the target. With ``selective`` (the default)
         the same again (at least one warmup) with every region selectively recomputed,
-        measuring what that holds and adds, so the plan may choose it. The steps accumulate
-        gradients as any step does; the RNG streams are left as they were."""
+        measuring what that holds and adds, so the plan may choose it. On a GPU the measured
+        step also records the device memory it takes over its forward and over each region's
+        backward (resetting torch's peak memory statistics as it goes), from which the plan
+        predicts its peaks: its bytes are then all the step allocates above its start. The
+        measured step starts with the gradients set to None, as ``zero_grad()`` leaves them;
+        the steps accumulate gradients as any step does; the RNG streams are left as they were."""
         if warmup < 0:
             raise ValueError(f"warmup={warmup} must be >= 0")
         if sum(x is not None for x in (target_bytes, fraction)) != 1:
@@ -169,16 +175,23 @@ class MemoryPlan:
         devices = [device.index if device.index is not None else torch.cuda.current_device()] \
             if cuda else []
         counter = _SavedBytes(model, len(modules), min_offload_bytes)
+        meter = _PhasePeaks(device) if cuda else None
         with torch.random.fork_rng(devices=devices):
             for _ in range(warmup):
                 step_fn()
-            watch = _RegionWatch(modules, _Clock(device), on_enter=counter.enter)
+            # As a step after zero_grad(): its gradients are allocated inside it.
+            model.zero_grad(set_to_none=True)
+            watch = _RegionWatch(modules, _Clock(device), on_enter=counter.enter,
+                                 on_backward=None if meter is None else meter.at_backward)
             counter.watch = watch
             try:
+                if meter is not None:
+                    meter.start()
                 with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                     step_fn()
-                if cuda:
+                if meter is not None:
                     torch.cuda.synchronize(device)
+                    meter.stop()
             finally:
                 watch.remove()
         not_run = [names[m] for i, m in enumerate(modules) if not watch.spans[i]]
@@ -205,8 +218,11 @@ class MemoryPlan:
                           for i, r in enumerate(costs))
         # Forward order, as the windows of the cost model need it.
         order = sorted(range(len(modules)), key=watch.entered.index)
+        peaks = None if meter is None else meter.peaks(len(modules))
         cost = StepCost(tuple(costs[i] for i in order), counter.shared, counter.head, link, host,
-                        outside)
+                        outside, forward_peak_bytes=None if peaks is None else peaks[0],
+                        backward_peak_bytes=None if peaks is None
+                        else tuple(peaks[1][i] for i in order))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TargetUnreachable)
             plan = cls([modules[i] for i in order], cost, target_bytes=target_bytes,
@@ -351,8 +367,10 @@ class MemoryPlan:
         link = ("none: keep or recompute only" if cost.link is None else
                 f"{cost.link.to_host / 1e9:.1f} GB/s to host, "
                 f"{cost.link.to_device / 1e9:.1f} GB/s to device")
+        what = ("device bytes above the step's start" if cost.measured
+                else "activation bytes")
         lines = [
-            f"MemoryPlan over {len(self.regions)} regions; activation bytes at the peak: "
+            f"MemoryPlan over {len(self.regions)} regions; {what} at the peak: "
             f"target {_bytes(d.target_bytes)}, predicted {_bytes(d.peak_bytes)} (plain "
             f"{_bytes(cost.plain_bytes)}, least reachable {_bytes(d.least_bytes)}"
             + ("" if d.reachable else ": the target is below it") + ")",
@@ -377,6 +395,11 @@ class MemoryPlan:
                   for row in rows]
         lines.append(f"outside the regions: {_bytes(cost.shared_bytes)} shared (region inputs, "
                      f"saved before them), {_bytes(cost.head_bytes)} after the last (kept)")
+        if cost.forward_peak_bytes is not None and cost.backward_peak_bytes is not None:
+            lines.append(
+                "peaks predicted from the profiled step's device memory above its start: forward "
+                f"{_bytes(cost.forward_peak_bytes)}; backward of each region (first to last) "
+                + ", ".join(_bytes(b) for b in cost.backward_peak_bytes))
         if any(r.backward_ms is None for r in cost.regions):
             lines.append("* backward not measured: twice the forward assumed")
         if any(choice.startswith("selective") for choice in d.choices):

@@ -32,6 +32,15 @@
 //! So recomputing the last region frees nothing when nothing follows it (its bytes come back
 //! while every earlier region still holds its own).
 //!
+//! Where the profile measured the step's device memory without a plan ([`MeasuredPeaks`]: the
+//! most over the forward, and over each region's backward), the peak is predicted from those
+//! figures instead, which count what the sums above leave out (a backward's temporaries, the
+//! loss's logits, inputs freed once their region is through backward): the forward's peak less
+//! the bytes every region's choice frees (all but its `cached_bytes` until the forward ends), and
+//! each region `k`'s backward peak less what the regions before `k` free, plus its unsaved input
+//! if recomputed and region `k-1`'s moved bytes. The target and the peaks are then device bytes
+//! above the step's start, as the profile measured them.
+//!
 //! - **Recompute** costs the region's forward milliseconds again; a region that writes its input
 //!   in place (`recomputable: false`) is never recomputed.
 //! - **Selective** recompute costs its measured [`Selective::extra_ms`]: the cheap ops run again,
@@ -175,6 +184,23 @@ pub struct StepCost {
     pub link: Option<Link>,
     /// The host memory offload may take; `None`: no bound.
     pub host_bytes: Option<u64>,
+    /// The device memory the profiled step took without a plan, where it was measured: the peak
+    /// is then predicted from it (see the module docs) and counts everything the step allocates.
+    pub measured: Option<MeasuredPeaks>,
+}
+
+/// What a profiled step without a plan was seen to take on the device, in bytes above what was
+/// allocated when it started (its gradients set to none before it, as `zero_grad` leaves them):
+/// the most over each phase of the step, whatever held it (saved tensors, gradients, the
+/// loss's logits, a backward's temporaries).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MeasuredPeaks {
+    /// From the step's start until the last region's backward starts: the forward and the
+    /// backward of what follows the regions (the loss's).
+    pub forward_bytes: u64,
+    /// Per region, in forward order: from the start of its backward until the start of the
+    /// backward of the region before it (the first region's: until the step's end).
+    pub backward_bytes: Vec<u64>,
 }
 
 impl StepCost {
@@ -512,6 +538,15 @@ fn check(step: &StepCost) -> Result<()> {
                 .checked_add(r.selective.map_or(0, |s| s.held_bytes))
         })
     };
+    if let Some(m) = &step.measured
+        && m.backward_bytes.len() != step.regions.len()
+    {
+        return invalid(format!(
+            "{} measured backward peaks for {} regions: give one per region, in forward order",
+            m.backward_bytes.len(),
+            step.regions.len()
+        ));
+    }
     if total().is_none() {
         return invalid("the step's bytes add up past 2^64; give them in bytes, not bits".into());
     }

@@ -3,7 +3,7 @@
 
 use std::cmp::Ordering;
 
-use super::{Choice, RegionCost, StepCost};
+use super::{Choice, MeasuredPeaks, RegionCost, StepCost};
 
 /// Bytes a region holds on the device from its forward until its backward.
 fn held(region: &RegionCost, choice: Choice) -> u64 {
@@ -102,9 +102,51 @@ impl StepCost {
         out
     }
 
-    /// The activation bytes at the peak under `choices`: the end of the forward, or some region's
-    /// backward (see the module docs).
+    /// The bytes at the peak under `choices`: the end of the forward, or some region's backward
+    /// (see the module docs); from the measured peaks where the profile measured them.
     pub(super) fn peak_bytes(&self, choices: &[Choice]) -> u64 {
+        match &self.measured {
+            Some(measured) => self.measured_peak(measured, choices),
+            None => self.modelled_peak(choices),
+        }
+    }
+
+    /// The measured step's peaks, each less what `choices` free before it (the regions before
+    /// it hold less) and plus what they add to it (a recompute's unsaved input; the upload of
+    /// the region before, which `freed` took off).
+    fn measured_peak(&self, measured: &MeasuredPeaks, choices: &[Choice]) -> u64 {
+        let regions = &self.regions;
+        // Signed: a forced recompute may hold more than its region saved.
+        let freed: Vec<i128> = regions
+            .iter()
+            .zip(choices)
+            .map(|(r, &c)| i128::from(r.saved_bytes) - i128::from(held(r, c)))
+            .collect();
+        // autocast's casts stay cached until the forward ends, whatever is chosen.
+        let cached: i128 = regions
+            .iter()
+            .zip(choices)
+            .filter(|(_, c)| **c != Choice::Keep)
+            .map(|(r, _)| i128::from(r.cached_bytes))
+            .sum();
+        let mut peak = i128::from(measured.forward_bytes) - freed.iter().sum::<i128>() + cached;
+        let mut below = 0;
+        for (k, region) in regions.iter().enumerate() {
+            let mut during = i128::from(measured.backward_bytes[k]) - below;
+            if recomputes(choices[k]) {
+                during += i128::from(region.unsaved_input_bytes);
+            }
+            if k > 0 {
+                during += i128::from(moved(&regions[k - 1], choices[k - 1]));
+            }
+            peak = peak.max(during);
+            below += freed[k];
+        }
+        u64::try_from(peak.max(0)).unwrap_or(u64::MAX)
+    }
+
+    /// The peak from the costs alone: saved bytes, inputs, gradients.
+    fn modelled_peak(&self, choices: &[Choice]) -> u64 {
         let regions = &self.regions;
         let held: Vec<u64> = regions
             .iter()

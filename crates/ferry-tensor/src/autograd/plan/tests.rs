@@ -476,3 +476,65 @@ fn autocast_casts_stay_until_the_forward_ends() {
     let err = MemoryPlan::with_choices(&step, &[K; 4]).unwrap_err();
     assert!(err.to_string().contains("cached_bytes"), "{err}");
 }
+
+/// Four regions saving 100 MiB each, with the peaks a profile measured (MiB above the step's
+/// start): the forward's, then each region's backward.
+fn measured_step(forward_mib: u64, backward_mib: [u64; 4]) -> StepCost {
+    let mut step = step(&[10.0; 4], &[100; 4], 0);
+    step.measured = Some(MeasuredPeaks {
+        forward_bytes: forward_mib * MIB,
+        backward_bytes: backward_mib.iter().map(|b| b * MIB).collect(),
+    });
+    step
+}
+
+#[test]
+fn measured_peaks_replace_the_sums() {
+    // The sums give 400 MiB; the measured step took more (logits, a backward's temporaries,
+    // gradients), the most in the last region's backward.
+    let mut step = measured_step(650, [400, 500, 600, 700]);
+    assert_eq!(step.plain_bytes(), 700 * MIB);
+    // Each phase less what the regions before it free: the forward loses every recompute's
+    // bytes, a region's backward those of the regions before it.
+    assert_eq!(peak_mib(&step, &[R, R, R, K]), 400);
+    assert_eq!(peak_mib(&step, &[R, K, K, K]), 600);
+    // Recomputing the last region frees nothing at its backward's peak.
+    assert_eq!(peak_mib(&step, &[K, K, K, R]), 700);
+    // A recompute holds its unsaved input from the forward to its backward.
+    step.regions[1].unsaved_input_bytes = 10 * MIB;
+    assert_eq!(peak_mib(&step, &[K, R, K, K]), 610);
+    // The planner reaches for the measured peaks.
+    let p = plan(&step, 450);
+    assert!(p.reached(), "{p}");
+    assert!(p.peak_bytes() <= 450 * MIB, "{p}");
+    assert_eq!(p.least_bytes(), 410 * MIB, "{p}");
+}
+
+#[test]
+fn measured_peaks_keep_autocasts_casts_and_uploads() {
+    // autocast's casts stay until the forward ends; an offloaded region's bytes come back in the
+    // backward of the region after it.
+    let mut step = measured_step(700, [400, 500, 600, 700]);
+    for r in &mut step.regions {
+        r.cached_bytes = 30 * MIB;
+    }
+    assert_eq!(
+        peak_mib(&step, &[R, R, R, K]),
+        700 - 3 * 70,
+        "the forward's end"
+    );
+    step.link = Some(link(100, 1.0, 1.0));
+    // Region 0 offloaded: the forward's end holds 70 MiB less (its casts stay); it is back in
+    // region 1's backward, which then holds what it held without a plan.
+    assert_eq!(peak_mib(&step, &[O, K, K, K]), 700 - 70);
+    // Region 2 offloaded: back in region 3's backward, at the step's plain peak.
+    assert_eq!(peak_mib(&step, &[K, K, O, K]), 700);
+}
+
+#[test]
+fn measured_peaks_need_one_backward_per_region() {
+    let mut step = measured_step(650, [400, 500, 600, 700]);
+    step.measured.as_mut().unwrap().backward_bytes.pop();
+    let err = MemoryPlan::for_step(&step, 500 * MIB).unwrap_err();
+    assert!(err.to_string().contains("one per region"), "{err}");
+}
