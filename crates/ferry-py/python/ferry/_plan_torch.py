@@ -193,6 +193,7 @@ class _PhasePeaks:
         self.phase = i
 
     def stop(self) -> None:
+        torch.cuda.synchronize(self.device)
         if self.phase is not None:
             self._close()
         self.phase = None
@@ -202,6 +203,12 @@ class _PhasePeaks:
         if any(i not in self.backward for i in range(regions)):
             return None
         return self.forward, [self.backward[i] for i in range(regions)]
+
+
+def _phase_peaks(device: torch.device) -> Optional[_PhasePeaks]:
+    """The meter of a profiled step's device memory per phase: a GPU's allocator; none on the
+    CPU, which has no allocator statistics."""
+    return _PhasePeaks(device) if device.type == "cuda" else None
 
 
 class _Use:
@@ -257,8 +264,10 @@ class _SavedBytes:
         self.live: Dict[Any, _Use] = {}  # storage key -> its _Use while that storage is alive
         self.uses: List[_Use] = []
         self.inputs: List[Set[_Use]] = [set() for _ in range(regions)]
-        # Per region, its input tensors and their versions at entry.
+        # Per region, its input tensors and their versions at entry, until its forward ends
+        # (held no longer: the measured step's memory must not count them).
         self.versions: List[List[Tuple[torch.Tensor, int]]] = [[] for _ in range(regions)]
+        self.written = [False] * regions
         self.shared = self.head = 0
         # Per region, whether an autocast scope (with its cache) was on when it ran.
         self.autocast = [False] * regions
@@ -286,8 +295,13 @@ class _SavedBytes:
                 self.inputs[i].add(use)
             self.versions[i].append((t, t._version))
 
+    def exit(self, i: int) -> None:
+        """Region ``i``'s forward ended: whether it wrote an input in place is known."""
+        self.written[i] = self.writes_inputs(i)
+        self.versions[i] = []
+
     def writes_inputs(self, i: int) -> bool:
-        return any(t._version != v for t, v in self.versions[i])
+        return self.written[i] or any(t._version != v for t, v in self.versions[i])
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         use = self._use(t)

@@ -42,7 +42,7 @@ from ._plan_costs import (CHOICES, Choice, Decision, Link, RegionCost, StepCost,
                           extra_ms, forced, offload_fits, predict_peak)
 from ._plan_selective import Kept, Tally, recomputed
 from ._plan_torch import (_bytes, _Clock, _grad_bytes, _host_room, _measure_link,
-                          _model_device, _PhasePeaks, _RegionOffload, _RegionWatch, _SavedBytes,
+                          _model_device, _phase_peaks, _RegionOffload, _RegionWatch, _SavedBytes,
                           _storage, _tensors, find_regions)
 
 __all__ = ["CHOICES", "Choice", "Decision", "Link", "MemoryPlan", "PlanError", "RegionCost",
@@ -175,24 +175,24 @@ class MemoryPlan:
         devices = [device.index if device.index is not None else torch.cuda.current_device()] \
             if cuda else []
         counter = _SavedBytes(model, len(modules), min_offload_bytes)
-        meter = _PhasePeaks(device) if cuda else None
+        meter = _phase_peaks(device)
         with torch.random.fork_rng(devices=devices):
             for _ in range(warmup):
                 step_fn()
             # As a step after zero_grad(): its gradients are allocated inside it.
             model.zero_grad(set_to_none=True)
             watch = _RegionWatch(modules, _Clock(device), on_enter=counter.enter,
+                                 on_exit=counter.exit,
                                  on_backward=None if meter is None else meter.at_backward)
             counter.watch = watch
+            if meter is not None:
+                meter.start()
             try:
-                if meter is not None:
-                    meter.start()
                 with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                     step_fn()
-                if meter is not None:
-                    torch.cuda.synchronize(device)
-                    meter.stop()
             finally:
+                if meter is not None:
+                    meter.stop()
                 watch.remove()
         not_run = [names[m] for i, m in enumerate(modules) if not watch.spans[i]]
         if not_run:
