@@ -32,9 +32,9 @@ type RegionRow = (
 /// `link` is the link's (to host, to device) rates in bytes per second, None where nothing can be
 /// offloaded. `measured`: the device bytes the profiled step took without a plan, above its start,
 /// as (the forward's peak, each region's backward peak in forward order); None where not measured
-/// (the peak is then the costs' sum). Returns the choices, the target, the predicted `peak_bytes`, `least_bytes`,
-/// `plain_bytes`, `extra_ms` (and per region, `region_extra_ms`) and `step_ms`, `offload_fits`
-/// and `reached`. Costs or targets no plan can mean raise `ValueError` naming the fix.
+/// (the peak is then the costs' sum). Returns the choices, the target, the predicted `peak_bytes`,
+/// `least_bytes`, `plain_bytes`, `extra_ms` (and per region, `region_extra_ms`) and `step_ms`,
+/// `offload_fits` and `reached`. Costs or targets no plan can mean raise `ValueError` naming the fix.
 #[pyfunction]
 #[pyo3(signature = (
     regions, target_bytes=None, choices=None, *, shared_bytes=0, head_bytes=0,
