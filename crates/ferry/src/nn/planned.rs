@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ferry_graph::{enable_grad, no_grad};
-use ferry_tensor::autograd::{Choice, OffloadOptions, RegionCost, Selective, offload_saved};
+use ferry_tensor::autograd::{
+    Choice, MeasuredPeaks, OffloadOptions, RegionCost, Selective, offload_saved,
+};
 use ferry_tensor::{Device, Result, Tensor, TensorError};
 use ferry_tensor::{keep_products, reuse_products};
 
@@ -219,6 +221,128 @@ impl<M: Module + Clone + Send + Sync + 'static> PlannedChain<M> {
     pub fn profile_blocks(&self, input: &Tensor) -> Result<Vec<RegionCost>> {
         profile_blocks(&self.blocks, input)
     }
+
+    /// One step without a plan, measuring the memory of `input`'s device (the host allocator
+    /// on the CPU) it takes above what was allocated at its start: the chain's forward with
+    /// every block kept, then `backward` with the chain's output (what follows the chain, the
+    /// loss, and its backward). For [`StepCost::measured`](crate::autograd::StepCost), from
+    /// which the plan predicts its peaks. Clear the gradients before it, as a step starts.
+    /// Counters are process-wide: other threads' work in the same step moves them.
+    pub fn measure_peaks(
+        &self,
+        input: &Tensor,
+        backward: impl FnOnce(&Tensor) -> Result<()>,
+    ) -> Result<MeasuredPeaks> {
+        measure_peaks(&self.blocks, input, backward)
+    }
+}
+
+/// The memory of one device, read and restarted at a step's phases.
+#[derive(Clone, Copy)]
+struct Meter(Device);
+
+impl Meter {
+    fn allocated(self) -> Result<u64> {
+        Ok(match self.0 {
+            Device::Cpu => crate::host::memory_allocated(),
+            gpu => {
+                crate::cuda::synchronize(gpu)?;
+                crate::cuda::memory_allocated(gpu)?
+            }
+        } as u64)
+    }
+
+    fn peak(self) -> Result<u64> {
+        Ok(match self.0 {
+            Device::Cpu => crate::host::max_memory_allocated(),
+            gpu => crate::cuda::max_memory_allocated(gpu)?,
+        } as u64)
+    }
+
+    fn restart(self) -> Result<()> {
+        match self.0 {
+            Device::Cpu => crate::host::reset_peak(),
+            gpu => crate::cuda::reset_peak(gpu)?,
+        }
+        Ok(())
+    }
+}
+
+/// Per phase of a step, the most above its start: the forward (index 0), then block `i`'s
+/// backward (index `i + 1`).
+struct Phases {
+    meter: Meter,
+    base: u64,
+    current: usize,
+    peaks: Vec<Option<u64>>,
+}
+
+impl Phases {
+    fn close(&mut self) -> Result<()> {
+        let peak = self.meter.peak()?.saturating_sub(self.base);
+        let slot = &mut self.peaks[self.current];
+        *slot = Some(slot.map_or(peak, |p| p.max(peak)));
+        Ok(())
+    }
+
+    fn enter(&mut self, phase: usize) -> Result<()> {
+        self.close()?;
+        self.meter.restart()?;
+        self.current = phase;
+        Ok(())
+    }
+}
+
+fn measure_peaks<M: Module>(
+    blocks: &[M],
+    input: &Tensor,
+    backward: impl FnOnce(&Tensor) -> Result<()>,
+) -> Result<MeasuredPeaks> {
+    let meter = Meter(input.device());
+    let base = meter.allocated()?;
+    meter.restart()?;
+    let phases = Arc::new(parking_lot::Mutex::new(Phases {
+        meter,
+        base,
+        current: 0,
+        peaks: vec![None; blocks.len() + 1],
+    }));
+    let mut x = input.clone();
+    let mut hooks = Vec::with_capacity(blocks.len());
+    for (i, block) in blocks.iter().enumerate() {
+        x = block.forward(&x)?;
+        if x.requires_grad() {
+            let phases = phases.clone();
+            // The gradient of block i's output: its backward starts.
+            hooks.push(x.register_hook(move |_| {
+                phases.lock().enter(i + 1)?;
+                Ok(None)
+            })?);
+        }
+    }
+    let ran = backward(&x);
+    for hook in hooks {
+        hook.remove();
+    }
+    ran?;
+    if let Device::Cuda(_) = input.device() {
+        crate::cuda::synchronize(input.device())?;
+    }
+    let mut phases = phases.lock();
+    phases.close()?;
+    let peaks: Option<Vec<u64>> = phases.peaks.iter().copied().collect();
+    let Some(peaks) = peaks else {
+        return Err(TensorError::InvalidArgument {
+            op: "PlannedChain::measure_peaks",
+            message: "a block's backward never ran: `backward` must run the backward of the \
+                      chain's output (a loss made from it), and its blocks must require grad"
+                .into(),
+        });
+    };
+    Ok(MeasuredPeaks {
+        forward_bytes: peaks[0],
+        backward_bytes: peaks[1..].to_vec(),
+    })
 }
 
 impl<M: Module + Clone + Send + Sync + 'static> Module for PlannedChain<M> {

@@ -1,0 +1,107 @@
+//! A memory plan's peaks predicted from a measured step ([`PlannedChain::measure_peaks`]) against
+//! what each choice then takes, read from the allocator (ferry's host statistics on the CPU).
+//! Both are process-wide, so these take the binary's lock.
+
+use ferry::autograd::{Choice, MemoryPlan, StepCost};
+use ferry::nn::{Activation, Dense, Module, PlannedChain};
+use ferry_tensor::{DType, Device, Result, Tensor};
+use ferry_tests::device_test;
+
+use Choice::{Keep as K, Recompute as R, Selective as S};
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    super::LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Six blocks of two layers, each keeping its 256-wide hidden activation for backward.
+fn chain(device: Device) -> Result<PlannedChain<PlannedChain<Dense>>> {
+    let block = || -> Result<PlannedChain<Dense>> {
+        Ok(PlannedChain::new(vec![
+            Dense::new(64, 256, Activation::Tanh, device)?,
+            Dense::new(256, 64, Activation::Identity, device)?,
+        ]))
+    };
+    Ok(PlannedChain::new(
+        (0..6).map(|_| block()).collect::<Result<Vec<_>>>()?,
+    ))
+}
+
+/// A head after the chain: a 1024-wide product and its activation, as a model's logits.
+fn loss_and_backward(y: &Tensor, head: &Tensor) -> Result<()> {
+    y.matmul(head)?.tanh()?.mean()?.backward()?;
+    Ok(())
+}
+
+fn allocated(device: Device) -> Result<u64> {
+    Ok(match device {
+        Device::Cpu => ferry::host::memory_allocated(),
+        gpu => {
+            ferry::cuda::synchronize(gpu)?;
+            ferry::cuda::memory_allocated(gpu)?
+        }
+    } as u64)
+}
+
+/// The most allocated above the start over one step of `chain` (its gradients cleared first).
+fn step_peak(chain: &PlannedChain<PlannedChain<Dense>>, x: &Tensor, head: &Tensor) -> Result<u64> {
+    for p in chain.parameters().iter().chain([head]) {
+        p.set_grad(None);
+    }
+    let device = x.device();
+    let base = allocated(device)?;
+    match device {
+        Device::Cpu => ferry::host::reset_peak(),
+        gpu => ferry::cuda::reset_peak(gpu)?,
+    }
+    loss_and_backward(&chain.forward(x)?, head)?;
+    let peak = match device {
+        Device::Cpu => ferry::host::max_memory_allocated(),
+        gpu => {
+            ferry::cuda::synchronize(gpu)?;
+            ferry::cuda::max_memory_allocated(gpu)?
+        }
+    } as u64;
+    Ok(peak.saturating_sub(base))
+}
+
+fn predicted_peaks_are_the_measured_ones(device: Device) -> Result<()> {
+    let _serial = serial();
+    let mut chain = chain(device)?;
+    let x = Tensor::randn(&[512, 64], DType::F32, device)?.with_grad()?;
+    let head = Tensor::randn(&[64, 1024], DType::F32, device)?.with_grad()?;
+    let costs = chain.profile_blocks(&x)?;
+    step_peak(&chain, &x, &head)?; // a warm step: caches and workspaces taken
+    for p in chain.parameters().iter().chain([&head]) {
+        p.set_grad(None);
+    }
+    let measured = chain.measure_peaks(&x, |y| loss_and_backward(y, &head))?;
+    let mut step = StepCost::new(&costs, None);
+    step.measured = Some(measured.clone());
+    let plain = step_peak(&chain, &x, &head)?;
+    let profiled = MemoryPlan::with_choices(&step, &[K; 6])?.peak_bytes();
+    assert!(
+        profiled.abs_diff(plain) <= plain / 50,
+        "profiled plain peak {profiled} against a plain step's {plain} ({measured:?})"
+    );
+    for choices in [
+        [R, R, R, R, R, K],
+        [R, R, R, R, R, R],
+        [K, K, K, R, R, R],
+        [S, S, S, S, S, S],
+        [R, S, R, S, R, K],
+    ] {
+        let predicted = MemoryPlan::with_choices(&step, &choices)?.peak_bytes();
+        chain.set_plan(&choices)?;
+        let took = step_peak(&chain, &x, &head)?;
+        chain.set_plan(&[K; 6])?;
+        assert!(
+            predicted.abs_diff(took) <= plain / 20,
+            "{choices:?}: predicted {predicted}, took {took}, plain {plain} ({measured:?})"
+        );
+    }
+    Ok(())
+}
+device_test!(
+    the_peaks_predicted_from_a_measured_step_are_the_measured_ones,
+    predicted_peaks_are_the_measured_ones
+);
