@@ -105,3 +105,75 @@ device_test!(
     the_peaks_predicted_from_a_measured_step_are_the_measured_ones,
     predicted_peaks_are_the_measured_ones
 );
+
+/// The same for ferry's GPT: its embedding and head inside the measured step.
+fn gpt_peaks_are_the_measured_ones(device: Device) -> Result<()> {
+    use ferry::models::{Gpt, GptConfig};
+    let _serial = serial();
+    let config = GptConfig {
+        vocab: 128,
+        context: 64,
+        width: 64,
+        layers: 4,
+        heads: 4,
+    };
+    let mut gpt = Gpt::new(config, device)?;
+    let ids = Tensor::rand(&[4 * 64], DType::F32, device)?
+        .mul_scalar(128.0)?
+        .to_dtype(DType::I64)?;
+    let targets = ids.clone();
+    let ids = ids.reshape(&[4, 64])?;
+    let backward = |logits: &Tensor| -> Result<()> {
+        let flat = logits.reshape(&[4 * 64, 128])?;
+        ferry::nn::cross_entropy(&flat, &targets)?.backward()?;
+        Ok(())
+    };
+    let clear = |gpt: &Gpt| {
+        for p in gpt.parameters() {
+            p.set_grad(None);
+        }
+    };
+    let step = |gpt: &Gpt| -> Result<u64> {
+        clear(gpt);
+        let base = allocated(device)?;
+        match device {
+            Device::Cpu => ferry::host::reset_peak(),
+            gpu => ferry::cuda::reset_peak(gpu)?,
+        }
+        backward(&gpt.forward(&ids)?)?;
+        let peak = match device {
+            Device::Cpu => ferry::host::max_memory_allocated(),
+            gpu => {
+                ferry::cuda::synchronize(gpu)?;
+                ferry::cuda::max_memory_allocated(gpu)?
+            }
+        } as u64;
+        Ok(peak.saturating_sub(base))
+    };
+    let costs = gpt.profile_blocks(&ids)?;
+    step(&gpt)?; // a warm step
+    clear(&gpt);
+    let mut cost = StepCost::new(&costs, None);
+    cost.measured = Some(gpt.measure_peaks(&ids, backward)?);
+    let plain = step(&gpt)?;
+    let profiled = MemoryPlan::with_choices(&cost, &[K; 4])?.peak_bytes();
+    assert!(
+        profiled.abs_diff(plain) <= plain / 50,
+        "profiled {profiled}, plain step {plain}"
+    );
+    for choices in [[R, R, R, K], [R, R, R, R], [K, K, R, R], [S, S, S, S]] {
+        let predicted = MemoryPlan::with_choices(&cost, &choices)?.peak_bytes();
+        gpt.set_plan(&choices)?;
+        let took = step(&gpt)?;
+        gpt.set_plan(&[K; 4])?;
+        assert!(
+            predicted.abs_diff(took) <= plain / 20,
+            "{choices:?}: predicted {predicted}, took {took}, plain {plain}"
+        );
+    }
+    Ok(())
+}
+device_test!(
+    a_gpts_predicted_peaks_are_the_measured_ones,
+    gpt_peaks_are_the_measured_ones
+);

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
-use ferry::autograd::{Choice, Link, MemoryPlan, RegionCost};
+use ferry::autograd::{Choice, Link, MeasuredPeaks, MemoryPlan, RegionCost, StepCost};
 use ferry::memory::cuda::CudaDevice;
 use ferry::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use ferry::nn::{Activation, Dense, PlannedChain};
@@ -233,20 +233,42 @@ impl Run {
     }
 
     fn loss(&self) -> ferry::Result<Tensor> {
-        let forward = || -> ferry::Result<Tensor> {
-            let out = self.model.as_module().forward(&self.input)?;
-            match &self.targets {
-                Some(targets) => {
-                    let flat = out.reshape(&[targets.shape()[0], self.vocab])?;
-                    ferry::nn::cross_entropy(&flat, targets)
-                }
-                None => out.mul(&out)?.mean(),
-            }
-        };
+        let forward = || self.loss_of(&self.model.as_module().forward(&self.input)?);
         match self.bf16 {
             true => ferry::amp::autocast(DType::BF16, forward),
             false => forward(),
         }
+    }
+
+    /// The loss of the model's output: cross-entropy of the logits, or the MLP's mean square.
+    fn loss_of(&self, out: &Tensor) -> ferry::Result<Tensor> {
+        match &self.targets {
+            Some(targets) => {
+                let flat = out.reshape(&[targets.shape()[0], self.vocab])?;
+                ferry::nn::cross_entropy(&flat, targets)
+            }
+            None => out.mul(out)?.mean(),
+        }
+    }
+
+    /// One plain step measuring its memory per phase, for the plans' predicted peaks.
+    fn measure_peaks(&self) -> ferry::Result<MeasuredPeaks> {
+        self.clear_grads();
+        let backward = |out: &Tensor| -> ferry::Result<()> {
+            self.loss_of(out)?.backward()?;
+            Ok(())
+        };
+        let measure = || match &self.model {
+            Model::Gpt(m) => m.measure_peaks(&self.input, backward),
+            Model::Llama(m) => m.measure_peaks(&self.input, backward),
+            Model::Mlp(m) => m.measure_peaks(&self.input, backward),
+        };
+        let peaks = match self.bf16 {
+            true => ferry::amp::autocast(DType::BF16, measure),
+            false => measure(),
+        };
+        self.clear_grads();
+        peaks
     }
 
     /// The blocks' costs from one profiled forward (autocast as the step runs).
@@ -393,7 +415,11 @@ pub fn run(args: MemoryArgs) -> Result<(), Box<dyn Error>> {
 /// The points of a step of `costs` (one per block), none measured yet: no plan, every block
 /// recomputed, every block offloaded, every block recomputed selectively, then the plan at each target and with the blocks' own
 /// bytes halved, or, where the planner refuses the costs, why (the rivals are measured still).
-fn planned_points(costs: &[RegionCost], link: Link) -> (Vec<Point>, Option<String>) {
+fn planned_points(
+    costs: &[RegionCost],
+    measured: Option<MeasuredPeaks>,
+    link: Link,
+) -> (Vec<Point>, Option<String>) {
     let layers = costs.len();
     let mut points = vec![
         point(NO_PLAN, vec![Choice::Keep; layers], None),
@@ -401,7 +427,13 @@ fn planned_points(costs: &[RegionCost], link: Link) -> (Vec<Point>, Option<Strin
         point(OFFLOAD_ALL, vec![Choice::Offload; layers], None),
         point(SELECTIVE_ALL, vec![Choice::Selective; layers], None),
     ];
-    match plans(costs, link) {
+    let step = StepCost {
+        regions: costs.to_vec(),
+        link: Some(link),
+        measured,
+        ..StepCost::default()
+    };
+    match plans(&step) {
         Ok(plans) => {
             points.extend(plans);
             (points, None)
@@ -410,21 +442,26 @@ fn planned_points(costs: &[RegionCost], link: Link) -> (Vec<Point>, Option<Strin
     }
 }
 
-/// The plan's points of [`planned_points`].
-fn plans(costs: &[RegionCost], link: Link) -> ferry::Result<Vec<Point>> {
-    let plain_bytes: u64 = costs.iter().map(|c| c.input_bytes + c.saved_bytes).sum();
-    let recompute_bytes = MemoryPlan::new(costs, None, 1)?.peak_bytes();
+/// The plan's points of [`planned_points`]; with measured peaks, their bytes are the device's.
+fn plans(step: &StepCost) -> ferry::Result<Vec<Point>> {
+    let keep = vec![Choice::Keep; step.regions.len()];
+    let plain_bytes = MemoryPlan::with_choices(step, &keep)?.peak_bytes();
+    let no_link = StepCost {
+        link: None,
+        ..step.clone()
+    };
+    let recompute_bytes = MemoryPlan::for_step(&no_link, 1)?.peak_bytes();
     let mut points = Vec::new();
     for fraction in TARGETS {
         // 90% of plain at the first target, recompute's bytes at the last.
         let start = plain_bytes as f64 * 0.9;
         let target = start - fraction * (start - recompute_bytes as f64);
-        let plan = MemoryPlan::new(costs, Some(link), target.max(1.0) as u64)?;
+        let plan = MemoryPlan::for_step(step, target.max(1.0) as u64)?;
         points.push(point(&target_label(fraction), plan.choices(), Some(plan)));
     }
     // The halved point of the goal: half the blocks' own bytes.
-    let saved: u64 = costs.iter().map(|c| c.saved_bytes).sum();
-    let half = MemoryPlan::new(costs, Some(link), (plain_bytes - saved / 2).max(1))?;
+    let saved: u64 = step.regions.iter().map(|c| c.saved_bytes).sum();
+    let half = MemoryPlan::for_step(step, plain_bytes.saturating_sub(saved / 2).max(1))?;
     points.push(point(PLAN_AT_HALF, half.choices(), Some(half)));
     Ok(points)
 }
@@ -438,7 +475,8 @@ fn curve(
     args: &MemoryArgs,
 ) -> Result<(Vec<Point>, Option<String>), Box<dyn Error>> {
     let mut run = Run::new(case, dev.device())?;
-    let (mut points, refused) = planned_points(&run.profile()?, link);
+    let costs = run.profile()?;
+    let (mut points, refused) = planned_points(&costs, Some(run.measure_peaks()?), link);
     for p in &mut points {
         for round in 0..args.warmup + args.samples {
             match run.step(dev, &p.choices) {
@@ -579,7 +617,10 @@ mod tests {
         };
         // The planner keeps region inputs whatever it chooses, and these blocks save nothing
         // else: it refuses, saying so, and the rivals are measured still.
-        let (points, refused) = planned_points(&costs, link);
+        let measured = run.measure_peaks().unwrap();
+        assert_eq!(measured.backward_bytes.len(), 4);
+        assert!(measured.forward_bytes > 0, "{measured:?}");
+        let (points, refused) = planned_points(&costs, Some(measured), link);
         let labels: Vec<&str> = points.iter().map(|p| p.label.as_str()).collect();
         assert_eq!(labels, [NO_PLAN, RECOMPUTE_ALL, OFFLOAD_ALL, SELECTIVE_ALL]);
         let why = refused.expect("the planner refuses");

@@ -1,6 +1,7 @@
 //! A small character-level GPT: GPT-2's shape at a small size.
 
-use crate::autograd::{Choice, RegionCost};
+use crate::autograd::{Choice, MeasuredPeaks, RegionCost};
+use crate::nn::planned::measure_peaks;
 use crate::nn::{Embedding, LayerNorm, Linear, Module, PlannedChain, scaled_dot_product_attention};
 use crate::{DType, Device, Result, Tensor, TensorError};
 
@@ -146,6 +147,27 @@ impl Gpt {
     /// each block: a profile, not a step.
     pub fn profile_blocks(&self, input: &Tensor) -> Result<Vec<RegionCost>> {
         self.blocks.profile_blocks(&self.embed(input)?)
+    }
+
+    /// One step of `input` without a plan, `backward` given the logits (a loss from them, and
+    /// its backward), measuring the device memory it takes over the forward and over each
+    /// block's backward, for [`StepCost::measured`](crate::autograd::StepCost::measured); see
+    /// [`PlannedChain::measure_peaks`]. Clear the gradients before it, and run it under the
+    /// autocast the steps use.
+    pub fn measure_peaks(
+        &self,
+        input: &Tensor,
+        backward: impl FnOnce(&Tensor) -> Result<()>,
+    ) -> Result<MeasuredPeaks> {
+        measure_peaks(
+            input.device(),
+            || Ok((self.embed(input)?, self.blocks.blocks().to_vec())),
+            |x| {
+                let logits = self.head.forward(&self.ln_f.forward(&x)?)?;
+                drop(x);
+                backward(&logits)
+            },
+        )
     }
 
     /// The token and position embeddings of `input`, checked against the context.

@@ -233,7 +233,11 @@ impl<M: Module + Clone + Send + Sync + 'static> PlannedChain<M> {
         input: &Tensor,
         backward: impl FnOnce(&Tensor) -> Result<()>,
     ) -> Result<MeasuredPeaks> {
-        measure_peaks(&self.blocks, input, backward)
+        measure_peaks(
+            input.device(),
+            || Ok((input.clone(), self.blocks.clone())),
+            |y| backward(&y),
+        )
     }
 }
 
@@ -293,21 +297,26 @@ impl Phases {
     }
 }
 
-fn measure_peaks<M: Module>(
-    blocks: &[M],
-    input: &Tensor,
-    backward: impl FnOnce(&Tensor) -> Result<()>,
+/// [`PlannedChain::measure_peaks`] of the blocks and input `start` makes inside the measured
+/// step (a model's embedding counts in its forward), on the input's device, read before `start`
+/// runs from `device`.
+pub(crate) fn measure_peaks<M: Module>(
+    device: Device,
+    start: impl FnOnce() -> Result<(Tensor, Vec<M>)>,
+    backward: impl FnOnce(Tensor) -> Result<()>,
 ) -> Result<MeasuredPeaks> {
-    let meter = Meter(input.device());
+    let meter = Meter(device);
     let base = meter.allocated()?;
     meter.restart()?;
+    let (input, blocks) = start()?;
     let phases = Arc::new(parking_lot::Mutex::new(Phases {
         meter,
         base,
         current: 0,
         peaks: vec![None; blocks.len() + 1],
     }));
-    let mut x = input.clone();
+    // Only what the step itself holds: the input and each block's output go once used.
+    let mut x = input;
     let mut hooks = Vec::with_capacity(blocks.len());
     for (i, block) in blocks.iter().enumerate() {
         x = block.forward(&x)?;
@@ -320,13 +329,13 @@ fn measure_peaks<M: Module>(
             })?);
         }
     }
-    let ran = backward(&x);
+    let ran = backward(x);
     for hook in hooks {
         hook.remove();
     }
     ran?;
-    if let Device::Cuda(_) = input.device() {
-        crate::cuda::synchronize(input.device())?;
+    if let Device::Cuda(_) = device {
+        crate::cuda::synchronize(device)?;
     }
     let mut phases = phases.lock();
     phases.close()?;

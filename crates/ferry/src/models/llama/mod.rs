@@ -3,8 +3,8 @@
 
 use ferry_tensor::{DType, Device, Result, Tensor, TensorError};
 
-use crate::autograd::{Choice, RegionCost};
-use crate::nn::planned::{check_choices, forward_planned, profile_blocks};
+use crate::autograd::{Choice, MeasuredPeaks, RegionCost};
+use crate::nn::planned::{check_choices, forward_planned, measure_peaks, profile_blocks};
 use crate::nn::{Embedding, Linear, Module, RmsNorm, Rotary, scaled_dot_product_attention};
 
 mod config;
@@ -203,12 +203,41 @@ impl Llama {
         profile_blocks(&layers, &x)
     }
 
+    /// One step of `ids` without a plan, `backward` given the logits (a loss from them, and its
+    /// backward), measuring the device memory it takes over the forward and over each layer's
+    /// backward, for [`StepCost::measured`](crate::autograd::StepCost::measured); see
+    /// [`PlannedChain::measure_peaks`](crate::nn::PlannedChain::measure_peaks). Clear the
+    /// gradients before it, and run it under the autocast the steps use.
+    pub fn measure_peaks(
+        &self,
+        ids: &Tensor,
+        backward: impl FnOnce(&Tensor) -> Result<()>,
+    ) -> Result<MeasuredPeaks> {
+        measure_peaks(
+            self.device(),
+            || self.embedded(ids),
+            |x| {
+                let logits = self.logits(&self.norm.forward(&x)?)?;
+                drop(x);
+                backward(&logits)
+            },
+        )
+    }
+
     /// The hidden states after the final norm, `[B, T, hidden_size]`, for `ids` (`i64`, `[B,
     /// T]`).
     pub fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
         let (x, layers) = self.embedded(ids)?;
         self.norm
             .forward(&forward_planned(&layers, &self.plan, &x)?)
+    }
+
+    /// The logits of the hidden states after the final norm.
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => x.linear(self.embed_tokens.weight(), None),
+        }
     }
 
     /// The embedded `ids` and the layers with this call's rotary tables.
@@ -335,11 +364,7 @@ fn norm(source: &mut Source<'_>, name: &str, c: &LlamaConfig) -> Result<RmsNorm>
 impl Module for Llama {
     /// `input`: `i64` token ids `[B, T]`; returns logits `[B, T, vocab_size]`.
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let x = self.hidden_states(input)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&x),
-            None => x.linear(self.embed_tokens.weight(), None),
-        }
+        self.logits(&self.hidden_states(input)?)
     }
 
     fn visit_parameters(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
