@@ -297,9 +297,9 @@ impl Phases {
     }
 }
 
-/// [`PlannedChain::measure_peaks`] of the blocks and input `start` makes inside the measured
-/// step (a model's embedding counts in its forward), on the input's device, read before `start`
-/// runs from `device`.
+/// [`PlannedChain::measure_peaks`] of the input and blocks that `start` makes inside the
+/// measured step (so a model's embedding counts in its forward), on `device`, from before
+/// `start` runs.
 pub(crate) fn measure_peaks<M: Module>(
     device: Device,
     start: impl FnOnce() -> Result<(Tensor, Vec<M>)>,
