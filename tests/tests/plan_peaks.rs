@@ -42,18 +42,14 @@ fn allocated(device: Device) -> Result<u64> {
     } as u64)
 }
 
-/// The most allocated above the start over one step of `chain` (its gradients cleared first).
-fn step_peak(chain: &PlannedChain<PlannedChain<Dense>>, x: &Tensor, head: &Tensor) -> Result<u64> {
-    for p in chain.parameters().iter().chain([head]) {
-        p.set_grad(None);
-    }
-    let device = x.device();
+/// The most allocated above the start while `step` runs.
+fn peak_of(device: Device, step: impl FnOnce() -> Result<()>) -> Result<u64> {
     let base = allocated(device)?;
     match device {
         Device::Cpu => ferry::host::reset_peak(),
         gpu => ferry::cuda::reset_peak(gpu)?,
     }
-    loss_and_backward(&chain.forward(x)?, head)?;
+    step()?;
     let peak = match device {
         Device::Cpu => ferry::host::max_memory_allocated(),
         gpu => {
@@ -62,6 +58,14 @@ fn step_peak(chain: &PlannedChain<PlannedChain<Dense>>, x: &Tensor, head: &Tenso
         }
     } as u64;
     Ok(peak.saturating_sub(base))
+}
+
+/// The peak of one step of `chain` (its gradients cleared first).
+fn step_peak(chain: &PlannedChain<PlannedChain<Dense>>, x: &Tensor, head: &Tensor) -> Result<u64> {
+    for p in chain.parameters().iter().chain([head]) {
+        p.set_grad(None);
+    }
+    peak_of(x.device(), || loss_and_backward(&chain.forward(x)?, head))
 }
 
 fn predicted_peaks_are_the_measured_ones(device: Device) -> Result<()> {
@@ -135,20 +139,7 @@ fn gpt_peaks_are_the_measured_ones(device: Device) -> Result<()> {
     };
     let step = |gpt: &Gpt| -> Result<u64> {
         clear(gpt);
-        let base = allocated(device)?;
-        match device {
-            Device::Cpu => ferry::host::reset_peak(),
-            gpu => ferry::cuda::reset_peak(gpu)?,
-        }
-        backward(&gpt.forward(&ids)?)?;
-        let peak = match device {
-            Device::Cpu => ferry::host::max_memory_allocated(),
-            gpu => {
-                ferry::cuda::synchronize(gpu)?;
-                ferry::cuda::max_memory_allocated(gpu)?
-            }
-        } as u64;
-        Ok(peak.saturating_sub(base))
+        peak_of(device, || backward(&gpt.forward(&ids)?))
     };
     let costs = gpt.profile_blocks(&ids)?;
     step(&gpt)?; // a warm step
