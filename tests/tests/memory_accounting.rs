@@ -16,6 +16,8 @@ mod pinned_budget;
 mod saved_state_memory;
 // Activation offload: device memory after the forward, the pinned budget, bitwise gradients.
 mod offload;
+// A block run plain, recomputed whole and selectively: what stays alive, what the host holds.
+mod recompute_memory;
 // A memory plan's peaks predicted from a measured step against what each choice takes.
 mod plan_peaks;
 // The device loader: ordering against held copy streams, which other tests' frees (each one

@@ -262,8 +262,11 @@ def test_the_memory_bench_on_tiny_configs_on_a_gpu(monkeypatch, tmp_path, capsys
         rows = result["rows"]
         assert all(r["status"] == "ok" for r in rows.values()), name
         # The small MLP's blocks save nothing but their boundaries: no plan rows, said why.
+        unplanned = (bench_memory.PLAIN, *bench_memory.RIVALS, bench_memory.OFFLOAD,
+                     bench_memory.SELECTIVE)
         planned = 0 if name == "mlp" else bench_memory.TARGETS + 1
-        assert len(rows) == 4 + planned, (name, result.get("plan_refused"))
+        assert list(rows)[:len(unplanned)] == list(unplanned), name
+        assert len(rows) == len(unplanned) + planned, (name, result.get("plan_refused"))
         assert (result.get("plan_refused") is not None) == (name == "mlp"), name
         assert all(p > 0 for r in rows.values() for p in r["peak_bytes"]), name
         assert result["goals"] and f"**{name}**" in out

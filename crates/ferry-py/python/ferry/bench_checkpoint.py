@@ -660,9 +660,14 @@ def measure(work: bench_models.Workload, args: Any) -> Dict[str, Any]:
             _free(training.cuda)
         before, after = result["baselines_ms"][-1], training.steps(samples)
         result["baselines_ms"].append(after)
-        result["modes"][name] = {
+        row = result["modes"][name] = {
             **summarise(records, loop_ms, bench_harness.median(before + after), state_bytes,
                         pinned), "check": check, "note": note}
+        # Each row as it lands: a run cut short still leaves the rows it finished.
+        print(f"{work.name}: {name}: stall {row['stall_ms_median']:.1f} ms/ckpt median (max "
+              f"{row['stall_ms_max']:.1f}), call {row['call_ms_median']:.1f} ms, first step "
+              f"{row['first_step_ratio_median']:.3f}x, steps during "
+              f"{_cell(row['during_mean_ratio'], '.3f', 'x')}, file {check}", flush=True)
         for load, figures in loads.items():
             result["loads"][load] = {"file": name, **figures}
     return result
