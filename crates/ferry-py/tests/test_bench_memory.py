@@ -82,8 +82,10 @@ def cpu_bench(monkeypatch, host_offload):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "a stub")
     monkeypatch.setattr(bench_models, "link_bandwidth", lambda: {"d2h": 5e10, "h2d": 5e10})
     measured = bench_models._measured_step
+    emptied = []  # per step, whether the allocator's cache was emptied before it
 
-    def counted(work, scope_factory):
+    def counted(work, scope_factory, empty_cache=True):
+        emptied.append(empty_cache)
         saved = {}
 
         def pack(t):
@@ -91,10 +93,11 @@ def cpu_bench(monkeypatch, host_offload):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = measured(work, scope_factory)
+            out = measured(work, scope_factory, empty_cache)
         return None if out is None else (out[0], out[1], sum(saved.values()), 0, out[4])
 
     monkeypatch.setattr(bench_models, "_measured_step", counted)
+    return emptied
 
 
 def test_checkpointed_blocks_run_twice_and_give_the_same_gradients():
@@ -113,6 +116,10 @@ def test_the_rows_of_a_tiny_model(cpu_bench):
     work = _tiny_work()
     result = bench_memory.measure(work, samples=2, warmup=1)
     rows = result["rows"]
+    # Each row's steps in a row: the cache emptied before its warmup step, never before a
+    # timed one (the steps before those are the profile's and the targets').
+    timed = cpu_bench[-3 * len(rows):]
+    assert timed == [True, False, False] * len(rows)
     assert list(rows)[:4] == [PLAIN, CHECKPOINT, SAVE_ON_CPU, OFFLOAD]
     plans = [label for label in rows if rows[label]["kind"] == "plan"]
     assert len(plans) == bench_memory.TARGETS + 1 and "(saved / 2)" in plans[-1]

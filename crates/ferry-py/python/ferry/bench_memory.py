@@ -1,5 +1,5 @@
 """``python -m ferry.bench --memory [nanogpt,gpt2-b8,llama,vit,mlp]``: issue 41's curves, peak
-activation memory against step time, per model in one process, samples interleaved: a step as
+activation memory against step time, per model in one process, each row's steps in a row on a warm allocator: a step as
 is; ``torch.utils.checkpoint`` on every block (``use_reentrant=False``, wrapped as a user would);
 ``torch.autograd.graph.save_on_cpu(pin_memory=True)``; ``ferry.offload_saved()``; and
 ``ferry.plan.MemoryPlan`` (profiled once, then ``retarget``) at five targets from 90% of the
@@ -192,11 +192,11 @@ def _rival_rows(blocks: Sequence[torch.nn.Module]) -> List[Row]:
             Row(SELECTIVE, "rival", around=lambda: selective_checkpoint_blocks(blocks))]
 
 
-def _run(work: bench_models.Workload, row: Row) -> Any:
+def _run(work: bench_models.Workload, row: Row, empty_cache: bool = True) -> Any:
     """``bench_models._measured_step`` under the row: (forward ms, backward ms, peak, reserved
     peak, stats), or None on OOM."""
     with row.plan if row.plan is not None else row.around():
-        return bench_models._measured_step(work, row.scope)
+        return bench_models._measured_step(work, row.scope, empty_cache)
 
 
 def targets(plain_peak: float, low_peak: float, saved: int) -> List[float]:
@@ -258,16 +258,18 @@ def measure(work: bench_models.Workload, samples: int, warmup: int) -> Dict[str,
         rows += _plan_rows(profiled, targets(plain_peak, low, saved), beside)
     runs = {row.label: {"kind": row.kind, "status": "ok", "ms": [], "forward_ms": [],
                         "backward_ms": [], "peak_bytes": [], **row.record} for row in rows}
-    for i in range(warmup + samples):
-        for row in rows:
-            run = runs[row.label]
-            if run["status"] != "ok":
-                continue
-            out = _run(work, row)
+    # A row's steps one after another, as a training loop runs them: the allocator's cache is
+    # emptied when the row starts (none inherits another's blocks), and its warmup steps fill
+    # it, so that the timed steps run on a warm cache, as a user's do.
+    warm = max(1, warmup)
+    for row in rows:
+        run = runs[row.label]
+        for i in range(warm + samples):
+            out = _run(work, row, empty_cache=i == 0)
             if out is None:
                 run["status"] = "OOM"
-                continue
-            if i >= warmup:
+                break
+            if i >= warm:
                 forward, backward, peak = out[0], out[1], out[2]
                 for key, value in (("forward_ms", forward), ("backward_ms", backward),
                                    ("ms", forward + backward), ("peak_bytes", peak)):

@@ -226,12 +226,15 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
 
 
-def _measured_step(work: Workload, scope_factory):
+def _measured_step(work: Workload, scope_factory, empty_cache: bool = True):
     """(forward ms, backward ms, peak allocated and reserved bytes above the step's start, the
-    scope's stats or None) of one step, or None when it ran out of memory."""
+    scope's stats or None) of one step, or None when it ran out of memory. ``empty_cache``:
+    the allocator's cache is emptied first (the reserved peak is then the step's own, and the
+    step pays for its device allocations); else the step runs on the cache as it is."""
     work.model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if empty_cache:
+        torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
