@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use ferry::checkpoint::{self, AsyncSaveOptions, DeviceCopy};
+use ferry::cuda_libs::Kernels;
 use ferry::memory::cuda::CudaDevice;
 use ferry_tensor::{DType, Device, Tensor};
 use ferry_tests::values;
@@ -61,7 +62,8 @@ fn periodic_saves_take_the_device_copy_from_the_last_ones_memory() {
 }
 
 /// Memory reserved ahead of the loop serves the device copy of the first save too: its call
-/// makes no device allocation, the file holds the state, and `Off` reserves nothing.
+/// makes no device allocation and compiles no kernel, the file holds the state, and `Off`
+/// reserves nothing.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_reserved_device_copy_lets_even_the_first_save_allocate_nothing() {
@@ -87,6 +89,7 @@ fn a_reserved_device_copy_lets_even_the_first_save_allocate_nothing() {
     let held = checkpoint::reserve_device_copy(&state, DeviceCopy::Always).unwrap();
     assert_eq!(held, bytes);
     let before = dev.memory_stats();
+    let compiled = dev.compile_time();
     let options = AsyncSaveOptions {
         device_copy: DeviceCopy::Always,
         ..AsyncSaveOptions::default()
@@ -101,6 +104,8 @@ fn a_reserved_device_copy_lets_even_the_first_save_allocate_nothing() {
         after.device_allocations, before.device_allocations,
         "the first save allocated device memory: {before:?} -> {after:?}"
     );
+    // Nor did it compile a kernel: the reservation compiled the ones its copies launch.
+    assert_eq!(dev.compile_time(), compiled);
     for (i, (_, t)) in checkpoint::load(&path).unwrap().iter().enumerate() {
         let expected = if i < 3 { i as f64 } else { 1.5 };
         assert!(values(t).iter().all(|&v| v == expected), "tensor {i}");

@@ -65,7 +65,7 @@ mod tensor;
 
 pub use autograd::{Rule, RuleState, Save, Saved, record, record_kind, should_record, try_record};
 pub use backward::to_dot;
-pub use cuda::{KERNEL_MODULES, compile_kernels};
+pub use cuda::{KERNEL_MODULES, compile_copy_kernels, compile_kernels};
 pub use error::{Result, TensorError};
 pub use ferry_graph::{
     BackwardOptions, BackwardReport, Graph, GraphStats, HookHandle, inference_mode, no_grad,

@@ -209,6 +209,16 @@ pub fn compile_kernels(ordinal: usize) -> Result<std::time::Duration> {
     Ok(device.compile_time())
 }
 
+/// Compiles and loads the kernel module that copies between device buffers (strided copies and
+/// the gather that packs many tensors into one buffer) on CUDA device `ordinal`, a no-op once
+/// loaded, and returns the device's total NVRTC compile-and-load time so far: what a first copy
+/// of a process would otherwise pay in its call (seconds), taken where no one waits.
+pub fn compile_copy_kernels(ordinal: usize) -> Result<std::time::Duration> {
+    let device = CudaDevice::get(ordinal)?;
+    Kernel::Gather.load(&device)?;
+    Ok(device.compile_time())
+}
+
 #[cfg(test)]
 pub(crate) fn every_kernel() -> Vec<Kernel> {
     let mut kernels: Vec<Kernel> = [1, 2, 4, 8].map(Kernel::Copy).into();

@@ -16,7 +16,7 @@ mod optim;
 mod reduce;
 mod select;
 
-pub use kernels::{ALL as KERNEL_MODULES, compile_kernels};
+pub use kernels::{ALL as KERNEL_MODULES, compile_copy_kernels, compile_kernels};
 
 use ferry_cuda::{Kernels, Launch, blocks_for};
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer};
