@@ -139,6 +139,27 @@ def test_the_rows_of_a_tiny_model(cpu_bench):
     assert any(line.startswith("| no plan | ") for line in lines)
     assert any(line.startswith("| plan 1: target ") for line in lines)
     assert any(line.startswith("- at full checkpointing's peak") for line in lines)
+    # The offload row's counts, per sample; none held back by the pinned budget, none said.
+    stats = rows[OFFLOAD]["offload_stats"]
+    assert len(stats) == 2 and not any(s["kept_over_budget"] for s in stats)
+    assert not any("pinned budget" in line for line in lines)
+
+
+def test_an_offload_held_back_by_the_pinned_budget_is_said(cpu_bench, monkeypatch):
+    from ferry import offload
+
+    class EveryTensor(offload.offload_saved):  # the tiny model's tensors are all < 1 MiB
+        def __init__(self) -> None:
+            super().__init__(min_bytes=0)
+
+    monkeypatch.setattr(ferry, "offload_saved", EveryTensor)
+    # ferry's pinned pool refuses every block, as when its budget is full.
+    monkeypatch.setattr(offload._ferry, "empty_pinned", lambda shape, dtype, ordered: None)
+    result = bench_memory.measure(bench_memory.build("mlp", "cpu", tiny=True), 1, 0)
+    stats = result["rows"][OFFLOAD]["offload_stats"]
+    assert stats and all(s["offloaded"] == 0 < s["kept_over_budget"] for s in stats)
+    said = [line for line in bench_memory.table("mlp", result) if "pinned budget" in line]
+    assert len(said) == 1 and said[0].startswith(f"- {OFFLOAD}: tensors left on the GPU"), said
 
 
 def test_the_memory_bench_runs_end_to_end_on_the_cpu(cpu_bench, monkeypatch, tmp_path, capsys):

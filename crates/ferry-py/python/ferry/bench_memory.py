@@ -274,6 +274,10 @@ def measure(work: bench_models.Workload, samples: int, warmup: int) -> Dict[str,
                 for key, value in (("forward_ms", forward), ("backward_ms", backward),
                                    ("ms", forward + backward), ("peak_bytes", peak)):
                     run[key].append(value)
+                if out[4] is not None:  # an offload scope's counts, per sample
+                    run.setdefault("offload_stats", []).append(
+                        {k: out[4][k] for k in ("offloaded", "offloaded_bytes", "kept",
+                                                "kept_over_budget")})
     for row in rows:
         if row.plan is not None:
             runs[row.label]["explain"] = row.plan.explain()
@@ -439,8 +443,15 @@ def table(name: str, result: Dict[str, Any]) -> List[str]:
         ["way", "step ms", "vs no plan", "peak GiB", "vs plain peak", "choices (K/O/R/S/X)",
          "pred. peak GiB", "pred. extra ms", "meas. extra ms"], cells)
     lines += [""] + [f"- {g['goal']}: **{g['verdict']}**: {g['detail']}"
-                     for g in result.get("goals", [])] + [""]
-    return lines
+                     for g in result.get("goals", [])]
+    for label, run in result["rows"].items():
+        over = [s["kept_over_budget"] for s in run.get("offload_stats", [])]
+        if any(over):
+            lines.append(f"- {label}: tensors left on the GPU because ferry's pinned budget "
+                         f"({_gib(result['pinned_budget'])} GiB) was full, per sample: "
+                         f"{', '.join(map(str, over))} (offloaded: "
+                         f"{', '.join(str(s['offloaded']) for s in run['offload_stats'])})")
+    return lines + [""]
 
 
 def draw(name: str, title: str, points: Sequence[Point], directory: Path) -> Path:
