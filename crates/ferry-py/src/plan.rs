@@ -13,7 +13,9 @@ use crate::errors::{guarded, to_py};
 /// One region as `ferry.plan` passes it: forward ms, saved bytes, backward ms (None: twice the
 /// forward), offloadable bytes (None: all saved), bytes of its input nothing saves, whether it
 /// may be recomputed, its parameters' gradient bytes, its selective recompute's held bytes and
-/// extra ms (None: not measured), and the part of its saved bytes autocast caches for the forward.
+/// extra ms (None: not measured), the part of its saved bytes autocast caches for the forward,
+/// and the extra ms measured with it offloaded and with it selectively recomputed, its kept
+/// outputs offloaded (None: not measured, the copies hidden in compute).
 type RegionRow = (
     f64,
     i64,
@@ -24,6 +26,8 @@ type RegionRow = (
     i64,
     Option<(i64, f64)>,
     i64,
+    Option<f64>,
+    Option<f64>,
 );
 
 /// Plans a step's regions for `target_bytes` of activations at the peak, or predicts what the
@@ -132,8 +136,21 @@ fn region(i: usize, row: &RegionRow) -> PyResult<RegionCost> {
         grads,
         sel,
         cached,
+        offload_ms,
+        selective_offload_ms,
     ) = row;
     let named = |what: &str| format!("region {i}'s {what}");
+    let ms = |what: &str, value: Option<f64>| -> PyResult<Option<f64>> {
+        match value {
+            Some(v) if !(v.is_finite() && v >= 0.0) => Err(PyValueError::new_err(format!(
+                "{} must be a finite number of ms >= 0, got {v}",
+                named(what)
+            ))),
+            v => Ok(v),
+        }
+    };
+    let offload_extra_ms = ms("offload_ms", offload_ms)?;
+    let selective_offload_extra_ms = ms("selective_offload_ms", selective_offload_ms)?;
     let unsaved = bytes(&named("input_bytes"), unsaved_input)?;
     Ok(RegionCost {
         forward_ms,
@@ -155,10 +172,12 @@ fn region(i: usize, row: &RegionRow) -> PyResult<RegionCost> {
                     extra_ms,
                     // What a selective offload moves: the kept outputs, all but the input.
                     offloadable_bytes: held_bytes.saturating_sub(unsaved),
+                    offload_extra_ms: selective_offload_extra_ms,
                 })
             })
             .transpose()?,
         cached_bytes: bytes(&named("cached_bytes"), cached)?,
+        offload_extra_ms,
     })
 }
 

@@ -797,6 +797,51 @@ def test_selective_offload_sends_the_kept_outputs_to_the_host_and_back(host_offl
         profiled.retarget(choices=choices)
 
 
+def test_what_offloading_adds_is_measured_and_planned_for(host_offload, monkeypatch):
+    import time
+
+    from ferry import offload
+    from ferry import plan as plan_module
+
+    model, step = _gpt()
+    profiled = MemoryPlan.profile(model, step, fraction=1.0)
+    # As on a GPU: a link, and every saved byte movable (the CPU profile finds none).
+    cost = dataclasses.replace(profiled.cost, link=Link(1e12, 1e12), regions=tuple(
+        dataclasses.replace(r, offloadable_bytes=None) for r in profiled.cost.regions))
+    blocks = list(model.blocks)
+    # Each copy to the host holds the forward 5 ms, as a runtime waiting for its copies does.
+    copies = []
+    start_copy = offload.offload_saved._offload
+
+    def slow(self, saved):
+        copies.append(saved.nbytes)
+        time.sleep(0.005)
+        return start_copy(self, saved)
+
+    monkeypatch.setattr(offload.offload_saved, "_offload", slow)
+    measured = plan_module._measured_offloads(blocks, cost, step, 1, 0, torch.device("cpu"))
+    assert copies, "the measured steps offloaded nothing"
+    for before, after in zip(cost.regions, measured.regions):
+        assert after.offload_ms is not None and after.selective_offload_ms is not None, after
+        # Two steps per choice: each region's copies of the measured one, 5 ms each, at least.
+        assert after.offload_ms >= 5.0 and after.selective_offload_ms >= 5.0, after
+        assert dataclasses.replace(after, offload_ms=None, selective_offload_ms=None) == before
+    # The planner counts them: a forced selective offload costs what was measured, and a
+    # target selective recomputes reach is planned with them, not with offloads.
+    forced = MemoryPlan(blocks, measured, choices=["selective_offload"] * 3 + ["keep"],
+                        min_offload_bytes=0)
+    assert forced.predicted_extra_ms == pytest.approx(
+        sum(r.selective_offload_ms for r in measured.regions[:3]))
+    target = MemoryPlan(blocks, cost, choices=["selective"] * 4).predicted_peak_bytes
+    hidden = MemoryPlan(blocks, cost, target_bytes=target, min_offload_bytes=0)
+    counted = MemoryPlan(blocks, measured, target_bytes=target, min_offload_bytes=0)
+    assert counted.predicted_peak_bytes <= target
+    assert {"offload", "selective_offload"} & set(hidden.choices), hidden.choices
+    assert not {"offload", "selective_offload"} & set(counted.choices), counted.choices
+    # Without a link nothing is measured: a CPU profile has none.
+    assert all(r.offload_ms is None for r in profiled.cost.regions)
+
+
 def test_outputs_after_the_recompute_stops_are_not_kept(host_offload):
     # A block whose last product's output nothing in backward reads (the residual add saves
     # nothing): the recompute stops before it (torch's early stop), so after the first step

@@ -123,7 +123,17 @@ def reset_peak_memory_stats(device: str) -> None: ...
 def plan_memory(
     regions: Sequence[
         tuple[
-            float, int, float | None, int | None, int, bool, int, tuple[int, float] | None, int
+            float,
+            int,
+            float | None,
+            int | None,
+            int,
+            bool,
+            int,
+            tuple[int, float] | None,
+            int,
+            float | None,
+            float | None,
         ]
     ],
     target_bytes: int | None = None,

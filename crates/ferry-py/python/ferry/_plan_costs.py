@@ -36,7 +36,10 @@ class RegionCost:
     rebuilt in backward) holds from the forward to the backward, its unsaved input included,
     and adds to the step; None where it was not measured (the plan then never chooses it).
     ``cached_bytes``: the part of ``saved_bytes`` that stays until the forward ends whatever
-    is chosen (autocast's casts of the region's parameters, cached for the forward)."""
+    is chosen (autocast's casts of the region's parameters, cached for the forward).
+    ``offload_ms`` and ``selective_offload_ms``: what a step with the region offloaded, and
+    with it selectively recomputed and its kept outputs offloaded, added to it as measured (the
+    waits for the copies); None: not measured, the copies taken as hidden in compute."""
 
     name: str
     forward_ms: float
@@ -49,6 +52,8 @@ class RegionCost:
     selective_bytes: Optional[int] = None
     selective_ms: Optional[float] = None
     cached_bytes: int = 0
+    offload_ms: Optional[float] = None
+    selective_offload_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.forward_ms < 0 or (self.backward_ms is not None and self.backward_ms < 0):
@@ -65,6 +70,10 @@ class RegionCost:
             raise ValueError(f"region {self.name}: bytes must be >= 0")
         if not 0 <= self.cached_bytes <= self.saved_bytes:
             raise ValueError(f"region {self.name}: cached_bytes must be in [0, saved_bytes]")
+        if any(ms is not None and not ms >= 0 for ms in (self.offload_ms,
+                                                         self.selective_offload_ms)):
+            raise ValueError(f"region {self.name}: offload_ms and selective_offload_ms must be "
+                             ">= 0 ms, or None")
 
     @property
     def backward(self) -> float:
@@ -145,11 +154,12 @@ def _planned(cost: StepCost, *, target_bytes: Optional[int] = None,
              choices: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """The planner's answer for ``target_bytes``, or its prediction for ``choices``."""
     rows: List[Tuple[float, int, Optional[float], Optional[int], int, bool, int,
-                     Optional[Tuple[int, float]], int]] = [
+                     Optional[Tuple[int, float]], int, Optional[float], Optional[float]]] = [
         (r.forward_ms, r.saved_bytes, r.backward_ms, r.offloadable_bytes, r.input_bytes,
          r.recomputable, r.grad_bytes,
          None if r.selective_bytes is None or r.selective_ms is None
-         else (r.selective_bytes, r.selective_ms), r.cached_bytes) for r in cost.regions]
+         else (r.selective_bytes, r.selective_ms), r.cached_bytes, r.offload_ms,
+         r.selective_offload_ms) for r in cost.regions]
     link = None if cost.link is None else (cost.link.to_host, cost.link.to_device)
     measured = None if cost.forward_peak_bytes is None or cost.backward_peak_bytes is None \
         else (cost.forward_peak_bytes, list(cost.backward_peak_bytes))
@@ -173,7 +183,7 @@ def predict_peak(cost: StepCost, choices: Sequence[Choice]) -> int:
 
 def extra_ms(cost: StepCost, choices: Sequence[Choice]) -> float:
     """Predicted extra time: a forward per recomputed region, the measured extra of each
-    selective one; offload hides in compute."""
+    selective one and of each offload measured (one not measured hides in compute)."""
     return float(_planned(cost, choices=choices)["extra_ms"])
 
 

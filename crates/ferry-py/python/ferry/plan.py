@@ -152,14 +152,19 @@ class MemoryPlan:
     def profile(cls, model: nn.Module, step_fn: Callable[[], Any], *,
                 target_bytes: Optional[int] = None, fraction: Optional[float] = None,
                 regions: Optional[Sequence[nn.Module]] = None, warmup: int = 1,
-                min_offload_bytes: int = 1 << 20, selective: bool = True) -> MemoryPlan:
+                min_offload_bytes: int = 1 << 20, selective: bool = True,
+                offload: bool = True) -> MemoryPlan:
         """Runs ``step_fn`` (a forward and backward of ``model``) ``warmup`` times, then once
         more measuring each region, and plans for the target. With ``selective`` (the default)
         the same again (at least one warmup) with every region selectively recomputed,
         measuring what that holds and adds, so the plan may choose it. On a GPU the measured
         step also records the device memory it takes over its forward and over each region's
         backward (resetting torch's peak memory statistics as it goes), from which the plan
-        predicts its peaks: its bytes are then all the step allocates above its start. The
+        predicts its peaks: its bytes are then all the step allocates above its start. With
+        ``offload`` (the default) and a GPU's link, two steps more (each after ``warmup``):
+        every region offloaded, then every selectively measured one selectively recomputed with
+        its kept outputs offloaded, measuring what each adds (the waits for the copies), so
+        the plan counts what offloading costs instead of taking it as hidden. The
         measured step starts with the gradients set to None, as ``zero_grad()`` leaves them;
         the steps accumulate gradients as any step does; the RNG streams are left as they were."""
         if warmup < 0:
@@ -223,6 +228,10 @@ class MemoryPlan:
                         outside, forward_peak_bytes=None if peaks is None else peaks[0],
                         backward_peak_bytes=None if peaks is None
                         else tuple(peaks[1][i] for i in order))
+        if offload and link is not None:
+            with torch.random.fork_rng(devices=devices):
+                cost = _measured_offloads([modules[i] for i in order], cost, step_fn,
+                                          max(1, warmup), min_offload_bytes, device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TargetUnreachable)
             plan = cls([modules[i] for i in order], cost, target_bytes=target_bytes,
@@ -520,6 +529,43 @@ def _measure_selective(modules: Sequence[nn.Module], names: Sequence[str],
               and backward is not None and not any(k.fell_back for k in kept[i]))
         out.append((held[i] or 0, forward or 0.0, backward or 0.0) if ok else None)
     return out
+
+
+def _measured_offloads(modules: Sequence[nn.Module], cost: StepCost,
+                       step_fn: Callable[[], Any], warmup: int, min_offload_bytes: int,
+                       device: torch.device) -> StepCost:
+    """``cost`` with what offloading adds as measured: ``warmup`` steps and one more with every
+    region that has bytes to move offloaded, the same with every region whose selective
+    recompute was measured recomputed so, its kept outputs offloaded; per region, its forward
+    and backward under the choice less the plain ones (at least 0). A step that could not run
+    (out of memory, say) leaves its choice unmeasured: taken as hidden in compute."""
+    regions = list(cost.regions)
+    plain = [r.forward_ms + r.backward for r in regions]
+    trials = {
+        "offload": [r.offloadable > 0 for r in regions],
+        "selective_offload": [r.recomputable and r.selective_bytes is not None
+                              and r.selective_bytes > r.input_bytes for r in regions],
+    }
+    for choice, chosen in trials.items():
+        if not any(chosen):
+            continue
+        choices = [choice if c else "keep" for c in chosen]
+        try:
+            plan = MemoryPlan(modules, cost, choices=choices,
+                              min_offload_bytes=min_offload_bytes, device=device)
+            with plan:
+                for _ in range(warmup + 1):
+                    step_fn()
+            times = plan.measured()
+        except (torch.OutOfMemoryError, PlanError, ValueError):
+            continue
+        for i, ((forward, backward), c) in enumerate(zip(times, chosen)):
+            if not c or forward is None or backward is None:
+                continue
+            extra = max(0.0, forward + backward - plain[i])
+            field_name = "offload_ms" if choice == "offload" else "selective_offload_ms"
+            regions[i] = dataclasses.replace(regions[i], **{field_name: extra})
+    return dataclasses.replace(cost, regions=tuple(regions))
 
 
 def _with_selective(region: RegionCost, plain: Tuple[Optional[float], Optional[float]],

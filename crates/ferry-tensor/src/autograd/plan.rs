@@ -113,6 +113,9 @@ pub struct RegionCost {
     /// the parameters that an autocast scope caches for the whole forward (offloading or
     /// recomputing the region frees them only once the forward is over).
     pub cached_bytes: u64,
+    /// Milliseconds offloading the region adds to the step, where a step with it offloaded was
+    /// measured (the runtime's waits for its copies); `None`: none, the copies hidden in compute.
+    pub offload_extra_ms: Option<f64>,
 }
 
 /// A region run with its expensive ops' outputs kept and its cheap ops (norms, activations,
@@ -126,6 +129,9 @@ pub struct Selective {
     /// The part of `held_bytes` a selective offload sends to host memory (the kept outputs);
     /// 0 where the region cannot offload them, so the plan never chooses it.
     pub offloadable_bytes: u64,
+    /// Milliseconds a selective recompute with its kept outputs offloaded adds to the step,
+    /// where measured; `None`: `extra_ms`, the copies hidden in compute.
+    pub offload_extra_ms: Option<f64>,
 }
 
 impl RegionCost {
@@ -164,6 +170,7 @@ impl Default for RegionCost {
             grad_bytes: 0,
             selective: None,
             cached_bytes: 0,
+            offload_extra_ms: None,
         }
     }
 }

@@ -150,6 +150,7 @@ fn selective_cost<M: Module>(
         held_bytes,
         extra_ms: start.elapsed().as_secs_f64() * 1e3,
         offloadable_bytes: 0,
+        offload_extra_ms: None,
     })
 }
 

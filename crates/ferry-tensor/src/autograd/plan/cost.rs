@@ -36,14 +36,17 @@ fn offloads(choice: Choice) -> bool {
 }
 
 /// Milliseconds a choice adds to the step: a recompute's forward, a selective recompute's
-/// measured extra; offload hides in compute.
+/// measured extra; an offload what a step with it was measured to add, else nothing (hidden in
+/// compute).
 pub(super) fn extra(region: &RegionCost, choice: Choice) -> f64 {
     match choice {
         Choice::Recompute => region.forward_ms,
-        Choice::Selective | Choice::SelectiveOffload => {
-            region.selective.map_or(0.0, |s| s.extra_ms)
-        }
-        Choice::Keep | Choice::Offload => 0.0,
+        Choice::Selective => region.selective.map_or(0.0, |s| s.extra_ms),
+        Choice::SelectiveOffload => region
+            .selective
+            .map_or(0.0, |s| s.offload_extra_ms.unwrap_or(s.extra_ms)),
+        Choice::Offload => region.offload_extra_ms.unwrap_or(0.0),
+        Choice::Keep => 0.0,
     }
 }
 
@@ -185,7 +188,7 @@ impl StepCost {
     }
 
     /// Predicted extra milliseconds: a forward per recomputed region, the measured extra of
-    /// each selective one; offload hides in compute.
+    /// each selective one and of each offload measured (an unmeasured one hides in compute).
     pub(super) fn extra_ms(&self, choices: &[Choice]) -> f64 {
         self.regions
             .iter()
@@ -280,21 +283,24 @@ impl StepCost {
         let goal = target_bytes.max(self.peak_bytes(&least));
         let peak = |c: &[Choice]| self.peak_bytes(c);
         let mut choices = vec![Choice::Keep; n];
-        // Offload is free where it fits: the earliest regions first, they have the widest windows.
+        // Offload is free where it fits and no step measured it dear: the earliest regions
+        // first, they have the widest windows.
         for (i, region) in regions.iter().enumerate() {
             if peak(&choices) <= goal {
                 break;
             }
             let trial = with(&choices, i, Choice::Offload);
             if region.offloadable() > 0
+                && extra(region, Choice::Offload) == 0.0
                 && self.offload_fits(&trial)
                 && peak(&trial) <= peak(&choices)
             {
                 choices = trial;
             }
         }
-        // Recompute: a kept or offloaded region selectively (its kept outputs offloaded where
-        // the link has room) or whole, a selective one with its outputs offloaded or whole; each
+        // Then a kept region offloaded at its measured cost, or a kept or offloaded one
+        // recomputed selectively (its kept outputs offloaded where the link has room) or whole,
+        // a selective one with its outputs offloaded or whole; each
         // time the move that lowers the peak at the least time per byte, the last pick the
         // cheapest move that alone reaches the goal where that costs less. Where no move lowers
         // the peak, the one freeing the most bytes per ms without raising it (bytes held, or
@@ -307,6 +313,7 @@ impl StepCost {
                 .filter(|&i| choices[i] != Choice::Recompute)
                 .flat_map(|i| {
                     [
+                        Choice::Offload,
                         Choice::Selective,
                         Choice::SelectiveOffload,
                         Choice::Recompute,
@@ -315,7 +322,11 @@ impl StepCost {
                 })
                 .filter(|&(i, c)| {
                     c != choices[i]
-                        && frees(&regions[i], c)
+                        && if c == Choice::Offload {
+                            choices[i] == Choice::Keep && regions[i].offloadable() > 0
+                        } else {
+                            frees(&regions[i], c)
+                        }
                         && extra(&regions[i], c) >= extra(&regions[i], choices[i])
                         && (!offloads(c) || self.offload_fits(&with(&choices, i, c)))
                 })
@@ -372,7 +383,10 @@ impl StepCost {
                 ] {
                     let allowed = match instead {
                         Choice::Keep => true,
-                        Choice::Offload => region.offloadable() > 0,
+                        Choice::Offload => {
+                            region.offloadable() > 0
+                                && extra(region, instead) < extra(region, choices[i])
+                        }
                         _ => {
                             choices[i] == Choice::Recompute
                                 && frees(region, instead)

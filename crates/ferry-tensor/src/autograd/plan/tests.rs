@@ -341,6 +341,7 @@ fn selective_blocks(n: usize, held_mib: u64, extra_ms: f64) -> StepCost {
             held_bytes: held_mib * MIB,
             extra_ms,
             offloadable_bytes: held_mib * MIB,
+            offload_extra_ms: None,
         }),
         ..RegionCost::new(10.0, 100 * MIB, 0)
     };
@@ -460,6 +461,45 @@ fn selective_outputs_go_to_the_host_where_the_link_moves_them_in_the_compute() {
         err.to_string().contains("no measured selective cost"),
         "{err}"
     );
+}
+
+#[test]
+fn an_offload_measured_dear_is_chosen_at_its_cost() {
+    use Choice::{Offload as O, Selective as S, SelectiveOffload as X};
+    // The link hides the kept outputs (as in the test above), but a step with them offloaded
+    // was measured 6 ms dearer than the selective recompute alone: the runtime waited for the
+    // copies. The plan takes the 1 ms selective recomputes where they reach the target.
+    let mut step = selective_blocks(4, 40, 1.0);
+    step.link = Some(link(40, 5.0, 5.0));
+    for region in &mut step.regions {
+        region.selective.as_mut().unwrap().offload_extra_ms = Some(7.0);
+        region.offload_extra_ms = Some(8.0);
+    }
+    let p = plan(&step, 250);
+    assert!(p.peak_bytes() <= 250 * MIB, "{p}");
+    assert!(!p.choices().contains(&X), "{p}");
+    assert!(p.choices().contains(&S), "{p}");
+    let forced = MemoryPlan::with_choices(&step, &[X, X, X, K]).unwrap();
+    assert_eq!(forced.extra_ms(), 21.0);
+    // Only where nothing cheaper reaches the target: 150 MiB needs what whole recomputes or
+    // offloaded outputs give, and 7 ms is below a 10 ms forward.
+    let low = plan(&step, 150);
+    assert!(low.peak_bytes() <= 150 * MIB, "{low}");
+    assert!(low.choices().contains(&X), "{low}");
+    // A whole offload measured dear is no longer the free first move: the 100 MiB of a block
+    // in 12.5 ms each way fit the windows, but cost 8 ms where a selective recompute costs 1.
+    let mut step = selective_blocks(4, 40, 1.0);
+    step.link = Some(link(100, 12.5, 12.5));
+    let free = plan(&step, 300);
+    assert!(free.choices().contains(&O), "{free}");
+    assert_eq!(free.extra_ms(), 0.0, "{free}");
+    for region in &mut step.regions {
+        region.offload_extra_ms = Some(8.0);
+    }
+    let dear = plan(&step, 300);
+    assert!(dear.peak_bytes() <= 300 * MIB, "{dear}");
+    assert!(!dear.choices().contains(&O), "{dear}");
+    assert!(dear.extra_ms() < 8.0, "{dear}");
 }
 
 #[test]
