@@ -15,11 +15,11 @@ gradients backward has made by then)::
 
 The planner is ferry's one planner, in Rust (``ferry::autograd::MemoryPlan``): ``choose``,
 ``predict_peak``, ``offload_fits`` and ``extra_ms`` pass the measured costs (``StepCost``) to it.
-This package measures (``_plan_torch``) and applies. Offload is free where the link moves a
-region's tensors out inside the forward compute that follows it and back inside the backward of
-the next region; recompute costs one forward of the region, a selective one what its profile
-measured. Offload comes first, then recompute, selective or whole, cheapest per byte freed; the
-rest is kept. See docs/memory-plan.md for the model and what it assumes.
+This package measures (``_plan_torch``) and applies. Offload is chosen only where the link moves
+a region's tensors out inside the forward compute that follows it and back inside the backward
+of the next region, and costs what the profile measured a step with it to add (on a GPU; else
+nothing); recompute costs one forward of the region, a selective one what its profile measured.
+Free offloads come first, then the move cheapest per byte freed; the rest is kept. See docs/memory-plan.md for the model and what it assumes.
 
 Recompute is ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``
 around the region's forward (dropout draws the same masks again), selective with ferry's
