@@ -840,6 +840,15 @@ def test_what_offloading_adds_is_measured_and_planned_for(host_offload, monkeypa
     assert not {"offload", "selective_offload"} & set(counted.choices), counted.choices
     # Without a link nothing is measured: a CPU profile has none.
     assert all(r.offload_ms is None for r in profiled.cost.regions)
+    # With one (as on a GPU), the profile measures them itself, after its selective step.
+    monkeypatch.setattr(plan_module, "_link_of", lambda device: Link(1e12, 1e12))
+    copies.clear()
+    linked = MemoryPlan.profile(model, step, fraction=1.0, min_offload_bytes=0)
+    assert copies and linked.cost.link == Link(1e12, 1e12)
+    assert all(r.selective_offload_ms is not None and r.selective_offload_ms >= 5.0
+               for r in linked.cost.regions), linked.cost.regions
+    unmeasured = MemoryPlan.profile(model, step, fraction=1.0, offload=False)
+    assert all(r.selective_offload_ms is None for r in unmeasured.cost.regions)
 
 
 def test_outputs_after_the_recompute_stops_are_not_kept(host_offload):

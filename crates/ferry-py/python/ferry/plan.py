@@ -207,7 +207,7 @@ class MemoryPlan:
             raise PlanError("the step saved no tensors for backward: run the forward in step_fn "
                             "with grad enabled (not under torch.no_grad() or inference_mode)")
         times = [watch.times(i) for i in range(len(modules))]
-        link = _measure_link(device) if cuda and cuda_available() else None
+        link = _link_of(device)
         host = _host_room() if link is not None else None
         grads = [_grad_bytes(m.parameters()) for m in modules]
         inside = {id(p) for m in modules for p in m.parameters()}
@@ -529,6 +529,12 @@ def _measure_selective(modules: Sequence[nn.Module], names: Sequence[str],
               and backward is not None and not any(k.fell_back for k in kept[i]))
         out.append((held[i] or 0, forward or 0.0, backward or 0.0) if ok else None)
     return out
+
+
+def _link_of(device: torch.device) -> Optional[Link]:
+    """The measured link between ``device`` and pinned host memory; None off a GPU (or where
+    ferry cannot reach it): nothing is offloaded then."""
+    return _measure_link(device) if device.type == "cuda" and cuda_available() else None
 
 
 def _measured_offloads(modules: Sequence[nn.Module], cost: StepCost,
