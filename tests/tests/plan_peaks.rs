@@ -32,32 +32,12 @@ fn loss_and_backward(y: &Tensor, head: &Tensor) -> Result<()> {
     Ok(())
 }
 
-fn allocated(device: Device) -> Result<u64> {
-    Ok(match device {
-        Device::Cpu => ferry::host::memory_allocated(),
-        gpu => {
-            ferry::cuda::synchronize(gpu)?;
-            ferry::cuda::memory_allocated(gpu)?
-        }
-    } as u64)
-}
-
 /// The most allocated above the start while `step` runs.
 fn peak_of(device: Device, step: impl FnOnce() -> Result<()>) -> Result<u64> {
-    let base = allocated(device)?;
-    match device {
-        Device::Cpu => ferry::host::reset_peak(),
-        gpu => ferry::cuda::reset_peak(gpu)?,
-    }
+    let base = ferry::allocated::current(device)?;
+    ferry::allocated::reset_peak(device)?;
     step()?;
-    let peak = match device {
-        Device::Cpu => ferry::host::max_memory_allocated(),
-        gpu => {
-            ferry::cuda::synchronize(gpu)?;
-            ferry::cuda::max_memory_allocated(gpu)?
-        }
-    } as u64;
-    Ok(peak.saturating_sub(base))
+    Ok(ferry::allocated::peak(device)?.saturating_sub(base) as u64)
 }
 
 /// The peak of one step of `chain` (its gradients cleared first).

@@ -16,7 +16,8 @@
 //!   graph-leak watch;
 //! - [`prelude`]: the names most programs need;
 //! - at the edge of ferry: ndarray and `.npy` interop ([`to_ndarray`], [`from_ndarray`],
-//!   [`save_npy`], [`load_npy`]) and memory statistics ([`cuda`], [`host`]).
+//!   [`save_npy`], [`load_npy`]) and memory statistics ([`cuda`], [`host`], and
+//!   [`allocated`] for either device).
 //!
 //! ```
 //! use ferry::prelude::*;
@@ -31,6 +32,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod allocated;
 pub mod amp;
 mod array;
 pub mod checkpoint;

@@ -242,41 +242,10 @@ impl<M: Module + Clone + Send + Sync + 'static> PlannedChain<M> {
     }
 }
 
-/// The memory of one device, read and restarted at a step's phases.
-#[derive(Clone, Copy)]
-struct Meter(Device);
-
-impl Meter {
-    fn allocated(self) -> Result<u64> {
-        Ok(match self.0 {
-            Device::Cpu => crate::host::memory_allocated(),
-            gpu => {
-                crate::cuda::synchronize(gpu)?;
-                crate::cuda::memory_allocated(gpu)?
-            }
-        } as u64)
-    }
-
-    fn peak(self) -> Result<u64> {
-        Ok(match self.0 {
-            Device::Cpu => crate::host::max_memory_allocated(),
-            gpu => crate::cuda::max_memory_allocated(gpu)?,
-        } as u64)
-    }
-
-    fn restart(self) -> Result<()> {
-        match self.0 {
-            Device::Cpu => crate::host::reset_peak(),
-            gpu => crate::cuda::reset_peak(gpu)?,
-        }
-        Ok(())
-    }
-}
-
 /// Per phase of a step, the most above its start: the forward (index 0), then block `i`'s
 /// backward (index `i + 1`).
 struct Phases {
-    meter: Meter,
+    device: Device,
     base: u64,
     current: usize,
     peaks: Vec<Option<u64>>,
@@ -284,7 +253,7 @@ struct Phases {
 
 impl Phases {
     fn close(&mut self) -> Result<()> {
-        let peak = self.meter.peak()?.saturating_sub(self.base);
+        let peak = (crate::allocated::peak(self.device)? as u64).saturating_sub(self.base);
         let slot = &mut self.peaks[self.current];
         *slot = Some(slot.map_or(peak, |p| p.max(peak)));
         Ok(())
@@ -292,7 +261,7 @@ impl Phases {
 
     fn enter(&mut self, phase: usize) -> Result<()> {
         self.close()?;
-        self.meter.restart()?;
+        crate::allocated::reset_peak(self.device)?;
         self.current = phase;
         Ok(())
     }
@@ -306,12 +275,11 @@ pub(crate) fn measure_peaks<M: Module>(
     start: impl FnOnce() -> Result<(Tensor, Vec<M>)>,
     backward: impl FnOnce(Tensor) -> Result<()>,
 ) -> Result<MeasuredPeaks> {
-    let meter = Meter(device);
-    let base = meter.allocated()?;
-    meter.restart()?;
+    let base = crate::allocated::current(device)? as u64;
+    crate::allocated::reset_peak(device)?;
     let (input, blocks) = start()?;
     let phases = Arc::new(parking_lot::Mutex::new(Phases {
-        meter,
+        device,
         base,
         current: 0,
         peaks: vec![None; blocks.len() + 1],
