@@ -19,7 +19,8 @@ This package measures (``_plan_torch``) and applies. Offload is chosen only wher
 a region's tensors out inside the forward compute that follows it and back inside the backward
 of the next region, and costs what the profile measured a step with it to add (on a GPU; else
 nothing); recompute costs one forward of the region, a selective one what its profile measured.
-Free offloads come first, then the move cheapest per byte freed; the rest is kept. See docs/memory-plan.md for the model and what it assumes.
+Free offloads come first, then the move cheapest per byte freed; the rest is kept. See
+docs/memory-plan.md for the model and what it assumes.
 
 Recompute is ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``
 around the region's forward (dropout draws the same masks again), selective with ferry's

@@ -44,11 +44,11 @@ pub(super) fn copy_on_devices(job: &mut Job, policy: DeviceCopy) -> Result<usize
 /// ([`compile_copy_kernels`](ferry_tensor::compile_copy_kernels)): without it, the first save
 /// of a process pays for `cuMemAlloc` in its call (about 10 ms a GiB) and for that compile
 /// (the first call of a process took 4.9 s on an H200 and 11.7 s on a fresh H100 without
-/// this); every later one finds the memory the one before gave back. Call it where a stall is not felt (after the
-/// model and optimizer are built, before the loop) with the tensors the saves will take, or
-/// ones of the same shapes and dtypes. Under [`DeviceCopy::IfRoom`] only devices with room
-/// for the copies are reserved for, as the save would decide now; [`DeviceCopy::Off`]
-/// reserves nothing. Returns the bytes held ready, cached blocks that already served them
+/// this); every later one finds the memory the one before gave back. Call it where a stall is
+/// not felt (after the model and optimizer are built, before the loop) with the tensors the
+/// saves will take, or ones of the same shapes and dtypes. Under [`DeviceCopy::IfRoom`] only
+/// devices with room for the copies are reserved for, as the save would decide now;
+/// [`DeviceCopy::Off`] reserves nothing. Returns the bytes held ready, cached blocks that already served them
 /// included; where device memory runs out first, less than the copies need (the save then
 /// copies what it can and reads the rest in place).
 ///
