@@ -85,6 +85,34 @@ impl PyPendingSave {
         })
     }
 
+    /// The names of the tensors the call copied on their GPU's copy stream, beside the work
+    /// torch queues after it: torch's writes to them must come after
+    /// `order_writes_after(streams)`.
+    fn side_copied(&self) -> PyResult<Vec<String>> {
+        guarded(|| {
+            let guard = self.inner.lock();
+            Ok(guard.as_ref().ok_or_else(gone)?.side_copied().to_vec())
+        })
+    }
+
+    /// Makes torch's streams, as (device index, `cuda_stream` handle) pairs, wait on the GPU for
+    /// the copies of `side_copied()`: what torch queues there afterwards may write those
+    /// tensors. Never blocks.
+    fn order_writes_after(&self, streams: Vec<(usize, u64)>) -> PyResult<()> {
+        guarded(|| {
+            let streams = streams
+                .iter()
+                .map(|&(ordinal, handle)| torch_or_default(ordinal, Some(handle)))
+                .collect::<PyResult<Vec<_>>>()?;
+            let guard = self.inner.lock();
+            guard
+                .as_ref()
+                .ok_or_else(gone)?
+                .order_writes_after(&streams)
+                .map_err(|e| FerryError::new_err(e.to_string()))
+        })
+    }
+
     /// Whether the save has finished, well or not.
     fn done(&self) -> PyResult<bool> {
         guarded(|| {

@@ -140,11 +140,13 @@ def test_a_write_that_could_reach_the_snapshot_keeps_the_old_file(tmp_path, devi
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_the_default_memory_is_pinned_only_where_gpu_tensors_are_read_in_place(tmp_path, device):
     # Read in place, a GPU tensor's writes wait for its DMA, which lands at the link's rate only
-    # in pinned memory; copied on the GPU (or on the host), nothing waits: pageable memory.
+    # in pinned memory; copied on the GPU, nothing waits: the disk's pace, within the staging
+    # (the report names the bound); on the host, pageable memory.
     t = torch.randn(1 << 18, device=device)
     path = tmp_path / "m.safetensors"
     on_gpu = device == "cuda"
-    for device_copy, expected in [(None, "pageable"), (False, "pinned" if on_gpu else "pageable")]:
+    copied = str(256 << 20) if on_gpu else "pageable"
+    for device_copy, expected in [(None, copied), (False, "pinned" if on_gpu else "pageable")]:
         report = ferry.save_async(path, {"t": t}, device_copy=device_copy).wait()
         assert report["memory"] == expected, (device_copy, report)
         assert report["device_copied"] == (t.nbytes if on_gpu and device_copy is None else 0)
@@ -271,8 +273,8 @@ def test_with_a_device_copy_writes_after_the_call_wait_for_nothing(tmp_path, dev
 
 @cuda
 def test_a_device_copy_is_not_overtaken_by_a_write_on_torchs_side_stream(tmp_path):
-    # The side stream is still busy at the call; the write queued right after it must come
-    # after ferry's copy on the device, or the copy would read a half-written tensor.
+    # The side stream is still busy at the call; the write queued after order_writes() must
+    # come after ferry's copy on the device, or the copy would read a half-written tensor.
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         x = torch.randn(64 << 20, device="cuda")
@@ -280,12 +282,63 @@ def test_a_device_copy_is_not_overtaken_by_a_write_on_torchs_side_stream(tmp_pat
         torch.cuda._sleep(50_000_000)
         path = tmp_path / "side.safetensors"
         pending = ferry.save_async(path, {"x": x}, device_copy=True)
+        # 256 MiB: copied on ferry's copy stream, beside what torch queues next.
+        assert pending._inner.side_copied() == ["x"]
+        pending.order_writes()
         x.fill_(-1.0)
     assert pending._private
     pending.wait()
     assert torch.equal(_load(path)["x"], expected.cpu())
     side.synchronize()
     assert bool((x == -1.0).all()), "the write ran"
+
+
+@cuda
+def test_large_tensors_are_copied_beside_the_next_step_and_its_optimizer_orders_them(tmp_path):
+    # A 4 MiB weight is copied on ferry's copy stream: the forward and backward torch queues
+    # next do not wait for it, the optimizer's step does (on the GPU), and the file holds the
+    # moment of the call. A small tensor (a norm's statistics) is copied in torch's order, so a
+    # write to it before the step is safe.
+    model = torch.nn.Linear(1024, 1024, bias=False).cuda()
+    stats = torch.zeros(256, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(64, 1024, device="cuda")
+    model(x).square().sum().backward()
+    opt.zero_grad()
+    state = {"weight": model.weight, "stats": stats}
+    before = {k: v.detach().clone() for k, v in state.items()}
+    path = tmp_path / "beside.safetensors"
+    pending = ferry.save_async(path, state)
+    assert pending._inner.side_copied() == ["weight"]
+    stats.add_(1.0)  # in the forward, say
+    model(x).square().sum().backward()
+    opt.step()
+    assert not torch.equal(model.weight.detach(), before["weight"]), "the step moved it"
+    pending.wait()
+    _same(_load(path), before)
+
+
+@cuda
+def test_a_write_before_the_device_copy_is_ordered_keeps_the_old_file(tmp_path):
+    # Written in place right after the call, outside an optimizer step and without
+    # order_writes(): the write may have raced the copy on ferry's copy stream, so the save
+    # keeps the previous file and says which tensor, rather than write a file of two moments.
+    path = tmp_path / "raced.safetensors"
+    w = torch.full((1 << 20,), 3.0, device="cuda")
+    ferry.save_async(path, {"w": w}).wait()
+    pending = ferry.save_async(path, {"w": w})
+    w.mul_(2.0)
+    with pytest.raises(ferry.FerryError, match="'w' was written in place .* device copy"):
+        pending.wait()
+    assert torch.equal(_load(path)["w"], torch.full((1 << 20,), 3.0))
+    assert sorted(os.listdir(tmp_path)) == ["raced.safetensors"], "no temporary is left"
+    # Dropping the save orders torch's streams after its copies (without waiting for the
+    # snapshot, which lasts as long as the write): a write after the drop is safe.
+    pending = ferry.save_async(path, {"w": w})
+    pending.__del__()
+    w.mul_(2.0)
+    pending.wait()
+    assert torch.equal(_load(path)["w"], torch.full((1 << 20,), 6.0))
 
 
 _STEPS_WHILE_ANOTHER_THREAD_SAVES = """

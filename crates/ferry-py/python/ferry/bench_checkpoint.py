@@ -78,6 +78,9 @@ FERRY = "ferry.save_async"
 FERRY_RESERVED = "ferry.save_async after ferry.reserve_device_copy(state)"
 FERRY_PINNED = "ferry.save_async, memory='pinned'"
 FERRY_PAGEABLE = "ferry.save_async, device_copy=False, memory='pageable'"
+# The device copies drained into pageable memory by all cores but two (the default before the
+# snapshot of device copies went at the disk's pace).
+FERRY_DRAINED = "ferry.save_async, memory='pageable' (device copies drained)"
 DCP = "dcp.async_save, torch's FileSystemWriter"
 DCP_PINNED = "dcp.async_save, DefaultStager(pinned, async staging)"
 DCP_FERRY = "dcp.async_save, ferry.dcp.FerryStorageWriter"
@@ -467,6 +470,7 @@ MODES: List[Tuple[str, Callable[[Training], Mode]]] = [
     (FERRY_RESERVED, _ferry_mode(reserve=True)),
     (FERRY_PINNED, _ferry_mode(memory="pinned")),
     (FERRY_PAGEABLE, _ferry_mode(device_copy=False, memory="pageable")),
+    (FERRY_DRAINED, _ferry_mode(memory="pageable")),
     (DCP, _torch_dcp),
     (DCP_PINNED, _torch_dcp_pinned),
     (DCP_FERRY, _ferry_dcp),

@@ -20,17 +20,26 @@ What waits for what:
     every save in flight has copied its tensors: a global step pre-hook, installed by the
     first save (with no save in flight it returns at once); the copies run at several GB/s
     (12-20 GB/s beside training on the H200), so a step waits for what is left of them;
-  - any other in-place write to a saved tensor must come after ``pending.wait_snapshot()``;
+  - any other in-place write to a saved tensor must come after ``pending.order_writes()``
+    (tensors copied on their GPU: a wait queued on torch's streams, nothing blocks) or
+    ``pending.wait_snapshot()`` (any tensor: blocks until the snapshot is taken);
   - a tensor written in place since the call when its copy is checked (at the optimizer's
     barrier, ``wait_snapshot()``, ``wait()``, or when the ``PendingSave`` is dropped) makes
     the save keep the old file: ``wait()`` raises ``FerryError`` naming the tensor, and no
     file mixes two moments. The file is renamed over ``path`` only after that check.
 * By default, where the GPU has room (see below), the GPU tensors are first copied on their
   GPU in the call (after the work torch queued on its current streams, each dtype's
-  contiguous tensors together, at the device's memory speed), torch's current streams wait for
-  those copies on the device, and the snapshot reads the copies: writes after the call,
-  optimizer steps included, wait for nothing. The price is device memory the size of the GPU
-  tensors (from ferry's allocator) until the snapshot is taken; it then goes back to ferry's
+  contiguous tensors together, at the device's memory speed), and the snapshot reads the
+  copies: writes after the call, optimizer steps included, wait for nothing. Tensors of 1 MiB
+  or more are copied on ferry's copy stream, beside the forward and backward torch queues
+  next (a 12 GB state's copy takes 10-13 ms of an H100, which the next step paid in full on
+  torch's stream): the next optimizer step's pre-hook (or the next save) makes torch's current
+  streams wait on the GPU for those copies, so the step's writes come after them, and a
+  tensor written in place before that (its version moved) makes the save keep the old file,
+  as above. Smaller tensors (a norm's running statistics, which a forward writes) are copied
+  on the stream torch's current streams wait for at once. The price is device memory the size
+  of the GPU tensors (from ferry's allocator) until the file has caught up with the snapshot
+  (``memory="auto"``); it then goes back to ferry's
   cache, where the next save of the same state finds it, so only the first save pays for the
   allocation. That cache is ferry's, not torch's: torch cannot use it, and a save made before
   training reaches its peak memory keeps it from training; ``ferry.empty_cache()`` gives it
@@ -41,9 +50,10 @@ What waits for what:
   lands in pinned memory (``memory="auto"``, the default), at the link's rate, in ferry's
   pinned pool within its budget and kept there for the next save. ``device_copy=True`` copies
   wherever memory can be had.
-* Dropping a ``PendingSave`` waits for its copies (a fraction of a second), not for the file:
-  the write finishes in the background, and an error in it is raised by the next
-  ``save_async``.
+* Dropping a ``PendingSave`` waits for the copies it reads in place (a fraction of a second;
+  where every tensor was copied on its GPU it only orders torch's streams after those copies),
+  not for the file: the write finishes in the background, and an error in it is raised by the
+  next ``save_async``.
 """
 
 from __future__ import annotations
@@ -62,17 +72,18 @@ _IN_FLIGHT: "weakref.WeakSet[PendingSave]" = weakref.WeakSet()
 _HOOK = None
 
 
-def _check_in_flight(reading_only: bool = False) -> None:
-    """Waits for the copies of every save in flight, and checks them; with ``reading_only``,
-    only of the saves that read tensors torch may write (the others are checked once their
-    snapshot is taken, without waiting)."""
+def _check_in_flight() -> None:
+    """Waits for the copies of every save in flight that reads tensors torch may write, and
+    checks them (the others, confirmed at their call, are let go once their snapshot is taken,
+    without waiting)."""
     with _LOCK:
         flying = list(_IN_FLIGHT)
     for pending in flying:
         try:
+            pending._order_writes()
             if pending._checked:
                 continue
-            if reading_only and pending._private:
+            if pending._private:
                 if pending.snapshot_taken():
                     pending.wait_snapshot()
                 continue
@@ -85,7 +96,7 @@ def _check_in_flight(reading_only: bool = False) -> None:
 
 
 def _before_optimizer_step(optimizer, args, kwargs):
-    _check_in_flight(reading_only=True)
+    _check_in_flight()
 
 
 def _track(pending: "PendingSave") -> None:
@@ -108,10 +119,14 @@ class PendingSave:
     """A save in flight: ``wait()`` gives its report (a dict of sizes, times and memory) or
     raises its error; ``wait_snapshot()`` blocks until every tensor is copied."""
 
-    def __init__(self, inner: _ferry.PendingSave, watched: list) -> None:
+    def __init__(self, inner: _ferry.PendingSave, watched: list, side: Sequence[Any] = ()) -> None:
         self._inner = inner
         # (name, tensor, version) of each tensor torch may write before its copy is taken.
         self._watched = watched
+        # The same of each tensor copied on ferry's copy stream beside torch's work: torch's
+        # writes to it are safe once its streams wait for those copies (`_order_writes`).
+        self._side = list(side)
+        self._side_lock = threading.Lock()
         self._private = not watched
         self._checked = False
         # One thread at a time waits for the snapshot and checks the versions (the check runs
@@ -154,22 +169,58 @@ class PendingSave:
             self._inner.wait_snapshot()
             self._check()
 
+    def _take_side(self) -> list:
+        with self._side_lock:
+            side, self._side = self._side, []
+        return side
+
+    def _abandon_if_written(self, tensors: list, before: str) -> bool:
+        """Abandons the save if one of ``tensors`` (name, tensor, version) was written in place
+        since the call; says whether it did."""
+        for name, t, version in tensors:
+            if t._version != version:
+                self._inner.abandon(
+                    f"tensor {name!r} was written in place after save_async and before "
+                    f"{before} (torch version {version} -> {t._version}), so the file could mix "
+                    "two moments; the previous file is kept. Write saved tensors only after "
+                    "the next optimizer.step() or pending.wait_snapshot()"
+                )
+                return True
+        return False
+
+    def order_writes(self) -> None:
+        """The barrier for in-place writes to saved GPU tensors outside an optimizer step: torch's
+        current streams wait on the GPU for the save's device copies (never the host), so
+        writes queued after this call come after them. The optimizer's step pre-hook and the
+        next save call do it by themselves. Where a tensor was written in place since the call,
+        the save keeps the old file and ``wait()`` raises naming it. Tensors read in place
+        (without a device copy) still need :meth:`wait_snapshot`."""
+        self._order_writes()
+
+    def _order_writes(self) -> None:
+        # Between steps (the optimizer's step pre-hook, the next save): torch's current streams
+        # wait on the GPU for the copies on ferry's copy stream, so its writes from now on come
+        # after them; one queued before may have raced them.
+        side = self._take_side()
+        if not side or self._abandon_if_written(side, "its device copy was ordered"):
+            return
+        import torch
+
+        gpus = sorted({t.get_device() for _, t, _ in side})
+        self._inner.order_writes_after([(g, torch.cuda.current_stream(g).cuda_stream)
+                                        for g in gpus])
+        if self._private:
+            self._inner.confirm()
+
     def _check(self) -> None:
         # Runs right after the snapshot, before the caller writes: a version that moved was
         # moved by a write queued while the copies may still have been reading.
         if self._checked:
             return
         self._checked = True
-        for name, t, version in self._watched:
-            if t._version != version:
-                self._inner.abandon(
-                    f"tensor {name!r} was written in place after save_async and before its "
-                    f"copy was taken (torch version {version} -> {t._version}), so the file "
-                    "could mix two moments; the previous file is kept. Write saved tensors "
-                    "only after pending.wait_snapshot() (optimizer steps wait by themselves)"
-                )
-                break
-        else:
+        side = self._take_side()
+        if not (self._abandon_if_written(self._watched, "its copy was taken")
+                or self._abandon_if_written(side, "its device copy was ordered")):
             self._inner.confirm()
         self._watched = []
         _untrack(self)
@@ -185,9 +236,15 @@ class PendingSave:
             _untrack(self)
 
     def __del__(self):
-        # The file is kept only once checked: do it now, while the tensors are known.
+        # The file is kept only once checked: do it now, while the tensors are known. Where
+        # nothing is read in place, that is ordering torch's streams after the device copies
+        # (never the paced snapshot, which lasts as long as the write).
         try:
-            if not self._checked and not self.done():
+            if self._checked or self.done():
+                return
+            if self._private:
+                self._order_writes()
+            else:
                 self.wait_snapshot()
         except Exception:
             pass
@@ -244,9 +301,12 @@ def save_async(
     ``ferry/state_tree.py``); :func:`load` rebuilds it. The path comes first (``torch.save``
     and safetensors' ``save_file`` take the object first: the swapped order is refused).
 
-    ``memory``: ``"auto"`` (default: ``"pageable"`` where every GPU tensor was copied on its
-    GPU, nothing then waiting for the snapshot; ``"pinned"`` where GPU tensors are read in
-    place, so the optimizer's step waits no longer than the link takes), ``"pageable"`` (the
+    ``memory``: ``"auto"`` (default: where every GPU tensor was copied on its GPU, nothing
+    then waiting for the snapshot, a bound of ``staging_bytes``: the copies cross at the disk's
+    pace into pinned pieces the writer writes as they are, no drain beside the training (the
+    report's ``"memory"`` gives the bound); ``"pageable"`` where CPU tensors are saved
+    beside them; ``"pinned"`` where GPU tensors are read in place, so the optimizer's step
+    waits no longer than the link takes), ``"pageable"`` (the
     snapshot in pageable host memory, freed as the file is written), ``"pinned"`` (straight
     into pinned memory within ferry's pinned budget, kept in its pool for the next save), or a
     number of bytes (at most that much snapshot in host memory at once; the disk sets the pace
@@ -344,9 +404,10 @@ def start_save(
     if bound is not None and bound <= 0:
         raise ValueError(f"save_async: memory={memory}: a bound must be a positive byte count")
     extra = {} if staging_bytes is None else {"staging_bytes": staging_bytes}
-    # A save waits for an earlier one to the same file, and an earlier one is renamed only once
-    # checked: check them all now (their copies are normally long done), or this call would
-    # wait on a check that only this thread can make.
+    # A save waits for an earlier one to the same file, and an earlier one that reads tensors
+    # torch may write is renamed only once checked: check those now (their copies are normally
+    # long done), or this call would wait on a check that only this thread can make. The others
+    # were confirmed at their call.
     _check_in_flight()
     versions = [t._version for t in detached]
     # As DLPack capsules made without synchronizing: ferry orders the copies after `streams`
@@ -365,7 +426,13 @@ def start_save(
         for name, t, version in zip(names, detached, versions)
         if not (owned or (copied and t.is_cuda))
     ]
-    pending = PendingSave(inner, watched)
+    beside = set() if owned else set(inner.side_copied())
+    side = [(n, t, v) for n, t, v in zip(names, detached, versions) if n in beside]
+    if not watched and not side:
+        # Nothing torch writes is read: nothing to check before the rename (the snapshot of a
+        # device copy goes at the disk's pace, and no later call should wait for it).
+        inner.confirm()
+    pending = PendingSave(inner, watched, side)
     _track(pending)
     return pending
 

@@ -2,49 +2,142 @@
 //! ([`AsyncSaveOptions::device_copy`](super::AsyncSaveOptions::device_copy)): in the call, each
 //! GPU tensor copied on its GPU where it has room, so that the snapshot reads the copies and
 //! in-place writes after the call never wait.
+//!
+//! Tensors of [`SIDE_COPY_MIN_BYTES`] or more are copied on the save's copy stream, beside the
+//! work queued after the call (the training's next forward and backward), not ahead of it: the
+//! copy of a 12 GB state took 10-13 ms of an H100's memory bandwidth, which the first step
+//! after the call paid in full when the copies were queued on the default stream. Writes to
+//! them are ordered after the copies on the device: ferry's own by its buffers' stream
+//! tracking, another runtime's by [`PendingSave::order_writes_after`](super::PendingSave::order_writes_after).
+//! Smaller tensors, and non-contiguous ones, are copied on the default stream, in its order.
 
-use ferry_memory::cuda::CudaDevice;
-use ferry_tensor::{Device, Tensor, TensorError};
+use std::sync::Arc;
 
+use ferry_memory::cuda::{CudaDevice, Event};
+use ferry_tensor::{Buffer, Device, Layout, Storage, Tensor, TensorError};
+
+use super::CheckpointError;
 use super::plan::{DeviceCopy, device_copy_headroom};
 use super::snapshot::{Job, release};
+use super::stage::{after_default, copy_stream};
+use super::write::cuda_buffer;
 
-/// Copies the device tensors on their devices, on each default stream, and lets go of them:
-/// called at the call ([`AsyncSaveOptions::device_copy`](super::AsyncSaveOptions::device_copy)),
-/// so the copies come right after the work queued before the call, and in-place writes never
-/// wait. Under [`DeviceCopy::IfRoom`] a device's tensors are copied only where it has room for
-/// them ([`has_room`]). The contiguous tensors of one device and dtype are copied together into
-/// one buffer (`Tensor::cat`, a few launches for hundreds of tensors), each then read through a
-/// view of it; the others, or all where that buffer cannot be had, one by one, stopping at the
-/// first failure (device memory full, say): the tensors left are read in place as usual, their
-/// writes held off until their DMA. Makes each device's `ready` event the one after its
-/// copies. Returns the bytes copied.
-pub(super) fn copy_on_devices(job: &mut Job, policy: DeviceCopy) -> Result<usize, TensorError> {
+/// The least bytes of a tensor copied on the save's copy stream rather than the default one:
+/// a norm's weights and running statistics (written in a forward, say) stay in the default
+/// stream's order, and the bulk of a state, its matrices and their optimizer moments, is
+/// copied beside the training.
+pub const SIDE_COPY_MIN_BYTES: usize = 1 << 20;
+
+/// Each side copy's start in its buffer: a multiple of every element size, and of the DMA's
+/// preferred alignment.
+const SIDE_ALIGN: usize = 256;
+
+/// What [`copy_on_devices`] copied.
+#[derive(Default)]
+pub(super) struct Copied {
+    pub bytes: usize,
+    /// Per device with copies on its copy stream: the event after them.
+    pub side: Vec<(usize, Event)>,
+    /// The entries copied there, in file order.
+    pub side_entries: Vec<usize>,
+}
+
+/// Copies the device tensors on their devices and lets go of them: called at the call
+/// ([`AsyncSaveOptions::device_copy`](super::AsyncSaveOptions::device_copy)), so the copies
+/// read the work queued before the call, and in-place writes never wait. Under
+/// [`DeviceCopy::IfRoom`] a device's tensors are copied only where it has room for them
+/// ([`has_room`]). Tensors of [`SIDE_COPY_MIN_BYTES`] or more, contiguous, are copied on the
+/// device's copy stream (one buffer per device and dtype, each tensor then read through a view
+/// of it); the other contiguous ones of one device and dtype together into one buffer on the
+/// default stream (`Tensor::cat`, a few launches for hundreds of tensors); the rest one by
+/// one, stopping at the first failure (device memory full, say): the tensors left are read in
+/// place as usual, their writes held off until their DMA. Makes each device's `ready` event the
+/// one after its default-stream copies.
+pub(super) fn copy_on_devices(
+    job: &mut Job,
+    policy: DeviceCopy,
+) -> Result<Copied, CheckpointError> {
     // The copies wait on the default streams for the other streams' work of before the call
     // (`after`), as the DMAs would on the copy stream.
     for (ordinal, event) in &job.after {
-        let dev = CudaDevice::get(*ordinal)?;
-        dev.default_stream().wait_event(event)?;
+        let dev = CudaDevice::get(*ordinal).map_err(TensorError::from)?;
+        dev.default_stream()
+            .wait_event(event)
+            .map_err(TensorError::from)?;
     }
-    // A plain copy: the snapshot is no part of any graph.
     let devices = devices_to_copy(job, policy)?;
-    let copied = ferry_tensor::with_no_grad(|| copy_grouped(job, &devices))?;
+    let mut copied = copy_beside(job, &devices)?;
+    // A plain copy: the snapshot is no part of any graph.
+    copied.bytes += ferry_tensor::with_no_grad(|| copy_grouped(job, &devices))?;
     // The DMAs come after the copies: each device's `ready` event (there is one per device
     // with tensors, recorded at the call) is recorded anew behind them.
     for (ordinal, event) in &mut job.ready {
-        *event = CudaDevice::get(*ordinal)?.default_stream().record()?;
+        let dev = CudaDevice::get(*ordinal).map_err(TensorError::from)?;
+        *event = dev.default_stream().record().map_err(TensorError::from)?;
     }
+    Ok(copied)
+}
+
+/// Copies the contiguous tensors of [`SIDE_COPY_MIN_BYTES`] or more on `devices` on each
+/// device's copy stream, after everything queued before the call, into one buffer per device
+/// and dtype; where a buffer cannot be had, its tensors are left to [`copy_grouped`].
+fn copy_beside(job: &mut Job, devices: &[Device]) -> Result<Copied, CheckpointError> {
+    let mut copied = Copied::default();
+    let large = |t: &Tensor| t.nbytes() >= SIDE_COPY_MIN_BYTES;
+    for ((device, dtype), members) in groups(job.entries.iter().map(|e| &e.t), devices, large) {
+        let Device::Cuda(ordinal) = device else {
+            continue;
+        };
+        let dev = CudaDevice::get(ordinal).map_err(TensorError::from)?;
+        let stream = copy_stream(&dev)?;
+        if !copied.side.iter().any(|(o, _)| *o == ordinal) {
+            // After the default stream's work of the call, which waits for `after` (above).
+            after_default(&dev, &stream)?;
+        }
+        let (end, starts) = side_len(members.iter().map(|&e| job.entries[e].t.nbytes()));
+        let Ok(mut buffer) = dev.alloc(end, &stream) else {
+            continue; // no room for one buffer: on the default stream below
+        };
+        for (&e, &at) in members.iter().zip(&starts) {
+            let t = &job.entries[e].t;
+            let guard = t.storage().read();
+            let from = cuda_buffer(&guard, t)?;
+            let start = t.layout().offset() * dtype.size();
+            buffer
+                .copy_region(at, from, start, t.nbytes(), &stream)
+                .map_err(TensorError::from)?;
+        }
+        let storage = Arc::new(Storage::new(Buffer::Cuda(buffer), dtype, device));
+        let whole = Tensor::from_storage(storage, Layout::contiguous(&[end / dtype.size()]))?;
+        for (&e, &at) in members.iter().zip(&starts) {
+            let t = &job.entries[e].t;
+            let view = whole
+                .narrow(0, at / dtype.size(), t.numel())?
+                .reshape(t.shape())?;
+            copied.bytes += view.nbytes();
+            let copied_from = std::mem::replace(&mut job.entries[e].t, view);
+            job.retired.push(copied_from);
+            release(job, e);
+            copied.side_entries.push(e);
+        }
+        let after = stream.record().map_err(TensorError::from)?;
+        match copied.side.iter_mut().find(|(o, _)| *o == ordinal) {
+            Some((_, event)) => *event = after,
+            None => copied.side.push((ordinal, after)),
+        }
+    }
+    copied.side_entries.sort_unstable();
     Ok(copied)
 }
 
 /// Takes the device memory that the device copies of an asynchronous save of `tensors` use
 /// ([`AsyncSaveOptions::device_copy`](super::AsyncSaveOptions::device_copy)) from the driver
 /// now, and leaves it in ferry's allocator cache, where the copies of the first save find it,
-/// and compiles the kernels the copies launch on those devices
-/// ([`compile_copy_kernels`](ferry_tensor::compile_copy_kernels)): without it, the first save
-/// of a process pays for `cuMemAlloc` in its call (about 10 ms a GiB) and for that compile
-/// (the first call of a process took 4.9 s on an H200 and 11.7 s on a fresh H100 without
-/// this); every later one finds the memory the one before gave back. Call it where a stall is
+/// compiles the kernels the copies launch on those devices
+/// ([`compile_copy_kernels`](ferry_tensor::compile_copy_kernels), 53 ms on a fresh H100) and
+/// makes the copy stream: without it, the first save of a process pays for `cuMemAlloc` in its
+/// call (about 10 ms a GiB), that compile, and the device synchronization of a first second
+/// stream; every later one finds the memory the one before gave back. Call it where a stall is
 /// not felt (after the model and optimizer are built, before the loop) with the tensors the
 /// saves will take, or ones of the same shapes and dtypes. Under [`DeviceCopy::IfRoom`] only
 /// devices with room for the copies are reserved for, as the save would decide now;
@@ -63,27 +156,40 @@ pub fn reserve_device_copy(
     let mut buffers = Vec::new();
     let mut grouped = vec![false; ts.len()];
     let mut sizes = Vec::new();
-    for ((device, dtype), members) in groups(ts.iter().copied(), &devices) {
+    // The buffers the save allocates: one per device and dtype for the large tensors (on the
+    // copy stream; the cache hands a block freed on another stream to it once free), one for
+    // the small ones where there are several, each other tensor its own.
+    let large = |t: &Tensor| t.nbytes() >= SIDE_COPY_MIN_BYTES;
+    for ((device, _), members) in groups(ts.iter().copied(), &devices, large) {
+        let (len, _) = side_len(members.iter().map(|&e| ts[e].nbytes()));
+        let bytes = members.iter().map(|&e| ts[e].nbytes()).sum();
+        sizes.push((device, len, bytes));
+        members.iter().for_each(|&e| grouped[e] = true);
+    }
+    let small = |t: &Tensor| !large(t);
+    for ((device, dtype), members) in groups(ts.iter().copied(), &devices, small) {
         if members.len() > 1 {
             let numel: usize = members.iter().map(|&e| ts[e].numel()).sum();
-            sizes.push((device, numel * dtype.size()));
+            sizes.push((device, numel * dtype.size(), numel * dtype.size()));
             members.iter().for_each(|&e| grouped[e] = true);
         }
     }
     for (e, t) in ts.iter().enumerate() {
         if !grouped[e] && devices.contains(&t.device()) {
-            sizes.push((t.device(), t.numel() * t.dtype().size()));
+            let bytes = t.numel() * t.dtype().size();
+            sizes.push((t.device(), bytes, bytes));
         }
     }
     let mut held = 0;
-    for (device, bytes) in sizes {
+    // (device, buffer length, tensor bytes it holds)
+    for (device, len, bytes) in sizes {
         let Device::Cuda(ordinal) = device else {
             continue;
         };
         let dev = CudaDevice::get(ordinal)?;
         // All at once, so each is a block of its own; dropped together into the cache. Where
         // memory runs out the save would copy no further either: the rest is read in place.
-        let Ok(buffer) = dev.alloc(bytes, dev.default_stream()) else {
+        let Ok(buffer) = dev.alloc(len, dev.default_stream()) else {
             break;
         };
         buffers.push(buffer);
@@ -94,9 +200,26 @@ pub fn reserve_device_copy(
             // Best effort: where the kernels cannot be had, the save reads the tensors in place
             // instead of copying them, as where memory runs out.
             let _ = ferry_tensor::compile_copy_kernels(ordinal);
+            // The copy stream too: a device's first stream beside its default one synchronizes
+            // the device as it is made.
+            copy_stream(&CudaDevice::get(ordinal)?)?;
         }
     }
     Ok(held)
+}
+
+/// The length of one buffer holding pieces of `lens` bytes, each starting on [`SIDE_ALIGN`],
+/// and each piece's start.
+fn side_len(lens: impl Iterator<Item = usize>) -> (usize, Vec<usize>) {
+    let mut end = 0usize;
+    let starts = lens
+        .map(|len| {
+            let at = end.next_multiple_of(SIDE_ALIGN);
+            end = at + len;
+            at
+        })
+        .collect();
+    (end, starts)
 }
 
 /// The devices whose tensors [`copy_on_devices`] copies under `policy`.
@@ -185,10 +308,11 @@ fn fits(bytes: usize, free: Free) -> bool {
 fn groups<'a>(
     tensors: impl Iterator<Item = &'a Tensor>,
     devices: &[Device],
+    wanted: impl Fn(&Tensor) -> bool,
 ) -> Vec<((Device, ferry_tensor::DType), Vec<usize>)> {
     let mut groups: Vec<((Device, ferry_tensor::DType), Vec<usize>)> = Vec::new();
     for (e, t) in tensors.enumerate() {
-        if !devices.contains(&t.device()) || !t.is_contiguous() || t.numel() == 0 {
+        if !devices.contains(&t.device()) || !t.is_contiguous() || t.numel() == 0 || !wanted(t) {
             continue;
         }
         let key = (t.device(), t.dtype());
@@ -203,7 +327,14 @@ fn groups<'a>(
 /// [`copy_on_devices`]' copies of the tensors on `devices`: by group where it can, then one by
 /// one.
 fn copy_grouped(job: &mut Job, devices: &[Device]) -> Result<usize, TensorError> {
-    let groups = groups(job.entries.iter().map(|entry| &entry.t), devices);
+    // Those not copied beside the training already.
+    let groups = groups(job.entries.iter().map(|entry| &entry.t), devices, |_| true)
+        .into_iter()
+        .map(|(key, members)| {
+            let left = members.into_iter().filter(|&e| !job.entries[e].released);
+            (key, left.collect::<Vec<_>>())
+        })
+        .collect::<Vec<_>>();
     let mut copied = 0;
     for (_, members) in groups.iter().filter(|(_, m)| m.len() > 1) {
         let flat = members

@@ -64,7 +64,8 @@ pub struct AsyncSaveReport {
     /// The most extra host memory held at once: the snapshot's pieces not yet written and the
     /// pinned ring, as the pools size them.
     pub peak_extra_host_bytes: usize,
-    /// Of that, pinned memory (the ring, and pieces in [`SnapshotMemory::Pinned`]).
+    /// Of that, pinned memory (the ring, and pieces of their own in [`SnapshotMemory::Pinned`]
+    /// and [`SnapshotMemory::Bounded`]).
     pub peak_pinned_bytes: usize,
     /// Where the snapshot landed: [`SnapshotMemory::Auto`] resolved to what it chose.
     pub memory: SnapshotMemory,
@@ -111,6 +112,10 @@ pub struct PendingSave {
     writer: Option<JoinHandle<Result<AsyncSaveReport, CheckpointError>>>,
     /// Whether every GPU tensor was copied on its GPU in the call.
     device_copied_all: bool,
+    /// The tensors copied on their device's copy stream, beside the work after the call.
+    side_copied: Vec<String>,
+    /// Per device: the event after those copies.
+    side_copies: Vec<(usize, Event)>,
 }
 
 impl std::fmt::Debug for PendingSave {
@@ -140,6 +145,28 @@ impl PendingSave {
     /// no room for some (those are read in place, as without it).
     pub fn device_copied_all(&self) -> bool {
         self.device_copied_all
+    }
+
+    /// The tensors (by name) the call copied on their device's copy stream, beside the work
+    /// queued after it rather than ahead of it: ferry's own writes to them wait for those
+    /// copies on the device by themselves; another runtime's writes (torch's) must be ordered
+    /// after them with [`PendingSave::order_writes_after`] before they are queued.
+    pub fn side_copied(&self) -> &[String] {
+        &self.side_copied
+    }
+
+    /// Makes each of `streams` wait, on the device, for the copies of
+    /// [`PendingSave::side_copied`] on its device: work queued there afterwards (another
+    /// runtime's optimizer step) may write those tensors. Never blocks the host.
+    pub fn order_writes_after(&self, streams: &[Stream]) -> Result<(), CheckpointError> {
+        for stream in streams {
+            for (ordinal, event) in &self.side_copies {
+                if stream.device() == Device::Cuda(*ordinal) {
+                    stream.wait_event(event).map_err(TensorError::from)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Whether the save has finished, well or not.
@@ -328,6 +355,7 @@ fn start(
         }
     };
     let counts: Vec<usize> = entries.iter().map(|e| e.pieces.len()).collect();
+    let layout_order = layout.order.clone();
 
     let (tx, rx) = mpsc::channel::<Chunk>();
     let mut job = Job {
@@ -340,26 +368,37 @@ fn start(
         device_copied: 0,
         retired: Vec::new(),
     };
+    let mut copied = device_copy::Copied::default();
     if options.device_copy != DeviceCopy::Off {
         match device_copy::copy_on_devices(&mut job, options.device_copy) {
-            Ok(copied) => job.device_copied = copied,
+            Ok(done) => copied = done,
             Err(e) => {
                 leave(&shared);
-                return Err(e.into());
+                return Err(e);
             }
         }
     }
+    job.device_copied = copied.bytes;
     // GPU tensors the snapshot reads in place (an empty tensor has nothing to copy or hold).
     let read_in_place = job
         .entries
         .iter()
         .any(|e| e.t.device().is_cuda() && !e.released && e.t.numel() > 0);
     let device_copied_all = options.device_copy != DeviceCopy::Off && !read_in_place;
+    let on_host = job.entries.iter().any(|e| !e.t.device().is_cuda());
     job.memory = match options.memory {
         SnapshotMemory::Auto if read_in_place => SnapshotMemory::Pinned,
+        // Nothing waits for the snapshot: it goes at the disk's pace, through pinned pieces
+        // the size of the staging, with no drain beside the training.
+        SnapshotMemory::Auto if job.device_copied > 0 && !on_host => {
+            SnapshotMemory::Bounded(options.staging_bytes)
+        }
         SnapshotMemory::Auto => SnapshotMemory::Pageable,
         chosen => chosen,
     };
+    if let SnapshotMemory::Bounded(bound) = job.memory {
+        shared.set_bound(Some(bound));
+    }
     let memory = job.memory;
     let snap_shared = Arc::clone(&shared);
     let snapshotter = std::thread::Builder::new()
@@ -431,6 +470,12 @@ fn start(
         shared,
         writer: Some(writer),
         device_copied_all,
+        side_copied: copied
+            .side_entries
+            .iter()
+            .map(|&e| tensors[layout_order[e]].0.clone())
+            .collect(),
+        side_copies: copied.side,
     })
 }
 
@@ -598,11 +643,7 @@ fn hash_pieces(
                 return Ok(crcs);
             };
             hasher.update(chunk.bytes.as_slice().map_err(TensorError::from)?);
-            if chunk.is_pinned() {
-                shared.release_pinned(chunk.held);
-            } else {
-                shared.release_host(chunk.held);
-            }
+            chunk.release(shared);
         }
         crcs.push(hasher.finalize());
     }

@@ -58,11 +58,15 @@ impl Default for LoadOptions {
 /// Where an asynchronous save's snapshot lands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SnapshotMemory {
-    /// [`SnapshotMemory::Pageable`] where the call copied every GPU tensor on its GPU
-    /// ([`AsyncSaveOptions::device_copy`]): nothing waits for the snapshot, which then takes
-    /// the memory it frees as the file is written. [`SnapshotMemory::Pinned`] where GPU
-    /// tensors are read in place (no room for the copies, or the copy off): writes to them
-    /// wait for their DMAs, which land at the link's rate only in pinned memory.
+    /// [`SnapshotMemory::Bounded`] to the staging's size where the call copied every tensor
+    /// of a save of GPU tensors on its GPU ([`AsyncSaveOptions::device_copy`]): nothing waits
+    /// for the snapshot, so it goes at the disk's pace, DMAed from the device copies into
+    /// pinned pieces that the writer writes as they are, with no drain beside the training
+    /// and little host memory (the device copies are held until the file has caught up).
+    /// [`SnapshotMemory::Pageable`] where host tensors are saved beside them.
+    /// [`SnapshotMemory::Pinned`] where GPU tensors are read in place (no room for the copies,
+    /// or the copy off): writes to them wait for their DMAs, which land at the link's rate
+    /// only in pinned memory.
     #[default]
     Auto,
     /// Pageable host memory: device pieces cross the pinned ring, drained by all cores but
@@ -72,7 +76,9 @@ pub enum SnapshotMemory {
     Pageable,
     /// At most this many bytes of snapshot in host memory at once (the pinned ring aside):
     /// the disk sets the pace, and writes to tensors not yet copied wait until the file has
-    /// caught up with them.
+    /// caught up with them. Device pieces are DMAed into pinned pieces of their own, which the
+    /// writer writes as they are (through the ring and a drain into pageable memory where the
+    /// pinned budget has no room).
     Bounded(usize),
     /// Straight into pinned memory, one buffer per piece, where the pinned budget has room
     /// (pieces that do not fit go through the ring into pageable memory): no drain, the

@@ -11,8 +11,6 @@ pub(super) struct Shared {
     pub called: Instant,
     state: Mutex<State>,
     changed: Condvar,
-    /// The most snapshot bytes held at once in the bounded mode.
-    bound: Option<usize>,
     /// Whether the file waits for `confirmed` (or `abandoned`) before its rename.
     pub needs_confirm: bool,
 }
@@ -30,6 +28,25 @@ pub(super) struct State {
     pub host_peak: usize,
     pub pinned: usize,
     pub pinned_peak: usize,
+    /// Pinned pieces of their own counted within the bound (`Bounded` mode's device pieces).
+    pub paced: usize,
+    /// The most snapshot bytes held at once in the bounded mode.
+    pub bound: Option<usize>,
+}
+
+impl State {
+    /// The snapshot bytes the bound counts: pageable pieces and pinned pieces of their own
+    /// held under it (the pinned ring aside).
+    fn bounded(&self) -> usize {
+        self.host - self.pinned + self.paced
+    }
+
+    /// Whether `bytes` more fit the bound beside what the writer has not written yet (one
+    /// piece always fits: pieces are a fraction of the bound).
+    fn fits(&self, bytes: usize) -> bool {
+        self.bound
+            .is_none_or(|bound| self.bounded() == 0 || self.bounded() + bytes <= bound)
+    }
 }
 
 impl Shared {
@@ -49,13 +66,7 @@ impl Shared {
     /// Counts `bytes` of pageable snapshot, first waiting (in the bounded mode) until they fit
     /// beside what the writer has not written yet.
     pub fn hold_host(&self, bytes: usize) {
-        let mut state = self.lock();
-        if let Some(bound) = self.bound {
-            // One piece always fits: pieces are a fraction of the bound.
-            while state.host - state.pinned > 0 && state.host - state.pinned + bytes > bound {
-                state = self.wait(state);
-            }
-        }
+        let mut state = self.wait_for_room(bytes);
         state.host += bytes;
         state.host_peak = state.host_peak.max(state.host);
     }
@@ -80,6 +91,44 @@ impl Shared {
             s.host -= bytes;
         });
     }
+
+    /// Whether `bytes` more of snapshot fit the bound now.
+    pub fn fits(&self, bytes: usize) -> bool {
+        self.lock().fits(bytes)
+    }
+
+    /// Waits until `bytes` more of snapshot fit the bound; returns the state, locked.
+    fn wait_for_room(&self, bytes: usize) -> MutexGuard<'_, State> {
+        let mut state = self.lock();
+        while !state.fits(bytes) {
+            state = self.wait(state);
+        }
+        state
+    }
+
+    /// Counts a pinned piece of its own held within the bound, first waiting until it fits.
+    pub fn hold_paced(&self, bytes: usize) {
+        let mut state = self.wait_for_room(bytes);
+        state.paced += bytes;
+        state.pinned += bytes;
+        state.host += bytes;
+        state.pinned_peak = state.pinned_peak.max(state.pinned);
+        state.host_peak = state.host_peak.max(state.host);
+    }
+
+    pub fn release_paced(&self, bytes: usize) {
+        self.update(|s| {
+            s.paced -= bytes;
+            s.pinned -= bytes;
+            s.host -= bytes;
+        });
+    }
+
+    /// Sets the bound on the snapshot bytes held at once (where the mode is decided after the
+    /// save began: `Auto`).
+    pub fn set_bound(&self, bound: Option<usize>) {
+        self.update(|s| s.bound = bound);
+    }
 }
 
 impl Shared {
@@ -89,9 +138,11 @@ impl Shared {
         Self {
             path,
             called,
-            state: Mutex::default(),
+            state: Mutex::new(State {
+                bound,
+                ..State::default()
+            }),
             changed: Condvar::new(),
-            bound,
             needs_confirm,
         }
     }

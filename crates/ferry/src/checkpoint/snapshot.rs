@@ -6,12 +6,14 @@
 //! tensor's copy alone. Device pieces go through a ring of pinned slots on a copy stream that
 //! waits for the work queued before the call; each slot, once its DMA is done, is drained
 //! into pageable memory by all cores but two (or the piece is DMAed straight into a pinned
-//! buffer of its own, [`SnapshotMemory::Pinned`]). Host tensors are copied by all cores but two.
-//! Pieces go to the writer thread in file order.
+//! buffer of its own: [`SnapshotMemory::Pinned`] within the pinned budget,
+//! [`SnapshotMemory::Bounded`] within its bound, at the disk's pace, with no drain). Host
+//! tensors are copied by all cores but two. Pieces go to the writer thread in file order.
 
 use std::collections::{HashSet, VecDeque};
-use std::sync::OnceLock;
+use std::ops::Range;
 use std::sync::mpsc::Sender;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use ferry_memory::cuda::{CudaDevice, DeviceBuffer, Event, PinnedBatch, PinnedBuffer, PinnedPool};
@@ -60,6 +62,8 @@ pub(super) struct Held {
 pub(super) enum Bytes {
     Host(HostBuffer),
     Pinned(PinnedBuffer),
+    /// Bytes of a pinned block that the pieces packed into it share.
+    Shared(Arc<PinnedBuffer>, Range<usize>),
 }
 
 impl Bytes {
@@ -67,6 +71,7 @@ impl Bytes {
         match self {
             Bytes::Host(b) => Ok(b.as_bytes()),
             Bytes::Pinned(b) => b.as_bytes(),
+            Bytes::Shared(b, range) => Ok(&b.as_bytes()?[range.clone()]),
         }
     }
 }
@@ -79,9 +84,13 @@ pub(super) struct Chunk {
 }
 
 impl Chunk {
-    /// Whether its bytes are pinned memory (counted as such).
-    pub fn is_pinned(&self) -> bool {
-        matches!(self.bytes, Bytes::Pinned(_))
+    /// Gives its memory back to the save's count, once written.
+    pub fn release(&self, shared: &Shared) {
+        match self.bytes {
+            Bytes::Shared(..) => shared.release_paced(self.held),
+            Bytes::Pinned(_) => shared.release_pinned(self.held),
+            Bytes::Host(_) => shared.release_host(self.held),
+        }
     }
 }
 
@@ -89,6 +98,9 @@ impl Chunk {
 enum Dest {
     Slot(usize),
     Own(PinnedBuffer),
+    /// A pinned block the size of a slot, its pieces packed, written from where they landed
+    /// ([`SnapshotMemory::Bounded`]).
+    Paced(PinnedBuffer),
 }
 
 /// DMAs queued into one destination: a piece into a pinned buffer of its own, or pieces
@@ -265,6 +277,37 @@ impl Snapshot {
             None => job.ready.iter().position(|(o, _)| *o == ordinal),
             Some(_) => None,
         };
+        if matches!(job.memory, SnapshotMemory::Bounded(_))
+            && let Some(at) = self.paced_room(job, len, shared, tx)?
+        {
+            let flight = self.flight.back_mut().expect("paced_room opened a flight");
+            let Dest::Paced(block) = &mut flight.dest else {
+                unreachable!("paced_room packs into a paced block")
+            };
+            let mut batch = block.batch(&stream).map_err(TensorError::from)?;
+            let guard = source.storage().read();
+            let ready = ready.map(|i| &job.ready[i].1);
+            download(
+                &mut batch,
+                cuda_buffer(&guard, &source)?,
+                start,
+                at,
+                len,
+                ready,
+                &dev,
+            )?;
+            batch.finish().map_err(TensorError::from)?;
+            drop(guard);
+            flight.used = at + len;
+            flight.parts.push(Part {
+                entry: e,
+                last,
+                at,
+                len,
+                _scratch: scratch,
+            });
+            return Ok(());
+        }
         if job.memory == SnapshotMemory::Pinned {
             match PinnedPool::global()
                 .map_err(TensorError::from)?
@@ -366,12 +409,81 @@ impl Snapshot {
         Ok(())
     }
 
+    /// Where a device piece of `len` bytes lands in the bounded mode: packed after the pieces of
+    /// the last pinned block when it has room, else at the start of a new one the size of a
+    /// ring slot (so the pinned pool serves every save from the same few blocks), taken once it
+    /// fits the bound: the DMAs queued so far go to the writer until it does. `None` where the
+    /// pinned budget has no room for a block (the piece then goes through the ring).
+    fn paced_room(
+        &mut self,
+        job: &mut Job,
+        len: usize,
+        shared: &Shared,
+        tx: &Sender<Chunk>,
+    ) -> Result<Option<usize>, Stop> {
+        let block_len = slot_len(job);
+        if let Some(Flight {
+            dest: Dest::Paced(_),
+            used,
+            ..
+        }) = self.flight.back()
+        {
+            let at = used.next_multiple_of(PACK_ALIGN);
+            if at + len <= block_len {
+                return Ok(Some(at));
+            }
+        }
+        let needs = PinnedPool::block_size(block_len);
+        while !shared.fits(needs) && !self.flight.is_empty() {
+            self.retire(job, shared, tx)?;
+        }
+        match PinnedPool::global()
+            .map_err(TensorError::from)?
+            .alloc_exact(block_len)
+        {
+            Ok(block) => {
+                // Waits until the writer has made room, where the flights were all retired.
+                shared.hold_paced(block.block_size());
+                self.flight.push_back(Flight {
+                    dest: Dest::Paced(block),
+                    parts: Vec::new(),
+                    used: 0,
+                });
+                Ok(Some(0))
+            }
+            Err(MemoryError::PinnedBudgetExceeded { .. }) => Ok(None),
+            Err(other) => Err(TensorError::from(other).into()),
+        }
+    }
+
     /// Waits for the oldest flight's DMAs, releases each tensor whose last piece it carried,
     /// and sends its pieces on (drained into pageable memory when they sit in a ring slot).
     fn retire(&mut self, job: &mut Job, shared: &Shared, tx: &Sender<Chunk>) -> Result<(), Stop> {
         let flight = self.flight.pop_front().expect("a DMA is in flight");
         self.done.device_bytes += flight.parts.iter().map(|p| p.len).sum::<usize>();
         match flight.dest {
+            Dest::Paced(block) => {
+                let started = Instant::now();
+                block.wait().map_err(TensorError::from)?;
+                self.done.dma_wait += started.elapsed();
+                let held = block.block_size();
+                let block = Arc::new(block);
+                let count = flight.parts.len();
+                for (k, part) in flight.parts.iter().enumerate() {
+                    if part.last {
+                        release(job, part.entry);
+                    }
+                    // The writer writes from the block itself; its memory counts against the
+                    // bound until its last piece (written after the others) is written.
+                    let range = part.at..part.at + part.len;
+                    let chunk = Chunk {
+                        bytes: Bytes::Shared(Arc::clone(&block), range),
+                        held: if k + 1 == count { held } else { 0 },
+                    };
+                    send(tx, chunk)?;
+                }
+                Ok(())
+            }
             Dest::Own(own) => {
                 let started = Instant::now();
                 own.wait().map_err(TensorError::from)?;
