@@ -183,7 +183,8 @@ class PendingSave:
                     f"tensor {name!r} was written in place after save_async and before "
                     f"{before} (torch version {version} -> {t._version}), so the file could mix "
                     "two moments; the previous file is kept. Write saved tensors only after "
-                    "the next optimizer.step() or pending.wait_snapshot()"
+                    "the next optimizer.step(), pending.order_writes() (tensors copied on "
+                    "their GPU) or pending.wait_snapshot()"
                 )
                 return True
         return False

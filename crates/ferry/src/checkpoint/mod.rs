@@ -58,7 +58,7 @@ mod snapshot;
 mod stage;
 mod write;
 
-pub use device_copy::reserve_device_copy;
+pub use device_copy::{SIDE_COPY_MIN_BYTES, reserve_device_copy};
 pub use error::{CheckpointError, Mismatch};
 pub use format::CHECKSUM_KEY;
 pub use pending::{AsyncSaveReport, PendingSave, SnapshotWaiter, save_async};
